@@ -1,0 +1,37 @@
+"""polytrain: one Trainer, many parallelisms.
+
+Heavy imports (torch, the strategies, the callbacks) happen on first attribute access so that
+``import polytrain`` stays cheap for the CLI and for worker start-up.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Trainer": "polytrain.trainer.trainer",
+    "TrainModule": "polytrain.trainer.module",
+    "Callback": "polytrain.callbacks.base",
+    "seed_everything": "polytrain.trainer.seed",
+    "load_config": "polytrain.trainer.config",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+if TYPE_CHECKING:
+    from polytrain.callbacks.base import Callback
+    from polytrain.trainer.config import load_config
+    from polytrain.trainer.module import TrainModule
+    from polytrain.trainer.seed import seed_everything
+    from polytrain.trainer.trainer import Trainer
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'polytrain' has no attribute '{name}'")

@@ -1,0 +1,25 @@
+"""Callbacks: progress bar, loggers, checkpointing, early stopping, monitors."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Callback": "polytrain.callbacks.base",
+    "ProgressBar": "polytrain.callbacks.progress",
+    "TensorBoardLogger": "polytrain.callbacks.loggers",
+    "CSVLogger": "polytrain.callbacks.loggers",
+    "Logger": "polytrain.callbacks.loggers",
+    "ModelCheckpoint": "polytrain.callbacks.checkpoint",
+    "EarlyStopping": "polytrain.callbacks.early_stopping",
+    "LearningRateMonitor": "polytrain.callbacks.monitors",
+    "ThroughputMonitor": "polytrain.callbacks.monitors",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'polytrain.callbacks' has no attribute '{name}'")

@@ -1,0 +1,161 @@
+"""``ModelCheckpoint``: periodic, top-k and ``last`` checkpoints, saved by every rank together."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from typing import Any
+
+from polytrain.callbacks.base import Callback
+from polytrain.trainer.checkpoint import build_payload, checkpoint_dir, write_latest_pointer
+
+log = logging.getLogger("polytrain")
+
+
+class ModelCheckpoint(Callback):
+    """Save every ``every_n_train_steps`` optimizer steps and/or every ``every_n_epochs`` epochs.
+
+    With ``monitor``, keep the ``save_top_k`` best by that (rank-reduced) metric; without it,
+    keep the ``save_top_k`` newest (-1 keeps all). The newest checkpoint is never deleted, and the
+    ``latest`` pointer (and ``last.ckpt`` for single-file checkpoints) names it for
+    ``resume: last``. Every decision is taken identically on every rank, and agreed on before
+    anyone acts, so the collective inside ``save_checkpoint`` is always matched.
+    """
+
+    def __init__(self, dirpath: str | None = None, filename: str = "epoch={epoch}-step={step}",
+                 monitor: str | None = None, mode: str = "min", save_top_k: int = 1, save_last: bool = True,
+                 every_n_train_steps: int | None = None, every_n_epochs: int | None = 1,
+                 save_on_fit_end: bool = True) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"ModelCheckpoint mode={mode!r}; valid: min, max")
+        if save_top_k < -1:
+            raise ValueError(f"ModelCheckpoint save_top_k={save_top_k}; use -1 (all), 0 (only last) or k > 0")
+        self.dirpath = dirpath
+        self.filename = filename
+        self.monitor = monitor
+        self.mode = mode
+        self.save_top_k = save_top_k
+        self.save_last = save_last
+        self.every_n_train_steps = every_n_train_steps
+        self.every_n_epochs = every_n_epochs
+        self.save_on_fit_end = save_on_fit_end
+        self.kept: list[tuple[float, str]] = []  # (score or -step, path), best first
+        self.best_model_path: str | None = None
+        self.best_model_score: float | None = None
+        self.last_model_path: str | None = None
+        self._last_saved_step = -1
+
+    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+        if self.dirpath is None:
+            self.dirpath = checkpoint_dir(trainer.run_dir)
+
+    # ------------------------------------------------------------------ triggers
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        n = self.every_n_train_steps
+        if n and trainer.global_step % n == 0 and trainer.global_step != self._last_saved_step:
+            self._save(trainer, epoch_done=False)
+
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        n = self.every_n_epochs
+        if n and getattr(trainer, "epoch_complete", True) and (trainer.current_epoch + 1) % n == 0:
+            self._save(trainer, epoch_done=True)
+
+    def on_fit_end(self, trainer: Any, module: Any) -> None:
+        if self.save_on_fit_end and trainer.global_step != self._last_saved_step:
+            # e.g. max_steps stopped mid-epoch: make `resume: last` continue from exactly here.
+            self._save(trainer, epoch_done=bool(getattr(trainer, "epoch_complete", False))
+                       and trainer.batch_in_epoch == 0)
+
+    # ------------------------------------------------------------------ saving
+    def _format_name(self, trainer: Any) -> str:
+        fields = {"epoch": trainer.current_epoch, "step": trainer.global_step}
+        fields.update({k.replace("/", "_"): float(v) for k, v in trainer.callback_metrics.items()})
+        try:
+            name = self.filename.format(**fields)
+        except (KeyError, ValueError) as err:
+            raise ValueError(f"ModelCheckpoint filename {self.filename!r} cannot be formatted: {err}; "
+                             f"available: {', '.join(sorted(fields))}") from None
+        return name
+
+    def _score(self, trainer: Any) -> float | None:
+        if self.monitor is None:
+            return None
+        if self.monitor not in trainer.callback_metrics:
+            raise KeyError(f"ModelCheckpoint monitors '{self.monitor}' but it was not logged; logged: "
+                           f"{', '.join(sorted(trainer.callback_metrics)) or '(nothing)'}")
+        return float(trainer.callback_metrics[self.monitor])
+
+    def _is_better(self, score: float, worst: float) -> bool:
+        return score < worst if self.mode == "min" else score > worst
+
+    def _save(self, trainer: Any, epoch_done: bool) -> None:
+        trainer.guard.check()  # never write a checkpoint that already holds a NaN
+        score = self._score(trainer)
+        keep = self.save_top_k != 0 and (
+            self.save_top_k == -1 or len(self.kept) < self.save_top_k or self.monitor is None
+            or self._is_better(score, self.kept[-1][0])
+        )
+        # Every rank computed the same answer from the same reduced metrics; agree anyway.
+        keep = trainer.strategy.reduce_boolean_decision(keep)
+        if not keep and not self.save_last:
+            return
+        ext = "" if not trainer.strategy.replicated else ".ckpt"
+        path = os.path.join(self.dirpath, self._format_name(trainer) + ext) if keep else \
+            os.path.join(self.dirpath, "last" + ext)
+        trainer.strategy.save_checkpoint(build_payload(trainer, epoch_done), path)
+        self._last_saved_step = trainer.global_step
+        self.last_model_path = path
+        if trainer.strategy.is_global_zero:
+            self._after_save(trainer, path, score, keep)
+        trainer.strategy.barrier("checkpoint-retention")
+
+    def _after_save(self, trainer: Any, path: str, score: float | None, keep: bool) -> None:
+        """Rank 0 only: bookkeeping on disk. No collectives in here."""
+        write_latest_pointer(self.dirpath, path)
+        if self.save_last and trainer.strategy.replicated and os.path.basename(path) != "last.ckpt":
+            last = os.path.join(self.dirpath, "last.ckpt")
+            tmp = last + ".tmp"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            os.link(path, tmp)  # no second write: a hard link to the file just saved
+            os.replace(tmp, last)
+        if not keep:
+            return
+        key = score if score is not None else -float(trainer.global_step)
+        if self.monitor is not None and self.mode == "max":
+            key = -score
+        self.kept = [(k, p) for k, p in self.kept if p != path] + [(key, path)]
+        self.kept.sort(key=lambda kp: kp[0])
+        if self.monitor is not None:
+            self.best_model_path, best = self.kept[0][1], self.kept[0][0]
+            self.best_model_score = -best if self.mode == "max" else best
+        if self.save_top_k > 0:
+            for _, old in self.kept[self.save_top_k:]:
+                if old != path:  # the newest checkpoint always survives
+                    _remove(old)
+            self.kept = [kp for kp in self.kept[: self.save_top_k]] + [kp for kp in self.kept[self.save_top_k:]
+                                                                         if kp[1] == path]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kept": [[k, p] for k, p in self.kept], "best_model_path": self.best_model_path,
+                "best_model_score": self.best_model_score, "last_model_path": self.last_model_path}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.kept = [(float(k), p) for k, p in state.get("kept", [])]
+        self.best_model_path = state.get("best_model_path")
+        self.best_model_score = state.get("best_model_score")
+        self.last_model_path = state.get("last_model_path")
+
+
+def _remove(path: str) -> None:
+    try:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        log.warning("could not delete old checkpoint %s: %s", path, err)

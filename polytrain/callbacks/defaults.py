@@ -1,0 +1,58 @@
+"""The callback list a Trainer starts with: the user's, then defaults the config enables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polytrain.callbacks.base import Callback
+from polytrain.trainer.config import ConfigError, TrainerConfig, instantiate
+
+_LOGGER_NAMES = ("tensorboard", "csv")
+
+
+def _loggers(spec: Any, run_dir: str) -> list[Callback]:
+    from polytrain.callbacks.loggers import CSVLogger, TensorBoardLogger
+
+    if spec is False or spec is None:
+        return []
+    if spec is True:
+        spec = ["tensorboard", "csv"]
+    names = [spec] if isinstance(spec, str) else list(spec)
+    out: list[Callback] = []
+    for name in names:
+        if name == "tensorboard":
+            out.append(TensorBoardLogger(run_dir))
+        elif name == "csv":
+            out.append(CSVLogger(run_dir))
+        else:
+            raise ConfigError(f"trainer.logger has unknown logger '{name}'; valid: {', '.join(_LOGGER_NAMES)}, "
+                              f"true, false")
+    return out
+
+
+def build_callbacks(cfg: TrainerConfig, objects: list[Callback], logger_objects: Any) -> list[Callback]:
+    from polytrain.callbacks.checkpoint import ModelCheckpoint
+    from polytrain.callbacks.progress import ProgressBar
+
+    callbacks: list[Callback] = []
+    for cb in objects:
+        cb._user_given = True
+        callbacks.append(cb)
+    for i, spec in enumerate(cfg.callbacks):
+        if not isinstance(spec, dict):
+            raise ConfigError(f"trainer.callbacks[{i}] must be a mapping with _target_, got {spec!r}")
+        cb = instantiate(spec, f"trainer.callbacks[{i}]")
+        if not isinstance(cb, Callback):
+            raise ConfigError(f"trainer.callbacks[{i}]: {spec['_target_']} is not a polytrain Callback")
+        callbacks.append(cb)
+    if logger_objects is not None:
+        callbacks.extend(logger_objects if isinstance(logger_objects, (list, tuple)) else [logger_objects])
+    else:
+        callbacks.extend(_loggers(cfg.logger, cfg.run_dir))
+    if cfg.enable_progress_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(ProgressBar())
+    if cfg.enable_checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        callbacks.append(ModelCheckpoint())
+    # Checkpointing runs last so a saved state includes what the other callbacks updated this step.
+    callbacks.sort(key=lambda c: isinstance(c, ModelCheckpoint))
+    return callbacks

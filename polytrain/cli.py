@@ -1,0 +1,117 @@
+"""``polytrain fit|validate|test|predict --config cfg.yaml key=value ...`` and ``polytrain checkpoint``.
+
+The config is loaded and validated in the launching process, before any worker or process group
+starts, so a typo costs a second, not a cluster allocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+STAGES = ("fit", "validate", "test", "predict")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="polytrain", description="One Trainer, many parallelisms.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for stage in STAGES:
+        p = sub.add_parser(stage, help=f"{stage} a TrainModule described by a YAML config")
+        p.add_argument("--config", "-c", required=True, help="YAML file with module:, data: and trainer:")
+        p.add_argument("--ckpt", default=None, help="checkpoint: a path, 'last' or 'auto'")
+        p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_epochs=3")
+    ck = sub.add_parser("checkpoint", help="checkpoint utilities")
+    ck_sub = ck.add_subparsers(dest="action", required=True)
+    cons = ck_sub.add_parser("consolidate", help="write a checkpoint's model weights as one plain state_dict file")
+    cons.add_argument("source", help="a checkpoint file or sharded checkpoint directory")
+    cons.add_argument("output", help="where to write the state_dict (torch.save format)")
+    return parser
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[polytrain rank {rank}] %(levelname)s %(message)s", force=True)
+
+
+def run_worker(config: dict[str, Any], command: str, ckpt: str | None) -> Any:
+    """What each worker process runs: build the module and the trainer, then call the stage."""
+    from polytrain.trainer.config import instantiate
+    from polytrain.trainer.seed import seed_everything
+    from polytrain.trainer.trainer import Trainer
+
+    _setup_logging(int(os.environ.get("RANK", "0")))
+    config_dir = config.get("config_dir")
+    # Same seed on every rank while the module is built: replicas must start identical.
+    seed_everything(config["trainer"]["seed"])
+    module = instantiate(config["module"], "module", config_dir)
+    datamodule = instantiate(config["data"], "data", config_dir) if config.get("data") else None
+    trainer = Trainer.from_config(config)
+    try:
+        if command == "fit":
+            result = trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+        else:
+            result = getattr(trainer, command)(module, datamodule=datamodule, ckpt_path=ckpt)
+        if trainer.is_logging_rank and command != "predict":
+            _print_metrics(trainer, command)
+        return result
+    finally:
+        if trainer.strategy is not None:
+            trainer.strategy.teardown()
+
+
+def _print_metrics(trainer: Any, command: str) -> None:
+    prefixes = {"fit": ("val", "train"), "validate": ("val",), "test": ("test",)}[command]
+    shown = {k: float(v) for k, v in trainer.callback_metrics.items() if k.split("/")[0] in prefixes}
+    if shown:
+        label = "final metrics" if command == "fit" else f"{command} metrics"
+        print(f"{label}: " + "  ".join(f"{k}={v:.4f}" for k, v in sorted(shown.items())), flush=True)
+
+
+def _elastic_entry(config: dict[str, Any], command: str, ckpt: str | None) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    # @record writes this worker's traceback where the agent finds it, so the failure summary
+    # names the rank and shows the real error.
+    record(run_worker)(config, command, ckpt)
+
+
+def _consolidate(source: str, output: str) -> int:
+    from polytrain.trainer.consolidate import consolidate
+
+    consolidate(source, output)
+    print(f"wrote {output}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from polytrain.trainer.config import ConfigError, TrainerConfig, load_config
+
+    if args.command == "checkpoint":
+        return _consolidate(args.source, args.output)
+    try:
+        config = load_config(args.config, args.overrides)
+        from polytrain.strategies.launcher import launch_elastic, launch_spawn, plan_launch
+
+        trainer_cfg = TrainerConfig(**config["trainer"])
+        plan = plan_launch(trainer_cfg)
+    except ConfigError as err:
+        print(f"polytrain: config error: {err}", file=sys.stderr)
+        return 2
+    if plan.method == "here":
+        run_worker(config, args.command, args.ckpt)
+        return 0
+    if plan.method in ("spawn", "fork"):
+        launch_spawn(plan, run_worker, (config, args.command, args.ckpt))
+        return 0
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        launch_elastic(plan, _elastic_entry, (config, args.command, args.ckpt), trainer_cfg.max_restarts)
+    except ChildFailedError as err:
+        print(err.format_msg(), file=sys.stderr)
+        return 1
+    return 0

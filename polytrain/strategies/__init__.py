@@ -1,0 +1,1 @@
+"""Strategies: one small class per parallelism, plus launch and cluster-environment code."""

@@ -1,0 +1,248 @@
+"""The verb set every strategy answers. The Trainer talks to strategies only through these.
+
+Concrete strategies subclass ``Strategy`` directly, never each other; pieces two strategies
+share are plain functions (``collectives``, ``process_group``, ``checkpoint_io``, ``polytrain.trainer.data``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from polytrain.strategies import collectives as C
+from polytrain.strategies.environment import ClusterEnvironment
+from polytrain.trainer.precision import Precision
+
+
+@dataclass
+class StepResult:
+    """What one micro-batch's forward/backward produced: the detached loss and the user's output."""
+
+    loss: torch.Tensor | None
+    output: Any
+
+
+class StepRouter(nn.Module):
+    """Lets a wrapper (DDP, DataParallel) call ``training_step`` as its forward.
+
+    DDP only sees gradients of the forward it ran, so the user's step must go through the
+    wrapper's ``forward``; this module routes ``forward(name, *args)`` to ``module.<name>(*args)``.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.module, method)(*args, **kwargs)
+
+
+class Strategy(ABC):
+    name: ClassVar[str]
+    Options: ClassVar[type]
+
+    def __init__(self, options: Any, *, accelerator: str, devices: int, num_nodes: int,
+                 precision: str, timeout: float, env: ClusterEnvironment) -> None:
+        self.options = options
+        self.accelerator = accelerator
+        self.devices = devices
+        self.num_nodes = num_nodes
+        self.precision_name = precision
+        self.timeout = timeout
+        self.env = env
+        self.precision: Precision | None = None
+        self.module: nn.Module | None = None  # the user's TrainModule, unwrapped
+        self.model: nn.Module | None = None  # what forward runs through (maybe wrapped)
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._device = torch.device("cpu")
+
+    @classmethod
+    def processes_per_node(cls, devices: int) -> int:
+        """How many worker processes ``devices`` means on one node (dp: one process, many GPUs)."""
+        return devices
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def global_rank(self) -> int:
+        return self.env.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.global_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The rank whose loggers write; a pipeline's last stage overrides this."""
+        return self.is_global_zero
+
+    @property
+    def root_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dp_group(self) -> Any:
+        return None  # None means the world group
+
+    @property
+    def replicated(self) -> bool:
+        """True when every rank holds the whole model (checkpoints come from rank 0 alone)."""
+        return True
+
+    # ------------------------------------------------------------------ setup
+    @abstractmethod
+    def setup_environment(self) -> None: ...
+
+    @abstractmethod
+    def setup_module(self, module: nn.Module) -> nn.Module: ...
+
+    def model_init_context(self) -> contextlib.AbstractContextManager:
+        """Context under which ``configure_model`` builds layers (sharded strategies use meta)."""
+        return contextlib.nullcontext()
+
+    def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+        self.optimizers = list(optimizers)
+        return self.optimizers
+
+    def process_dataloader(self, loader: DataLoader, stage: str, seed: int, use_sampler: bool) -> DataLoader:
+        from polytrain.trainer.data import distribute_dataloader
+
+        return distribute_dataloader(loader, self.dp_size, self.dp_rank, seed, stage, use_sampler)
+
+    def batch_to_device(self, batch: Any) -> Any:
+        from polytrain.trainer.data import move_to_device
+
+        batch = move_to_device(batch, self.root_device)
+        return self.precision.convert_input(batch) if self.precision else batch
+
+    # ------------------------------------------------------------------ step
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        with self.precision.forward_context():
+            # `self.model` is a StepRouter, possibly wrapped (DDP, DataParallel): see StepRouter.
+            return self.model("training_step", batch, batch_idx)
+
+    def eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
+        # Evaluation runs on the unwrapped module: no gradient hooks, no buffer broadcasts, so a
+        # rank with fewer evaluation batches cannot leave the others waiting in a collective.
+        with self.precision.forward_context():
+            return getattr(self.module, f"{stage}_step")(batch, batch_idx)
+
+    def forward_backward(self, batch: Any, batch_idx: int, loss_scale: float) -> StepResult:
+        """One micro-batch: forward, hooks, backward. Pipeline overrides this to own the step."""
+        from polytrain.trainer.module import extract_loss
+
+        output = self.training_step(batch, batch_idx)
+        loss = extract_loss(output)
+        if loss is None:
+            return StepResult(None, output)  # the user chose to skip this batch
+        self.module.on_before_backward(loss)
+        self.backward(loss * loss_scale if loss_scale != 1.0 else loss)
+        self.module.on_after_backward()
+        return StepResult(loss.detach(), output)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.precision.scale_loss(loss).backward()
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> torch.Tensor | None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, value)
+            return None
+        return torch.nn.utils.clip_grad_norm_(params, value)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, clip_val: float | None, clip_algorithm: str) -> None:
+        self.precision.unscale_gradients(optimizer)
+        if clip_val is not None:
+            self.clip_gradients(optimizer, clip_val, clip_algorithm)
+        self.module.on_before_optimizer_step(optimizer)
+        self.precision.optimizer_step(optimizer)
+
+    def no_backward_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Skip the gradient all-reduce on non-final micro-batches of an accumulation window."""
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ collectives
+    def reduce(self, tensor: torch.Tensor, op: str = "mean", dst: int | None = None, group: Any = None) -> torch.Tensor:
+        """``dst=None``: every rank gets the reduced value (a copy). ``dst=r``: ``dist.reduce`` to rank r."""
+        tensor = tensor.detach().clone()
+        if dst is None:
+            return C.all_reduce(tensor, op, group)
+        return C.reduce(tensor, dst, op, group)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
+        return C.all_reduce(tensor, op, group)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+        return C.all_gather(tensor, group)
+
+    def all_gather_object(self, obj: Any, group: Any = None) -> list[Any]:
+        return C.all_gather_object(obj, group)
+
+    def broadcast(self, obj: Any, src: int = 0, group: Any = None) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return C.broadcast(obj, src, group)
+        return C.broadcast_object(obj, src, group)
+
+    def gather(self, tensor: torch.Tensor, dst: int = 0, group: Any = None) -> list[torch.Tensor] | None:
+        return C.gather(tensor, dst, group)
+
+    def scatter(self, tensor: torch.Tensor, chunks: list[torch.Tensor] | None, src: int = 0,
+                group: Any = None) -> torch.Tensor:
+        return C.scatter(tensor, chunks, src, group)
+
+    def send(self, tensor: torch.Tensor, dst: int, group: Any = None) -> None:
+        C.send(tensor, dst, group)
+
+    def recv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None) -> int:
+        return C.recv(tensor, src, group)
+
+    def barrier(self, name: str | None = None) -> None:
+        C.barrier()
+
+    def reduce_boolean_decision(self, decision: bool) -> bool:
+        """True on every rank if any rank decided so."""
+        return C.any_rank(decision, self.collective_device)
+
+    @property
+    def collective_device(self) -> torch.device:
+        return self.root_device
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, payload: dict[str, Any], path: str) -> None:
+        from polytrain.strategies.checkpoint_io import save_replicated
+
+        save_replicated(self, payload, path)
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        from polytrain.strategies.checkpoint_io import load_replicated
+
+        return load_replicated(self, path)
+
+    def module_state_dict(self) -> dict[str, Any]:
+        return self.module.state_dict()
+
+    def teardown(self) -> None:
+        from polytrain.strategies.process_group import destroy_process_group
+
+        destroy_process_group()

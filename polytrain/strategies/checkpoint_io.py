@@ -1,0 +1,90 @@
+"""Checkpoint files for replicated strategies: rank 0 writes one file atomically, every rank reads.
+
+A write failure on rank 0 (full disk, read-only directory) is agreed on by all ranks, so each
+one raises the same clear error instead of some waiting at a barrier forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Any
+
+import torch
+
+from polytrain.strategies import collectives as C
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def atomic_save(obj: Any, path: str) -> None:
+    """Write to a temporary file in the same directory, fsync, then rename over ``path``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".ckpt", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def agree_on_error(strategy: Any, error: str | None) -> None:
+    """Every rank raises if any rank failed; the first failing rank's message is shown by all."""
+    failed = C.any_rank(error is not None, strategy.collective_device)
+    if failed:
+        messages = C.all_gather_object(error)
+        first = next((i, m) for i, m in enumerate(messages) if m is not None)
+        raise CheckpointError(f"checkpoint failed on rank {first[0]}: {first[1]}")
+
+
+def save_replicated(strategy: Any, payload: dict[str, Any], path: str) -> None:
+    payload = dict(payload)
+    payload["model"] = strategy.module_state_dict()
+    payload["optimizers"] = [opt.state_dict() for opt in strategy.optimizers]
+    error = None
+    if strategy.is_global_zero:
+        try:
+            atomic_save(payload, path)
+        except OSError as err:
+            error = (f"cannot write {path}: {err.strerror or err}. Point trainer.run_dir at a writable "
+                     f"directory with free space")
+    agree_on_error(strategy, error)
+
+
+def strip_wrapper_prefix(state: dict[str, Any]) -> dict[str, Any]:
+    """Accept weights saved from a DDP/DataParallel wrapper (``module.`` keys) by a plain loop."""
+    if state and all(k.startswith("module.") for k in state):
+        return {k[len("module."):]: v for k, v in state.items()}
+    return state
+
+
+def read_checkpoint(path: str) -> dict[str, Any]:
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} does not exist") from None
+    except Exception as err:  # an unpickling refusal or a torn file
+        raise CheckpointError(f"checkpoint {path} cannot be loaded safely: {err}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"checkpoint {path} holds a {type(data).__name__}, not a state dict")
+    if "polytrain" not in data:
+        # A bare state_dict written by a plain PyTorch loop: weights only, no loop state.
+        data = {"model": strip_wrapper_prefix(data)}
+    return data
+
+
+def load_replicated(strategy: Any, path: str) -> dict[str, Any]:
+    payload = read_checkpoint(path)
+    strategy.module.load_state_dict(strip_wrapper_prefix(payload["model"]))
+    for optimizer, state in zip(strategy.optimizers, payload.get("optimizers", [])):
+        optimizer.load_state_dict(state)
+    return payload

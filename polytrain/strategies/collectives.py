@@ -1,0 +1,124 @@
+"""Collectives as plain functions over an optional process group.
+
+Every function is a no-op (or the identity) when no process group is initialised, so the same
+code runs on one process. Every rank in ``group`` must call the same function in the same order:
+these are never to be called from a rank-dependent branch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,  # gloo has no AVG: sum, then divide
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+
+def active(group: Any = None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _op(name: str) -> dist.ReduceOp:
+    try:
+        return _OPS[name]
+    except KeyError:
+        raise ValueError(f"unknown reduce op '{name}'; valid: {', '.join(_OPS)}") from None
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
+    """In place, like ``torch.distributed.all_reduce``; also returns the tensor."""
+    if active(group):
+        dist.all_reduce(tensor, op=_op(op), group=group)
+        if op == "mean":
+            tensor.div_(dist.get_world_size(group))
+    return tensor
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group: Any = None) -> torch.Tensor:
+    """In place; only rank ``dst`` holds the result afterwards (global rank numbering)."""
+    if active(group):
+        dist.reduce(tensor, dst=dst, op=_op(op), group=group)
+        if op == "mean" and dist.get_rank() == dst:
+            tensor.div_(dist.get_world_size(group))
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None) -> torch.Tensor:
+    if active(group):
+        dist.broadcast(tensor, src=src, group=group)
+    return tensor
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    if not active(group):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Stacks every rank's tensor (same shape on every rank) along a new first dimension."""
+    if not active(group):
+        return tensor.unsqueeze(0)
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return torch.stack(out)
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    if not active(group):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather(tensor: torch.Tensor, dst: int = 0, group: Any = None) -> list[torch.Tensor] | None:
+    """Rank ``dst`` receives the list of every rank's tensor; the others get ``None``."""
+    if not active(group):
+        return [tensor]
+    is_dst = dist.get_rank() == dst
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))] if is_dst else None
+    dist.gather(tensor.contiguous(), gather_list=out, dst=dst, group=group)
+    return out
+
+
+def scatter(tensor: torch.Tensor, chunks: list[torch.Tensor] | None, src: int = 0, group: Any = None) -> torch.Tensor:
+    """Rank ``src`` passes one chunk per rank; every rank receives its chunk into ``tensor``."""
+    if not active(group):
+        if chunks:
+            tensor.copy_(chunks[0])
+        return tensor
+    dist.scatter(tensor, scatter_list=chunks if dist.get_rank() == src else None, src=src, group=group)
+    return tensor
+
+
+def send(tensor: torch.Tensor, dst: int, group: Any = None) -> None:
+    dist.send(tensor.contiguous(), dst=dst, group=group)
+
+
+def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None) -> int:
+    """Blocks until a tensor arrives; returns the sender's rank."""
+    return dist.recv(tensor, src=src, group=group)
+
+
+def barrier(group: Any = None) -> None:
+    if active(group):
+        dist.barrier(group=group)
+
+
+def any_rank(flag: bool, device: torch.device, group: Any = None) -> bool:
+    """True on every rank if ``flag`` is true on any rank: how control-flow decisions are agreed."""
+    if not active(group):
+        return bool(flag)
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())

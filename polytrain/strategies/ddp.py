@@ -1,0 +1,62 @@
+"""``ddp``: one process per device, full replicas, gradients all-reduced during backward."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from polytrain.strategies.base import StepRouter, Strategy
+from polytrain.strategies.process_group import default_backend, init_process_group, resolve_device
+from polytrain.trainer.precision import Precision
+
+
+@dataclass
+class DDPOptions:
+    backend: str | None = None  # None: nccl on CUDA, gloo on CPU
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+    broadcast_buffers: bool = True
+    sync_batchnorm: bool = False
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+    Options = DDPOptions
+
+    def setup_environment(self) -> None:
+        self._device = resolve_device(self.accelerator, self.local_rank)
+        self.precision = Precision(self.precision_name, self._device.type)
+        init_process_group(self.env, self.options.backend or default_backend(self._device), self.timeout)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = self.precision.convert_module(module.to(self.root_device))
+        if self.options.sync_batchnorm:
+            from polytrain.strategies.sync_batchnorm import convert_sync_batchnorm
+
+            module = convert_sync_batchnorm(module)
+        self.module = module
+        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        # DDP broadcasts rank 0's parameters here, so every replica starts identical.
+        kwargs = dict(
+            device_ids=device_ids,
+            find_unused_parameters=self.options.find_unused_parameters,
+            static_graph=self.options.static_graph,
+            bucket_cap_mb=self.options.bucket_cap_mb,
+            gradient_as_bucket_view=self.options.gradient_as_bucket_view,
+        )
+        # torch 2.14 renamed broadcast_buffers; older releases only know the old name.
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+            kwargs["forward_sync_buffers"] = self.options.broadcast_buffers
+        else:
+            kwargs["broadcast_buffers"] = self.options.broadcast_buffers
+        self.model = DistributedDataParallel(StepRouter(module), **kwargs)
+        return self.model
+
+    def no_backward_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        return self.model.no_sync() if enabled else contextlib.nullcontext()

@@ -1,0 +1,69 @@
+"""``dp``: ``nn.DataParallel`` — one process drives several GPUs, batch split along dim 0.
+
+Kept for users coming from it; DDP is faster (no GIL contention, no per-step replication).
+On CPU there is only one device, so it falls back to plain single-device training and says so.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from polytrain.strategies.base import StepRouter, Strategy
+from polytrain.strategies.process_group import resolve_device
+from polytrain.trainer.precision import Precision
+
+
+@dataclass
+class DataParallelOptions:
+    output_device: int | None = None
+
+
+def _mean_replica_losses(output: Any) -> Any:
+    # DataParallel gathers one scalar loss per replica into a vector; the step's loss is their mean.
+    if isinstance(output, torch.Tensor) and output.ndim == 1:
+        return output.mean()
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor) and output["loss"].ndim == 1:
+        return {**output, "loss": output["loss"].mean()}
+    return output
+
+
+class DataParallelStrategy(Strategy):
+    name = "dp"
+    Options = DataParallelOptions
+
+    @classmethod
+    def processes_per_node(cls, devices: int) -> int:
+        return 1  # one process drives all devices
+
+    def setup_environment(self) -> None:
+        self._device = resolve_device(self.accelerator, 0)
+        self._device_ids: list[int] = []
+        if self._device.type == "cuda":
+            available = torch.cuda.device_count()
+            if self.devices > available:
+                raise RuntimeError(f"strategy 'dp' asked for {self.devices} GPUs but {available} are visible")
+            self._device_ids = list(range(self.devices))
+        else:
+            warnings.warn("strategy 'dp' on CPU: DataParallel has one device here, so this runs as "
+                          "single-device training. Use strategy 'ddp' for several CPU processes.",
+                          stacklevel=2)
+        self.precision = Precision(self.precision_name, self._device.type)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        self.module = self.precision.convert_module(module.to(self.root_device))
+        router = StepRouter(self.module)
+        if len(self._device_ids) > 1:
+            self.model = nn.DataParallel(router, device_ids=self._device_ids,
+                                         output_device=self.options.output_device)
+        else:
+            self.model = router
+        return self.model
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        with self.precision.forward_context():
+            return _mean_replica_losses(self.model("training_step", batch, batch_idx))

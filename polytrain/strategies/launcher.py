@@ -1,0 +1,168 @@
+"""Deciding how many worker processes a job needs, and starting them.
+
+Three ways in: the job is already a worker (torchrun, SLURM, our own launchers set RANK etc.);
+the CLI or a script starts workers through torch's elastic agent (the same one torchrun uses,
+so restarts and failure summaries behave identically); or ``launcher: spawn``/``fork`` for
+notebooks, via ``torch.multiprocessing``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from polytrain.strategies.environment import ClusterEnvironment, detect_environment
+from polytrain.trainer.config import ConfigError, TrainerConfig
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    accelerator: str
+    devices: int
+    num_nodes: int
+    strategy_name: str
+    processes_per_node: int
+    env: ClusterEnvironment
+    method: str  # "here" (this process is a worker) | "elastic" | "spawn" | "fork"
+
+    @property
+    def world_size(self) -> int:
+        return self.processes_per_node * self.num_nodes
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _resolve_accelerator(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if name == "gpu" else name
+
+
+def _resolve_devices(devices: Any, accelerator: str, env: ClusterEnvironment) -> int:
+    import torch
+
+    available = torch.cuda.device_count() if accelerator == "cuda" else (os.cpu_count() or 1)
+    if devices == "auto":
+        if env.is_distributed:
+            return env.local_world_size
+        return max(1, torch.cuda.device_count()) if accelerator == "cuda" else 1
+    if devices > available:
+        what = "GPU(s) are visible" if accelerator == "cuda" else "CPU cores are available"
+        raise ConfigError(f"trainer.devices={devices} but only {available} {what}; set trainer.devices to at "
+                          f"most {available}")
+    return devices
+
+
+def _interactive() -> bool:
+    return hasattr(sys, "ps1") or "ipykernel" in sys.modules or not sys.argv or sys.argv[0] in ("", "-c")
+
+
+def plan_launch(cfg: TrainerConfig) -> LaunchPlan:
+    from polytrain.strategies.registry import resolve_strategy_name, strategy_class
+
+    env = detect_environment()
+    accelerator = _resolve_accelerator(cfg.accelerator)
+    devices = _resolve_devices(cfg.devices, accelerator, env)
+    spec = cfg.strategy if isinstance(cfg.strategy, dict) else {"name": getattr(cfg.strategy, "name", "custom")}
+    name = spec["name"]
+    if name == "auto":
+        name = resolve_strategy_name("auto", env.world_size if env.is_distributed else devices * cfg.num_nodes)
+    per_node = strategy_class(name).processes_per_node(devices) if name != "custom" else devices
+    wanted = per_node * cfg.num_nodes
+    if env.is_distributed:
+        if cfg.devices != "auto" and env.world_size != wanted:
+            raise ConfigError(
+                f"the launcher started {env.world_size} processes but trainer.devices={devices} x "
+                f"num_nodes={cfg.num_nodes} asks for {wanted} with strategy '{name}'; make them agree "
+                f"(or set trainer.devices=auto)"
+            )
+        method = "here"
+    elif wanted == 1:
+        method = "here"
+    elif cfg.launcher == "none":
+        raise ConfigError(f"this job needs {wanted} processes but trainer.launcher='none'; start it with "
+                          f"torchrun --nproc_per_node={per_node} or choose launcher auto/elastic/spawn")
+    elif cfg.launcher == "auto":
+        method = "fork" if _interactive() else "elastic"
+    else:
+        method = cfg.launcher
+    return LaunchPlan(accelerator, devices, cfg.num_nodes, name, per_node, env, method)
+
+
+def _launch_config(plan: LaunchPlan, max_restarts: int) -> Any:
+    from torch.distributed.launcher.api import LaunchConfig
+
+    # Without this, the first restart after rank 0 dies cannot rendezvous on gloo (the store
+    # lived in the dead worker).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if plan.num_nodes > 1:
+        addr = os.environ.get("MASTER_ADDR")
+        port = os.environ.get("MASTER_PORT")
+        node_rank = os.environ.get("NODE_RANK")
+        if not (addr and port and node_rank is not None):
+            raise ConfigError("num_nodes > 1: set MASTER_ADDR, MASTER_PORT and NODE_RANK on every node "
+                              "(or start each node with torchrun --nnodes/--node_rank)")
+        rdzv = dict(rdzv_backend="static", rdzv_endpoint=f"{addr}:{port}",
+                    rdzv_configs={"rank": int(node_rank), "timeout": 900})
+    else:
+        rdzv = dict(rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_configs={"timeout": 900})
+    return LaunchConfig(
+        min_nodes=plan.num_nodes, max_nodes=plan.num_nodes, nproc_per_node=plan.processes_per_node,
+        run_id=f"polytrain-{uuid.uuid4().hex[:8]}", max_restarts=max_restarts, monitor_interval=0.1,
+        start_method="spawn", **rdzv,
+    )
+
+
+def launch_elastic(plan: LaunchPlan, entrypoint: Callable | str, args: tuple, max_restarts: int = 0) -> Any:
+    """Run ``entrypoint(*args)`` (a function, or a program path) in every worker via the elastic agent.
+
+    Raises ``ChildFailedError`` naming the first failing rank and its traceback when a worker fails
+    and restarts are exhausted; survivors are stopped by the agent.
+    """
+    from torch.distributed.launcher.api import elastic_launch
+
+    return elastic_launch(_launch_config(plan, max_restarts), entrypoint)(*args)
+
+
+def relaunch_script(plan: LaunchPlan, max_restarts: int) -> None:
+    """Python API outside torchrun: run this same script again in each worker, like torchrun would,
+    and leave with the job's status. The launching process itself does not train."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    script = os.path.abspath(sys.argv[0])
+    try:
+        launch_elastic(plan, sys.executable, ("-u", script, *sys.argv[1:]), max_restarts)
+    except ChildFailedError as err:
+        print(err.format_msg(), file=sys.stderr)
+        raise SystemExit(1) from None
+    raise SystemExit(0)
+
+
+def _spawned_worker(local_rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
+                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0")
+    fn(*args)
+
+
+def launch_spawn(plan: LaunchPlan, fn: Callable, args: tuple) -> None:
+    """``torch.multiprocessing`` start (spawn or fork); an exception in any worker is re-raised here
+    with that worker's traceback after the others are terminated."""
+    import torch.multiprocessing as mp
+
+    if plan.num_nodes > 1:
+        raise ConfigError("launcher 'spawn'/'fork' starts processes on this machine only; use torchrun or "
+                          "the elastic launcher for num_nodes > 1")
+    mp.start_processes(_spawned_worker, args=(plan.world_size, free_port(), fn, args),
+                       nprocs=plan.world_size, join=True, start_method=plan.method)

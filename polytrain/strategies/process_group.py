@@ -1,0 +1,55 @@
+"""Process-group start-up shared by the multi-process strategies."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from polytrain.strategies.environment import ClusterEnvironment, export_for_torch
+
+
+def resolve_device(accelerator: str, local_rank: int) -> torch.device:
+    if accelerator in ("cuda", "gpu"):
+        if not torch.cuda.is_available():
+            raise RuntimeError("trainer.accelerator='cuda' but no CUDA device is visible; use accelerator=cpu")
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise RuntimeError(
+                f"local rank {local_rank} needs cuda:{local_rank} but only {count} GPU(s) are visible; "
+                f"lower trainer.devices to {count} or fewer"
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(env: ClusterEnvironment, backend: str, timeout_s: float) -> None:
+    """Join the job's process group (idempotent: a user may have initialised it already)."""
+    if dist.is_initialized():
+        if dist.get_world_size() != env.world_size:
+            raise RuntimeError(
+                f"a process group of world size {dist.get_world_size()} already exists, but the launcher "
+                f"says WORLD_SIZE={env.world_size}"
+            )
+        return
+    export_for_torch(env)
+    # Bounded waits: a dead peer surfaces as an error after `timeout_s`, not as a hang.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    dist.init_process_group(
+        backend=backend,
+        rank=env.global_rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,35 @@
+"""``single``: one process, one device. The default when one process is asked for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from polytrain.strategies.base import StepRouter, Strategy
+from polytrain.strategies.process_group import resolve_device
+from polytrain.trainer.precision import Precision
+
+
+@dataclass
+class SingleOptions:
+    device_index: int = 0  # which GPU when accelerator is cuda
+
+
+class SingleDeviceStrategy(Strategy):
+    name = "single"
+    Options = SingleOptions
+
+    def setup_environment(self) -> None:
+        self._device = resolve_device(self.accelerator, self.options.device_index)
+        self.precision = Precision(self.precision_name, self._device.type)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        self.module = self.precision.convert_module(module.to(self.root_device))
+        self.model = StepRouter(self.module)
+        return self.model
+
+    def teardown(self) -> None:
+        if self.root_device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,47 @@
+"""Starting worker processes for a ``Trainer`` method called outside any launcher."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from polytrain.strategies.launcher import LaunchPlan, launch_spawn, relaunch_script
+
+if TYPE_CHECKING:
+    from polytrain.trainer.module import TrainModule
+    from polytrain.trainer.trainer import Trainer
+
+
+def _spawn_entry(trainer_kwargs: dict[str, Any], callbacks: list[Any], stage: str, module: TrainModule,
+                 kwargs: dict[str, Any], result_path: str) -> None:
+    from polytrain.trainer.trainer import Trainer
+
+    trainer_kwargs = {**trainer_kwargs, "callbacks": list(trainer_kwargs["callbacks"]) + callbacks}
+    trainer = Trainer(**trainer_kwargs)
+    result = getattr(trainer, stage)(module, **kwargs)
+    if trainer.is_global_zero:
+        # Hand the trained weights and the result back to the launching process.
+        torch.save({"state_dict": trainer.strategy.module_state_dict(), "result": result,
+                    "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, result_path)
+    trainer.strategy.teardown()
+
+
+def launch_from_trainer(trainer: Trainer, plan: LaunchPlan, stage: str, module: TrainModule,
+                        kwargs: dict[str, Any]) -> Any:
+    if plan.method == "elastic":
+        relaunch_script(plan, trainer.config.max_restarts)  # exits with the job's status
+    from polytrain.trainer.config import trainer_to_dict
+
+    trainer_kwargs = trainer_to_dict(trainer.config)
+    user_callbacks = [cb for cb in trainer.callbacks if getattr(cb, "_user_given", False)]
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "result.pt")
+        launch_spawn(plan, _spawn_entry, (trainer_kwargs, user_callbacks, stage, module, kwargs, result_path))
+        out = torch.load(result_path, weights_only=False)  # written by our own worker just now
+    if stage == "fit":
+        module.load_state_dict(out["state_dict"])
+    trainer.callback_metrics = {k: torch.tensor(v) for k, v in out["callback_metrics"].items()}
+    return out["result"]

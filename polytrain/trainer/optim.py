@@ -1,0 +1,65 @@
+"""Turning ``configure_optimizers``' many return shapes into optimizers and scheduler entries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "monitor")
+
+
+def _scheduler_entry(item: Any) -> dict[str, Any]:
+    if isinstance(item, dict):
+        unknown = [k for k in item if k not in _SCHEDULER_KEYS]
+        if unknown or "scheduler" not in item:
+            raise ValueError(f"lr_scheduler dict needs 'scheduler' and may have {', '.join(_SCHEDULER_KEYS)}; "
+                             f"got {sorted(item)}")
+        entry = {"interval": "epoch", "frequency": 1, "monitor": None, **item}
+    else:
+        entry = {"scheduler": item, "interval": "epoch", "frequency": 1, "monitor": None}
+    if entry["interval"] not in ("epoch", "step"):
+        raise ValueError(f"lr_scheduler interval={entry['interval']!r}; valid: epoch, step")
+    if isinstance(entry["scheduler"], torch.optim.lr_scheduler.ReduceLROnPlateau) and not entry["monitor"]:
+        raise ValueError("ReduceLROnPlateau needs a metric: return {'scheduler': ..., 'monitor': 'val/loss'}")
+    return entry
+
+
+def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[dict[str, Any]]]:
+    """Accepts an optimizer, (opt, sched), ([opts], [scheds]), a dict, or a list of dicts."""
+    if isinstance(result, torch.optim.Optimizer):
+        return [result], []
+    if isinstance(result, dict):
+        if "optimizer" not in result:
+            raise ValueError("configure_optimizers returned a dict without 'optimizer'")
+        scheds = [_scheduler_entry(result["lr_scheduler"])] if result.get("lr_scheduler") is not None else []
+        return [result["optimizer"]], scheds
+    if isinstance(result, (list, tuple)):
+        if result and all(isinstance(x, dict) for x in result):
+            pairs = [parse_optimizers(x) for x in result]
+            return [o for p in pairs for o in p[0]], [s for p in pairs for s in p[1]]
+        if len(result) == 2 and isinstance(result[0], (list, tuple)):
+            return list(result[0]), [_scheduler_entry(s) for s in result[1]]
+        if len(result) == 2 and isinstance(result[0], torch.optim.Optimizer) and not isinstance(
+                result[1], torch.optim.Optimizer):
+            return [result[0]], [_scheduler_entry(result[1])]
+        if all(isinstance(x, torch.optim.Optimizer) for x in result):
+            return list(result), []
+    raise TypeError(
+        f"configure_optimizers returned {type(result).__name__}; return an optimizer, (optimizer, scheduler), "
+        f"([optimizers], [schedulers]) or {{'optimizer': ..., 'lr_scheduler': ...}}"
+    )
+
+
+def step_schedulers(entries: list[dict[str, Any]], interval: str, count: int, metrics: dict[str, Any]) -> None:
+    for entry in entries:
+        if entry["interval"] != interval or count % entry["frequency"]:
+            continue
+        scheduler = entry["scheduler"]
+        if entry["monitor"]:
+            if entry["monitor"] not in metrics:
+                raise KeyError(f"lr_scheduler monitors '{entry['monitor']}' but it was not logged; "
+                               f"logged: {', '.join(sorted(metrics)) or '(nothing)'}")
+            scheduler.step(float(metrics[entry["monitor"]]))
+        else:
+            scheduler.step()

@@ -1,0 +1,83 @@
+"""Precision plugins, composed into a strategy: autocast, loss scaling, module/input casting."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
+    if isinstance(data, torch.Tensor):
+        return data.to(dtype) if data.is_floating_point() else data
+    if isinstance(data, (list, tuple)):
+        cast = [_cast_floats(x, dtype) for x in data]
+        return type(data)(*cast) if hasattr(data, "_fields") else type(data)(cast)
+    if isinstance(data, dict):
+        return {k: _cast_floats(v, dtype) for k, v in data.items()}
+    return data
+
+
+class Precision:
+    """``32`` / ``16-mixed`` / ``bf16-mixed`` / ``bf16-true`` for one device type.
+
+    ``16-mixed`` keeps a ``GradScaler``: the loss is scaled before backward, gradients are
+    unscaled before clipping, and a step whose gradients hold inf/NaN is skipped by the scaler.
+    Strategies that shard gradients (FSDP) pass their own scaler factory.
+    """
+
+    def __init__(self, name: str, device_type: str, scaler: Any | None = None) -> None:
+        self.name = name
+        self.device_type = device_type
+        self.scaler = scaler
+        if name == "16-mixed" and scaler is None:
+            self.scaler = torch.amp.GradScaler(device_type)
+        self._autocast_dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(name)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.name == "bf16-true" else torch.float32
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return self._autocast_dtype
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module.to(torch.bfloat16) if self.name == "bf16-true" else module
+
+    def convert_input(self, batch: Any) -> Any:
+        return _cast_floats(batch, torch.bfloat16) if self.name == "bf16-true" else batch
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        if self._autocast_dtype is None:
+            yield
+            return
+        with torch.autocast(self.device_type, dtype=self._autocast_dtype):
+            yield
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before clipping: clip thresholds are meant for true gradients, not scaled ones."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is None:
+            optimizer.step()
+            return
+        # GradScaler.step skips the update when unscale_ found inf/NaN; update() then lowers the scale.
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)

@@ -1,0 +1,56 @@
+"""Seeding and RNG state capture (stored as plain types and tensors so checkpoints load with
+``weights_only=True``)."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import torch
+
+
+def seed_everything(seed: int) -> int:
+    os.environ["PL_GLOBAL_SEED"] = os.environ["POLYTRAIN_SEED"] = str(seed)
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    return seed
+
+
+def capture_rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached": float(cached)}
+    except ImportError:
+        pass
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        npst = state["numpy"]
+        np.random.set_state((npst["kind"], npst["keys"].numpy().astype("uint32"), npst["pos"],
+                             npst["has_gauss"], npst["cached"]))

@@ -1,0 +1,95 @@
+"""Run a function on N real gloo processes and collect what each returns.
+
+Every call has a deadline: a rank that raises ends the run with its traceback, a rank that
+hangs ends it at the timeout, and the survivors are killed either way. No test can hang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        # Plain pickle, not the queue's shared-memory tensor reduction: the child exits before the
+        # parent reads, and shared storages would die with it.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank attached
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class DistributedRunError(RuntimeError):
+    pass
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(fn, rank, world_size, port, args, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    collected: dict[int, Any] = {}
+    try:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while len(collected) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(collected))
+                raise DistributedRunError(f"ranks {missing} did not finish within {timeout:.0f}s")
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in collected]
+                if dead:
+                    raise DistributedRunError(
+                        f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} before reporting"
+                    ) from None
+                continue
+            if status == "error":
+                raise DistributedRunError(f"rank {rank} failed:\n{payload}")
+            collected[rank] = pickle.loads(payload)
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [collected[rank] for rank in range(world_size)]
