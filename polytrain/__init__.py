@@ -19,7 +19,7 @@ _EXPORTS = {
     "load_config": "polytrain.trainer.config",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = ["Callback", "TrainModule", "Trainer", "__version__", "load_config", "seed_everything"]
 
 if TYPE_CHECKING:
     from polytrain.callbacks.base import Callback
