@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer_cfg = TrainerConfig(**config["trainer"])
         plan = plan_launch(trainer_cfg)
     except ConfigError as err:
-        print(f"polytrain: config error: {err}", file=sys.stderr)
+        # One line: YAML parser errors carry multi-line source excerpts.
+        print(f"polytrain: config error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     if plan.method == "here":
         run_worker(config, args.command, args.ckpt)

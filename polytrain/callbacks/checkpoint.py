@@ -65,8 +65,9 @@ class ModelCheckpoint(Callback):
     def on_fit_end(self, trainer: Any, module: Any) -> None:
         if self.save_on_fit_end and trainer.global_step != self._last_saved_step:
             # e.g. max_steps stopped mid-epoch: make `resume: last` continue from exactly here.
-            self._save(trainer, epoch_done=bool(getattr(trainer, "epoch_complete", False))
-                       and trainer.batch_in_epoch == 0)
+            # The fit loop has already advanced (epoch, batch) past finished epochs, so the
+            # current position is the resume point as it stands: no extra epoch to add.
+            self._save(trainer, epoch_done=False)
 
     # ------------------------------------------------------------------ saving
     def _format_name(self, trainer: Any) -> str:

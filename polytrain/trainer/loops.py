@@ -102,8 +102,11 @@ def run_fit(trainer: Trainer, module: TrainModule, train_dataloaders: Any, val_d
     trainer.should_stop = _done(trainer, max_epochs)
     while not trainer.should_stop:
         _train_epoch(trainer, module, train_loader, val_loader, guard)
-        trainer.current_epoch += 1
-        trainer.batch_in_epoch = 0
+        if trainer.epoch_complete:
+            # A mid-epoch stop (max_steps) keeps its position, so a checkpoint taken at fit end
+            # resumes from the next batch instead of skipping the rest of the epoch.
+            trainer.current_epoch += 1
+            trainer.batch_in_epoch = 0
         trainer.should_stop = strategy.reduce_boolean_decision(trainer.should_stop) or _done(trainer, max_epochs)
     guard.check()
     trainer.call_hook("on_fit_end")

@@ -1,0 +1,120 @@
+"""Shared fixtures for the single-process unit tests: a tiny regression TrainModule over a
+TensorDataset, a per-test run_dir, and Trainer keyword defaults that keep every run quiet and fast."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+# `from distributed import run_distributed` in the distributed tests resolves against this folder.
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+from polytrain import TrainModule  # noqa: E402 - after the sys.path insertion on purpose
+
+# Tiny models train in microseconds; thread start-up would dominate on a 2-core machine.
+torch.set_num_threads(1)
+
+
+def make_dataset(n: int = 16, features: int = 4, seed: int = 0) -> TensorDataset:
+    """A fixed linear-regression problem; the generator keeps it independent of the global RNG."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    w = torch.randn(features, 1, generator=g)
+    y = x @ w + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+class TinyModule(TrainModule):
+    """Linear regression with every knob a test needs exposed as an attribute."""
+
+    def __init__(self, n: int = 16, batch_size: int = 4, lr: float = 0.1, features: int = 4,
+                 val_n: int | None = 8, shuffle: bool = False, drop_last: bool = False) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(features, 1)
+        self.lr = lr
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.train_ds = make_dataset(n, features, seed=0)
+        self.val_ds = make_dataset(val_n, features, seed=1) if val_n else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("val/loss", loss)
+        return loss
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("test/loss", loss)
+        return loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        x = batch[0] if isinstance(batch, (list, tuple)) else batch
+        return self(x)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_ds, batch_size=self.batch_size, shuffle=self.shuffle,
+                          drop_last=self.drop_last)
+
+    def val_dataloader(self) -> DataLoader | None:
+        if self.val_ds is None:
+            return None
+        return DataLoader(self.val_ds, batch_size=self.batch_size)
+
+    def test_dataloader(self) -> DataLoader | None:
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader | None:
+        return self.val_dataloader()
+
+
+@pytest.fixture
+def run_dir(tmp_path: Any) -> str:
+    path = tmp_path / "run"
+    return str(path)
+
+
+@pytest.fixture
+def quiet_kwargs(run_dir: str) -> dict[str, Any]:
+    """Trainer keywords for a fast, silent single-process CPU run writing only under run_dir."""
+    return dict(strategy="single", accelerator="cpu", devices=1, run_dir=run_dir, enable_progress_bar=False,
+                enable_checkpointing=False, logger=False, log_every_n_steps=1)
+
+
+@pytest.fixture
+def make_trainer(quiet_kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """``make_trainer(**overrides)``: a quiet Trainer; overrides win over the quiet defaults."""
+    from polytrain import Trainer
+
+    def build(**overrides: Any) -> Any:
+        return Trainer(**{**quiet_kwargs, **overrides})
+
+    return build
+
+
+@pytest.fixture
+def tiny_module() -> type[TinyModule]:
+    return TinyModule
