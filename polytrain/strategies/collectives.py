@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from polytrain.strategies.divergence import check_in
+
 _OPS = {
     "sum": dist.ReduceOp.SUM,
     "mean": dist.ReduceOp.SUM,  # gloo has no AVG: sum, then divide
@@ -35,6 +37,7 @@ def _op(name: str) -> dist.ReduceOp:
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
     """In place, like ``torch.distributed.all_reduce``; also returns the tensor."""
     if active(group):
+        check_in("all_reduce", group)
         dist.all_reduce(tensor, op=_op(op), group=group)
         if op == "mean":
             tensor.div_(dist.get_world_size(group))
@@ -44,6 +47,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torc
 def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group: Any = None) -> torch.Tensor:
     """In place; only rank ``dst`` holds the result afterwards (global rank numbering)."""
     if active(group):
+        check_in("reduce", group)
         dist.reduce(tensor, dst=dst, op=_op(op), group=group)
         if op == "mean" and dist.get_rank() == dst:
             tensor.div_(dist.get_world_size(group))
@@ -52,6 +56,7 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group: Any = Non
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None) -> torch.Tensor:
     if active(group):
+        check_in("broadcast", group)
         dist.broadcast(tensor, src=src, group=group)
     return tensor
 
@@ -59,6 +64,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None) -> torch.Te
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     if not active(group):
         return obj
+    check_in("broadcast_object", group)
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
@@ -68,6 +74,7 @@ def all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Stacks every rank's tensor (same shape on every rank) along a new first dimension."""
     if not active(group):
         return tensor.unsqueeze(0)
+    check_in("all_gather", group)
     out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, tensor.contiguous(), group=group)
     return torch.stack(out)
@@ -76,6 +83,7 @@ def all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
 def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     if not active(group):
         return [obj]
+    check_in("all_gather_object", group)
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
@@ -85,6 +93,7 @@ def gather(tensor: torch.Tensor, dst: int = 0, group: Any = None) -> list[torch.
     """Rank ``dst`` receives the list of every rank's tensor; the others get ``None``."""
     if not active(group):
         return [tensor]
+    check_in("gather", group)
     is_dst = dist.get_rank() == dst
     out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))] if is_dst else None
     dist.gather(tensor.contiguous(), gather_list=out, dst=dst, group=group)
@@ -97,6 +106,7 @@ def scatter(tensor: torch.Tensor, chunks: list[torch.Tensor] | None, src: int = 
         if chunks:
             tensor.copy_(chunks[0])
         return tensor
+    check_in("scatter", group)
     dist.scatter(tensor, scatter_list=chunks if dist.get_rank() == src else None, src=src, group=group)
     return tensor
 
@@ -112,6 +122,7 @@ def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None) -> int
 
 def barrier(group: Any = None) -> None:
     if active(group):
+        check_in("barrier", group)
         dist.barrier(group=group)
 
 
@@ -119,6 +130,7 @@ def any_rank(flag: bool, device: torch.device, group: Any = None) -> bool:
     """True on every rank if ``flag`` is true on any rank: how control-flow decisions are agreed."""
     if not active(group):
         return bool(flag)
+    check_in("any_rank", group)
     value = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())

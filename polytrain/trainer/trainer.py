@@ -184,6 +184,10 @@ class Trainer:
                 spec, accelerator=plan.accelerator, devices=plan.devices, num_nodes=plan.num_nodes,
                 precision=self.config.precision, timeout=self.config.timeout, env=plan.env,
             )
+        if self.config.detect_divergence:
+            from polytrain.strategies import divergence
+
+            divergence.enable(self.config.timeout)  # before the process group starts
         self.strategy.setup_environment()
         self.metrics.device = self.strategy.collective_device
 
