@@ -96,7 +96,8 @@ class ModelCheckpoint(Callback):
         score = self._score(trainer)
         keep = self.save_top_k != 0 and (
             self.save_top_k == -1 or len(self.kept) < self.save_top_k or self.monitor is None
-            or self._is_better(score, self.kept[-1][0])
+            # `kept` holds negated scores in max mode (best first when sorted ascending).
+            or self._is_better(score, -self.kept[-1][0] if self.mode == "max" else self.kept[-1][0])
         )
         # Every rank computed the same answer from the same reduced metrics; agree anyway.
         keep = trainer.strategy.reduce_boolean_decision(keep)

@@ -17,6 +17,9 @@ def _loggers(spec: Any, run_dir: str) -> list[Callback]:
         return []
     if spec is True:
         spec = ["tensorboard", "csv"]
+    if not isinstance(spec, (str, list, tuple)):
+        raise ConfigError(f"trainer.logger={spec!r} is not valid; use true, false, one of "
+                          f"{', '.join(_LOGGER_NAMES)}, or a list of them")
     names = [spec] if isinstance(spec, str) else list(spec)
     out: list[Callback] = []
     for name in names:

@@ -32,6 +32,14 @@ class Logger(Callback):
         if trainer.is_logging_rank:
             self.flush()
 
+    def on_validation_end(self, trainer: Any, module: Any) -> None:
+        if trainer.is_logging_rank and trainer.stage != "fit":  # a standalone validate()
+            self.flush()
+
+    def on_test_end(self, trainer: Any, module: Any) -> None:
+        if trainer.is_logging_rank:
+            self.flush()
+
 
 class TensorBoardLogger(Logger):
     """Scalars under ``<run_dir>/tensorboard``; view with ``tensorboard --logdir <run_dir>``."""

@@ -32,8 +32,14 @@ class LearningRateMonitor(Callback):
                 out[name + (f"/pg{j}" if len(groups) > 1 else "")] = float(group["lr"])
         return out
 
+    _last_step = -1
+
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.logging_interval == "step" and trainer.global_step % trainer.config.log_every_n_steps == 0:
+        step = trainer.global_step
+        # Once per optimizer step: micro-batches of an accumulation window share the step number.
+        if self.logging_interval == "step" and step and step % trainer.config.log_every_n_steps == 0 \
+                and step != self._last_step:
+            self._last_step = step
             _log(trainer, self.learning_rates(trainer))
 
     def on_train_epoch_start(self, trainer: Any, module: Any) -> None:

@@ -89,6 +89,25 @@ def restore_payload(trainer: Trainer, payload: dict[str, Any]) -> None:
     trainer.module.on_load_checkpoint(payload)
 
 
+def ensure_run_dir(trainer: Trainer) -> None:
+    """Create ``run_dir`` before the first step: an unwritable path then fails at once, with one
+    clear error on every rank, instead of after an epoch inside a logger on one rank only."""
+    from polytrain.strategies.checkpoint_io import agree_on_error
+
+    if not trainer.loggers and trainer.checkpoint_callback is None:
+        return  # nothing will write there
+    error = None
+    if trainer.is_global_zero or trainer.is_logging_rank:
+        try:
+            os.makedirs(trainer.run_dir, exist_ok=True)
+            if not os.access(trainer.run_dir, os.W_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as err:
+            error = (f"cannot write trainer.run_dir={trainer.run_dir}: {err.strerror or err}. Point "
+                     f"trainer.run_dir at a writable directory")
+    agree_on_error(trainer.strategy, error)
+
+
 # --------------------------------------------------------------------------- locating
 
 

@@ -113,7 +113,7 @@ def validate_dataclass(cls: type, data: dict[str, Any], where: str) -> Any:
         key = getattr(err, "full_key", None) or "?"
         expected = {f.name: f.type for f in dataclasses.fields(cls)}.get(str(key).split(".")[0], "?")
         raise ConfigError(
-            f"{where}.{key}: {getattr(err, 'msg', err)} (expected {expected})".replace("\n", " ")
+            f"{where}.{key}: {str(getattr(err, 'msg', err)).splitlines()[0]} (expected {expected})"
         ) from None
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:

@@ -76,18 +76,23 @@ class NonFiniteGuard:
         # be a host-to-device copy, which waits for the stream on CUDA.
         self.step = torch.full((), trainer.global_step, dtype=torch.long, device=self.device)
         self._bad_now: torch.Tensor | None = None
+        self._window_bad: torch.Tensor | None = None
         self.skipped_steps = 0
 
-    def observe(self, loss: torch.Tensor | None) -> None:
-        if loss is None:
-            self._bad_now = None
+    def observe(self, loss: torch.Tensor | None, end_of_window: bool = True) -> None:
+        """Called for every micro-batch: a bad loss anywhere in an accumulation window has already
+        poisoned the accumulated gradients, so the window's optimizer step counts as bad."""
+        if loss is not None:
+            bad = ~torch.isfinite(loss.detach()).all()
+            self._window_bad = bad if self._window_bad is None else self._window_bad | bad
+        if not end_of_window:
             return
-        bad = ~torch.isfinite(loss.detach()).all()
-        self._bad_now = bad
+        self._bad_now, self._window_bad = self._window_bad, None
         if self.policy == "error":
-            self.first_bad_step = torch.where(bad.to(self.device) & (self.first_bad_step < 0), self.step,
-                                              self.first_bad_step)
-            self.step += 1
+            if self._bad_now is not None:
+                self.first_bad_step = torch.where(self._bad_now.to(self.device) & (self.first_bad_step < 0),
+                                                  self.step, self.first_bad_step)
+            self.step += 1  # every window, loss or not, so the step named matches trainer.global_step
 
     def should_skip_step(self) -> bool:
         if self.policy != "skip":

@@ -93,7 +93,10 @@ def run_fit(trainer: Trainer, module: TrainModule, train_dataloaders: Any, val_d
     val_loader = _pick_loader(trainer, module, val_dataloaders, datamodule, "val")
     trainer.num_training_batches = check_batches(trainer, train_loader, "train")
     trainer.num_val_batches = loader_length(val_loader) if val_loader is not None else 0
+    if trainer.num_val_batches is not None and cfg.limit_val_batches is not None:
+        trainer.num_val_batches = min(trainer.num_val_batches, cfg.limit_val_batches)
     _load(trainer, _resolve_ckpt(trainer, ckpt_path))
+    ckpt.ensure_run_dir(trainer)
     for cb in trainer.callbacks:
         cb.setup(trainer, module, "fit")
     trainer.call_hook("on_fit_start")
@@ -152,8 +155,8 @@ def _train_epoch(trainer: Trainer, module: TrainModule, loader: Any, val_loader:
         is_step = (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == num_batches
         with strategy.no_backward_sync(not is_step):
             result = strategy.forward_backward(batch, batch_idx, 1.0 / accumulate)
+        guard.observe(result.loss, end_of_window=is_step)
         if is_step:
-            guard.observe(result.loss)
             if guard.should_skip_step():
                 for opt in optimizers:
                     opt.zero_grad(set_to_none=True)

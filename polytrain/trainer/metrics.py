@@ -71,6 +71,8 @@ class MetricCollector:
         Every rank calls this on the same (logging) steps, so the all-reduce is matched.
         """
         values = dict(self.step_values)
+        # Popped, not peeked: a value logged once must not be re-emitted at every later logging step.
+        self.step_values.clear()
         synced = sorted(k for k, v in values.items() if self.meta[k].sync_dist)
         if synced and C.active(dp_group):
             packed = C.all_reduce(torch.stack([values[k].float() for k in synced]), "mean", dp_group)

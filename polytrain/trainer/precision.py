@@ -21,6 +21,10 @@ def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
     return data
 
 
+def _has_grads(optimizer: torch.optim.Optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+
+
 class Precision:
     """``32`` / ``16-mixed`` / ``bf16-mixed`` / ``bf16-true`` for one device type.
 
@@ -64,12 +68,16 @@ class Precision:
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Before clipping: clip thresholds are meant for true gradients, not scaled ones."""
-        if self.scaler is not None:
+        if self.scaler is not None and _has_grads(optimizer):
             self.scaler.unscale_(optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is None:
             optimizer.step()
+            return
+        if not _has_grads(optimizer):
+            # Every training_step of the window returned None: no backward ran, and the scaler
+            # refuses to step an optimizer it saw no gradients for (as Lightning, skip it).
             return
         # GradScaler.step skips the update when unscale_ found inf/NaN; update() then lowers the scale.
         self.scaler.step(optimizer)
