@@ -17,12 +17,14 @@ _EXPORTS = {
     "Callback": "polytrain.callbacks.base",
     "seed_everything": "polytrain.trainer.seed",
     "load_config": "polytrain.trainer.config",
+    "connect": "polytrain.strategies.connect",
 }
 
-__all__ = ["Callback", "TrainModule", "Trainer", "__version__", "load_config", "seed_everything"]
+__all__ = ["Callback", "TrainModule", "Trainer", "__version__", "connect", "load_config", "seed_everything"]
 
 if TYPE_CHECKING:
     from polytrain.callbacks.base import Callback
+    from polytrain.strategies.connect import connect
     from polytrain.trainer.config import load_config
     from polytrain.trainer.module import TrainModule
     from polytrain.trainer.seed import seed_everything

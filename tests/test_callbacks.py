@@ -364,3 +364,16 @@ def test_progress_bar_enabled_draws(make_trainer: MakeTrainer, capsys: pytest.Ca
     trainer.fit(TinyModule(n=8, val_n=4))
     assert sum(isinstance(cb, ProgressBar) for cb in trainer.callbacks) == 1
     assert "Epoch 0" in capsys.readouterr().out
+
+
+def test_monitored_checkpoint_before_any_validation_saves_last_only(make_trainer: MakeTrainer,
+                                                                    run_dir: str) -> None:
+    # max_steps ends the run before the first validation: nothing to rank by, but `last` must
+    # still be written so the run can be resumed, and no KeyError may escape.
+    cb = ModelCheckpoint(monitor="val/score", mode="max", save_top_k=1)
+    trainer = make_trainer(max_epochs=3, max_steps=2, callbacks=[cb])
+    trainer.fit(ScoredModule([0.1, 0.2, 0.3], n=32, batch_size=4))  # 8 steps per epoch
+    assert ckpt_files(run_dir) == []
+    assert latest(run_dir) == "last.ckpt"
+    loop = torch.load(os.path.join(run_dir, "checkpoints", "last.ckpt"), weights_only=True)["loop"]
+    assert loop["global_step"] == 2

@@ -83,10 +83,16 @@ class ModelCheckpoint(Callback):
     def _score(self, trainer: Any) -> float | None:
         if self.monitor is None:
             return None
+        if self.monitor not in trainer.callback_metrics and not self._validated(trainer):
+            return None  # nothing to rank by yet (no validation so far): saved as `last` only
         if self.monitor not in trainer.callback_metrics:
             raise KeyError(f"ModelCheckpoint monitors '{self.monitor}' but it was not logged; logged: "
                            f"{', '.join(sorted(trainer.callback_metrics)) or '(nothing)'}")
         return float(trainer.callback_metrics[self.monitor])
+
+    @staticmethod
+    def _validated(trainer: Any) -> bool:
+        return any(k.startswith(("val", "valid")) for k in trainer.callback_metrics)
 
     def _is_better(self, score: float, worst: float) -> bool:
         return score < worst if self.mode == "min" else score > worst
@@ -94,7 +100,8 @@ class ModelCheckpoint(Callback):
     def _save(self, trainer: Any, epoch_done: bool) -> None:
         trainer.guard.check()  # never write a checkpoint that already holds a NaN
         score = self._score(trainer)
-        keep = self.save_top_k != 0 and (
+        unranked = self.monitor is not None and score is None
+        keep = self.save_top_k != 0 and not unranked and (
             self.save_top_k == -1 or len(self.kept) < self.save_top_k or self.monitor is None
             # `kept` holds negated scores in max mode (best first when sorted ascending).
             or self._is_better(score, -self.kept[-1][0] if self.mode == "max" else self.kept[-1][0])

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from polytrain.strategies import collectives as C
+from polytrain.strategies import heartbeat
 from polytrain.strategies.environment import ClusterEnvironment
 from polytrain.trainer.precision import Precision
 
@@ -63,8 +64,11 @@ class Strategy(ABC):
         self._device = torch.device("cpu")
 
     @classmethod
-    def processes_per_node(cls, devices: int) -> int:
-        """How many worker processes ``devices`` means on one node (dp: one process, many GPUs)."""
+    def processes_per_node(cls, devices: int, options: Any = None) -> int:
+        """How many worker processes ``devices`` means on one node (dp: one process, many GPUs).
+
+        ``options`` is the validated strategy mapping (or options object) when the launcher has it:
+        model_parallel's layers mode reads ``devices_per_process`` from it."""
         return devices
 
     # ------------------------------------------------------------------ topology
@@ -153,6 +157,7 @@ class Strategy(ABC):
         from polytrain.trainer.module import extract_loss
 
         output = self.training_step(batch, batch_idx)
+        heartbeat.at("backward")  # past the user's step: a peer stuck inside it is now behind
         loss = extract_loss(output)
         if loss is None:
             return StepResult(None, output)  # the user chose to skip this batch
@@ -217,6 +222,14 @@ class Strategy(ABC):
     def recv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None) -> int:
         return C.recv(tensor, src, group)
 
+    def isend(self, tensor: torch.Tensor, dst: int, group: Any = None) -> Any:
+        """Non-blocking ``send``; returns a request to ``wait()`` on."""
+        return C.isend(tensor, dst, group)
+
+    def irecv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None) -> Any:
+        """Non-blocking ``recv``; ``tensor`` is filled once the returned request's ``wait()`` returns."""
+        return C.irecv(tensor, src, group)
+
     def barrier(self, name: str | None = None) -> None:
         C.barrier()
 
@@ -245,4 +258,5 @@ class Strategy(ABC):
     def teardown(self) -> None:
         from polytrain.strategies.process_group import destroy_process_group
 
+        heartbeat.stop()  # before the store it writes to goes away
         destroy_process_group()

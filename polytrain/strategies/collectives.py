@@ -120,6 +120,16 @@ def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None) -> int
     return dist.recv(tensor, src=src, group=group)
 
 
+def isend(tensor: torch.Tensor, dst: int, group: Any = None) -> Any:
+    """Non-blocking send: returns a request; call ``.wait()`` before changing ``tensor``."""
+    return dist.isend(tensor, dst=dst, group=group)
+
+
+def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None) -> Any:
+    """Non-blocking receive: returns a request; ``tensor`` holds the data only after ``.wait()``."""
+    return dist.irecv(tensor, src=src, group=group)
+
+
 def barrier(group: Any = None) -> None:
     if active(group):
         check_in("barrier", group)

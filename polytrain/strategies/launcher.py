@@ -78,7 +78,8 @@ def plan_launch(cfg: TrainerConfig) -> LaunchPlan:
     name = spec["name"]
     if name == "auto":
         name = resolve_strategy_name("auto", env.world_size if env.is_distributed else devices * cfg.num_nodes)
-    per_node = strategy_class(name).processes_per_node(devices) if name != "custom" else devices
+    options = spec if isinstance(cfg.strategy, dict) else getattr(cfg.strategy, "options", None)
+    per_node = strategy_class(name).processes_per_node(devices, options) if name != "custom" else devices
     wanted = per_node * cfg.num_nodes
     if env.is_distributed:
         if cfg.devices != "auto" and env.world_size != wanted:
@@ -106,6 +107,8 @@ def _launch_config(plan: LaunchPlan, max_restarts: int) -> Any:
     # Without this, the first restart after rank 0 dies cannot rendezvous on gloo (the store
     # lived in the dead worker).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # As torchrun does: N workers each using every core would oversubscribe the CPU N-fold.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.processes_per_node)))
     if plan.num_nodes > 1:
         addr = os.environ.get("MASTER_ADDR")
         port = os.environ.get("MASTER_PORT")

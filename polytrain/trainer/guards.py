@@ -32,12 +32,26 @@ def check_batches(trainer: Trainer, loader: Any, stage: str) -> int:
     """
     strategy = trainer.strategy
     length = loader_length(loader)
-    if length is None:
+    limit = trainer.config.limit_train_batches
+    if length is None and limit is None:
         raise EmptyDataError(f"the {stage} DataLoader has no length (an IterableDataset?); set "
                              f"trainer.limit_train_batches to the number of batches per epoch")
-    limit = trainer.config.limit_train_batches
-    count = min(length, limit) if limit is not None else length
-    counts = [int(c) for c in strategy.all_gather_object(count, strategy.dp_group)]
+    if limit is None:
+        count = length
+    else:
+        count = limit if length is None else min(length, limit)
+    dataset = getattr(loader, "dataset", None)
+    samples = len(dataset) if hasattr(dataset, "__len__") else None
+    # Gathered before anyone raises: every rank must reach the same verdict, or some would wait.
+    gathered = strategy.all_gather_object((count, samples), strategy.dp_group)
+    counts = [int(c) for c, _ in gathered]
+    sampler = getattr(loader, "sampler", None)
+    if samples is not None and samples < strategy.dp_size and hasattr(sampler, "num_replicas"):
+        raise EmptyDataError(
+            f"the {stage} dataset has {samples} sample(s) for {strategy.dp_size} data-parallel ranks: some "
+            f"ranks would only see padding copies of other ranks' samples. Use at least {strategy.dp_size} "
+            f"samples or fewer processes"
+        )
     if min(counts) == 0:
         raise EmptyDataError(
             f"the {stage} DataLoader yields 0 batches on data-parallel rank(s) "
