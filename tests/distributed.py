@@ -52,9 +52,31 @@ class DistributedRunError(RuntimeError):
     pass
 
 
+# Workers come from a fork server that has imported torch (and what the first optimizer pulls in)
+# once: a fresh interpreter per rank costs 5-15 s of imports on a 2-core machine, a fork of the
+# server a fraction of a second. The server never initialises a process group or an OpenMP pool,
+# so forking it is safe.
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo",
+            "polytrain.trainer.trainer", "polytrain.trainer.loops", "polytrain.strategies.ddp",
+            "polytrain.strategies.single", "polytrain.callbacks.defaults"]
+_context: Any = None
+
+
+def _get_context() -> Any:
+    global _context
+    if _context is None:
+        if os.environ.get("POLYTRAIN_TEST_START_METHOD", "forkserver") == "spawn":
+            _context = mp.get_context("spawn")
+        else:
+            os.environ.setdefault("OMP_NUM_THREADS", "1")  # read once by the server's OpenMP runtime
+            _context = mp.get_context("forkserver")
+            _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank."""
-    ctx = mp.get_context("spawn")
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return results by rank."""
+    ctx = _get_context()
     results = ctx.Queue()
     port = free_port()
     procs = [
