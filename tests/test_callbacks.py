@@ -377,3 +377,22 @@ def test_monitored_checkpoint_before_any_validation_saves_last_only(make_trainer
     assert latest(run_dir) == "last.ckpt"
     loop = torch.load(os.path.join(run_dir, "checkpoints", "last.ckpt"), weights_only=True)["loop"]
     assert loop["global_step"] == 2
+
+
+def test_model_summary_prints_parameter_table(make_trainer: MakeTrainer, capsys: Any) -> None:
+    from polytrain.callbacks import ModelSummary
+
+    module = TinyModule(n=8, batch_size=4, val_n=None)
+    make_trainer(max_epochs=1, enable_model_summary=True).fit(module)
+    out = capsys.readouterr().out
+    total = sum(p.numel() for p in module.parameters())
+    assert f"{total} trainable / {total} total parameters" in out
+    assert not any(isinstance(c, ModelSummary) for c in make_trainer(enable_model_summary=False).callbacks)
+
+
+def test_deterministic_turns_on_deterministic_algorithms(make_trainer: MakeTrainer) -> None:
+    try:
+        make_trainer(max_epochs=1, deterministic=True).fit(TinyModule(n=8, batch_size=4, val_n=None))
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)

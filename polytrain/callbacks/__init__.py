@@ -15,6 +15,7 @@ _EXPORTS = {
     "EarlyStopping": "polytrain.callbacks.early_stopping",
     "LearningRateMonitor": "polytrain.callbacks.monitors",
     "ThroughputMonitor": "polytrain.callbacks.monitors",
+    "ModelSummary": "polytrain.callbacks.summary",
 }
 __all__ = sorted(_EXPORTS)
 

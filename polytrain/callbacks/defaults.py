@@ -36,6 +36,7 @@ def _loggers(spec: Any, run_dir: str) -> list[Callback]:
 def build_callbacks(cfg: TrainerConfig, objects: list[Callback], logger_objects: Any) -> list[Callback]:
     from polytrain.callbacks.checkpoint import ModelCheckpoint
     from polytrain.callbacks.progress import ProgressBar
+    from polytrain.callbacks.summary import ModelSummary
 
     callbacks: list[Callback] = []
     for cb in objects:
@@ -52,6 +53,8 @@ def build_callbacks(cfg: TrainerConfig, objects: list[Callback], logger_objects:
         callbacks.extend(logger_objects if isinstance(logger_objects, (list, tuple)) else [logger_objects])
     else:
         callbacks.extend(_loggers(cfg.logger, cfg.run_dir))
+    if cfg.enable_model_summary and not any(isinstance(c, ModelSummary) for c in callbacks):
+        callbacks.append(ModelSummary())
     if cfg.enable_progress_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(ProgressBar())
     if cfg.enable_checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):

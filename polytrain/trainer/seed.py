@@ -54,3 +54,11 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         npst = state["numpy"]
         np.random.set_state((npst["kind"], npst["keys"].numpy().astype("uint32"), npst["pos"],
                              npst["has_gauss"], npst["cached"]))
+
+
+def enable_deterministic() -> None:
+    """Deterministic kernels only (an error names any op without one); cuBLAS needs a fixed
+    workspace for that, which must be set before the first CUDA matmul."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
