@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,10 @@ from polytrain import connect
 def say(strategy, demo: str, value) -> None:
     if isinstance(value, torch.Tensor):
         value = value.tolist()
-    print(f"[rank {strategy.global_rank}] {demo}: {value}", flush=True)
+    # One write() per line: both ranks share the terminal (or pipe), and print() may issue the text
+    # and its newline as two writes that the other rank's line can slip between.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"[rank {strategy.global_rank}] {demo}: {value}\n".encode())
 
 
 def send_recv(strategy) -> None:
