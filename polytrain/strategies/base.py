@@ -176,12 +176,20 @@ class Strategy(ABC):
             return None
         return torch.nn.utils.clip_grad_norm_(params, value)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, clip_val: float | None, clip_algorithm: str) -> None:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, clip_val: float | None, clip_algorithm: str,
+                       check_norm: Any = None) -> bool:
+        """Unscale, clip, step. ``check_norm(total_norm)`` (the NaN guard) sees the gradient norm that
+        clipping by norm computed (None otherwise); when it returns True the step is skipped. Returns
+        whether the optimizer stepped."""
         self.precision.unscale_gradients(optimizer)
+        norm = None
         if clip_val is not None:
-            self.clip_gradients(optimizer, clip_val, clip_algorithm)
+            norm = self.clip_gradients(optimizer, clip_val, clip_algorithm)
+        if check_norm is not None and check_norm(norm):
+            return False
         self.module.on_before_optimizer_step(optimizer)
         self.precision.optimizer_step(optimizer)
+        return True
 
     def no_backward_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient all-reduce on non-final micro-batches of an accumulation window."""

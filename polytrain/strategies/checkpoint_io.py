@@ -2,6 +2,13 @@
 
 A write failure on rank 0 (full disk, read-only directory) is agreed on by all ranks, so each
 one raises the same clear error instead of some waiting at a barrier forever.
+
+File format: ``model`` is a plain ``state_dict`` (``torch.load(path)["model"]`` loads into a plain
+``nn.Module``); ``optimizer`` is every optimizer's state flattened and keyed by parameter name
+(``state.<fqn>.<name>``, ``param_groups.<fqn>.<hyperparameter>``), the form sharded checkpoints use
+too, so a sharded strategy can load this file and a replicated one can load a sharded directory
+(``polytrain.strategies.sharded_io``). Files from before that change hold ``optimizers``, a list
+of index-keyed ``Optimizer.state_dict()`` s, and still load.
 """
 
 from __future__ import annotations
@@ -47,9 +54,11 @@ def agree_on_error(strategy: Any, error: str | None) -> None:
 
 
 def save_replicated(strategy: Any, payload: dict[str, Any], path: str) -> None:
+    from polytrain.strategies.sharded_io import full_optimizer_state
+
     payload = dict(payload)
     payload["model"] = strategy.module_state_dict()
-    payload["optimizers"] = [opt.state_dict() for opt in strategy.optimizers]
+    payload["optimizer"] = full_optimizer_state(strategy)
     error = None
     if strategy.is_global_zero:
         try:
@@ -68,6 +77,12 @@ def strip_wrapper_prefix(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_checkpoint(path: str) -> dict[str, Any]:
+    """A whole checkpoint as full CPU tensors: a file, or a sharded (DCP) directory read without
+    any process group. Never unpickles without restriction."""
+    if os.path.isdir(path):
+        from polytrain.strategies.sharded_io import read_sharded
+
+        return read_sharded(path)
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -83,8 +98,14 @@ def read_checkpoint(path: str) -> dict[str, Any]:
 
 
 def load_replicated(strategy: Any, path: str) -> dict[str, Any]:
-    payload = read_checkpoint(path)
-    strategy.module.load_state_dict(strip_wrapper_prefix(payload["model"]))
-    for optimizer, state in zip(strategy.optimizers, payload.get("optimizers", [])):
-        optimizer.load_state_dict(state)
+    """Every rank reads the whole checkpoint (a file or a sharded directory) and loads it."""
+    from polytrain.strategies.sharded_io import load_full_state
+
+    error, payload = None, {}
+    try:
+        payload = read_checkpoint(path)
+    except CheckpointError as err:
+        error = str(err)
+    agree_on_error(strategy, error)  # a file one node cannot see must not leave the others waiting
+    load_full_state(strategy, payload, path)
     return payload

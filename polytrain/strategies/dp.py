@@ -37,7 +37,7 @@ class DataParallelStrategy(Strategy):
     Options = DataParallelOptions
 
     @classmethod
-    def processes_per_node(cls, devices: int) -> int:
+    def processes_per_node(cls, devices: int, options: Any = None) -> int:
         return 1  # one process drives all devices
 
     def setup_environment(self) -> None:

@@ -40,6 +40,16 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
+def _sample_offset(trainer: Trainer, epoch_done: bool) -> int | None:
+    if epoch_done or trainer.batch_in_epoch == 0:
+        return 0
+    batch_size = getattr(trainer, "train_batch_size", None)
+    if not batch_size:
+        return None
+    base_offset, base_batch = getattr(trainer, "sample_base", (0, 0))  # set when a resume re-split the data
+    return base_offset + (trainer.batch_in_epoch - base_batch) * batch_size * trainer.strategy.dp_size
+
+
 def build_payload(trainer: Trainer, epoch_done: bool) -> dict[str, Any]:
     """Called on every rank (it gathers RNG states); the strategy adds model/optimizer state."""
     from polytrain import __version__
@@ -51,6 +61,8 @@ def build_payload(trainer: Trainer, epoch_done: bool) -> dict[str, Any]:
         "batch_in_epoch": 0 if epoch_done else trainer.batch_in_epoch,
         "world_size": strategy.world_size,
         "dp_size": strategy.dp_size,
+        # Global sample positions of this epoch's permutation already consumed (any dp size resumes from it).
+        "sample_offset": _sample_offset(trainer, epoch_done),
     }
     payload: dict[str, Any] = {
         "polytrain": {"format": FORMAT_VERSION, "version": __version__},

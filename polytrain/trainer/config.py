@@ -23,6 +23,7 @@ ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
 LAUNCHERS = ("auto", "elastic", "spawn", "fork", "none")
 CLIP_ALGORITHMS = ("norm", "value")
 NAN_POLICIES = ("error", "skip")
+LOGGERS = ("tensorboard", "csv")
 # An anchor/alias "billion laughs" document is small on disk but huge once expanded.
 MAX_YAML_NODES = 100_000
 
@@ -111,14 +112,22 @@ def validate_dataclass(cls: type, data: dict[str, Any], where: str) -> Any:
         merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(data))
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
-        expected = {f.name: f.type for f in dataclasses.fields(cls)}.get(str(key).split(".")[0], "?")
+        expected = {f.name: f.type for f in dataclasses.fields(cls)}.get(str(key).split(".")[0].split("[")[0], "?")
         raise ConfigError(
             f"{where}.{key}: {str(getattr(err, 'msg', err)).splitlines()[0]} (expected {expected})"
         ) from None
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:
         raise ConfigError(f"{where} is missing required value(s): {', '.join(missing)}")
-    return OmegaConf.to_object(merged)
+    obj = OmegaConf.to_object(merged)
+    for f in dataclasses.fields(cls):
+        # OmegaConf lets a mapping or list through as an element of a list[str] field.
+        value = getattr(obj, f.name)
+        if str(f.type).startswith("list[str]") and isinstance(value, list):
+            for i, item in enumerate(value):
+                if not isinstance(item, str):
+                    raise ConfigError(f"{where}.{f.name}[{i}]={item!r} is not valid (expected {f.type})")
+    return obj
 
 
 def validate_trainer_config(data: dict[str, Any]) -> TrainerConfig:
@@ -133,6 +142,7 @@ def validate_trainer_config(data: dict[str, Any]) -> TrainerConfig:
     check_choice(cfg.launcher, LAUNCHERS, "trainer.launcher")
     check_choice(cfg.gradient_clip_algorithm, CLIP_ALGORITHMS, "trainer.gradient_clip_algorithm")
     check_choice(cfg.nan_policy, NAN_POLICIES, "trainer.nan_policy")
+    _check_logger_and_callbacks(cfg)  # else they would fail only inside the workers
     if not (cfg.devices == "auto" or (isinstance(cfg.devices, int) and not isinstance(cfg.devices, bool) and cfg.devices > 0)):
         raise ConfigError(f"trainer.devices={cfg.devices!r} is not valid; use 'auto' or a positive integer")
     for name in ("num_nodes", "accumulate_grad_batches", "log_every_n_steps", "check_val_every_n_epoch"):
@@ -150,6 +160,18 @@ def validate_trainer_config(data: dict[str, Any]) -> TrainerConfig:
 
     cfg.strategy = validate_strategy_spec(normalize_strategy(cfg.strategy))
     return cfg
+
+
+def _check_logger_and_callbacks(cfg: TrainerConfig) -> None:
+    names = [cfg.logger] if isinstance(cfg.logger, str) else cfg.logger
+    if not (cfg.logger is None or isinstance(cfg.logger, bool)
+            or (isinstance(names, list) and all(isinstance(n, str) and n in LOGGERS for n in names))):
+        raise ConfigError(f"trainer.logger={cfg.logger!r} is not valid; use true, false, one of "
+                          f"{', '.join(LOGGERS)}, or a list of them")
+    for i, spec in enumerate(cfg.callbacks):
+        if not (isinstance(spec, dict) and isinstance(spec.get("_target_"), str)):
+            raise ConfigError(f"trainer.callbacks[{i}]={spec!r} is not valid; each callback must be a mapping "
+                              f"with _target_: package.Class (and its keyword arguments)")
 
 
 def normalize_strategy(value: Any) -> dict[str, Any]:

@@ -29,11 +29,43 @@ class ResumableDistributedSampler(DistributedSampler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._skip = 0
+        self._offset: int | None = None
 
     def skip(self, num_samples: int) -> None:
         self._skip = num_samples
 
+    def resume_from(self, offset: int) -> None:
+        """Next pass only: continue the epoch from global position ``offset``, re-split over this
+        sampler's ranks. The epoch's permutation depends on seed and epoch, not on the number of
+        ranks, and ranks consume it interleaved, so after ``b`` batches of size ``B`` on ``n`` ranks
+        exactly its first ``b * B * n`` positions are used: whatever ``n`` was, the rest of the
+        permutation (padded as ``DistributedSampler`` pads) is what is left."""
+        self._offset = offset
+
+    def _rest(self, offset: int) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            perm = torch.randperm(len(self.dataset), generator=g).tolist()
+        else:
+            perm = list(range(len(self.dataset)))
+        rest = perm[offset:]
+        if self.drop_last:
+            return rest[: len(rest) - len(rest) % self.num_replicas]
+        pad = (-len(rest)) % self.num_replicas
+        if pad and rest:
+            rest += (perm * -(-pad // len(perm)))[:pad]  # as DistributedSampler pads: from the epoch's start
+        return rest
+
+    def samples_left(self, offset: int) -> int:
+        """Samples this rank gets in a pass resumed at global position ``offset``."""
+        return len(self._rest(offset)) // self.num_replicas
+
     def __iter__(self) -> Iterator[int]:
+        offset, self._offset = self._offset, None
+        if offset is not None:
+            self._skip = 0
+            return iter(self._rest(offset)[self.rank::self.num_replicas])
         indices = super().__iter__()
         skip, self._skip = self._skip, 0
         if skip:
@@ -142,6 +174,8 @@ def distribute_dataloader(loader: Any, num_replicas: int, rank: int, seed: int, 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
+        if batch.device == device:
+            return batch  # what .to() returns here, without its argument parsing (every batch, every step)
         return batch.to(device, non_blocking=device.type == "cuda")
     if isinstance(batch, dict):
         return {k: move_to_device(v, device) for k, v in batch.items()}
@@ -167,6 +201,40 @@ def skip_batches(loader: Any, num_batches: int) -> int:
         sampler.skip(num_batches * loader.batch_size)
         return 0
     return num_batches
+
+
+def resume_position(loader: Any, start: int, num_batches: int, dp_size: int, saved: dict[str, Any] | None
+                    ) -> tuple[int, int, tuple[int, int]]:
+    """Where this epoch's pass starts after a resume: ``(first batch index, batches the loop must
+    skip itself, (global sample offset, batch index) it counts positions from)``.
+
+    ``saved`` is the checkpoint's loop record (``sample_offset``: global sample positions consumed in
+    the epoch; ``dp_size``). Same data-parallel size and position: the batch-skip path (unchanged
+    order). Otherwise polytrain's sampler continues from the global offset, re-split over this run's
+    ranks, and the loop starts at the batch index that leaves exactly the remaining batches. A
+    loader whose position cannot be re-split raises instead of drifting silently.
+    """
+    if start == 0 or saved is None:
+        return start, skip_batches(loader, start), (0, 0)
+    sampler, batch_size = getattr(loader, "sampler", None), getattr(loader, "batch_size", None)
+    offset, old_dp = saved.get("sample_offset"), saved.get("dp_size")
+    if offset is not None and batch_size and offset == start * batch_size * dp_size:
+        return start, skip_batches(loader, start), (0, 0)  # the position this run's ranks would be at
+    if offset is None or not batch_size:
+        if old_dp in (None, dp_size):
+            return start, skip_batches(loader, start), (0, 0)
+    elif isinstance(sampler, ResumableDistributedSampler):
+        sampler.resume_from(offset)
+        left = sampler.samples_left(offset)
+        batches = left // batch_size if loader.drop_last else -(-left // batch_size)
+        first = max(0, num_batches - batches)
+        return first, 0, (offset, first)
+    raise SamplerError(
+        f"the checkpoint was taken {start} batches into an epoch with {old_dp} data-parallel rank(s) and this run "
+        f"has {dp_size}; the training DataLoader ({type(sampler).__name__}, batch_size={batch_size}) does not use "
+        f"polytrain's sampler, so its position cannot be re-split over the new ranks. Resume with {old_dp} "
+        f"data-parallel ranks, or from a checkpoint taken at an epoch boundary"
+    )
 
 
 def loader_length(loader: Any) -> int | None:

@@ -81,32 +81,62 @@ class NonFiniteGuard:
     ranks skip the optimizer step together, leaving parameters unchanged.
     """
 
+    FOLD_EVERY = 256  # pending losses (error policy) checked together at most this many at a time
+
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
         self.policy = trainer.config.nan_policy
         self.device = trainer.strategy.collective_device
         self.first_bad_step = torch.full((), -1, dtype=torch.long, device=self.device)
-        # Counted on the device: building a tensor from the host's step number every step would
-        # be a host-to-device copy, which waits for the stream on CUDA.
-        self.step = torch.full((), trainer.global_step, dtype=torch.long, device=self.device)
+        # Error policy: losses wait on the device with their step (a host int) and are checked
+        # together by _fold at the next check() or every FOLD_EVERY losses -- a few tensor ops per
+        # fold instead of five per step (measured: benchmarks/overhead.py), still no host sync.
+        self.step = trainer.global_step
+        self._pending: list[torch.Tensor] = []
+        self._pending_steps: list[int] = []
         self._bad_now: torch.Tensor | None = None
         self._window_bad: torch.Tensor | None = None
         self.skipped_steps = 0
+        # Gradient norms (only known when clipping by norm): the first step whose norm was non-finite.
+        self.first_bad_norm_step = torch.full((), -1, dtype=torch.long, device=self.device)
 
     def observe(self, loss: torch.Tensor | None, end_of_window: bool = True) -> None:
         """Called for every micro-batch: a bad loss anywhere in an accumulation window has already
         poisoned the accumulated gradients, so the window's optimizer step counts as bad."""
+        if self.policy == "error":
+            if loss is not None:
+                self._pending.append(loss.detach())
+                self._pending_steps.append(self.step)
+            if end_of_window:
+                self.step += 1  # every window, loss or not, so the step named matches trainer.global_step
+                if len(self._pending) >= self.FOLD_EVERY:
+                    self._fold()
+            return
         if loss is not None:
             bad = ~torch.isfinite(loss.detach()).all()
             self._window_bad = bad if self._window_bad is None else self._window_bad | bad
         if not end_of_window:
             return
         self._bad_now, self._window_bad = self._window_bad, None
-        if self.policy == "error":
-            if self._bad_now is not None:
-                self.first_bad_step = torch.where(self._bad_now.to(self.device) & (self.first_bad_step < 0),
-                                                  self.step, self.first_bad_step)
-            self.step += 1  # every window, loss or not, so the step named matches trainer.global_step
+
+    def _fold(self) -> None:
+        """The earliest step among the pending losses with a non-finite value, into
+        ``first_bad_step``; on the device, no host sync (the step numbers go from pinned memory)."""
+        if not self._pending:
+            return
+        losses, steps = self._pending, self._pending_steps
+        self._pending, self._pending_steps = [], []
+        if all(t.dim() == 0 for t in losses):
+            values = torch.stack(losses)
+        else:  # non-scalar losses: every element carries its step
+            steps = [s for t, s in zip(losses, steps) for _ in range(t.numel())]
+            values = torch.cat([t.reshape(-1) for t in losses])
+        index = torch.tensor(steps, dtype=torch.long)
+        pinned = values.device.type == "cuda"
+        index = (index.pin_memory() if pinned else index).to(values.device, non_blocking=pinned)
+        none = torch.iinfo(torch.long).max
+        first = torch.where(torch.isfinite(values), none, index).min().to(self.device)
+        self.first_bad_step = torch.where((self.first_bad_step < 0) & (first < none), first, self.first_bad_step)
 
     def should_skip_step(self) -> bool:
         if self.policy != "skip":
@@ -116,12 +146,51 @@ class NonFiniteGuard:
         self.skipped_steps += int(skip)
         return skip
 
+    def check_grad_norm(self, norm: torch.Tensor | None) -> bool:
+        """The strategy's hook after clipping by norm (the total norm is then known): a NaN/inf
+        norm marks the step bad even when the loss was finite. Returns True when the optimizer step
+        must be skipped (``nan_policy: skip``, agreed by every rank). With a GradScaler (16-mixed)
+        the scaler already skips inf/NaN gradients, so its overflow steps are not errors."""
+        if norm is None or getattr(self.trainer.strategy.precision, "scaler", None) is not None:
+            return False
+        bad = ~torch.isfinite(norm.detach()).all()
+        if self.policy == "skip":
+            skip = self.trainer.strategy.reduce_boolean_decision(bool(bad))
+            self.skipped_steps += int(skip)
+            return skip
+        # `self.step` already counts this window (observe ran first): the step is self.step - 1.
+        self.first_bad_norm_step = torch.where(bad.to(self.device) & (self.first_bad_norm_step < 0),
+                                               self.step - 1, self.first_bad_norm_step)
+        return False
+
+    def _params_bad(self) -> torch.Tensor:
+        """1 if any parameter this rank holds is NaN/inf (a NaN gradient from a finite loss lands
+        here when no clipping norm was there to catch it). A pass over the parameters: only at checks."""
+        flags = []
+        for p in self.trainer.module.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor shard
+            flags.append((~torch.isfinite(local.detach()).all()).to(self.device))
+        if not flags:
+            return torch.zeros((), dtype=torch.long, device=self.device)
+        return torch.stack(flags).any().long()
+
     def check(self) -> None:
-        """Collective: every rank calls it at the same points."""
-        if self.policy != "error":
-            return
-        steps = C.all_gather(self.first_bad_step)
-        bad = [(int(s), r) for r, s in enumerate(steps.tolist()) if s >= 0]
+        """Collective: every rank calls it at the same points, whatever the policy (parameters
+        are checked under both: skipping steps cannot repair them)."""
+        if self.policy == "error":
+            self._fold()
+        local = torch.stack([self.first_bad_step, self.first_bad_norm_step, self._params_bad()])
+        gathered = C.all_gather(local).tolist()
+        bad = [(int(s), r) for r, (s, _, _) in enumerate(gathered) if s >= 0]
+        bad_norm = [(int(n), r) for r, (_, n, _) in enumerate(gathered) if n >= 0]
+        if bad_norm and (not bad or min(bad_norm)[0] < min(bad)[0]):
+            step = min(s for s, _ in bad_norm)
+            ranks = [r for s, r in bad_norm if s == step]
+            raise NonFiniteError(
+                f"non-finite gradient norm at step {step} on rank(s) {ranks} (the loss was finite); training "
+                f"stopped before any later checkpoint was written. Look for an op with an unstable backward, "
+                f"lower the learning rate, or set trainer.nan_policy=skip to skip such steps"
+            )
         if bad:
             step = min(s for s, _ in bad)
             ranks = [r for s, r in bad if s == step]
@@ -129,4 +198,12 @@ class NonFiniteGuard:
                 f"non-finite loss at step {step} on rank(s) {ranks}; training stopped before any later "
                 f"checkpoint was written. Lower the learning rate, enable gradient clipping, or set "
                 f"trainer.nan_policy=skip to skip such steps"
+            )
+        params = [r for r, (_, _, p) in enumerate(gathered) if p]
+        if params:
+            raise NonFiniteError(
+                f"non-finite parameters on rank(s) {params} after step {self.trainer.global_step} although every "
+                f"checked loss was finite: a NaN/inf gradient from a finite loss was applied. Only the loss is "
+                f"checked per step unless gradient clipping by norm is on (trainer.gradient_clip_val): set it to "
+                f"catch the exact step. Training stopped before any later checkpoint was written"
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 from typing import TYPE_CHECKING, Any
@@ -19,12 +20,17 @@ def _spawn_entry(trainer_kwargs: dict[str, Any], callbacks: list[Any], stage: st
                  kwargs: dict[str, Any], result_path: str) -> None:
     from polytrain.trainer.trainer import Trainer
 
+    # torch.multiprocessing hands tensors to spawned workers in shared memory: without a private
+    # copy every rank would step the same parameters (one update per rank per step).
+    module = copy.deepcopy(module)
     trainer_kwargs = {**trainer_kwargs, "callbacks": list(trainer_kwargs["callbacks"]) + callbacks}
     trainer = Trainer(**trainer_kwargs)
     result = getattr(trainer, stage)(module, **kwargs)
+    # Every rank: under sharded strategies (fsdp, tensor parallel) gathering the weights is a collective.
+    state_dict = trainer.strategy.module_state_dict()
     if trainer.is_global_zero:
         # Hand the trained weights and the result back to the launching process.
-        torch.save({"state_dict": trainer.strategy.module_state_dict(), "result": result,
+        torch.save({"state_dict": state_dict, "result": result,
                     "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, result_path)
     trainer.strategy.teardown()
 

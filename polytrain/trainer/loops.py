@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from polytrain.strategies import heartbeat
 from polytrain.trainer import checkpoint as ckpt
-from polytrain.trainer.data import loader_length, set_epoch, skip_batches
+from polytrain.trainer.data import loader_length, resume_position, set_epoch
 from polytrain.trainer.guards import NonFiniteGuard, check_batches
 from polytrain.trainer.optim import parse_optimizers, step_schedulers
 from polytrain.trainer.seed import restore_rng_state, seed_everything
@@ -91,6 +92,7 @@ def run_fit(trainer: Trainer, module: TrainModule, train_dataloaders: Any, val_d
         raise ValueError(f"no training data: pass train_dataloaders to fit() or define train_dataloader() "
                          f"on {type(module).__name__}")
     val_loader = _pick_loader(trainer, module, val_dataloaders, datamodule, "val")
+    trainer.train_batch_size = getattr(train_loader, "batch_size", None)  # checkpoints count samples with it
     trainer.num_training_batches = check_batches(trainer, train_loader, "train")
     trainer.num_val_batches = loader_length(val_loader) if val_loader is not None else 0
     if trainer.num_val_batches is not None and cfg.limit_val_batches is not None:
@@ -128,7 +130,9 @@ def _train_epoch(trainer: Trainer, module: TrainModule, loader: Any, val_loader:
     start = trainer.batch_in_epoch
     num_batches = trainer.num_training_batches
     set_epoch(loader, epoch)
-    manual_skip = skip_batches(loader, start)
+    # After a resume the position may come from another data-parallel size: re-split it.
+    saved, trainer.resumed_loop = getattr(trainer, "resumed_loop", None), None
+    start, manual_skip, trainer.sample_base = resume_position(loader, start, num_batches, strategy.dp_size, saved)
     if trainer.pending_rng is not None and not trainer.resumed_mid_epoch:
         # Saved at an epoch boundary: the original run drew from the RNG when this epoch's
         # iterator was created, so restore before creating it.
@@ -153,22 +157,22 @@ def _train_epoch(trainer: Trainer, module: TrainModule, loader: Any, val_loader:
         trainer.metrics.batch_size = _batch_size(batch)
         trainer.batch_in_epoch = batch_idx + 1
         is_step = (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == num_batches
+        heartbeat.beat(trainer.global_step, "training_step")
         with strategy.no_backward_sync(not is_step):
             result = strategy.forward_backward(batch, batch_idx, 1.0 / accumulate)
         guard.observe(result.loss, end_of_window=is_step)
+        heartbeat.at("optimizer_step")
         if is_step:
             if guard.should_skip_step():
                 for opt in optimizers:
                     opt.zero_grad(set_to_none=True)
-            else:
-                for opt in optimizers:
-                    strategy.optimizer_step(opt, cfg.gradient_clip_val, cfg.gradient_clip_algorithm)
-                    opt.zero_grad(set_to_none=True)
+            elif _step_optimizers(strategy, optimizers, cfg, guard):
                 trainer.global_step += 1
                 step_schedulers(trainer.schedulers, "step", trainer.global_step, trainer.callback_metrics)
                 if trainer.global_step % cfg.log_every_n_steps == 0:
                     guard.check()
                     _log_step(trainer, result.loss)
+        heartbeat.at("on_train_batch_end")
         trainer.call_hook("on_train_batch_end", result.output, batch, batch_idx)
         if is_step and cfg.val_check_interval and (batch_idx + 1) % cfg.val_check_interval == 0 \
                 and batch_idx + 1 < num_batches and val_loader is not None:
@@ -178,6 +182,7 @@ def _train_epoch(trainer: Trainer, module: TrainModule, loader: Any, val_loader:
         if 0 <= cfg.max_steps <= trainer.global_step:
             trainer.should_stop = True
             break
+    heartbeat.at("train_epoch_end")
     epoch_values = trainer.metrics.reduce_epoch("train", strategy.dp_group)
     _publish(trainer, epoch_values, trainer.global_step)
     epoch_complete = trainer.batch_in_epoch >= num_batches
@@ -187,6 +192,18 @@ def _train_epoch(trainer: Trainer, module: TrainModule, loader: Any, val_loader:
         step_schedulers(trainer.schedulers, "epoch", epoch + 1, trainer.callback_metrics)
     trainer.epoch_complete = epoch_complete
     trainer.call_hook("on_train_epoch_end")
+
+
+def _step_optimizers(strategy: Any, optimizers: list[Any], cfg: Any, guard: NonFiniteGuard) -> bool:
+    """False when every optimizer skipped its step (a non-finite gradient norm under nan_policy=skip)."""
+    stepped = not optimizers
+    for opt in optimizers:
+        # The guard sees the gradient norm when clipping by norm computes one.
+        if strategy.optimizer_step(opt, cfg.gradient_clip_val, cfg.gradient_clip_algorithm,
+                                   check_norm=guard.check_grad_norm) is not False:
+            stepped = True
+        opt.zero_grad(set_to_none=True)
+    return stepped
 
 
 def _log_step(trainer: Trainer, loss: torch.Tensor | None) -> None:
@@ -215,6 +232,7 @@ def run_evaluation(trainer: Trainer, module: TrainModule, loader: Any, stage: st
     strategy = trainer.strategy
     metric_stage = {"validate": "val", "test": "test"}[stage]
     hook_stage = "validation" if stage == "validate" else "test"
+    heartbeat.at(stage)
     was_training = module.training
     module.eval()
     trainer.metrics.start_stage(metric_stage)

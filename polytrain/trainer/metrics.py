@@ -25,6 +25,8 @@ class _Meta:
 def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         value = value.detach()
+        if value.dtype == torch.float32 and value.dim() == 0:
+            return value  # what reshape(()).float() gives, without two dispatches per logged value
         if value.numel() != 1:
             raise ValueError(f"self.log needs a scalar, got a tensor of shape {tuple(value.shape)}")
         return value.reshape(()).float()
@@ -49,7 +51,9 @@ class MetricCollector:
         on_step = training if on_step is None else on_step
         on_epoch = (not training) if on_epoch is None else on_epoch
         tensor = _as_tensor(value, self.device)
-        self.meta[name] = _Meta(prog_bar, logger, sync_dist)
+        meta = self.meta.get(name)
+        if meta is None or meta.prog_bar != prog_bar or meta.logger != logger or meta.sync_dist != sync_dist:
+            self.meta[name] = _Meta(prog_bar, logger, sync_dist)
         if on_step:
             self.step_values[name] = tensor
         if on_epoch:

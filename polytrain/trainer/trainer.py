@@ -167,6 +167,11 @@ class Trainer:
         except BaseException as exc:
             for cb in self.callbacks:
                 cb.on_exception(self, module, exc)
+            from polytrain.strategies import heartbeat
+
+            explained = heartbeat.explain(exc)  # a collective timeout -> which rank stopped, and where
+            if explained is not None:
+                raise explained from exc
             raise
 
     def _setup_strategy(self, plan: Any) -> None:
@@ -184,18 +189,26 @@ class Trainer:
                 spec, accelerator=plan.accelerator, devices=plan.devices, num_nodes=plan.num_nodes,
                 precision=self.config.precision, timeout=self.config.timeout, env=plan.env,
             )
+        if self.config.deterministic:
+            from polytrain.trainer.seed import enable_deterministic
+
+            enable_deterministic()
         if self.config.detect_divergence:
             from polytrain.strategies import divergence
 
             divergence.enable(self.config.timeout)  # before the process group starts
         self.strategy.setup_environment()
         self.metrics.device = self.strategy.collective_device
+        from polytrain.strategies import heartbeat
+
+        heartbeat.start(self.strategy.global_rank, self.strategy.world_size, self.config.timeout)
 
     def restore_loop(self, loop: dict[str, Any]) -> None:
         self.current_epoch = int(loop["epoch"])
         self.global_step = int(loop["global_step"])
         self.batch_in_epoch = int(loop["batch_in_epoch"])
         self.resumed_mid_epoch = self.batch_in_epoch > 0
+        self.resumed_loop = loop  # sample_offset + dp_size: re-split if the data-parallel size changed
 
     def call_hook(self, name: str, *args: Any) -> None:
         """Callbacks first, then the module's hook of the same name (if it has one)."""

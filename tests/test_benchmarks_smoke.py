@@ -1,0 +1,39 @@
+"""The benchmarks run and print their ratio lines. No timing is asserted: performance is measured
+(``python benchmarks/overhead.py``), never asserted in tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+
+
+def _run(args: list[str], timeout: float) -> str:
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"{args[0]} failed:\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+@pytest.mark.timeout(60)
+def test_overhead_benchmark_prints_ratios() -> None:
+    # Tiny: one timed pair of 6 steps per mode; the DDP part spawns two gloo workers.
+    out = _run([os.path.join(BENCH, "overhead.py"), "--rounds", "1", "--steps", "6", "--epochs", "2",
+                "--hidden", "16", "--features", "8", "--batch-size", "4", "--log-every-n-steps", "2"], timeout=55)
+    for label in ("single", r"ddp x2 \(gloo\)"):
+        assert re.search(rf"^{label}: polytrain [0-9.]+ ms/step, hand [0-9.]+ ms/step, ratio [0-9.]+ "
+                         rf"\(target <= 1\.03\)", out, re.M), out
+        # Same data order and arithmetic: the two variants end with identical weights.
+        assert re.search(rf"^{label}:\s+weights match: yes", out, re.M), out
+
+
+@pytest.mark.timeout(60)
+def test_import_time_benchmark_prints_ratio() -> None:
+    out = _run([os.path.join(BENCH, "import_time.py"), "--runs", "1"], timeout=55)
+    assert re.search(r"^import: polytrain over torch [0-9.]+ s, ratio [0-9.]+ \(target <= 0\.3 s extra\)", out,
+                     re.M), out
