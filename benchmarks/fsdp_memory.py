@@ -75,7 +75,7 @@ def _measure(args: argparse.Namespace, strategy: str, run_dir: str) -> dict[str,
 
     module = Module()
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices="auto", max_steps=1, logger=False,
-                      enable_progress_bar=False, enable_checkpointing=False, run_dir=run_dir)
+                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, run_dir=run_dir)
     trainer.fit(module)
     optimizer = trainer.strategy.optimizers[0]
     module.sizes["adam"] = local_bytes(v for state in optimizer.state.values() for v in state.values())

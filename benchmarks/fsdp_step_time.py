@@ -82,7 +82,7 @@ def run_polytrain(args: argparse.Namespace, run_dir: str) -> tuple[tuple[float, 
             return loader(args)
 
     trainer = Trainer(strategy="fsdp", accelerator="cpu", devices="auto", max_epochs=1, logger=False,
-                      enable_progress_bar=False, enable_checkpointing=False, run_dir=run_dir)
+                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, run_dir=run_dir)
     module = Module()
     trainer.fit(module)
     elapsed = (time.perf_counter() - module.start[0], time.process_time() - module.start[1])

@@ -21,6 +21,18 @@ from polytrain.strategies.environment import ClusterEnvironment
 from polytrain.trainer.precision import Precision
 
 
+class _PaddingBatch:
+    """What ``eval_step`` returns for a padding batch: one a rank ran only so that collectives in
+    the forward stay matched (sharded strategies). The loops drop it: no callback sees it, no
+    prediction holds it."""
+
+    def __repr__(self) -> str:
+        return "PADDING_BATCH"
+
+
+PADDING_BATCH = _PaddingBatch()
+
+
 @dataclass
 class StepResult:
     """What one micro-batch's forward/backward produced: the detached loss and the user's output."""

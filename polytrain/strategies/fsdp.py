@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from polytrain.strategies import collectives as C
-from polytrain.strategies.base import StepRouter, Strategy
+from polytrain.strategies.base import PADDING_BATCH, StepRouter, Strategy
 from polytrain.strategies.mesh import ParallelDims
 from polytrain.strategies.process_group import default_backend, init_process_group, resolve_device
 from polytrain.trainer.config import ConfigError
@@ -147,12 +147,7 @@ class FSDPStrategy(Strategy):
     def eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
         # Through the sharded root: every block all-gathers its parameters in forward, so every
         # rank must run as many eval forwards as the others (EvalBatches sees to that).
-        with self.precision.forward_context():
-            if not self._padding.active:
-                return self.model(f"{stage}_step", batch, batch_idx)
-            with discarded_logs(self.module):
-                self.model(f"{stage}_step", batch, batch_idx)
-            return None
+        return padded_eval_step(self, self._padding, stage, batch, batch_idx)
 
     def no_backward_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         return _no_gradient_sync(self.model) if enabled else contextlib.nullcontext()
@@ -290,6 +285,18 @@ def _no_gradient_sync(root: Any) -> Iterator[None]:
         yield
     finally:
         root.set_requires_gradient_sync(True)
+
+
+def padded_eval_step(strategy: Strategy, padding: Any, stage: str, batch: Any, batch_idx: int) -> Any:
+    """An evaluation step through the sharded root (its forward gathers parameters, so every rank
+    must run it); on a padding batch the step still runs, its logs are dropped and the loops are
+    told with ``PADDING_BATCH``."""
+    with strategy.precision.forward_context():
+        if not padding.active:
+            return strategy.model(f"{stage}_step", batch, batch_idx)
+        with discarded_logs(strategy.module):
+            strategy.model(f"{stage}_step", batch, batch_idx)
+        return PADDING_BATCH
 
 
 @contextlib.contextmanager

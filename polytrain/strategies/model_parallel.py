@@ -263,16 +263,11 @@ class ModelParallelStrategy(Strategy):
     def eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
         if not self._forward_has_dp_collectives:
             return super().eval_step(stage, batch, batch_idx)
-        from polytrain.strategies.fsdp import discarded_logs
+        from polytrain.strategies.fsdp import padded_eval_step
 
         # Through the FSDP root, which gathers the parameters it owns; safe because every rank runs the
         # same number of evaluation batches (see process_dataloader).
-        with self.precision.forward_context():
-            if not self._padding.active:
-                return self.model(f"{stage}_step", batch, batch_idx)
-            with discarded_logs(self.module):
-                self.model(f"{stage}_step", batch, batch_idx)
-            return None
+        return padded_eval_step(self, self._padding, stage, batch, batch_idx)
 
     def no_backward_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         if not enabled:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from polytrain.strategies import heartbeat
+from polytrain.strategies.base import PADDING_BATCH
 from polytrain.trainer import checkpoint as ckpt
 from polytrain.trainer.data import loader_length, resume_position, set_epoch
 from polytrain.trainer.guards import NonFiniteGuard, check_batches
@@ -246,6 +247,8 @@ def run_evaluation(trainer: Trainer, module: TrainModule, loader: Any, stage: st
             batch = strategy.batch_to_device(batch)
             trainer.metrics.batch_size = _batch_size(batch)
             output = strategy.eval_step(metric_stage if metric_stage != "val" else "validation", batch, batch_idx)
+            if output is PADDING_BATCH:
+                continue
             for cb in trainer.callbacks:
                 getattr(cb, f"on_{hook_stage}_batch_end")(trainer, module, output, batch, batch_idx)
     values = trainer.metrics.reduce_epoch(metric_stage, strategy.dp_group)
@@ -309,6 +312,8 @@ def run_predict(trainer: Trainer, module: TrainModule, dataloaders: Any, datamod
             if limit is not None and batch_idx >= limit:
                 break
             batch = strategy.batch_to_device(batch)
-            outputs.append(strategy.eval_step("predict", batch, batch_idx))
+            output = strategy.eval_step("predict", batch, batch_idx)
+            if output is not PADDING_BATCH:
+                outputs.append(output)
     return outputs
 
