@@ -118,3 +118,13 @@ def make_trainer(quiet_kwargs: dict[str, Any]) -> Callable[..., Any]:
 @pytest.fixture
 def tiny_module() -> type[TinyModule]:
     return TinyModule
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    """`gpu` tests skip (reported as skipped, never as passed) where CUDA is absent."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA; run on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
