@@ -34,6 +34,11 @@ test-fast: $(DEV_STAMP)
 test-reliability: $(DEV_STAMP)
 	$(PY) -m pytest -q tests/reliability -m reliability
 
+# The full battery (5 trials per repeated scenario), one line per scenario with its figure.
+.PHONY: reliability
+reliability: $(DEV_STAMP)
+	$(PY) -m tests.reliability.summary
+
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check polytrain tests examples benchmarks
 

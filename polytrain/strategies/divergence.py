@@ -81,8 +81,14 @@ def check_in(op: str, group: Any = None) -> None:
     wanted = [f"polytrain/div/{key}/{seq}/{r}" for r in peers]
     try:
         store.wait(wanted, datetime.timedelta(seconds=_state["timeout"]))
-    except Exception:  # noqa: BLE001 - a store timeout; report who is missing instead
-        missing = [r for r, k in zip(peers, wanted) if not store.check([k])]
+    except Exception as err:  # noqa: BLE001 - a store timeout; report who is missing instead
+        try:
+            missing = [r for r, k in zip(peers, wanted) if not store.check([k])]
+        except Exception:  # noqa: BLE001 - the store itself is gone, not just slow
+            raise DivergenceError(
+                f"rank {me} lost the job's key-value store while waiting at collective #{seq} {entry} "
+                f"({type(err).__name__}); the rank hosting it (rank 0) has probably failed: see its error"
+            ) from None
         where = "; ".join(f"rank {r} last checked in at {_last(store, key, r)}" for r in missing)
         raise DivergenceError(
             f"rank {me} waited {_state['timeout']:.0f}s at collective #{seq} {entry} but rank(s) {missing} "

@@ -21,6 +21,7 @@ Enabled for every multi-process run (``Trainer`` starts it after the process gro
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -79,11 +80,12 @@ class _Heartbeat:
 
 
 _current: _Heartbeat | None = None
+_atexit_registered = False
 
 
 def start(rank: int, world_size: int, timeout_s: float, store: Any = None, interval_s: float | None = None) -> None:
     """Begin publishing this rank's position (no-op for a single process)."""
-    global _current
+    global _current, _atexit_registered
     stop()
     if world_size < 2:
         return
@@ -96,6 +98,9 @@ def start(rank: int, world_size: int, timeout_s: float, store: Any = None, inter
     interval = interval_s if interval_s is not None else max(0.2, min(1.0, timeout_s / 10))
     _current = _Heartbeat(store, rank, world_size, timeout_s, interval)
     _current.start()
+    if not _atexit_registered:
+        atexit.register(stop)  # join the thread before the interpreter (and the store) shut down
+        _atexit_registered = True
 
 
 def stop() -> None:

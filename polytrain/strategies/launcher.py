@@ -57,7 +57,8 @@ def _resolve_devices(devices: Any, accelerator: str, env: ClusterEnvironment) ->
         if env.is_distributed:
             return env.local_world_size
         return max(1, torch.cuda.device_count()) if accelerator == "cuda" else 1
-    if devices > available:
+    # Under a launcher the processes exist already: plan_launch names a disagreement with them as such.
+    if devices > available and not env.is_distributed:
         what = "GPU(s) are visible" if accelerator == "cuda" else "CPU cores are available"
         raise ConfigError(f"trainer.devices={devices} but only {available} {what}; set trainer.devices to at "
                           f"most {available}")

@@ -105,7 +105,7 @@ class NonFiniteGuard:
         poisoned the accumulated gradients, so the window's optimizer step counts as bad."""
         if self.policy == "error":
             if loss is not None:
-                self._pending.append(loss.detach())
+                self._pending.append(loss.detach() if loss.requires_grad else loss)  # strategies pass it detached
                 self._pending_steps.append(self.step)
             if end_of_window:
                 self.step += 1  # every window, loss or not, so the step named matches trainer.global_step

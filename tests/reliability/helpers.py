@@ -217,7 +217,8 @@ def pick(results: dict[str, Done], prefix: str) -> list[Done]:
 
     found = [d for name, d in sorted(results.items()) if name.startswith(prefix)]
     if not found:
-        pytest.skip(f"no job named {prefix}* in this run (POLYTRAIN_RELIABILITY_ONLY?)")
+        pytest.skip(f"no job named {prefix}* in this run (the default run keeps one CLI elastic trial: "
+                    f"POLYTRAIN_RELIABILITY_TRIALS>1 adds it; or POLYTRAIN_RELIABILITY_ONLY filtered it out)")
     return found
 
 

@@ -37,6 +37,18 @@ def _worker(rank: int, world_size: int, run_dir: str, fault: str) -> dict[str, A
     except DivergenceError as err:
         if "never reached it" in str(err):
             raise  # the missing-rank case: the peer sleeps forever, so report through the error path
+        # Test-only handshake through the store: rank 0 hosts it, so it must not exit (and take the
+        # store along) before rank 1 has finished its own check and seen the mismatch too.
+        import datetime
+
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"test/diverged/{rank}", "1")
+        store.wait([f"test/diverged/{r}" for r in range(world_size)], datetime.timedelta(seconds=60))
+        store.set(f"test/leaving/{rank}", "1")  # answered by the host: this rank needs the store no more
+        if rank == 0:
+            store.wait([f"test/leaving/{r}" for r in range(world_size)], datetime.timedelta(seconds=60))
         return {"error": str(err), "seconds": time.time() - start}
     return {"error": None}
 

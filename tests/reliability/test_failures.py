@@ -17,7 +17,7 @@ from .helpers import Done, events, figure, pick, snapshot
 
 pytestmark = [pytest.mark.reliability, pytest.mark.distributed]
 
-PROMPT_S = 30.0  # "seconds, not the collective timeout" (300 s here), with slack for a loaded machine
+PROMPT_S = 60.0  # "seconds, not the collective timeout" (300 s here), with slack for a loaded machine
 MESSAGE = f"deliberate failure on rank 1 at step {FAIL_STEP}"
 
 
@@ -93,4 +93,4 @@ def test_stuck_rank_ends_job_at_timeout_naming_it(jobs: dict[str, Done]) -> None
            f"error names rank 1: {named}", seconds=seconds)
     assert named, done.output[-4000:]
     assert "Root Cause" in done.output and "rank      : 0" in done.output  # rank 0 detected it
-    assert STUCK_TIMEOUT - 1 <= seconds < STUCK_TIMEOUT + 45
+    assert STUCK_TIMEOUT - 1 <= seconds < STUCK_TIMEOUT + 60

@@ -8,9 +8,9 @@ constructed (``sharded_io._MetadataUnpickler``, an allow-list of DCP's metadata 
 
 from __future__ import annotations
 
+import ast
 import os
 import pickle
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -91,12 +91,15 @@ def test_our_checkpoints_load_with_weights_only_and_no_allowlist(good_checkpoint
     loose = []
     for path in sorted((REPO / "polytrain").rglob("*.py")):
         text = path.read_text()
-        for match in re.finditer(r"torch\.load\(([^)]*)\)", text):
-            if "weights_only=True" not in match.group(1):
-                loose.append(f"{path.relative_to(REPO)}: {match.group(0)}")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
+                safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                           for k in node.keywords)
+                if not safe:
+                    loose.append(f"{path.relative_to(REPO)}: {ast.unparse(node)}")
         assert "add_safe_globals" not in text and "safe_globals(" not in text, path
     assert loose == ["polytrain/trainer/launch.py: torch.load(result_path, weights_only=False)"], loose
-    figure("our checkpoints", "load with weights_only=True, no allow-list of ours (entries beyond torch's own: {len(_foreign_safe_globals())}); library "
+    figure("our checkpoints", f"load with weights_only=True, no allow-list of ours (entries beyond torch's own: {len(_foreign_safe_globals())}); library "
                               f"torch.load calls without weights_only=True: {len(loose)} (the spawn result file)")
 
 
