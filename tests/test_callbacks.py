@@ -396,3 +396,13 @@ def test_deterministic_turns_on_deterministic_algorithms(make_trainer: MakeTrain
         assert torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_resumed_run_prunes_checkpoints_of_the_first_run(make_trainer: MakeTrainer, run_dir: str) -> None:
+    # The checkpoint being written must be in its own saved bookkeeping, or a resumed run never
+    # learns about it and never deletes it.
+    kwargs = dict(enable_checkpointing=True)
+    make_trainer(max_epochs=2, **kwargs).fit(TinyModule(n=16, batch_size=4, val_n=None))
+    assert ckpt_files(run_dir) == ["epoch=1-step=8.ckpt"]
+    make_trainer(max_epochs=3, resume="last", **kwargs).fit(TinyModule(n=16, batch_size=4, val_n=None))
+    assert ckpt_files(run_dir) == ["epoch=2-step=12.ckpt"]

@@ -113,15 +113,37 @@ class ModelCheckpoint(Callback):
         ext = "" if not trainer.strategy.replicated else ".ckpt"
         path = os.path.join(self.dirpath, self._format_name(trainer) + ext) if keep else \
             os.path.join(self.dirpath, "last" + ext)
-        trainer.strategy.save_checkpoint(build_payload(trainer, epoch_done), path)
+        # Bookkeeping runs on every rank (so the next decision is the same everywhere) and before
+        # the payload is built (so a resumed run knows this file and can prune it later).
+        previous = list(self.kept)
+        doomed = self._record(trainer, path, score) if keep else []
+        try:
+            trainer.strategy.save_checkpoint(build_payload(trainer, epoch_done), path)
+        except BaseException:
+            self.kept = previous  # nothing was written: forget it, delete nothing
+            raise
         self._last_saved_step = trainer.global_step
         self.last_model_path = path
         if trainer.strategy.is_global_zero:
-            self._after_save(trainer, path, score, keep)
+            self._update_disk(trainer, path, doomed)
         trainer.strategy.barrier("checkpoint-retention")
 
-    def _after_save(self, trainer: Any, path: str, score: float | None, keep: bool) -> None:
-        """Rank 0 only: bookkeeping on disk. No collectives in here."""
+    def _record(self, trainer: Any, path: str, score: float | None) -> list[str]:
+        """Add ``path`` to the kept list; return the paths that fall out of the top k."""
+        key = -float(trainer.global_step) if score is None else (-score if self.mode == "max" else score)
+        self.kept = sorted([(k, p) for k, p in self.kept if p != path] + [(key, path)], key=lambda kp: kp[0])
+        doomed: list[str] = []
+        if self.save_top_k > 0:
+            # The newest checkpoint always survives, even when it ranks below the top k.
+            doomed = [p for _, p in self.kept[self.save_top_k:] if p != path]
+            self.kept = [kp for kp in self.kept if kp[1] not in doomed]
+        if self.monitor is not None and self.kept:
+            best_key, self.best_model_path = self.kept[0]
+            self.best_model_score = -best_key if self.mode == "max" else best_key
+        return doomed
+
+    def _update_disk(self, trainer: Any, path: str, doomed: list[str]) -> None:
+        """Rank 0 only: pointer, ``last.ckpt`` link, pruning. No collectives in here."""
         write_latest_pointer(self.dirpath, path)
         if self.save_last and trainer.strategy.replicated and os.path.basename(path) != "last.ckpt":
             last = os.path.join(self.dirpath, "last.ckpt")
@@ -130,22 +152,8 @@ class ModelCheckpoint(Callback):
                 os.unlink(tmp)
             os.link(path, tmp)  # no second write: a hard link to the file just saved
             os.replace(tmp, last)
-        if not keep:
-            return
-        key = score if score is not None else -float(trainer.global_step)
-        if self.monitor is not None and self.mode == "max":
-            key = -score
-        self.kept = [(k, p) for k, p in self.kept if p != path] + [(key, path)]
-        self.kept.sort(key=lambda kp: kp[0])
-        if self.monitor is not None:
-            self.best_model_path, best = self.kept[0][1], self.kept[0][0]
-            self.best_model_score = -best if self.mode == "max" else best
-        if self.save_top_k > 0:
-            for _, old in self.kept[self.save_top_k:]:
-                if old != path:  # the newest checkpoint always survives
-                    _remove(old)
-            self.kept = [kp for kp in self.kept[: self.save_top_k]] + [kp for kp in self.kept[self.save_top_k:]
-                                                                         if kp[1] == path]
+        for old in doomed:
+            _remove(old)
 
     def state_dict(self) -> dict[str, Any]:
         return {"kept": [[k, p] for k, p in self.kept], "best_model_path": self.best_model_path,

@@ -1,25 +1,24 @@
-"""Train TinyRegressor with ``Trainer(...).fit`` and write this process's result as JSON.
+"""Train TinyRegressor with ``Trainer(...).fit`` as a user script would.
 
-    python train_script.py OUT_DIR [--devices N] [--launcher auto|spawn|elastic] [--fail-rank R]
-                                   [--num-nodes N] [--max-epochs E] [--batch-size B]
+    python train_script.py OUT_DIR [--devices N|auto] [--num-nodes N] [--launcher auto|spawn|elastic]
+                                   [--fail-rank R] [--max-epochs E] [--timeout S]
 
-Run unchanged under torchrun, under SLURM-style variables, or plainly (then ``devices>1`` makes the
-Trainer start its own workers). Every process that trains writes ``OUT_DIR/rank{R}.json``; with
-``--launcher spawn`` the launching process also writes ``OUT_DIR/parent.json`` with the weights
-its module holds after ``fit`` returned.
+Runs unchanged under torchrun, under SLURM's variables, or plainly (then ``devices>1`` makes the
+Trainer start its own workers). Every process that trains writes ``OUT_DIR/fit-rank<R>.json`` (see
+``tiny_module``); a process whose ``fit`` returned without training itself (``launcher: spawn``)
+writes ``OUT_DIR/parent.json`` with the weights its module holds afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from tiny_module import TinyRegressor, weights  # noqa: E402
+from tiny_module import TinyRegressor, weights, write_json  # noqa: E402
 
 from polytrain import Trainer  # noqa: E402
 
@@ -28,40 +27,27 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
     parser.add_argument("--devices", default="auto")
-    parser.add_argument("--launcher", default="auto")
     parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--launcher", default="auto")
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--max-epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args()
-    devices = args.devices if args.devices == "auto" else int(args.devices)
 
     torch.manual_seed(0)
-    module = TinyRegressor(batch_size=args.batch_size, fail_rank=args.fail_rank)
+    module = TinyRegressor(fail_rank=args.fail_rank, record_dir=args.out_dir)
     initial = weights(module)
-    trainer = Trainer(accelerator="cpu", devices=devices, num_nodes=args.num_nodes, launcher=args.launcher,
-                      max_epochs=args.max_epochs, run_dir=os.path.join(args.out_dir, "run"), logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
-                      timeout=60.0)
+    trainer = Trainer(accelerator="cpu", devices=args.devices if args.devices == "auto" else int(args.devices),
+                      num_nodes=args.num_nodes, launcher=args.launcher, max_epochs=args.max_epochs,
+                      run_dir=os.path.join(args.out_dir, "run"), logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, log_every_n_steps=1, timeout=args.timeout)
     trainer.fit(module)
-
-    if trainer.strategy is None:  # launched workers trained; this process only holds their result
-        result = {"role": "parent", "pid": os.getpid(), "initial": initial, "weights": weights(module),
-                  "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
-        name = "parent.json"
+    if trainer.strategy is None:  # workers trained; this process holds what they handed back
+        write_json(os.path.join(args.out_dir, "parent.json"),
+                   {"pid": os.getpid(), "initial": initial, "weights": weights(module),
+                    "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}})
     else:
-        strategy = trainer.strategy
-        result = {"role": "worker", "pid": os.getpid(), "rank": trainer.global_rank,
-                  "world_size": trainer.world_size, "local_rank": strategy.local_rank,
-                  "strategy": strategy.name, "env_source": strategy.env.source,
-                  "global_step": trainer.global_step, "initial": initial, "weights": weights(module),
-                  "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
-        name = f"rank{trainer.global_rank}.json"
-        strategy.teardown()
-    tmp = os.path.join(args.out_dir, f".{name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(result, fh)
-    os.replace(tmp, os.path.join(args.out_dir, name))
+        trainer.strategy.teardown()
 
 
 if __name__ == "__main__":
