@@ -361,11 +361,12 @@ def test_fsdp_resume_mid_epoch_is_bitwise_equal_to_an_uninterrupted_run(tmp_path
             assert torch.equal(run["resumed"][name], value), f"rank {rank} {name} differs after resume"
         # Sharded checkpoints are directories; no temporary directory is left behind.
         assert [n for n in run["checkpoints"] if n.startswith(".tmp") or ".tmp-" in n] == []
-        assert "epoch=0-step=7" in run["checkpoints"] and "latest" in run["checkpoints"]
+        # The resumed run pruned the first run's checkpoint (save_top_k=1): only its own is left.
+        assert run["checkpoints"] == ["epoch=1-step=18", "latest"]
         # An unwritable destination: every rank raises the same error instead of some hanging.
         assert run["error"] is not None and "plain-file" in run["error"]
     assert ranks[0]["error"] == ranks[1]["error"]
-    ckpt = tmp_path / "part" / "checkpoints" / "epoch=0-step=7"
+    ckpt = tmp_path / "part" / "checkpoints" / "epoch=1-step=18"
     assert sorted(os.listdir(ckpt)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     meta = torch.load(ckpt / "meta.pt", weights_only=True)
-    assert meta["loop"]["batch_in_epoch"] == 7 and "model" not in meta
+    assert meta["loop"]["global_step"] == 18 and meta["loop"]["batch_in_epoch"] == 6 and "model" not in meta

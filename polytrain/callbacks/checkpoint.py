@@ -50,6 +50,10 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer: Any, module: Any, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = checkpoint_dir(trainer.run_dir)
+        # State restored from a checkpoint written elsewhere (another run_dir) lists that run's
+        # files: they are not ours to prune.
+        here = os.path.abspath(self.dirpath)
+        self.kept = [(k, p) for k, p in self.kept if os.path.dirname(os.path.abspath(p)) == here]
 
     # ------------------------------------------------------------------ triggers
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
