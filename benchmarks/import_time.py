@@ -14,11 +14,12 @@ is warm after the first) that times, with ``time.perf_counter`` inside the proce
 4. then ``Trainer(logger=False, ...)``            (first construction: config validation with OmegaConf,
                                                     the default callbacks)
 
-Reported: the median of each step over the runs, the extra of 2+3 over ``import torch``
-against the target, and which heavy optional modules (tensorboard, tqdm, omegaconf, yaml,
-numpy) are loaded after step 3 -- tensorboard and tqdm must only load when a logger writes or a
-bar is drawn (torch itself already imports tqdm and numpy, so only modules that were not
-loaded after ``import torch`` count).
+Reported: the median of each step over the runs; the extra of 2+3 over ``import torch``
+against the target (the verdict line); the same comparison as whole ``python -c`` processes
+(interpreter start-up included, so noisier); and which heavy optional modules (tensorboard,
+tqdm, omegaconf, yaml, numpy) step 3 loads -- tensorboard and tqdm must only load when a
+logger writes or a bar is drawn (torch itself already imports tqdm and numpy, so only modules
+that were not loaded after ``import torch`` count).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 
 TARGET_S = 0.3
 HEAVY = ("tensorboard", "torch.utils.tensorboard", "tqdm", "omegaconf", "yaml", "numpy")
@@ -56,12 +58,23 @@ def one_run() -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def process_seconds(code: str) -> float:
+    """Wall time of a whole ``python -c code`` process, interpreter start-up included."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return time.perf_counter() - t0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=7, help="fresh interpreters (the first one is a warm-up)")
     args = p.parse_args(argv)
     one_run()  # warm the OS file cache
-    runs = [one_run() for _ in range(max(1, args.runs))]
+    runs, whole = [], {"torch": [], "polytrain": []}
+    for _ in range(max(1, args.runs)):
+        runs.append(one_run())
+        whole["torch"].append(process_seconds("import torch"))
+        whole["polytrain"].append(process_seconds("import torch, polytrain; polytrain.Trainer"))
 
     def med(key: str) -> float:
         return statistics.median(r[key] for r in runs)
@@ -73,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  + import polytrain           {med('package') * 1e3:.1f} ms")
     print(f"  + polytrain.Trainer          {med('trainer') * 1e3:.1f} ms")
     print(f"  + first Trainer(...)         {med('construct') * 1e3:.1f} ms  (config validation, default callbacks)")
+    t_whole, p_whole = statistics.median(whole["torch"]), statistics.median(whole["polytrain"])
+    print(f"  whole processes: python -c 'import torch' {t_whole:.3f} s, "
+          f"python -c 'import torch, polytrain; polytrain.Trainer' {p_whole:.3f} s ({p_whole - t_whole:+.3f} s)")
     print(f"import: polytrain over torch {extra:.3f} s, ratio {(med('torch') + extra) / med('torch'):.3f} "
           f"(target <= {TARGET_S} s extra) {verdict}")
     newly = ", ".join(runs[-1]["heavy"]) or "none"

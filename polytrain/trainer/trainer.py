@@ -25,6 +25,15 @@ def _is_plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str, dict))
 
 
+def _overridden(obj: Any, name: str, base: type) -> bool:
+    """False only when ``obj.name`` is ``base``'s own method: not redefined by its class or instance."""
+    return name in getattr(obj, "__dict__", {}) or getattr(type(obj), name, None) is not getattr(base, name, None)
+
+
+def _hook_plan(callbacks: list[Callback], module: Any, name: str) -> tuple[list[Callback], bool]:
+    return [cb for cb in callbacks if _overridden(cb, name, Callback)], _overridden(module, name, TrainModule)
+
+
 class Trainer:
     """Keyword arguments are exactly the ``trainer:`` config section (see ``TrainerConfig``);
     ``callbacks``, ``logger`` and ``strategy`` also accept objects."""
@@ -60,6 +69,7 @@ class Trainer:
         self.num_training_batches: int | None = None
         self.num_val_batches: int | None = None
         self._run_config: dict[str, Any] | None = None
+        self._hook_plan: dict[str, tuple[Any, ...]] = {}
 
     @classmethod
     def from_config(cls, config: Any) -> Trainer:
@@ -211,9 +221,18 @@ class Trainer:
         self.resumed_loop = loop  # sample_offset + dp_size: re-split if the data-parallel size changed
 
     def call_hook(self, name: str, *args: Any) -> None:
-        """Callbacks first, then the module's hook of the same name (if it has one)."""
-        for cb in self.callbacks:
+        """Callbacks first, then the module's hook of the same name (if it has one).
+
+        Runs every training step, so the callbacks (and module) that only inherit the base class's
+        no-op are skipped: which ones is worked out once per hook and callback list (~0.5 us a step).
+        """
+        key = (self.module, *self.callbacks)
+        cached = self._hook_plan.get(name)
+        if cached is None or cached[0] != key:
+            cached = self._hook_plan[name] = (key, *_hook_plan(self.callbacks, self.module, name))
+        for cb in cached[1]:
             getattr(cb, name)(self, self.module, *args)
-        hook = getattr(self.module, name, None)
-        if hook is not None:
-            hook(*args)
+        if cached[2]:
+            hook = getattr(self.module, name, None)
+            if hook is not None:
+                hook(*args)
