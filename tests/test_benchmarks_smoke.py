@@ -20,11 +20,11 @@ def _run(args: list[str], timeout: float) -> str:
     return out.stdout
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_overhead_benchmark_prints_ratios() -> None:
     # Tiny: one timed pair of 6 steps per mode; the DDP part spawns two gloo workers.
     out = _run([os.path.join(BENCH, "overhead.py"), "--rounds", "1", "--steps", "6", "--epochs", "2",
-                "--hidden", "16", "--features", "8", "--batch-size", "4", "--log-every-n-steps", "2"], timeout=55)
+                "--hidden", "16", "--features", "8", "--batch-size", "4", "--log-every-n-steps", "2"], timeout=280)
     for label in ("single", r"ddp x2 \(gloo\)"):
         assert re.search(rf"^{label}: polytrain [0-9.]+ ms/step, hand [0-9.]+ ms/step, ratio [0-9.]+ "
                          rf"\(target <= 1\.03\)", out, re.M), out
@@ -32,8 +32,8 @@ def test_overhead_benchmark_prints_ratios() -> None:
         assert re.search(rf"^{label}:\s+weights match: yes", out, re.M), out
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_import_time_benchmark_prints_ratio() -> None:
-    out = _run([os.path.join(BENCH, "import_time.py"), "--runs", "1"], timeout=55)
+    out = _run([os.path.join(BENCH, "import_time.py"), "--runs", "1"], timeout=280)
     assert re.search(r"^import: polytrain over torch [0-9.]+ s, ratio [0-9.]+ \(target <= 0\.3 s extra\)", out,
                      re.M), out
