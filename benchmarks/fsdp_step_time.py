@@ -119,8 +119,8 @@ def run_hand(args: argparse.Namespace) -> tuple[tuple[float, float], dict[str, t
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
-    import polytrain.strategies.process_group as pg
-    from polytrain.strategies.environment import detect_environment
+    import polytrain.core.process_group as pg
+    from polytrain.core.environment import detect_environment
 
     pg.init_process_group(detect_environment(), "gloo", 600.0)
     times: dict[str, list[float]] = {"polytrain": [], "hand": []}

@@ -9,13 +9,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from polytrain.core.version import __version__
 
 _EXPORTS = {
     "Trainer": "polytrain.trainer.trainer",
     "TrainModule": "polytrain.trainer.module",
     "Callback": "polytrain.callbacks.base",
-    "seed_everything": "polytrain.trainer.seed",
+    "seed_everything": "polytrain.core.rng",
     "load_config": "polytrain.trainer.config",
     "connect": "polytrain.strategies.connect",
 }
@@ -24,10 +24,10 @@ __all__ = ["Callback", "TrainModule", "Trainer", "__version__", "connect", "load
 
 if TYPE_CHECKING:
     from polytrain.callbacks.base import Callback
+    from polytrain.core.rng import seed_everything
     from polytrain.strategies.connect import connect
     from polytrain.trainer.config import load_config
     from polytrain.trainer.module import TrainModule
-    from polytrain.trainer.seed import seed_everything
     from polytrain.trainer.trainer import Trainer
 
 

@@ -12,6 +12,15 @@ import os
 import sys
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+
+from polytrain.checkpoint.consolidate import consolidate
+from polytrain.core.errors import ConfigError
+from polytrain.core.rng import seed_everything
+from polytrain.strategies.launcher import launch_elastic, launch_spawn, plan_launch
+from polytrain.trainer.config import TrainerConfig, instantiate, load_config
+from polytrain.trainer.trainer import Trainer
+
 STAGES = ("fit", "validate", "test", "predict")
 
 
@@ -38,10 +47,6 @@ def _setup_logging(rank: int) -> None:
 
 def run_worker(config: dict[str, Any], command: str, ckpt: str | None) -> Any:
     """What each worker process runs: build the module and the trainer, then call the stage."""
-    from polytrain.trainer.config import instantiate
-    from polytrain.trainer.seed import seed_everything
-    from polytrain.trainer.trainer import Trainer
-
     _setup_logging(int(os.environ.get("RANK", "0")))
     config_dir = config.get("config_dir")
     # Same seed on every rank while the module is built: replicas must start identical.
@@ -71,16 +76,12 @@ def _print_metrics(trainer: Any, command: str) -> None:
 
 
 def _elastic_entry(config: dict[str, Any], command: str, ckpt: str | None) -> None:
-    from torch.distributed.elastic.multiprocessing.errors import record
-
     # @record writes this worker's traceback where the agent finds it, so the failure summary
     # names the rank and shows the real error.
     record(run_worker)(config, command, ckpt)
 
 
 def _consolidate(source: str, output: str) -> int:
-    from polytrain.trainer.consolidate import consolidate
-
     consolidate(source, output)
     print(f"wrote {output}")
     return 0
@@ -88,14 +89,10 @@ def _consolidate(source: str, output: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from polytrain.trainer.config import ConfigError, TrainerConfig, load_config
-
     if args.command == "checkpoint":
         return _consolidate(args.source, args.output)
     try:
         config = load_config(args.config, args.overrides)
-        from polytrain.strategies.launcher import launch_elastic, launch_spawn, plan_launch
-
         trainer_cfg = TrainerConfig(**config["trainer"])
         plan = plan_launch(trainer_cfg)
     except ConfigError as err:
@@ -108,8 +105,6 @@ def main(argv: list[str] | None = None) -> int:
     if plan.method in ("spawn", "fork"):
         launch_spawn(plan, run_worker, (config, args.command, args.ckpt))
         return 0
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     try:
         launch_elastic(plan, _elastic_entry, (config, args.command, args.ckpt), trainer_cfg.max_restarts)
     except ChildFailedError as err:

@@ -58,7 +58,7 @@ class DistributedRunError(RuntimeError):
 # so forking it is safe.
 _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo",
             "polytrain.trainer.trainer", "polytrain.trainer.loops", "polytrain.strategies.ddp",
-            "polytrain.strategies.single", "polytrain.callbacks.defaults"]
+            "polytrain.strategies.single", "polytrain.trainer.default_callbacks"]
 _context: Any = None
 
 

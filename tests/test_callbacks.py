@@ -20,7 +20,7 @@ from polytrain.callbacks import (
     ProgressBar,
     TensorBoardLogger,
 )
-from polytrain.strategies.checkpoint_io import CheckpointError
+from polytrain.core.errors import CheckpointError
 
 MakeTrainer = Callable[..., Any]
 

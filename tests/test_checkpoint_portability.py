@@ -19,9 +19,10 @@ from torch import nn
 from torch.testing import assert_close
 
 from polytrain import Trainer
-from polytrain.strategies.checkpoint_io import CheckpointError, read_checkpoint
-from polytrain.trainer.checkpoint import find_resumable
-from polytrain.trainer.consolidate import consolidate
+from polytrain.checkpoint.reading import read_checkpoint
+from polytrain.core.errors import CheckpointError
+from polytrain.checkpoint.layout import find_resumable
+from polytrain.checkpoint.consolidate import consolidate
 
 FIRST, SECOND = 6, 12  # ddp trains to step 6; fsdp continues to 12
 

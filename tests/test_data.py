@@ -18,7 +18,7 @@ from distributed import run_distributed
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from polytrain import Trainer, TrainModule
-from polytrain.trainer.data import SamplerError
+from polytrain.core.errors import SamplerError
 from polytrain.trainer.guards import EmptyDataError
 
 SEED = 7

@@ -47,7 +47,7 @@ def _fit_example(path: str, run_dir: str) -> dict[str, Any]:
     this spawn's process group)."""
     from polytrain import Trainer
     from polytrain.trainer.config import instantiate, load_config
-    from polytrain.trainer.seed import seed_everything
+    from polytrain.core.rng import seed_everything
 
     config = load_config(path, _quiet(run_dir))
     seed_everything(config["trainer"]["seed"])

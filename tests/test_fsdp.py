@@ -326,7 +326,7 @@ def test_hsdp_two_replicas_of_two_shards_matches_single_device(tmp_path: Any) ->
 
 
 def _resume_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    from polytrain.strategies.checkpoint_io import CheckpointError
+    from polytrain.core.errors import CheckpointError
 
     common = dict(dropout=0.2, max_steps=18)  # dropout: the restored per-rank RNG streams matter
     whole = fit(os.path.join(root, "whole"), FSDP, PER_RANK_BATCH, 2, **common)

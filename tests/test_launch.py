@@ -34,7 +34,7 @@ from procs import (  # noqa: E402
     run_together,
 )
 
-from polytrain.strategies.environment import detect_environment  # noqa: E402
+from polytrain.core.environment import detect_environment  # noqa: E402
 from polytrain.strategies.launcher import plan_launch  # noqa: E402
 from polytrain.trainer.config import ConfigError, validate_trainer_config  # noqa: E402
 

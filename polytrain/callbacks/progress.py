@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from polytrain.callbacks.base import Callback
 
 
@@ -15,8 +17,6 @@ class ProgressBar(Callback):
         self._eval: Any = None
 
     def _tqdm(self, **kwargs: Any) -> Any:
-        from tqdm.auto import tqdm
-
         return tqdm(file=sys.stdout, dynamic_ncols=True, smoothing=0, **kwargs)
 
     def on_train_epoch_start(self, trainer: Any, module: Any) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from polytrain.trainer.config import ConfigError
+from polytrain.core.errors import ConfigError
 
 
 class PlacementError(ConfigError):

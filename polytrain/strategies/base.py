@@ -1,7 +1,8 @@
 """The verb set every strategy answers. The Trainer talks to strategies only through these.
 
 Concrete strategies subclass ``Strategy`` directly, never each other; pieces two strategies
-share are plain functions (``collectives``, ``process_group``, ``checkpoint_io``, ``polytrain.trainer.data``).
+share are plain functions (``polytrain.core``, ``polytrain.parallel``, ``polytrain.checkpoint``,
+``polytrain.data``). Strategies import only those lower layers, never the Trainer or callbacks.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from polytrain.strategies import collectives as C
-from polytrain.strategies import heartbeat
-from polytrain.strategies.environment import ClusterEnvironment
-from polytrain.trainer.data import move_to_device
-from polytrain.trainer.module import extract_loss
-from polytrain.trainer.precision import Precision
+from polytrain.checkpoint.replicated import load_replicated, save_replicated
+from polytrain.core import collectives as C
+from polytrain.core import heartbeat
+from polytrain.core.batch import move_to_device
+from polytrain.core.environment import ClusterEnvironment
+from polytrain.core.precision import Precision
+from polytrain.core.process_group import destroy_process_group
+from polytrain.core.protocol import HookCaller, extract_loss, module_hook_caller
+from polytrain.data.loaders import distribute_dataloader
 
 
 class _PaddingBatch:
@@ -78,6 +82,17 @@ class Strategy(ABC):
         self.model: nn.Module | None = None  # what forward runs through (maybe wrapped)
         self.optimizers: list[torch.optim.Optimizer] = []
         self._device = torch.device("cpu")
+        self._call_hook: HookCaller | None = None  # the Trainer's funnel; see bind_hooks
+
+    def bind_hooks(self, call_hook: HookCaller) -> None:
+        """Hooks that fire inside the step (``on_before_backward``, ``on_after_backward``,
+        ``on_before_optimizer_step``) go through ``call_hook``, so callbacks see them too."""
+        self._call_hook = call_hook
+
+    def call_hook(self, name: str, *args: Any) -> Any:
+        if self._call_hook is None:
+            self._call_hook = module_hook_caller(self.module)
+        return self._call_hook(name, *args)
 
     @classmethod
     def processes_per_node(cls, devices: int, options: Any = None) -> int:
@@ -146,8 +161,6 @@ class Strategy(ABC):
         return self.optimizers
 
     def process_dataloader(self, loader: DataLoader, stage: str, seed: int, use_sampler: bool) -> DataLoader:
-        from polytrain.trainer.data import distribute_dataloader
-
         return distribute_dataloader(loader, self.dp_size, self.dp_rank, seed, stage, use_sampler)
 
     def batch_to_device(self, batch: Any) -> Any:
@@ -174,9 +187,9 @@ class Strategy(ABC):
         loss = extract_loss(output)
         if loss is None:
             return StepResult(None, output)  # the user chose to skip this batch
-        self.module.on_before_backward(loss)
+        self.call_hook("on_before_backward", loss)
         self.backward(loss * loss_scale if loss_scale != 1.0 else loss)
-        self.module.on_after_backward()
+        self.call_hook("on_after_backward")
         return StepResult(loss.detach(), output)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -200,7 +213,7 @@ class Strategy(ABC):
             norm = self.clip_gradients(optimizer, clip_val, clip_algorithm)
         if check_norm is not None and check_norm(norm):
             return False
-        self.module.on_before_optimizer_step(optimizer)
+        self.call_hook("on_before_optimizer_step", optimizer)
         self.precision.optimizer_step(optimizer)
         return True
 
@@ -264,20 +277,14 @@ class Strategy(ABC):
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, payload: dict[str, Any], path: str) -> None:
-        from polytrain.strategies.checkpoint_io import save_replicated
-
         save_replicated(self, payload, path)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        from polytrain.strategies.checkpoint_io import load_replicated
-
         return load_replicated(self, path)
 
     def module_state_dict(self) -> dict[str, Any]:
         return self.module.state_dict()
 
     def teardown(self) -> None:
-        from polytrain.strategies.process_group import destroy_process_group
-
         heartbeat.stop()  # before the store it writes to goes away
         destroy_process_group()

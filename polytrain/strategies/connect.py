@@ -1,7 +1,7 @@
 """``connect``: a set-up strategy without a Trainer or a TrainModule, for its collectives alone.
 
     # torchrun --nproc_per_node=2 script.py
-    from polytrain.strategies.connect import connect
+    from polytrain import connect
     strategy = connect("ddp", accelerator="cpu")
     total = strategy.all_reduce(torch.ones(1), "sum")   # world size, on every rank
     strategy.teardown()
@@ -15,18 +15,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from polytrain.strategies.environment import detect_environment
+import torch
+
+from polytrain.core.environment import detect_environment
+from polytrain.core.errors import ConfigError
+from polytrain.core.options import check_choice
+from polytrain.strategies.base import Strategy
+from polytrain.strategies.registry import (
+    build_strategy,
+    normalize_strategy,
+    resolve_strategy_name,
+    validate_strategy_spec,
+)
 
 
 def connect(strategy: Any = "ddp", accelerator: str = "auto", precision: str = "32",
-            timeout: float = 1800.0) -> Any:
+            timeout: float = 1800.0) -> Strategy:
     """Build the strategy named by ``strategy`` (a name or ``{name: ..., **options}``), join the
     job's process group through it, and return it. Call ``teardown()`` on it when done."""
-    import torch
-
-    from polytrain.strategies.registry import build_strategy, resolve_strategy_name, validate_strategy_spec
-    from polytrain.trainer.config import ConfigError, check_choice, normalize_strategy
-
     check_choice(accelerator, ("auto", "cpu", "cuda", "gpu"), "accelerator")
     if timeout <= 0:
         raise ConfigError(f"timeout={timeout} must be a positive number of seconds")

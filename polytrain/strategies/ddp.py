@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from polytrain.core.precision import Precision
+from polytrain.core.process_group import default_backend, init_process_group, resolve_device
+from polytrain.layers.sync_batchnorm import convert_sync_batchnorm
 from polytrain.strategies.base import StepRouter, Strategy
-from polytrain.strategies.process_group import default_backend, init_process_group, resolve_device
-from polytrain.trainer.precision import Precision
 
 
 @dataclass
@@ -37,8 +38,6 @@ class DDPStrategy(Strategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = self.precision.convert_module(module.to(self.root_device))
         if self.options.sync_batchnorm:
-            from polytrain.strategies.sync_batchnorm import convert_sync_batchnorm
-
             module = convert_sync_batchnorm(module)
         self.module = module
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from polytrain.core.precision import Precision
+from polytrain.core.process_group import resolve_device
 from polytrain.strategies.base import StepRouter, Strategy
-from polytrain.strategies.process_group import resolve_device
-from polytrain.trainer.precision import Precision
 
 
 @dataclass

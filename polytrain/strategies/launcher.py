@@ -14,10 +14,26 @@ import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from polytrain.strategies.environment import ClusterEnvironment, detect_environment
-from polytrain.trainer.config import ConfigError, TrainerConfig
+import torch
+import torch.multiprocessing as mp
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from polytrain.core.environment import ClusterEnvironment, detect_environment
+from polytrain.core.errors import ConfigError
+from polytrain.strategies.registry import resolve_strategy_name, strategy_class
+
+
+class LaunchRequest(Protocol):
+    """What launching reads from a job's configuration (``TrainerConfig`` has these fields)."""
+
+    accelerator: str
+    devices: Any  # "auto" or a positive int
+    num_nodes: int
+    strategy: Any  # the validated strategy mapping, or a Strategy instance
+    launcher: str
 
 
 @dataclass(frozen=True)
@@ -42,16 +58,12 @@ def free_port() -> int:
 
 
 def _resolve_accelerator(name: str) -> str:
-    import torch
-
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return "cuda" if name == "gpu" else name
 
 
 def _resolve_devices(devices: Any, accelerator: str, env: ClusterEnvironment) -> int:
-    import torch
-
     available = torch.cuda.device_count() if accelerator == "cuda" else (os.cpu_count() or 1)
     if devices == "auto":
         if env.is_distributed:
@@ -69,9 +81,7 @@ def _interactive() -> bool:
     return hasattr(sys, "ps1") or "ipykernel" in sys.modules or not sys.argv or sys.argv[0] in ("", "-c")
 
 
-def plan_launch(cfg: TrainerConfig) -> LaunchPlan:
-    from polytrain.strategies.registry import resolve_strategy_name, strategy_class
-
+def plan_launch(cfg: LaunchRequest) -> LaunchPlan:
     env = detect_environment()
     accelerator = _resolve_accelerator(cfg.accelerator)
     devices = _resolve_devices(cfg.devices, accelerator, env)
@@ -103,8 +113,6 @@ def plan_launch(cfg: TrainerConfig) -> LaunchPlan:
 
 
 def _launch_config(plan: LaunchPlan, max_restarts: int) -> Any:
-    from torch.distributed.launcher.api import LaunchConfig
-
     # Without this, the first restart after rank 0 dies cannot rendezvous on gloo (the store
     # lived in the dead worker).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -134,16 +142,12 @@ def launch_elastic(plan: LaunchPlan, entrypoint: Callable | str, args: tuple, ma
     Raises ``ChildFailedError`` naming the first failing rank and its traceback when a worker fails
     and restarts are exhausted; survivors are stopped by the agent.
     """
-    from torch.distributed.launcher.api import elastic_launch
-
     return elastic_launch(_launch_config(plan, max_restarts), entrypoint)(*args)
 
 
 def relaunch_script(plan: LaunchPlan, max_restarts: int) -> None:
     """Python API outside torchrun: run this same script again in each worker, like torchrun would,
     and leave with the job's status. The launching process itself does not train."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     script = os.path.abspath(sys.argv[0])
     try:
         launch_elastic(plan, sys.executable, ("-u", script, *sys.argv[1:]), max_restarts)
@@ -163,8 +167,6 @@ def _spawned_worker(local_rank: int, world_size: int, port: int, fn: Callable, a
 def launch_spawn(plan: LaunchPlan, fn: Callable, args: tuple) -> None:
     """``torch.multiprocessing`` start (spawn or fork); an exception in any worker is re-raised here
     with that worker's traceback after the others are terminated."""
-    import torch.multiprocessing as mp
-
     if plan.num_nodes > 1:
         raise ConfigError("launcher 'spawn'/'fork' starts processes on this machine only; use torchrun or "
                           "the elastic launcher for num_nodes > 1")

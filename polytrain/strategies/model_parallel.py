@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -28,12 +26,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from polytrain.strategies import tensor_parallel as tp_fn
+from polytrain.checkpoint.sharded import load_sharded, save_sharded
+from polytrain.checkpoint.state import full_model_state
+from polytrain.core.errors import ConfigError
+from polytrain.core.precision import Precision
+from polytrain.core.process_group import default_backend, init_process_group, resolve_device
+from polytrain.data.padding import EvalBatches, PaddingState
+from polytrain.layers.placement import PlacedSequential, stage_bounds
+from polytrain.parallel import tensor_parallel as tp_fn
+from polytrain.parallel.dims import ParallelDims
+from polytrain.parallel.fsdp import no_gradient_sync
+from polytrain.parallel.pipeline_split import balance, child_costs
 from polytrain.strategies.base import StepRouter, Strategy
-from polytrain.strategies.mesh import ParallelDims
-from polytrain.strategies.process_group import default_backend, init_process_group, resolve_device
-from polytrain.trainer.config import ConfigError
-from polytrain.trainer.precision import Precision
+from polytrain.strategies.sharded_eval import padded_eval_step
 
 log = logging.getLogger("polytrain")
 
@@ -121,7 +126,7 @@ class ModelParallelStrategy(Strategy):
 
     def __init__(self, options: ModelParallelOptions, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)
-        self._padding = SimpleNamespace(active=False)  # set while EvalBatches hands out a padding batch
+        self._padding = PaddingState()
 
     @property
     def layers(self) -> bool:
@@ -199,9 +204,6 @@ class ModelParallelStrategy(Strategy):
         return self.model
 
     def _place_layers(self, module: nn.Module) -> nn.Module:
-        from polytrain.layers.placement import PlacedSequential, stage_bounds
-        from polytrain.strategies.pipeline_split import balance, child_costs
-
         o, devices = self.options, self._devices
         if callable(getattr(module, "place_layers", None)):
             if o.split_points is not None or o.split_size is not None:
@@ -253,8 +255,6 @@ class ModelParallelStrategy(Strategy):
         loader = super().process_dataloader(loader, stage, seed, use_sampler)  # split over dp only
         if stage == "train" or not self._forward_has_dp_collectives:
             return loader
-        from polytrain.strategies.fsdp import EvalBatches
-
         # FSDP gathers parameters over the data-parallel group in every forward, so data-parallel ranks
         # must run as many evaluation batches as each other: one that runs out repeats its last batch as
         # padding (logs discarded). Tensor-parallel peers share a data rank, so they pad alike.
@@ -263,8 +263,6 @@ class ModelParallelStrategy(Strategy):
     def eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
         if not self._forward_has_dp_collectives:
             return super().eval_step(stage, batch, batch_idx)
-        from polytrain.strategies.fsdp import padded_eval_step
-
         # Through the FSDP root, which gathers the parameters it owns; safe because every rank runs the
         # same number of evaluation batches (see process_dataloader).
         return padded_eval_step(self, self._padding, stage, batch, batch_idx)
@@ -275,16 +273,8 @@ class ModelParallelStrategy(Strategy):
         if isinstance(self.model, DistributedDataParallel):
             return self.model.no_sync()
         if self._forward_has_dp_collectives:
-            return self._fsdp_no_sync()
+            return no_gradient_sync(self.model)
         return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def _fsdp_no_sync(self) -> Iterator[None]:
-        self.model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.model.set_requires_gradient_sync(True)
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> torch.Tensor | None:
         if self.layers or algorithm == "value":
@@ -298,20 +288,16 @@ class ModelParallelStrategy(Strategy):
         (a collective: every rank must call it; ranks other than 0 get an empty dict)."""
         if self.layers:
             return self.module.state_dict()
-        return tp_fn.full_model_state(self.module)
+        return full_model_state(self.module)
 
     def save_checkpoint(self, payload: dict[str, Any], path: str) -> None:
         if self.layers:
             return super().save_checkpoint(payload, path)
-        from polytrain.strategies.sharded_io import save_sharded
-
         save_sharded(self, payload, path)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         if self.layers:
             return super().load_checkpoint(path)
-        from polytrain.strategies.sharded_io import load_sharded
-
         return load_sharded(self, path)
 
     def teardown(self) -> None:

@@ -24,12 +24,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from polytrain.strategies import collectives as C
-from polytrain.strategies import pipeline_split as S
+from polytrain.checkpoint.sharded import load_sharded, save_sharded
+from polytrain.core import collectives as C
+from polytrain.core import lazy
+from polytrain.core.errors import ConfigError
+from polytrain.core.precision import Precision
+from polytrain.core.process_group import default_backend, init_process_group, resolve_device
+from polytrain.parallel import pipeline_split as S
+from polytrain.parallel.dims import ParallelDims
 from polytrain.strategies.base import StepResult, StepRouter, Strategy
-from polytrain.strategies.process_group import default_backend, init_process_group, resolve_device
-from polytrain.trainer.config import ConfigError
-from polytrain.trainer.precision import Precision
 
 log = logging.getLogger("polytrain")
 
@@ -45,9 +48,7 @@ SCHEDULES: dict[str, tuple[str, bool, str]] = {
 
 def schedule_class(name: str) -> type | None:
     """The torch class for ``name``, or None where this torch build lacks it."""
-    from torch.distributed.pipelining import schedules
-
-    return getattr(schedules, SCHEDULES[name][0], None)
+    return getattr(lazy.pipelining().schedules, SCHEDULES[name][0], None)
 
 
 @dataclass
@@ -98,8 +99,6 @@ class PipelineStrategy(Strategy):
 
     # ------------------------------------------------------------------ topology
     def setup_environment(self) -> None:
-        from polytrain.strategies.mesh import ParallelDims
-
         # Checked here, not in the options: importing torch's pipelining costs seconds (dynamo, DTensor).
         if schedule_class(self.options.schedule) is None:
             raise ConfigError(f"pipeline schedule={self.options.schedule!r} needs torch.distributed.pipelining."
@@ -120,9 +119,7 @@ class PipelineStrategy(Strategy):
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group)  # global rank of each stage rank
         self.n_stages = pp * self.options.stages_per_rank
         self.n_microbatches = self.options.n_microbatches or self.n_stages
-        from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
-
-        self.owner = generate_stage_to_rank_mapping(pp, self.n_stages, SCHEDULES[self.options.schedule][2])
+        self.owner = lazy.pipelining()._utils.generate_stage_to_rank_mapping(pp, self.n_stages, SCHEDULES[self.options.schedule][2])
         self.local_stages = [s for s in range(self.n_stages) if self.owner[s] == self.pp_rank]
         self.is_last_stage = self.owner[self.n_stages - 1] == self.pp_rank
         self.last_rank = self.pp_ranks[self.owner[self.n_stages - 1]]
@@ -190,8 +187,7 @@ class PipelineStrategy(Strategy):
         return self._schedules[key]
 
     def _new_schedule(self) -> Any:
-        from torch.distributed.pipelining import PipelineStage
-
+        PipelineStage = lazy.pipelining().PipelineStage
         stages = [PipelineStage(self.stage_modules[s], s, self.n_stages, self.root_device, group=self.pp_group)
                   for s in self.local_stages]
         cls = schedule_class(self.options.schedule)
@@ -342,13 +338,9 @@ class PipelineStrategy(Strategy):
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, payload: dict[str, Any], path: str) -> None:
-        from polytrain.strategies.sharded_io import save_sharded
-
         save_sharded(self, payload, path)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        from polytrain.strategies.sharded_io import load_sharded
-
         return load_sharded(self, path)
 
 

@@ -6,7 +6,9 @@ import dataclasses
 import importlib
 from typing import Any
 
-from polytrain.trainer.config import ConfigError, validate_dataclass
+from polytrain.core.errors import ConfigError
+from polytrain.core.options import validate_dataclass
+from polytrain.strategies.base import Strategy
 
 _STRATEGIES: dict[str, str] = {
     "single": "polytrain.strategies.single:SingleDeviceStrategy",
@@ -35,11 +37,22 @@ def strategy_class(name: str) -> type:
     return getattr(module, cls_name)
 
 
+def normalize_strategy(value: Any) -> dict[str, Any]:
+    """``"ddp"`` and ``{"name": "ddp", ...}`` both become the mapping form."""
+    if value is None:
+        return {"name": "auto"}
+    if isinstance(value, str):
+        return {"name": value}
+    if isinstance(value, dict):
+        return {"name": "auto", **value}
+    if hasattr(value, "items"):
+        return {"name": "auto", **dict(value.items())}
+    return value  # a Strategy instance passed to Trainer(strategy=...)
+
+
 def validate_strategy_spec(spec: Any) -> Any:
     """Check the name and the options of ``{name: ..., **options}``; a Strategy instance passes."""
     if not isinstance(spec, dict):
-        from polytrain.strategies.base import Strategy
-
         if isinstance(spec, Strategy):
             return spec
         raise ConfigError(f"trainer.strategy must be a name or a mapping, got {type(spec).__name__}")

@@ -1,4 +1,4 @@
-"""The checkpoint payload (DESIGN §4) and finding the checkpoint to resume from.
+"""The checkpoint payload (DESIGN §4): what the Trainer adds to the model and optimizer state.
 
 A payload holds everything needed to continue exactly: model and optimizer state (added by the
 strategy, which knows whether they are sharded), schedulers, grad scaler, loop position
@@ -12,9 +12,9 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from polytrain.trainer.seed import capture_rng_state
+from polytrain.checkpoint.replicated import agree_on_error
+from polytrain.core.rng import capture_rng_state
+from polytrain.core.version import __version__
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
@@ -22,11 +22,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("polytrain")
 
 FORMAT_VERSION = 1
-LATEST_POINTER = "latest"
-
-
-def checkpoint_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
 
 
 def _plain(value: Any) -> Any:
@@ -52,8 +47,6 @@ def _sample_offset(trainer: Trainer, epoch_done: bool) -> int | None:
 
 def build_payload(trainer: Trainer, epoch_done: bool) -> dict[str, Any]:
     """Called on every rank (it gathers RNG states); the strategy adds model/optimizer state."""
-    from polytrain import __version__
-
     strategy = trainer.strategy
     loop = {
         "epoch": trainer.current_epoch + (1 if epoch_done else 0),
@@ -104,8 +97,6 @@ def restore_payload(trainer: Trainer, payload: dict[str, Any]) -> None:
 def ensure_run_dir(trainer: Trainer) -> None:
     """Create ``run_dir`` before the first step: an unwritable path then fails at once, with one
     clear error on every rank, instead of after an epoch inside a logger on one rank only."""
-    from polytrain.strategies.checkpoint_io import agree_on_error
-
     if not trainer.loggers and trainer.checkpoint_callback is None:
         return  # nothing will write there
     error = None
@@ -118,69 +109,3 @@ def ensure_run_dir(trainer: Trainer) -> None:
             error = (f"cannot write trainer.run_dir={trainer.run_dir}: {err.strerror or err}. Point "
                      f"trainer.run_dir at a writable directory")
     agree_on_error(trainer.strategy, error)
-
-
-# --------------------------------------------------------------------------- locating
-
-
-def is_complete(path: str) -> bool:
-    """A file that loads, or a sharded directory whose metadata was committed last."""
-    if os.path.isdir(path):
-        return os.path.exists(os.path.join(path, ".metadata")) and os.path.exists(os.path.join(path, "meta.pt"))
-    try:
-        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return True
-    except Exception:  # noqa: BLE001 - torn, truncated or refused: not a resume candidate
-        return False
-
-
-def candidates(ckpt_dir: str) -> list[str]:
-    """Checkpoints in ``ckpt_dir``, the one named by the ``latest`` pointer first, then newest first."""
-    if not os.path.isdir(ckpt_dir):
-        return []
-    entries = [os.path.join(ckpt_dir, n) for n in os.listdir(ckpt_dir)
-               if not n.startswith(".") and n != LATEST_POINTER and (n.endswith(".ckpt") or
-                                                                       os.path.isdir(os.path.join(ckpt_dir, n)))]
-    entries.sort(key=lambda p: os.path.getmtime(p), reverse=True)
-    pointer = os.path.join(ckpt_dir, LATEST_POINTER)
-    if os.path.exists(pointer):
-        with open(pointer, encoding="utf-8") as fh:
-            named = os.path.join(ckpt_dir, fh.read().strip())
-        if named in entries:
-            entries.remove(named)
-            entries.insert(0, named)
-    return entries
-
-
-def find_resumable(ckpt_dir: str) -> str | None:
-    """The newest complete checkpoint; a torn newer one is skipped with a warning."""
-    for i, path in enumerate(candidates(ckpt_dir)):
-        if is_complete(path):
-            if i:
-                log.warning("resuming from %s: %d newer checkpoint(s) in %s are incomplete or corrupt",
-                            path, i, ckpt_dir)
-            return path
-        log.warning("checkpoint %s is incomplete or corrupt; trying an older one", path)
-    return None
-
-
-def write_latest_pointer(ckpt_dir: str, path: str) -> None:
-    tmp = os.path.join(ckpt_dir, f".{LATEST_POINTER}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(os.path.basename(path))
-    os.replace(tmp, os.path.join(ckpt_dir, LATEST_POINTER))
-
-
-def resolve_resume(resume: str | None, run_dir: str) -> str | None:
-    """``None`` | ``"last"`` | ``"auto"`` | a path -> the checkpoint to load (or None)."""
-    if resume is None:
-        return None
-    if resume in ("last", "auto"):
-        path = find_resumable(checkpoint_dir(run_dir))
-        if path is None and resume == "last":
-            log.warning("resume='last' but %s holds no complete checkpoint; starting from scratch",
-                        checkpoint_dir(run_dir))
-        return path
-    if not os.path.exists(resume):
-        raise FileNotFoundError(f"checkpoint to resume from does not exist: {resume}")
-    return resume

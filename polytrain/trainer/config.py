@@ -8,7 +8,6 @@ call arbitrary code: a config is code, treat it like a script you would run.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib
 import inspect
 import os
@@ -18,6 +17,10 @@ from typing import Any
 
 import yaml
 
+from polytrain.core.errors import ConfigError
+from polytrain.core.options import check_choice, check_keys, validate_dataclass
+from polytrain.strategies.registry import normalize_strategy, validate_strategy_spec
+
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
 LAUNCHERS = ("auto", "elastic", "spawn", "fork", "none")
@@ -26,10 +29,6 @@ NAN_POLICIES = ("error", "skip")
 LOGGERS = ("tensorboard", "csv")
 # An anchor/alias "billion laughs" document is small on disk but huge once expanded.
 MAX_YAML_NODES = 100_000
-
-
-class ConfigError(ValueError):
-    """A configuration value is unknown, mistyped or missing; the message names the fix."""
 
 
 @dataclass
@@ -79,57 +78,6 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-def _suggest(key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return f"{hint}; valid: {', '.join(valid)}"
-
-
-def check_keys(data: dict[str, Any], valid: list[str], where: str) -> None:
-    unknown = [k for k in data if k not in valid]
-    if unknown:
-        key = unknown[0]
-        raise ConfigError(f"{where} has no key '{key}'{_suggest(key, valid)}")
-
-
-def check_choice(value: Any, choices: tuple[str, ...], where: str) -> None:
-    if value not in choices:
-        raise ConfigError(f"{where}={value!r} is not valid; choose one of: {', '.join(choices)}")
-
-
-def validate_dataclass(cls: type, data: dict[str, Any], where: str) -> Any:
-    """Build ``cls`` from ``data``, rejecting unknown keys and values of the wrong type."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a mapping of keys to values, got {type(data).__name__}: {data!r}")
-    valid = [f.name for f in dataclasses.fields(cls)]
-    check_keys(data, valid, where)
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(data))
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or "?"
-        expected = {f.name: f.type for f in dataclasses.fields(cls)}.get(str(key).split(".")[0].split("[")[0], "?")
-        raise ConfigError(
-            f"{where}.{key}: {str(getattr(err, 'msg', err)).splitlines()[0]} (expected {expected})"
-        ) from None
-    missing = sorted(OmegaConf.missing_keys(merged))
-    if missing:
-        raise ConfigError(f"{where} is missing required value(s): {', '.join(missing)}")
-    obj = OmegaConf.to_object(merged)
-    for f in dataclasses.fields(cls):
-        # OmegaConf lets a mapping or list through as an element of a list[str] field.
-        value = getattr(obj, f.name)
-        if str(f.type).startswith("list[str]") and isinstance(value, list):
-            for i, item in enumerate(value):
-                if not isinstance(item, str):
-                    raise ConfigError(f"{where}.{f.name}[{i}]={item!r} is not valid (expected {f.type})")
-    return obj
-
-
 def validate_trainer_config(data: dict[str, Any]) -> TrainerConfig:
     data = dict(data)
     if "strategy" in data:
@@ -156,8 +104,6 @@ def validate_trainer_config(data: dict[str, Any]) -> TrainerConfig:
         raise ConfigError(f"trainer.gradient_clip_val={cfg.gradient_clip_val} must be positive (or null)")
     if cfg.timeout <= 0:
         raise ConfigError(f"trainer.timeout={cfg.timeout} must be a positive number of seconds")
-    from polytrain.strategies.registry import validate_strategy_spec
-
     cfg.strategy = validate_strategy_spec(normalize_strategy(cfg.strategy))
     return cfg
 
@@ -172,19 +118,6 @@ def _check_logger_and_callbacks(cfg: TrainerConfig) -> None:
         if not (isinstance(spec, dict) and isinstance(spec.get("_target_"), str)):
             raise ConfigError(f"trainer.callbacks[{i}]={spec!r} is not valid; each callback must be a mapping "
                               f"with _target_: package.Class (and its keyword arguments)")
-
-
-def normalize_strategy(value: Any) -> dict[str, Any]:
-    """``"ddp"`` and ``{"name": "ddp", ...}`` both become the mapping form."""
-    if value is None:
-        return {"name": "auto"}
-    if isinstance(value, str):
-        return {"name": value}
-    if isinstance(value, dict):
-        return {"name": "auto", **value}
-    if hasattr(value, "items"):
-        return {"name": "auto", **dict(value.items())}
-    return value  # a Strategy instance passed to Trainer(strategy=...)
 
 
 # --------------------------------------------------------------------------- YAML loading

@@ -6,15 +6,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from polytrain.strategies import collectives as C
-from polytrain.trainer.data import loader_length
+from polytrain.core import collectives as C
+from polytrain.core.errors import EmptyDataError, NonFiniteError
+from polytrain.data.loaders import loader_length
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
-
-
-class EmptyDataError(ValueError):
-    pass
 
 
 def _describe(loader: Any) -> str:
@@ -66,10 +63,6 @@ def check_batches(trainer: Trainer, loader: Any, stage: str) -> int:
             f"(trainer.use_distributed_sampler=true) or make your sampler split evenly"
         )
     return count
-
-
-class NonFiniteError(FloatingPointError):
-    pass
 
 
 class NonFiniteGuard:

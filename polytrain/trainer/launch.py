@@ -10,21 +10,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from polytrain.strategies.launcher import LaunchPlan, launch_spawn, relaunch_script
+from polytrain.trainer.config import trainer_to_dict
 
 if TYPE_CHECKING:
     from polytrain.trainer.module import TrainModule
     from polytrain.trainer.trainer import Trainer
 
 
-def _spawn_entry(trainer_kwargs: dict[str, Any], callbacks: list[Any], stage: str, module: TrainModule,
-                 kwargs: dict[str, Any], result_path: str) -> None:
-    from polytrain.trainer.trainer import Trainer
-
+def _spawn_entry(trainer_cls: type[Trainer], trainer_kwargs: dict[str, Any], callbacks: list[Any], stage: str,
+                 module: TrainModule, kwargs: dict[str, Any], result_path: str) -> None:
     # torch.multiprocessing hands tensors to spawned workers in shared memory: without a private
     # copy every rank would step the same parameters (one update per rank per step).
     module = copy.deepcopy(module)
     trainer_kwargs = {**trainer_kwargs, "callbacks": list(trainer_kwargs["callbacks"]) + callbacks}
-    trainer = Trainer(**trainer_kwargs)
+    trainer = trainer_cls(**trainer_kwargs)
     result = getattr(trainer, stage)(module, **kwargs)
     # Every rank: under sharded strategies (fsdp, tensor parallel) gathering the weights is a collective.
     state_dict = trainer.strategy.module_state_dict()
@@ -39,13 +38,11 @@ def launch_from_trainer(trainer: Trainer, plan: LaunchPlan, stage: str, module: 
                         kwargs: dict[str, Any]) -> Any:
     if plan.method == "elastic":
         relaunch_script(plan, trainer.config.max_restarts)  # exits with the job's status
-    from polytrain.trainer.config import trainer_to_dict
-
     trainer_kwargs = trainer_to_dict(trainer.config)
     user_callbacks = [cb for cb in trainer.callbacks if getattr(cb, "_user_given", False)]
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.pt")
-        launch_spawn(plan, _spawn_entry, (trainer_kwargs, user_callbacks, stage, module, kwargs, result_path))
+        launch_spawn(plan, _spawn_entry, (type(trainer), trainer_kwargs, user_callbacks, stage, module, kwargs, result_path))
         out = torch.load(result_path, weights_only=False)  # written by our own worker just now
     if stage == "fit":
         module.load_state_dict(out["state_dict"])

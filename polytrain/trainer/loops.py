@@ -8,29 +8,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from polytrain.strategies import heartbeat
+from polytrain.checkpoint.layout import resolve_resume
+from polytrain.core import heartbeat
+from polytrain.core.batch import batch_size_of
+from polytrain.core.rng import restore_rng_state, seed_everything
+from polytrain.data.loaders import loader_length, resume_position, set_epoch
 from polytrain.strategies.base import PADDING_BATCH
 from polytrain.trainer import checkpoint as ckpt
-from polytrain.trainer.data import loader_length, resume_position, set_epoch
 from polytrain.trainer.guards import NonFiniteGuard, check_batches
 from polytrain.trainer.optim import parse_optimizers, step_schedulers
-from polytrain.trainer.seed import restore_rng_state, seed_everything
 
 if TYPE_CHECKING:
     from polytrain.trainer.module import TrainModule
     from polytrain.trainer.trainer import Trainer
 
 log = logging.getLogger("polytrain")
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.ndim else 1
-    if isinstance(batch, (list, tuple)) and batch:
-        return _batch_size(batch[0])
-    if isinstance(batch, dict) and batch:
-        return _batch_size(next(iter(batch.values())))
-    return 1
 
 
 def _pick_loader(trainer: Trainer, module: TrainModule, given: Any, datamodule: Any, stage: str) -> Any:
@@ -76,7 +68,7 @@ def _load(trainer: Trainer, path: str | None) -> None:
 
 def _resolve_ckpt(trainer: Trainer, ckpt_path: str | None) -> str | None:
     choice = ckpt_path if ckpt_path is not None else trainer.config.resume
-    path = ckpt.resolve_resume(choice, trainer.run_dir) if trainer.strategy.is_global_zero else None
+    path = resolve_resume(choice, trainer.run_dir) if trainer.strategy.is_global_zero else None
     return trainer.strategy.broadcast(path)
 
 
@@ -155,7 +147,7 @@ def _train_epoch(trainer: Trainer, module: TrainModule, loader: Any, val_loader:
     for batch_idx in range(start, num_batches):
         batch = next(iterator)
         batch = strategy.batch_to_device(batch)
-        trainer.metrics.batch_size = _batch_size(batch)
+        trainer.metrics.batch_size = batch_size_of(batch)
         trainer.batch_in_epoch = batch_idx + 1
         is_step = (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == num_batches
         heartbeat.beat(trainer.global_step, "training_step")
@@ -192,7 +184,11 @@ def _train_epoch(trainer: Trainer, module: TrainModule, loader: Any, val_loader:
     if epoch_complete:
         step_schedulers(trainer.schedulers, "epoch", epoch + 1, trainer.callback_metrics)
     trainer.epoch_complete = epoch_complete
-    trainer.call_hook("on_train_epoch_end")
+    trainer.at_epoch_end = epoch_complete  # a checkpoint taken now resumes at the next epoch
+    try:
+        trainer.call_hook("on_train_epoch_end")
+    finally:
+        trainer.at_epoch_end = False
 
 
 def _step_optimizers(strategy: Any, optimizers: list[Any], cfg: Any, guard: NonFiniteGuard) -> bool:
@@ -245,7 +241,7 @@ def run_evaluation(trainer: Trainer, module: TrainModule, loader: Any, stage: st
             if limit is not None and batch_idx >= limit:
                 break
             batch = strategy.batch_to_device(batch)
-            trainer.metrics.batch_size = _batch_size(batch)
+            trainer.metrics.batch_size = batch_size_of(batch)
             output = strategy.eval_step(metric_stage if metric_stage != "val" else "validation", batch, batch_idx)
             if output is PADDING_BATCH:
                 continue
@@ -274,7 +270,7 @@ def _eval_entry(trainer: Trainer, module: TrainModule, dataloaders: Any, datamod
 
 
 def _load_weights_only(trainer: Trainer, ckpt_path: str) -> None:
-    path = ckpt.resolve_resume(ckpt_path, trainer.run_dir) if trainer.strategy.is_global_zero else None
+    path = resolve_resume(ckpt_path, trainer.run_dir) if trainer.strategy.is_global_zero else None
     path = trainer.strategy.broadcast(path)
     if path is None:
         raise FileNotFoundError(f"no checkpoint found for ckpt_path={ckpt_path!r} under {trainer.run_dir}")

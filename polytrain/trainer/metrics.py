@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from polytrain.strategies import collectives as C
+from polytrain.core import collectives as C
 
 
 @dataclass

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from polytrain.core.protocol import LOG_TAP, MUTED
+
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
 
@@ -73,6 +75,13 @@ class TrainModule(nn.Module):
         trainer = self.__dict__.get("_trainer")
         if trainer is None:
             return
+        tap = self.__dict__.get(LOG_TAP)  # set by a strategy around a padding batch or a pipeline stage
+        if tap is not None:
+            if tap is MUTED:
+                return
+            tap.append((name, torch.as_tensor(value).detach().reshape(()).float(),
+                        dict(prog_bar=prog_bar, sync_dist=sync_dist, on_step=on_step, on_epoch=on_epoch,
+                             batch_size=batch_size, logger=logger)))
         trainer.metrics.log(name, value, prog_bar=prog_bar, sync_dist=sync_dist, on_step=on_step,
                             on_epoch=on_epoch, batch_size=batch_size, logger=logger)
 
@@ -137,13 +146,3 @@ def overrides(module: nn.Module, name: str) -> bool:
     """True if ``module``'s class defines ``name`` itself rather than inheriting TrainModule's."""
     method = getattr(type(module), name, None)
     return method is not None and method is not getattr(TrainModule, name, None)
-
-
-def extract_loss(output: Any) -> torch.Tensor | None:
-    if output is None or isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, Mapping):
-        if "loss" not in output:
-            raise ValueError("training_step returned a dict without a 'loss' key; return {'loss': tensor, ...}")
-        return output["loss"]
-    raise TypeError(f"training_step must return a loss tensor, a dict with 'loss', or None; got {type(output).__name__}")

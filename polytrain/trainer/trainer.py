@@ -7,10 +7,22 @@ import logging
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from polytrain.callbacks.base import Callback
+from polytrain.callbacks.checkpoint import ModelCheckpoint
+from polytrain.callbacks.loggers import Logger
+from polytrain.core import divergence, heartbeat
+from polytrain.core.errors import ConfigError
+from polytrain.core.rng import enable_deterministic
+from polytrain.strategies.base import Strategy
+from polytrain.strategies.launcher import LaunchPlan, plan_launch
+from polytrain.strategies.registry import build_strategy
 from polytrain.trainer import loops
-from polytrain.trainer.config import ConfigError, TrainerConfig, trainer_to_dict, validate_trainer_config
+from polytrain.trainer.checkpoint import build_payload
+from polytrain.trainer.config import TrainerConfig, load_config, trainer_to_dict, validate_trainer_config
+from polytrain.trainer.default_callbacks import build_callbacks
+from polytrain.trainer.launch import launch_from_trainer
 from polytrain.trainer.metrics import MetricCollector
 from polytrain.trainer.module import TrainModule, overrides
 
@@ -49,10 +61,8 @@ class Trainer:
         self.config: TrainerConfig = validate_trainer_config(kwargs)
         if "strategy" in objects:
             self.config.strategy = objects["strategy"]
-        from polytrain.callbacks.defaults import build_callbacks
-
         self.callbacks: list[Callback] = build_callbacks(self.config, callback_objects, objects.get("logger"))
-        self.strategy: Any = None
+        self.strategy: Strategy | None = None
         self.module: TrainModule | None = None
         self.metrics = MetricCollector()
         self.schedulers: list[dict[str, Any]] = []
@@ -66,6 +76,7 @@ class Trainer:
         self.progress_bar_metrics: dict[str, float] = {}
         self.pending_rng: dict[str, Any] | None = None
         self.resumed_mid_epoch = False
+        self.at_epoch_end = False  # True while on_train_epoch_end hooks run after a complete epoch
         self.num_training_batches: int | None = None
         self.num_val_batches: int | None = None
         self._run_config: dict[str, Any] | None = None
@@ -74,13 +85,9 @@ class Trainer:
     @classmethod
     def from_config(cls, config: Any) -> Trainer:
         """From a whole config (path, dict or DictConfig) or just its ``trainer`` section."""
-        from polytrain.trainer.config import load_config
-
         if isinstance(config, str):
             config = load_config(config)
         if hasattr(config, "items") and not isinstance(config, dict):
-            from omegaconf import OmegaConf
-
             config = OmegaConf.to_container(config, resolve=True)
         section = config.get("trainer", config) if "module" in config or "trainer" in config else config
         trainer = cls(**section)
@@ -109,15 +116,11 @@ class Trainer:
         return self.config.run_dir
 
     @property
-    def loggers(self) -> list[Any]:
-        from polytrain.callbacks.loggers import Logger
-
+    def loggers(self) -> list[Logger]:
         return [cb for cb in self.callbacks if isinstance(cb, Logger)]
 
     @property
-    def checkpoint_callback(self) -> Any:
-        from polytrain.callbacks.checkpoint import ModelCheckpoint
-
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
         return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
 
     def config_dict(self) -> dict[str, Any]:
@@ -148,15 +151,15 @@ class Trainer:
                                                  ckpt_path=ckpt_path))
 
     def save_checkpoint(self, path: str) -> None:
-        """Every rank must call this (it gathers RNG states and meets at a barrier)."""
-        from polytrain.trainer.checkpoint import build_payload
-
-        self.strategy.save_checkpoint(build_payload(self, epoch_done=False), path)
+        """Every rank must call this (it gathers RNG states and meets at a barrier). Under
+        ``nan_policy: error`` a model that already holds NaN/inf is refused before anything is written."""
+        guard = getattr(self, "guard", None)
+        if guard is not None:
+            guard.check()
+        self.strategy.save_checkpoint(build_payload(self, epoch_done=self.at_epoch_end), path)
 
     # ------------------------------------------------------------------ plumbing
     def _run(self, stage: str, module: TrainModule | None, kwargs: dict[str, Any]) -> Any:
-        from polytrain.strategies.launcher import plan_launch
-
         module = module if module is not None else self.module
         if module is None:
             raise ValueError(f"trainer.{stage}() needs a TrainModule")
@@ -165,8 +168,6 @@ class Trainer:
                               f"a TrainModule must return the loss to minimise from it")
         plan = plan_launch(self.config)
         if plan.method != "here":
-            from polytrain.trainer.launch import launch_from_trainer
-
             return launch_from_trainer(self, plan, stage, module, kwargs)
         self._setup_strategy(plan)
         self.stage = stage
@@ -177,17 +178,12 @@ class Trainer:
         except BaseException as exc:
             for cb in self.callbacks:
                 cb.on_exception(self, module, exc)
-            from polytrain.strategies import heartbeat
-
             explained = heartbeat.explain(exc)  # a collective timeout -> which rank stopped, and where
             if explained is not None:
                 raise explained from exc
             raise
 
-    def _setup_strategy(self, plan: Any) -> None:
-        from polytrain.strategies.base import Strategy
-        from polytrain.strategies.registry import build_strategy
-
+    def _setup_strategy(self, plan: LaunchPlan) -> None:
         if self.strategy is not None:
             return
         if isinstance(self.config.strategy, Strategy):
@@ -200,17 +196,12 @@ class Trainer:
                 precision=self.config.precision, timeout=self.config.timeout, env=plan.env,
             )
         if self.config.deterministic:
-            from polytrain.trainer.seed import enable_deterministic
-
             enable_deterministic()
         if self.config.detect_divergence:
-            from polytrain.strategies import divergence
-
             divergence.enable(self.config.timeout)  # before the process group starts
         self.strategy.setup_environment()
         self.metrics.device = self.strategy.collective_device
-        from polytrain.strategies import heartbeat
-
+        self.strategy.bind_hooks(self.call_hook)
         heartbeat.start(self.strategy.global_rank, self.strategy.world_size, self.config.timeout)
 
     def restore_loop(self, loop: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ TIMEOUT = 8.0
 
 def _worker(rank: int, world_size: int, run_dir: str, fault: str) -> dict[str, Any]:
     from polytrain import Trainer
-    from polytrain.strategies.divergence import DivergenceError
+    from polytrain.core.errors import DivergenceError
 
     os.environ["POLYTRAIN_REL_FAULT"] = fault
     module = rel_module().RelModule(n=16, batch_size=4)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from polytrain.strategies import heartbeat
+from polytrain.core import heartbeat
 
 from .helpers import figure, free_port
 
@@ -58,7 +58,7 @@ def test_a_dead_peer_is_named_as_dead(store: Any) -> None:
 
 @pytest.mark.timeout(60)
 def test_other_errors_are_left_alone(store: Any) -> None:
-    from polytrain.strategies.divergence import DivergenceError
+    from polytrain.core.errors import DivergenceError
 
     heartbeat.start(0, 2, timeout_s=10.0, store=store, interval_s=0.2)
     assert heartbeat.explain(ValueError("bad batch")) is None

@@ -30,7 +30,7 @@ N, BATCH = 27, 2
 
 
 def _full_state(trainer: Any) -> dict[str, torch.Tensor]:
-    from polytrain.strategies.sharded_io import full_optimizer_state
+    from polytrain.checkpoint.state import full_optimizer_state
 
     state = {f"model.{k}": v.detach().clone() for k, v in trainer.strategy.module_state_dict().items()}
     optim = full_optimizer_state(trainer.strategy)  # a collective under fsdp
@@ -42,7 +42,7 @@ def _full_state(trainer: Any) -> dict[str, torch.Tensor]:
 def _worker(rank: int, world_size: int, root: str, phase: str, ckpt_path: str | None, max_steps: int) -> dict:
     from polytrain import Trainer
     from polytrain.callbacks.base import Callback
-    from polytrain.trainer.checkpoint import find_resumable
+    from polytrain.checkpoint.layout import find_resumable
 
     class AfterLoad(Callback):
         state: dict[str, torch.Tensor] | None = None
@@ -107,7 +107,7 @@ def test_fsdp_checkpoint_resumes_at_other_world_sizes_exactly(tmp_path: Any) -> 
 def test_resplit_covers_the_epoch_for_any_sizes() -> None:
     """The sampler arithmetic alone, over many sizes: positions consumed at one data-parallel size
     plus the re-split rest at another always cover the epoch's permutation exactly once (+ padding)."""
-    from polytrain.trainer.data import ResumableDistributedSampler
+    from polytrain.data.samplers import ResumableDistributedSampler
 
     checked = 0
     for n in (7, 16, 27, 33):
@@ -140,7 +140,8 @@ def test_resplit_covers_the_epoch_for_any_sizes() -> None:
 
 @pytest.mark.timeout(120)
 def test_position_that_cannot_be_resplit_is_an_error_not_drift() -> None:
-    from polytrain.trainer.data import SamplerError, resume_position
+    from polytrain.core.errors import SamplerError
+    from polytrain.data.loaders import resume_position
 
     ds = rel_module().IndexedRegression(20)
     user_loader = DataLoader(ds, batch_size=2, sampler=list(range(0, 20, 2)))  # the user's own sharding

@@ -21,8 +21,9 @@ import torch
 from polytrain import Trainer
 from polytrain.callbacks.checkpoint import ModelCheckpoint
 from polytrain.cli import main as cli_main
-from polytrain.strategies.checkpoint_io import CheckpointError, read_checkpoint
-from polytrain.trainer.checkpoint import find_resumable, is_complete
+from polytrain.checkpoint.reading import read_checkpoint
+from polytrain.core.errors import CheckpointError
+from polytrain.checkpoint.layout import find_resumable, is_complete
 
 from .helpers import REPO, figure, rel_module
 

@@ -2,7 +2,7 @@
 
     python ckpt_fault.py RUN_DIR MODE SAVE_NUMBER [--top-k K] [--max-steps N]
 
-Patches, in this throwaway process only, what ``polytrain.strategies.checkpoint_io.atomic_save``
+Patches, in this throwaway process only, what ``polytrain.checkpoint.replicated.atomic_save``
 calls, and on the SAVE_NUMBER-th checkpoint write (1-based):
 
 - ``mid_write``      writes half of the serialized bytes to the temporary file, fsyncs, SIGKILLs itself

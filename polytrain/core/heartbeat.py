@@ -29,15 +29,15 @@ import threading
 import time
 from typing import Any
 
+import torch.distributed as dist
+
+from polytrain.core.errors import DivergenceError, RankUnresponsiveError
+
 _PREFIX = "polytrain/heartbeat/"
 _COLLECTIVE_ERROR_HINTS = (
     "timed out", "timeout", "connection closed", "connection reset", "broken pipe", "socket",
     "nccl", "gloo", "watchdog", "connection refused", "peer",
 )
-
-
-class RankUnresponsiveError(RuntimeError):
-    """A collective failed because one or more ranks stopped making progress."""
 
 
 class _Heartbeat:
@@ -90,8 +90,6 @@ def start(rank: int, world_size: int, timeout_s: float, store: Any = None, inter
     if world_size < 2:
         return
     if store is None:
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized()):
             return
         store = dist.distributed_c10d._get_default_store()
@@ -129,8 +127,6 @@ def at(where: str) -> None:
 
 
 def looks_like_collective_failure(exc: BaseException) -> bool:
-    import torch.distributed as dist
-
     backend_error = getattr(dist, "DistBackendError", None)
     if backend_error is not None and isinstance(exc, backend_error):
         return True
@@ -182,8 +178,6 @@ def describe_peers(now: float | None = None) -> tuple[list[str], dict[int, dict[
 
 def explain(exc: BaseException) -> RankUnresponsiveError | None:
     """A clearer error for a failed collective, or None if this does not look like one."""
-    from polytrain.strategies.divergence import DivergenceError
-
     hb = _current
     if hb is None or isinstance(exc, (RankUnresponsiveError, DivergenceError)) \
             or not looks_like_collective_failure(exc):

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from polytrain.strategies.divergence import check_in
+from polytrain.core.divergence import check_in
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from polytrain.trainer.config import ConfigError
+from polytrain.core.errors import ConfigError
 
 
 class PipelineSplitError(ConfigError):

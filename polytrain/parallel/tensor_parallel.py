@@ -1,6 +1,6 @@
 """Plain functions behind ``model_parallel``'s tensor mode: reading and checking the module's plan,
 applying it over the ``tp`` mesh, sharding the result over the data-parallel mesh (2D), and the
-pieces of the step that must understand ``DTensor`` (gradient-norm clipping, full state dicts).
+pieces of the step that must understand ``DTensor`` (gradient-norm clipping).
 
 Everything that only reads the module (the plan checks) runs before any process group exists, so
 a typo in a plan fails in a second on every rank alike instead of after a rendezvous.
@@ -18,7 +18,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from polytrain.trainer.config import ConfigError
+from polytrain.core import lazy
+from polytrain.core.errors import ConfigError
+from polytrain.parallel.fsdp import blocks_to_wrap
 
 
 class TensorParallelPlanError(ConfigError):
@@ -92,10 +94,7 @@ def shard_data_parallel(module: nn.Module, root: nn.Module, dp_mesh: Any) -> Non
     """FSDP2 over the data-parallel mesh after tensor parallelism (2D). The units are the ``fsdp``
     strategy's (each block of the largest ``nn.Sequential``/``nn.ModuleList``); ``root``, the router
     the step runs through, owns whatever no block took."""
-    from torch.distributed.fsdp import fully_shard
-
-    from polytrain.strategies.fsdp import blocks_to_wrap
-
+    fully_shard = lazy.fsdp().fully_shard
     for block in blocks_to_wrap(module, None):
         fully_shard(block, mesh=dp_mesh)
     fully_shard(root, mesh=dp_mesh, reshard_after_forward=False)  # backward needs the root first
@@ -122,10 +121,3 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Ten
         for g in grads:
             g.mul_(coef)
     return total
-
-
-def full_model_state(module: nn.Module) -> dict[str, Any]:
-    """The whole model as plain CPU tensors under single-device names (a collective: every rank calls)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

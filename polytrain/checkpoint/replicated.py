@@ -1,4 +1,5 @@
 """Checkpoint files for replicated strategies: rank 0 writes one file atomically, every rank reads.
+Also the two pieces every checkpoint write shares: ``atomic_save`` and ``agree_on_error``.
 
 A write failure on rank 0 (full disk, read-only directory) is agreed on by all ranks, so each
 one raises the same clear error instead of some waiting at a barrier forever.
@@ -7,7 +8,7 @@ File format: ``model`` is a plain ``state_dict`` (``torch.load(path)["model"]`` 
 ``nn.Module``); ``optimizer`` is every optimizer's state flattened and keyed by parameter name
 (``state.<fqn>.<name>``, ``param_groups.<fqn>.<hyperparameter>``), the form sharded checkpoints use
 too, so a sharded strategy can load this file and a replicated one can load a sharded directory
-(``polytrain.strategies.sharded_io``). Files from before that change hold ``optimizers``, a list
+(``polytrain.checkpoint.sharded``). Files from before that change hold ``optimizers``, a list
 of index-keyed ``Optimizer.state_dict()`` s, and still load.
 """
 
@@ -20,11 +21,10 @@ from typing import Any
 
 import torch
 
-from polytrain.strategies import collectives as C
-
-
-class CheckpointError(RuntimeError):
-    pass
+from polytrain.checkpoint.reading import read_checkpoint
+from polytrain.checkpoint.state import full_optimizer_state, load_full_state
+from polytrain.core import collectives as C
+from polytrain.core.errors import CheckpointError
 
 
 def atomic_save(obj: Any, path: str) -> None:
@@ -54,8 +54,6 @@ def agree_on_error(strategy: Any, error: str | None) -> None:
 
 
 def save_replicated(strategy: Any, payload: dict[str, Any], path: str) -> None:
-    from polytrain.strategies.sharded_io import full_optimizer_state
-
     payload = dict(payload)
     payload["model"] = strategy.module_state_dict()
     payload["optimizer"] = full_optimizer_state(strategy)
@@ -69,38 +67,8 @@ def save_replicated(strategy: Any, payload: dict[str, Any], path: str) -> None:
     agree_on_error(strategy, error)
 
 
-def strip_wrapper_prefix(state: dict[str, Any]) -> dict[str, Any]:
-    """Accept weights saved from a DDP/DataParallel wrapper (``module.`` keys) by a plain loop."""
-    if state and all(k.startswith("module.") for k in state):
-        return {k[len("module."):]: v for k, v in state.items()}
-    return state
-
-
-def read_checkpoint(path: str) -> dict[str, Any]:
-    """A whole checkpoint as full CPU tensors: a file, or a sharded (DCP) directory read without
-    any process group. Never unpickles without restriction."""
-    if os.path.isdir(path):
-        from polytrain.strategies.sharded_io import read_sharded
-
-        return read_sharded(path)
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} does not exist") from None
-    except Exception as err:  # an unpickling refusal or a torn file
-        raise CheckpointError(f"checkpoint {path} cannot be loaded safely: {err}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"checkpoint {path} holds a {type(data).__name__}, not a state dict")
-    if "polytrain" not in data:
-        # A bare state_dict written by a plain PyTorch loop: weights only, no loop state.
-        data = {"model": strip_wrapper_prefix(data)}
-    return data
-
-
 def load_replicated(strategy: Any, path: str) -> dict[str, Any]:
     """Every rank reads the whole checkpoint (a file or a sharded directory) and loads it."""
-    from polytrain.strategies.sharded_io import load_full_state
-
     error, payload = None, {}
     try:
         payload = read_checkpoint(path)

@@ -9,17 +9,18 @@ from typing import Any
 
 import torch
 
+try:  # optional: seeded and checkpointed when installed
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with most torch installs
+    np = None
+
 
 def seed_everything(seed: int) -> int:
     os.environ["PL_GLOBAL_SEED"] = os.environ["POLYTRAIN_SEED"] = str(seed)
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
-    try:
-        import numpy as np
-
+    if np is not None:
         np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
     return seed
 
 
@@ -31,14 +32,10 @@ def capture_rng_state() -> dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
+    if np is not None:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
         state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
                           "has_gauss": int(has_gauss), "cached": float(cached)}
-    except ImportError:
-        pass
     return state
 
 
@@ -48,9 +45,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
+    if "numpy" in state and np is not None:
         npst = state["numpy"]
         np.random.set_state((npst["kind"], npst["keys"].numpy().astype("uint32"), npst["pos"],
                              npst["has_gauss"], npst["cached"]))

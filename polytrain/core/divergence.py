@@ -2,7 +2,7 @@
 that names them and their call sites instead of a hang.
 
 Enabled by ``trainer.detect_divergence: true``. Before each collective in
-``polytrain.strategies.collectives``, a rank writes ``(sequence number, op, call site)`` to the
+``polytrain.core.collectives``, a rank writes ``(sequence number, op, call site)`` to the
 job's key-value store and waits for every peer's entry of the same sequence number:
 
 - a peer that reached a *different* collective (another op or another line) -> ``DivergenceError``
@@ -24,13 +24,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-
-class DivergenceError(RuntimeError):
-    pass
-
+from polytrain.core.errors import DivergenceError
 
 _state: dict[str, Any] = {"enabled": False, "timeout": 300.0, "seq": {}}
-_THIS_FILE_PARTS = ("polytrain/strategies/collectives.py", "polytrain/strategies/divergence.py",
+_THIS_FILE_PARTS = ("polytrain/core/collectives.py", "polytrain/core/divergence.py",
                     "polytrain/strategies/base.py")
 
 

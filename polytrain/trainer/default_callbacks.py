@@ -5,14 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from polytrain.callbacks.base import Callback
-from polytrain.trainer.config import ConfigError, TrainerConfig, instantiate
+from polytrain.callbacks.checkpoint import ModelCheckpoint
+from polytrain.callbacks.loggers import CSVLogger, TensorBoardLogger
+from polytrain.callbacks.progress import ProgressBar
+from polytrain.callbacks.summary import ModelSummary
+from polytrain.core.errors import ConfigError
+from polytrain.trainer.config import TrainerConfig, instantiate
 
 _LOGGER_NAMES = ("tensorboard", "csv")
 
 
 def _loggers(spec: Any, run_dir: str) -> list[Callback]:
-    from polytrain.callbacks.loggers import CSVLogger, TensorBoardLogger
-
     if spec is False or spec is None:
         return []
     if spec is True:
@@ -34,10 +37,6 @@ def _loggers(spec: Any, run_dir: str) -> list[Callback]:
 
 
 def build_callbacks(cfg: TrainerConfig, objects: list[Callback], logger_objects: Any) -> list[Callback]:
-    from polytrain.callbacks.checkpoint import ModelCheckpoint
-    from polytrain.callbacks.progress import ProgressBar
-    from polytrain.callbacks.summary import ModelSummary
-
     callbacks: list[Callback] = []
     for cb in objects:
         cb._user_given = True

@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from polytrain.strategies.environment import ClusterEnvironment, export_for_torch
+from polytrain.core.environment import ClusterEnvironment, export_for_torch
 
 
 def resolve_device(accelerator: str, local_rank: int) -> torch.device:

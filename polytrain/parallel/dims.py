@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from polytrain.trainer.config import ConfigError
+from torch.distributed.device_mesh import init_device_mesh
+
+from polytrain.core.errors import ConfigError
 
 
 @dataclass
@@ -58,8 +60,6 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> Any:
         """An N-D ``DeviceMesh``; ``self.dp_mesh`` is its flattened data-parallel (replicate x shard)
         sub-mesh, kept here because slicing a flattened dim from the root mesh is deprecated."""
-        from torch.distributed.device_mesh import init_device_mesh
-
         names = [n for n, _ in self.dims()]
         self.mesh = init_device_mesh(device_type, tuple(d for _, d in self.dims()), mesh_dim_names=tuple(names))
         self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")

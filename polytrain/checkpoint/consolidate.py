@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
-from polytrain.strategies.checkpoint_io import CheckpointError, atomic_save, read_checkpoint
+from polytrain.checkpoint.reading import read_checkpoint
+from polytrain.checkpoint.replicated import atomic_save
+from polytrain.core.errors import CheckpointError
 
 
 def consolidate(source: str, output: str) -> dict[str, torch.Tensor]:

@@ -1,0 +1,93 @@
+"""Reading a whole checkpoint into one process as full CPU tensors, with no process group: a
+replicated ``.ckpt`` file, a bare ``state_dict`` written by a plain loop, or a sharded (DCP)
+directory. Used by replicated strategies (every rank reads the whole file), by sharded ones
+loading a replicated file, and by ``polytrain checkpoint consolidate``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from polytrain.checkpoint.unpickler import METADATA_FILE, safe_load_planner, safe_reader
+from polytrain.core import lazy
+from polytrain.core.errors import CheckpointError
+
+META_FILE = "meta.pt"
+
+
+def strip_wrapper_prefix(state: dict[str, Any]) -> dict[str, Any]:
+    """Accept weights saved from a DDP/DataParallel wrapper (``module.`` keys) by a plain loop."""
+    if state and all(k.startswith("module.") for k in state):
+        return {k[len("module."):]: v for k, v in state.items()}
+    return state
+
+
+def read_checkpoint(path: str) -> dict[str, Any]:
+    """A whole checkpoint as full CPU tensors: a file, or a sharded (DCP) directory read without
+    any process group. Never unpickles without restriction."""
+    if os.path.isdir(path):
+        return read_sharded(path)
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} does not exist") from None
+    except Exception as err:  # an unpickling refusal or a torn file
+        raise CheckpointError(f"checkpoint {path} cannot be loaded safely: {err}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"checkpoint {path} holds a {type(data).__name__}, not a state dict")
+    if "polytrain" not in data:
+        # A bare state_dict written by a plain PyTorch loop: weights only, no loop state.
+        data = {"model": strip_wrapper_prefix(data)}
+    return data
+
+
+def check_complete(path: str) -> None:
+    """Both files present, and ``.metadata`` passes the allow-list before DCP ever reads it."""
+    missing = [n for n in (METADATA_FILE, META_FILE) if not os.path.exists(os.path.join(path, n))]
+    if missing:
+        raise CheckpointError(f"sharded checkpoint {path} is incomplete: {', '.join(missing)} missing (a save that "
+                              f"crashed?). Pick an older checkpoint, or resume with 'last' to skip torn ones")
+    try:
+        safe_reader(path).read_metadata()
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{os.path.join(path, METADATA_FILE)} cannot be loaded safely: {err}") from None
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    try:
+        meta = torch.load(os.path.join(path, META_FILE), map_location="cpu", weights_only=True)
+    except Exception as err:  # an unpickling refusal or a torn file
+        raise CheckpointError(f"{os.path.join(path, META_FILE)} cannot be loaded safely: {err}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{os.path.join(path, META_FILE)} holds a {type(meta).__name__}, not a dict")
+    return meta
+
+
+def read_sharded(path: str) -> dict[str, Any]:
+    """The whole checkpoint as full (unsharded) CPU tensors; needs no process group."""
+    check_complete(path)
+    state: dict[str, Any] = {}
+    try:
+        # Not dcp.load: it loads into a copy holding only the keys passed in, so an empty dict
+        # (filled by the empty planner) comes back empty. The inner loader fills `state` itself.
+        with quiet_single_process():
+            lazy.dcp().state_dict_loader._load_state_dict(state, storage_reader=safe_reader(path), planner=safe_load_planner(empty=True), no_dist=True)
+    except Exception as err:  # noqa: BLE001 - DCP wraps refusals and torn shards alike
+        raise CheckpointError(f"sharded checkpoint {path} cannot be loaded safely: {err}") from None
+    return {**read_meta(path), **state}
+
+
+@contextmanager
+def quiet_single_process() -> Iterator[None]:
+    # DCP warns that it "assumes the intent is to load in a single process": that is our intent.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="torch.distributed is unavailable")
+        yield

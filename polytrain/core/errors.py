@@ -1,0 +1,35 @@
+"""Every error polytrain raises on purpose. Each message names what happened and the fix.
+
+Kept in the bottom layer so that any module may raise them without importing the one that
+usually does (a strategy raising ``ConfigError`` must not depend on the config loader).
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, mistyped or missing; the message names the fix."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read (every rank raises the same one)."""
+
+
+class SamplerError(ValueError):
+    """A DataLoader's sampling cannot be split over the data-parallel ranks, or re-split on resume."""
+
+
+class EmptyDataError(ValueError):
+    """A loader yields no batches on some rank, or too few samples for the ranks."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A loss, gradient norm or parameter became NaN/inf (``trainer.nan_policy: error``)."""
+
+
+class DivergenceError(RuntimeError):
+    """Ranks reached different collectives (``trainer.detect_divergence``)."""
+
+
+class RankUnresponsiveError(RuntimeError):
+    """A collective failed because one or more ranks stopped making progress."""

@@ -1,0 +1,62 @@
+"""Validating option mappings against dataclasses: unknown keys, wrong types and missing values are
+``ConfigError`` s that name the key and list the valid choices. Used by the config loader and by
+every strategy's options."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from polytrain.core.errors import ConfigError
+
+
+def suggest(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"{hint}; valid: {', '.join(valid)}"
+
+
+def check_keys(data: dict[str, Any], valid: list[str], where: str) -> None:
+    unknown = [k for k in data if k not in valid]
+    if unknown:
+        key = unknown[0]
+        raise ConfigError(f"{where} has no key '{key}'{suggest(key, valid)}")
+
+
+def check_choice(value: Any, choices: tuple[str, ...], where: str) -> None:
+    if value not in choices:
+        raise ConfigError(f"{where}={value!r} is not valid; choose one of: {', '.join(choices)}")
+
+
+def validate_dataclass(cls: type, data: dict[str, Any], where: str) -> Any:
+    """Build ``cls`` from ``data``, rejecting unknown keys and values of the wrong type."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping of keys to values, got {type(data).__name__}: {data!r}")
+    valid = [f.name for f in dataclasses.fields(cls)]
+    check_keys(data, valid, where)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(data))
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "?"
+        expected = {f.name: f.type for f in dataclasses.fields(cls)}.get(str(key).split(".")[0].split("[")[0], "?")
+        raise ConfigError(
+            f"{where}.{key}: {str(getattr(err, 'msg', err)).splitlines()[0]} (expected {expected})"
+        ) from None
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        raise ConfigError(f"{where} is missing required value(s): {', '.join(missing)}")
+    obj = OmegaConf.to_object(merged)
+    for f in dataclasses.fields(cls):
+        # OmegaConf lets a mapping or list through as an element of a list[str] field.
+        value = getattr(obj, f.name)
+        if str(f.type).startswith("list[str]") and isinstance(value, list):
+            for i, item in enumerate(value):
+                if not isinstance(item, str):
+                    raise ConfigError(f"{where}.{f.name}[{i}]={item!r} is not valid (expected {f.type})")
+    return obj

@@ -1,0 +1,73 @@
+"""The little a strategy needs to know about the user's module, without importing ``TrainModule``.
+
+- ``extract_loss``: what ``training_step`` returned, as the loss tensor to backpropagate.
+- ``HookCaller``: how a strategy calls a lifecycle hook (``on_before_backward``, ...). The Trainer
+  hands its own funnel to the strategy (callbacks first, then the module), so hooks that fire
+  inside a strategy's step reach callbacks too.
+- ``muted_logs`` / ``captured_logs``: route ``self.log`` calls made inside a block. A padding
+  batch (sharded evaluation) must count in no metric; a pipeline's last stage records what the
+  user's step logged so the other stages can log the same values. ``TrainModule.log`` reads the
+  tap named ``LOG_TAP`` from the module's ``__dict__``; nothing here touches the Trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+LOG_TAP = "_polytrain_log_tap"
+MUTED = object()  # the tap value that drops every logged value
+
+
+class HookCaller(Protocol):
+    def __call__(self, name: str, *args: Any) -> Any: ...
+
+
+def module_hook_caller(module: nn.Module) -> HookCaller:
+    """The funnel used when no Trainer is attached: the module's own hook, if it has one."""
+
+    def call(name: str, *args: Any) -> Any:
+        hook = getattr(module, name, None)
+        return hook(*args) if hook is not None else None
+
+    return call
+
+
+def extract_loss(output: Any) -> torch.Tensor | None:
+    """``training_step``'s result as the loss: a tensor, ``{"loss": tensor, ...}``, or None (skip)."""
+    if output is None or isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        if "loss" not in output:
+            raise ValueError("training_step returned a dict without a 'loss' key; return {'loss': tensor, ...}")
+        return output["loss"]
+    raise TypeError(f"training_step must return a loss tensor, a dict with 'loss', or None; got {type(output).__name__}")
+
+
+@contextlib.contextmanager
+def _tapped(module: nn.Module, tap: Any) -> Iterator[None]:
+    previous = module.__dict__.get(LOG_TAP)
+    module.__dict__[LOG_TAP] = tap
+    try:
+        yield
+    finally:
+        if previous is None:
+            module.__dict__.pop(LOG_TAP, None)
+        else:
+            module.__dict__[LOG_TAP] = previous
+
+
+def muted_logs(module: nn.Module) -> contextlib.AbstractContextManager:
+    """``self.log`` calls inside are dropped (a padding batch must never count in a metric)."""
+    return _tapped(module, MUTED)
+
+
+def captured_logs(module: nn.Module, records: list[tuple[str, torch.Tensor, dict[str, Any]]]
+                  ) -> contextlib.AbstractContextManager:
+    """``self.log`` calls inside are logged as usual and also appended to ``records`` as
+    ``(name, detached scalar tensor, keyword arguments)``."""
+    return _tapped(module, records)

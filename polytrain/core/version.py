@@ -1,0 +1,3 @@
+"""The library's version, recorded in every checkpoint."""
+
+__version__ = "0.1.0"

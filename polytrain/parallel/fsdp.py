@@ -1,0 +1,151 @@
+"""FSDP2 as plain functions: which blocks become FSDP units, rank 0's weights to every rank before
+sharding, meta-device initialisation that equals a CPU build, and gradient-sync control for
+accumulation. Used by the fsdp strategy and by tensor parallel's data-parallel dimension (2D).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from polytrain.core import collectives as C
+from polytrain.core import lazy
+from polytrain.core.errors import ConfigError
+
+# --------------------------------------------------------------------------- wrapping
+
+
+def apply_fsdp(module: nn.Module, root: nn.Module, mesh: Any, autocast_dtype: torch.dtype | None,
+               wrap_modules: list[str] | None = None, reshard_after_forward: bool = True,
+               cpu_offload: bool = False, compute_device_type: str = "cpu") -> None:
+    """``fully_shard`` each block of ``module`` (``blocks_to_wrap``), then ``root`` (the module the
+    step runs through, owning whatever no block took). ``mesh`` is 1-D (shard) or 2-D (replicate,
+    shard: HSDP). ``cpu_offload`` keeps shards in CPU memory (pinned when computing on CUDA). Under mixed precision parameters are gathered in the autocast dtype (half the
+    traffic) and gradients reduced in fp32; inputs are not cast: autocast picks each op's dtype, as
+    on one device."""
+    fsdp = lazy.fsdp()
+    offload = fsdp.CPUOffloadPolicy(pin_memory=compute_device_type == "cuda") if cpu_offload else fsdp.OffloadPolicy()
+    mp_policy = fsdp.MixedPrecisionPolicy() if autocast_dtype is None else fsdp.MixedPrecisionPolicy(
+        param_dtype=autocast_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
+    for block in blocks_to_wrap(module, wrap_modules):
+        fsdp.fully_shard(block, reshard_after_forward=reshard_after_forward, **common)
+    # The root stays gathered after forward by default: backward needs it first.
+    fsdp.fully_shard(root, reshard_after_forward=None if reshard_after_forward else False, **common)
+
+
+def blocks_to_wrap(module: nn.Module, names: list[str] | None) -> list[nn.Module]:
+    """The submodules to ``fully_shard`` before the root, innermost first (FSDP goes bottom-up)."""
+    if names is not None:
+        present = {type(m).__name__ for m in module.modules()}
+        unknown = sorted(set(names) - present)
+        if unknown:
+            raise ConfigError(f"fsdp wrap_modules names {unknown}, but {type(module).__name__} has no submodule of "
+                              f"that class; classes present: {', '.join(sorted(present))}")
+        chosen = [m for m in module.modules() if type(m).__name__ in names and m is not module]
+        return list(reversed(chosen))  # pre-order reversed: every module after its descendants
+    containers = [m for m in module.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+    if not containers:
+        return []
+    largest = max(containers, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return [child for child in largest.children() if next(child.parameters(), None) is not None]
+
+
+def broadcast_module(module: nn.Module, device: torch.device) -> None:
+    """Rank 0's values of everything already materialised (meta tensors are initialised later,
+    identically on every rank, from the same RNG state). Via ``device``: NCCL cannot send CPU
+    tensors (an offloaded model lives on CPU)."""
+    if not C.active():
+        return
+    with torch.no_grad():
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            if not tensor.is_meta:
+                staged = tensor.data.to(device)
+                C.broadcast(staged, 0)
+                if staged is not tensor.data:
+                    tensor.data.copy_(staged)
+
+
+# --------------------------------------------------------------------------- meta-device init
+
+
+def _direct_tensors(module: nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
+    return [(reg, name, t) for reg in (module._parameters, module._buffers) for name, t in reg.items()
+            if t is not None]
+
+
+def materialize_meta(module: nn.Module, device: torch.device, rng_state: torch.Tensor | None) -> None:
+    """Allocate the shards of every meta tensor and initialise them as a CPU build would have.
+
+    Modules are visited in registration order, the RNG restarts from the state at
+    ``configure_model``, and each module's ``reset_parameters()`` runs on full-size CPU tensors
+    (one module at a time); this rank keeps its shard. Standard layers draw the same numbers in
+    ``reset_parameters`` as in their constructor, so the weights equal a CPU build with the seed.
+    """
+    targets = [m for m in module.modules() if any(t.is_meta for _, _, t in _direct_tensors(m))]
+    for m in targets:
+        if not callable(getattr(m, "reset_parameters", None)):
+            names = [n for _, n, t in _direct_tensors(m) if t.is_meta]
+            raise ConfigError(f"{type(m).__name__} holds {names} built on the meta device (configure_model under fsdp) "
+                              f"but has no reset_parameters() to initialise them; define reset_parameters() on it "
+                              f"or create those tensors in __init__")
+    with torch.random.fork_rng(devices=[]):
+        if rng_state is not None:
+            torch.set_rng_state(rng_state)
+        for m in targets:
+            m.to_empty(device=device, recurse=False)
+            _reset_full(m)
+
+
+@torch.no_grad()
+def _reset_full(module: nn.Module) -> None:
+    live = _direct_tensors(module)
+    for reg, name, t in live:
+        full = torch.empty(t.shape, dtype=t.dtype)  # t.shape is the global shape for a DTensor
+        reg[name] = nn.Parameter(full, requires_grad=t.requires_grad) if reg is module._parameters else full
+    try:
+        module.reset_parameters()
+        for reg, name, t in live:
+            _copy_shard(t, reg[name])
+    finally:
+        for reg, name, t in live:
+            reg[name] = t
+
+
+def _copy_shard(live: torch.Tensor, full: torch.Tensor) -> None:
+    DTensor, Replicate = lazy.dtensor().DTensor, lazy.dtensor().Replicate
+    if not isinstance(live, DTensor):
+        live.copy_(full)
+        return
+    mesh = live.device_mesh
+    whole = DTensor.from_local(full.to(live.device), mesh, [Replicate()] * mesh.ndim, run_check=False)
+    live.to_local().copy_(whole.redistribute(mesh, live.placements).to_local())  # a local slice: no traffic
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def clip_sharded_grad_norm(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` when every gradient is a ``DTensor`` shard: each rank's partial norm is
+    reduced to the global one before the clip coefficient is applied."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    if isinstance(norm, lazy.dtensor().DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+@contextlib.contextmanager
+def no_gradient_sync(root: Any) -> Iterator[None]:
+    # Gradients accumulate unsharded; the last micro-batch's backward reduce-scatters the sum.
+    root.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        root.set_requires_gradient_sync(True)

@@ -1,0 +1,22 @@
+"""Evaluation through a sharded root, shared by the strategies whose forward runs collectives
+over the data-parallel group (fsdp; model_parallel tensor mode with a data-parallel dimension)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polytrain.core.protocol import muted_logs
+from polytrain.data.padding import PaddingState
+from polytrain.strategies.base import PADDING_BATCH, Strategy
+
+
+def padded_eval_step(strategy: Strategy, padding: PaddingState, stage: str, batch: Any, batch_idx: int) -> Any:
+    """An evaluation step through the sharded root (its forward gathers parameters, so every rank
+    must run it); on a padding batch the step still runs, its logs are dropped and the loops are
+    told with ``PADDING_BATCH``."""
+    with strategy.precision.forward_context():
+        if not padding.active:
+            return strategy.model(f"{stage}_step", batch, batch_idx)
+        with muted_logs(strategy.module):
+            strategy.model(f"{stage}_step", batch, batch_idx)
+        return PADDING_BATCH
