@@ -14,20 +14,26 @@ from polytrain.core.version import __version__
 _EXPORTS = {
     "Trainer": "polytrain.trainer.trainer",
     "TrainModule": "polytrain.trainer.module",
+    "DataModule": "polytrain.trainer.datamodule",
     "Callback": "polytrain.callbacks.base",
     "seed_everything": "polytrain.core.rng",
     "load_config": "polytrain.trainer.config",
     "connect": "polytrain.strategies.connect",
+    # Lightning's names, so a Lightning module runs with only its import changed.
+    "LightningModule": "polytrain.trainer.module",
+    "LightningDataModule": "polytrain.trainer.datamodule",
 }
 
-__all__ = ["Callback", "TrainModule", "Trainer", "__version__", "connect", "load_config", "seed_everything"]
+__all__ = ["Callback", "DataModule", "LightningDataModule", "LightningModule", "TrainModule", "Trainer",
+           "__version__", "connect", "load_config", "seed_everything"]
 
 if TYPE_CHECKING:
     from polytrain.callbacks.base import Callback
     from polytrain.core.rng import seed_everything
     from polytrain.strategies.connect import connect
     from polytrain.trainer.config import load_config
-    from polytrain.trainer.module import TrainModule
+    from polytrain.trainer.datamodule import DataModule, LightningDataModule
+    from polytrain.trainer.module import LightningModule, TrainModule
     from polytrain.trainer.trainer import Trainer
 
 

@@ -49,8 +49,9 @@ def run_worker(config: dict[str, Any], command: str, ckpt: str | None) -> Any:
     """What each worker process runs: build the module and the trainer, then call the stage."""
     _setup_logging(int(os.environ.get("RANK", "0")))
     config_dir = config.get("config_dir")
-    # Same seed on every rank while the module is built: replicas must start identical.
-    seed_everything(config["trainer"]["seed"])
+    if config["trainer"]["seed"] is not None:
+        # Same seed on every rank while the module is built: replicas start identical.
+        seed_everything(config["trainer"]["seed"])
     module = instantiate(config["module"], "module", config_dir)
     datamodule = instantiate(config["data"], "data", config_dir) if config.get("data") else None
     trainer = Trainer.from_config(config)

@@ -91,6 +91,19 @@ class TinyModule(TrainModule):
         return self.val_dataloader()
 
 
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Every test starts from the same random state, whatever ran before it: polytrain does not
+    reseed when trainer.seed is unset (it leaves the user's streams alone), so the test must."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+
+
 @pytest.fixture
 def run_dir(tmp_path: Any) -> str:
     path = tmp_path / "run"
@@ -99,9 +112,10 @@ def run_dir(tmp_path: Any) -> str:
 
 @pytest.fixture
 def quiet_kwargs(run_dir: str) -> dict[str, Any]:
-    """Trainer keywords for a fast, silent single-process CPU run writing only under run_dir."""
+    """Trainer keywords for a fast, silent single-process CPU run writing only under run_dir. No sanity
+    check, so validation counts in these tests are the loop's own (tests/test_lifecycle.py covers it)."""
     return dict(strategy="single", accelerator="cpu", devices=1, run_dir=run_dir, enable_progress_bar=False,
-                enable_checkpointing=False, logger=False, log_every_n_steps=1)
+                enable_checkpointing=False, logger=False, log_every_n_steps=1, num_sanity_val_steps=0)
 
 
 @pytest.fixture

@@ -77,8 +77,10 @@ class Regressor(TrainModule):
     def on_after_backward(self) -> None:
         self.pre_clip_norms.append(_grad_norm(self))
 
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.post_clip_norms.append(_grad_norm(self))
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.post_clip_norms.append(_grad_norm(self))  # what the update sees
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
@@ -128,7 +130,7 @@ def _fit(variant: str, run_dir: str, batch_size: int, **trainer_kwargs: Any) -> 
     module = Regressor(batch_size, spec.get("samples", NUM_SAMPLES), spec["bn"])
     recorder, counter = LossRecorder(), AllReduceCounter()
     trainer = Trainer(accelerator="cpu", enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                      run_dir=run_dir, log_every_n_steps=1, callbacks=[recorder, counter], **spec["trainer"],
+                      run_dir=run_dir, log_every_n_steps=1, callbacks=[recorder, counter], seed=0, **spec["trainer"],
                       **trainer_kwargs)
     trainer.fit(module)
     bn_layers = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]

@@ -50,7 +50,8 @@ def _fit_example(path: str, run_dir: str) -> dict[str, Any]:
     from polytrain.core.rng import seed_everything
 
     config = load_config(path, _quiet(run_dir))
-    seed_everything(config["trainer"]["seed"])
+    if config["trainer"]["seed"] is not None:
+        seed_everything(config["trainer"]["seed"])
     module = instantiate(config["module"], "module", config.get("config_dir"))
     trainer = Trainer.from_config(config)
     trainer.fit(module)

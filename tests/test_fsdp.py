@@ -103,8 +103,10 @@ class Net(TrainModule):
             # An overflow in one rank's shard only: the scaler must skip the step on every rank.
             self.net[0].weight.grad.to_local().view(-1)[0] = float("inf")
 
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.post_clip_norms.append(float(global_grad_norm(self)))
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.post_clip_norms.append(float(global_grad_norm(self)))  # what the update sees
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
@@ -136,7 +138,7 @@ def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def quiet(root: str, **kwargs: Any) -> dict[str, Any]:
     defaults = dict(accelerator="cpu", run_dir=root, enable_progress_bar=False, logger=False,
-                    enable_checkpointing=False, log_every_n_steps=1, max_steps=STEPS)
+                    enable_checkpointing=False, log_every_n_steps=1, max_steps=STEPS, seed=0)
     return {**defaults, **kwargs}
 
 

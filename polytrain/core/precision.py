@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +40,8 @@ class Precision:
         if name == "16-mixed" and scaler is None:
             self.scaler = torch.amp.GradScaler(device_type)
         self._autocast_dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(name)
+        self._unscaled: set[int] = set()  # optimizers unscaled since the last update()
+        self._stepped = False
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -65,21 +68,44 @@ class Precision:
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """Before clipping: clip thresholds are meant for true gradients, not scaled ones."""
-        if self.scaler is not None and _has_grads(optimizer):
+        """Before clipping: clip thresholds are meant for true gradients, not scaled ones. Once per
+        optimizer and iteration (clipping by hand and then stepping must not unscale twice)."""
+        if self.scaler is not None and id(optimizer) not in self._unscaled and _has_grads(optimizer):
             self.scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
+                       after_closure: Callable[[], None]) -> Any:
+        """Run ``closure`` (forward and backward), then ``after_closure`` (hooks and clipping, on
+        unscaled gradients), then the update. Without a GradScaler the closure goes to
+        ``optimizer.step`` itself, which calls it (an LBFGS-style optimizer may call it again)."""
         if self.scaler is None:
-            optimizer.step()
-            return
+            def closure_and_hooks() -> Any:
+                result = closure()
+                after_closure()
+                return result
+
+            return optimizer.step(closure=closure_and_hooks)
+        result = closure()
         if not _has_grads(optimizer):
             # Every training_step of the window returned None: no backward ran, and the scaler
             # refuses to step an optimizer it saw no gradients for (as Lightning, skip it).
-            return
+            return result
+        self.unscale_gradients(optimizer)
+        after_closure()
         # GradScaler.step skips the update when unscale_ found inf/NaN; update() then lowers the scale.
         self.scaler.step(optimizer)
-        self.scaler.update()
+        self._stepped = True
+        return result
+
+    def update(self) -> None:
+        """Once per training iteration, after every optimizer stepped (PyTorch's multi-optimizer AMP
+        recipe): a scale that backs off must not back off once per optimizer."""
+        if self.scaler is not None:
+            if self._stepped:
+                self.scaler.update()
+            self._stepped = False
+            self._unscaled.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}

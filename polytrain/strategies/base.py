@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -84,10 +85,13 @@ class Strategy(ABC):
         self._device = torch.device("cpu")
         self._call_hook: HookCaller | None = None  # the Trainer's funnel; see bind_hooks
 
-    def bind_hooks(self, call_hook: HookCaller) -> None:
-        """Hooks that fire inside the step (``on_before_backward``, ``on_after_backward``,
-        ``on_before_optimizer_step``) go through ``call_hook``, so callbacks see them too."""
+    def bind_hooks(self, call_hook: HookCaller, module_backward: Callable[..., None] | None = None) -> None:
+        """Hooks that fire inside the step (``on_before_backward``, ``on_after_backward``) go through
+        ``call_hook``, so callbacks see them too; ``module_backward`` is the module's own ``backward``
+        when it overrides it."""
         self._call_hook = call_hook
+        if module_backward is not None:
+            self.module_backward = module_backward  # type: ignore[method-assign]
 
     def call_hook(self, name: str, *args: Any) -> Any:
         if self._call_hook is None:
@@ -180,20 +184,43 @@ class Strategy(ABC):
         with self.precision.forward_context():
             return getattr(self.module, f"{stage}_step")(batch, batch_idx)
 
-    def forward_backward(self, batch: Any, batch_idx: int, loss_scale: float) -> StepResult:
-        """One micro-batch: forward, hooks, backward. Pipeline overrides this to own the step."""
+    def forward_backward(self, batch: Any, batch_idx: int, accumulate: int = 1,
+                         zero_grad: Callable[[], None] | None = None) -> StepResult:
+        """One micro-batch, in Lightning's order: ``training_step``, then ``zero_grad`` (given on the
+        first micro-batch of a window), then the backward hooks around ``backward`` of the loss divided
+        by ``accumulate``. Pipeline overrides this to own the step."""
         output = self.training_step(batch, batch_idx)
         heartbeat.at("backward")  # past the user's step: a peer stuck inside it is now behind
         loss = extract_loss(output)
+        if zero_grad is not None:
+            zero_grad()
         if loss is None:
             return StepResult(None, output)  # the user chose to skip this batch
+        if accumulate != 1:
+            loss = loss / accumulate  # a division, as a hand loop writes it (bitwise the same)
         self.call_hook("on_before_backward", loss)
-        self.backward(loss * loss_scale if loss_scale != 1.0 else loss)
+        self.backward(loss)
         self.call_hook("on_after_backward")
         return StepResult(loss.detach(), output)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.precision.scale_loss(loss).backward()
+        """The precision's scaling, then the module's ``backward`` (``loss.backward()`` by default)."""
+        self.module_backward(self.precision.scale_loss(loss))
+
+    def module_backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``self.manual_backward(loss)`` under manual optimisation: hooks, the precision's scaling,
+        the module's ``backward``."""
+        self.call_hook("on_before_backward", loss)
+        self.prepare_manual_backward(loss)
+        self.module_backward(self.precision.scale_loss(loss), *args, **kwargs)
+        self.call_hook("on_after_backward")
+
+    def prepare_manual_backward(self, loss: torch.Tensor) -> None:
+        """What a wrapper needs before each of several backward passes of one step (DDP's reducer)."""
+        return None
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> torch.Tensor | None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -202,20 +229,11 @@ class Strategy(ABC):
             return None
         return torch.nn.utils.clip_grad_norm_(params, value)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, clip_val: float | None, clip_algorithm: str,
-                       check_norm: Any = None) -> bool:
-        """Unscale, clip, step. ``check_norm(total_norm)`` (the NaN guard) sees the gradient norm that
-        clipping by norm computed (None otherwise); when it returns True the step is skipped. Returns
-        whether the optimizer stepped."""
-        self.precision.unscale_gradients(optimizer)
-        norm = None
-        if clip_val is not None:
-            norm = self.clip_gradients(optimizer, clip_val, clip_algorithm)
-        if check_norm is not None and check_norm(norm):
-            return False
-        self.call_hook("on_before_optimizer_step", optimizer)
-        self.precision.optimizer_step(optimizer)
-        return True
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
+                       after_closure: Callable[[], None]) -> Any:
+        """Run ``closure`` (forward/backward), ``after_closure`` (hooks, clipping: gradients unscaled),
+        then the update, through the precision (see ``Precision.optimizer_step``)."""
+        return self.precision.optimizer_step(optimizer, closure, after_closure)
 
     def no_backward_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient all-reduce on non-final micro-batches of an accumulation window."""

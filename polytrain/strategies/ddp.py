@@ -5,9 +5,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _find_tensors
 
 from polytrain.core.precision import Precision
 from polytrain.core.process_group import default_backend, init_process_group, resolve_device
@@ -59,3 +62,26 @@ class DDPStrategy(Strategy):
 
     def no_backward_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         return self.model.no_sync() if enabled else contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ manual optimisation
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.module.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        # Manual optimisation runs several backward passes (one per manual_backward) after one
+        # forward through DDP (a GAN's two losses): DDP must not prepare its reducer in the forward,
+        # it is prepared before each backward instead (prepare_manual_backward).
+        sync = self.model.require_backward_grad_sync
+        self.model.require_backward_grad_sync = False
+        try:
+            return super().training_step(batch, batch_idx)
+        finally:
+            self.model.require_backward_grad_sync = sync
+
+    def prepare_manual_backward(self, loss: torch.Tensor) -> None:
+        ddp = self.model
+        if not (torch.is_grad_enabled() and ddp.require_backward_grad_sync):
+            return  # inside no_backward_sync (accumulating): gradients stay local
+        # With find_unused_parameters the reducer walks the graph from this loss to the parameters it
+        # uses; the others are marked ready at once, so this backward's all-reduce completes.
+        used = list(_find_tensors(loss)) if ddp.find_unused_parameters and not ddp.static_graph else []
+        ddp.reducer.prepare_for_backward(used)

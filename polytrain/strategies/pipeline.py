@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from polytrain.core import lazy
 from polytrain.core.errors import ConfigError
 from polytrain.core.precision import Precision
 from polytrain.core.process_group import default_backend, init_process_group, resolve_device
+from polytrain.core.protocol import captured_logs
 from polytrain.parallel import pipeline_split as S
 from polytrain.parallel.dims import ParallelDims
 from polytrain.strategies.base import StepResult, StepRouter, Strategy
@@ -227,27 +228,30 @@ class PipelineStrategy(Strategy):
         return loader
 
     # ------------------------------------------------------------------ step
-    def forward_backward(self, batch: Any, batch_idx: int, loss_scale: float) -> StepResult:
+    def forward_backward(self, batch: Any, batch_idx: int, accumulate: int = 1,
+                         zero_grad: Callable[[], None] | None = None) -> StepResult:
         inputs, targets = _split_batch(batch)
         self.check_batch_size(inputs.shape[0], f"batch {batch_idx}")
         schedule = self._schedule(inputs)
-        self._loss_factor = loss_scale / self.n_microbatches
+        if zero_grad is not None:
+            zero_grad()
+        self._loss_factor = 1.0 / (accumulate * self.n_microbatches)
         args = (inputs,) if 0 in self.local_stages else ()
         losses: list[torch.Tensor] = []  # one per microbatch, as scaled by _loss_fn
         with self.precision.forward_context():
             schedule.step(*args, target=targets if self.is_last_stage else None, losses=losses,
                           return_outputs=False)
         if self.is_last_stage:
-            local = torch.stack([x.detach() for x in losses]).sum() / loss_scale  # = mean of the raw losses
+            local = torch.stack([x.detach() for x in losses]).sum() * accumulate  # = mean of the raw losses
         else:
             local = torch.zeros((), device=self.root_device)
         loss = C.broadcast(local.float(), self.last_rank, self.pp_group)
         if self._sync_grads:
             self._average_grads_over_dp()
-        self.module.on_after_backward()
+        self.call_hook("on_after_backward")
         if hasattr(self.module, "log"):
             self.module.log("train/loss", loss, prog_bar=True, sync_dist=True)
-        return StepResult(loss, loss)
+        return StepResult(loss / accumulate if accumulate != 1 else loss, loss)
 
     @contextlib.contextmanager
     def _no_sync(self) -> Iterator[None]:
@@ -291,15 +295,14 @@ class PipelineStrategy(Strategy):
         inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
         with self.precision.forward_context():
             output = self._forward_stages(inputs)
-        records: list[tuple[str, dict[str, Any]]] = []
-        values: list[torch.Tensor] = []
+        records: list[tuple[str, torch.Tensor, dict[str, Any]]] = []
         result = None
         if self.is_last_stage:
-            with _recording_logs(self.module, records, values), self._sequential_as(output):
+            with captured_logs(self.module, records), self._sequential_as(output):
                 with self.precision.forward_context():
                     result = getattr(self.module, f"{stage}_step")(batch, batch_idx)
         if stage != "predict":
-            self._share_logged(records, values)
+            self._share_logged(records)
         return result
 
     def _forward_stages(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -322,18 +325,18 @@ class PipelineStrategy(Strategy):
         finally:
             modules[self.seq_name] = seq
 
-    def _share_logged(self, records: list[tuple[str, dict[str, Any]]], values: list[torch.Tensor]) -> None:
+    def _share_logged(self, records: list[tuple[str, torch.Tensor, dict[str, Any]]]) -> None:
         """Copy what the last stage logged to the other stages, so every rank holds the same metrics."""
         if not C.active(self.pp_group):
             return
-        records = C.broadcast_object(records, self.last_rank, self.pp_group)
-        if not records:
+        described = C.broadcast_object([(name, kwargs) for name, _, kwargs in records], self.last_rank, self.pp_group)
+        if not described:
             return
-        packed = (torch.stack([v.to(self.root_device) for v in values]) if self.is_last_stage
-                  else torch.zeros(len(records), device=self.root_device))
+        packed = (torch.stack([v.to(self.root_device) for _, v, _ in records]) if self.is_last_stage
+                  else torch.zeros(len(described), device=self.root_device))
         packed = C.broadcast(packed, self.last_rank, self.pp_group)
         if not self.is_last_stage:
-            for (name, kwargs), value in zip(records, packed.unbind(0)):
+            for (name, kwargs), value in zip(described, packed.unbind(0)):
                 self.module.log(name, value, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
@@ -350,28 +353,6 @@ def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         raise TypeError(f"the pipeline strategy needs batches of (inputs, targets); got a {kind}. Return pairs "
                         f"from the dataset/collate_fn")
     return batch[0], batch[1]
-
-
-@contextlib.contextmanager
-def _recording_logs(module: nn.Module, records: list, values: list) -> Iterator[None]:
-    """Record every ``self.log`` call made inside (name, options, value) while still logging it."""
-    trainer = module.__dict__.get("_trainer")
-    if trainer is None:
-        yield
-        return
-    metrics = trainer.metrics
-    original = metrics.log
-
-    def log(name: str, value: Any, **kwargs: Any) -> None:
-        original(name, value, **kwargs)
-        records.append((name, kwargs))
-        values.append(torch.as_tensor(value).detach().reshape(()).float())
-
-    metrics.log = log
-    try:
-        yield
-    finally:
-        del metrics.log
 
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,

@@ -37,12 +37,20 @@ def strategy_class(name: str) -> type:
     return getattr(module, cls_name)
 
 
+# Lightning's strategy strings that are a polytrain strategy with options.
+LIGHTNING_NAMES: dict[str, dict[str, Any]] = {
+    "ddp_find_unused_parameters_true": {"name": "ddp", "find_unused_parameters": True},
+    "ddp_find_unused_parameters_false": {"name": "ddp", "find_unused_parameters": False},
+    "single_device": {"name": "single"},
+}
+
+
 def normalize_strategy(value: Any) -> dict[str, Any]:
     """``"ddp"`` and ``{"name": "ddp", ...}`` both become the mapping form."""
     if value is None:
         return {"name": "auto"}
     if isinstance(value, str):
-        return {"name": value}
+        return dict(LIGHTNING_NAMES.get(value, {"name": value}))
     if isinstance(value, dict):
         return {"name": "auto", **value}
     if hasattr(value, "items"):

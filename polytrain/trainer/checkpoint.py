@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from polytrain.checkpoint.replicated import agree_on_error
 from polytrain.core.rng import capture_rng_state
 from polytrain.core.version import __version__
+from polytrain.trainer.hparams import plain
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
@@ -22,17 +23,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("polytrain")
 
 FORMAT_VERSION = 1
-
-
-def _plain(value: Any) -> Any:
-    """Keep what ``weights_only`` can load; describe anything else by its repr."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    return repr(value)
 
 
 def _sample_offset(trainer: Trainer, epoch_done: bool) -> int | None:
@@ -46,12 +36,15 @@ def _sample_offset(trainer: Trainer, epoch_done: bool) -> int | None:
 
 
 def build_payload(trainer: Trainer, epoch_done: bool) -> dict[str, Any]:
-    """Called on every rank (it gathers RNG states); the strategy adds model/optimizer state."""
-    strategy = trainer.strategy
+    """Called on every rank (it gathers RNG states); the strategy adds model/optimizer state. Hooks in
+    Lightning's order: callbacks' and the DataModule's ``state_dict``, then ``on_save_checkpoint`` of
+    the callbacks and of the module (both may add keys)."""
+    strategy, module, datamodule = trainer.strategy, trainer.module, trainer.datamodule
     loop = {
         "epoch": trainer.current_epoch + (1 if epoch_done else 0),
         "global_step": trainer.global_step,
         "batch_in_epoch": 0 if epoch_done else trainer.batch_in_epoch,
+        "batches_stepped": trainer.batches_stepped,
         "world_size": strategy.world_size,
         "dp_size": strategy.dp_size,
         # Global sample positions of this epoch's permutation already consumed (any dp size resumes from it).
@@ -62,25 +55,39 @@ def build_payload(trainer: Trainer, epoch_done: bool) -> dict[str, Any]:
         "loop": loop,
         "sampler": {"seed": trainer.config.seed},
         "rng": strategy.all_gather_object(capture_rng_state()),
-        "schedulers": [s["scheduler"].state_dict() for s in trainer.schedulers],
+        "schedulers": [s.scheduler.state_dict() for s in trainer.lr_scheduler_configs],
         "precision": strategy.precision.state_dict(),
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
-        "config": _plain(trainer.config_dict()),
+        "config": plain(trainer.config_dict()),
+        "hyper_parameters": plain(dict(module.hparams)),
     }
-    trainer.module.on_save_checkpoint(payload)
+    if datamodule is not None:
+        payload["datamodule"] = {type(datamodule).__qualname__: datamodule.state_dict()}
+        payload["datamodule_hyper_parameters"] = plain(dict(datamodule.hparams))
+    trainer.hooks.callbacks_only("on_save_checkpoint", payload)
+    module.on_save_checkpoint(payload)
     return payload
 
 
 def restore_payload(trainer: Trainer, payload: dict[str, Any]) -> None:
-    """Everything but model/optimizer state (the strategy restored those)."""
-    for sched, state in zip(trainer.schedulers, payload.get("schedulers", [])):
-        sched["scheduler"].load_state_dict(state)
-    if payload.get("precision"):
-        trainer.strategy.precision.load_state_dict(payload["precision"])
+    """Everything but model/optimizer state (the strategy restored those), in Lightning's order: the
+    module's ``on_load_checkpoint``, the DataModule's state, the callbacks' ``on_load_checkpoint``
+    and ``load_state_dict``; then schedulers, grad scaler, loop position and RNG."""
+    trainer.module.on_load_checkpoint(payload)
+    datamodule = trainer.datamodule
+    if datamodule is not None:
+        state = payload.get("datamodule", {}).get(type(datamodule).__qualname__)
+        if state is not None:
+            datamodule.load_state_dict(state)
+    trainer.hooks.callbacks_only("on_load_checkpoint", payload)
     states = payload.get("callbacks", {})
     for cb in trainer.callbacks:
         if cb.state_key in states:
             cb.load_state_dict(states[cb.state_key])
+    for sched, state in zip(trainer.lr_scheduler_configs, payload.get("schedulers", [])):
+        sched.scheduler.load_state_dict(state)
+    if payload.get("precision"):
+        trainer.strategy.precision.load_state_dict(payload["precision"])
     loop = payload.get("loop")
     if loop is not None:
         trainer.restore_loop(loop)
@@ -91,7 +98,6 @@ def restore_payload(trainer: Trainer, payload: dict[str, Any]) -> None:
             log.warning("checkpoint was written by %d ranks and this job has %d: RNG streams restart from "
                         "the seed, so random ops (dropout, augmentation) will differ from the original run",
                         len(rng), trainer.strategy.world_size)
-    trainer.module.on_load_checkpoint(payload)
 
 
 def ensure_run_dir(trainer: Trainer) -> None:

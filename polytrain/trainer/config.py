@@ -33,33 +33,45 @@ MAX_YAML_NODES = 100_000
 
 @dataclass
 class TrainerConfig:
-    """The ``trainer:`` section; ``Trainer(**kwargs)`` takes exactly these keywords."""
+    """The ``trainer:`` section; ``Trainer(**kwargs)`` takes exactly these keywords. Names and meanings
+    are Lightning's where it has the option (docs/config.md lists them all)."""
 
     accelerator: str = "auto"
-    devices: Any = "auto"  # "auto" or a positive int: processes per node (or GPUs per process for dp)
+    devices: Any = "auto"  # "auto", a positive int (processes per node; GPUs for dp), or a list of GPU indices
     num_nodes: int = 1
     strategy: Any = "auto"  # a name, or a mapping {name: ..., <that strategy's options>}
     precision: str = "32"
     max_epochs: int | None = None
+    min_epochs: int | None = None  # a stop request (early stopping) waits until this many epochs ran
     max_steps: int = -1
-    limit_train_batches: int | None = None
-    limit_val_batches: int | None = None
-    limit_test_batches: int | None = None
-    limit_predict_batches: int | None = None
-    val_check_interval: int | None = None  # validate every N training batches as well as per epoch
-    check_val_every_n_epoch: int = 1
+    min_steps: int | None = None
+    max_time: Any = None  # "DD:HH:MM:SS" or {"hours": 2, ...}: stop cleanly (and checkpoint) after that long
+    limit_train_batches: Any = None  # a number of batches, or a fraction of the epoch (0.25)
+    limit_val_batches: Any = None
+    limit_test_batches: Any = None
+    limit_predict_batches: Any = None
+    overfit_batches: Any = 0  # train (in order) and validate on this many batches, or fraction
+    val_check_interval: Any = None  # validate every N training batches, or fraction of an epoch
+    check_val_every_n_epoch: int | None = 1  # None: val_check_interval counts batches across epochs
+    num_sanity_val_steps: int = 2  # validation batches before training (-1: all, 0: none)
+    fast_dev_run: Any = False  # True or N: N batches of every loop, one epoch, no checkpoints or loggers
+    reload_dataloaders_every_n_epochs: int = 0
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"
     log_every_n_steps: int = 50
-    seed: int = 0
+    seed: int | None = None  # None: polytrain leaves your RNG alone (docs/reproducibility.md)
     deterministic: bool = False
+    detect_anomaly: bool = False
+    sync_batchnorm: bool = False  # cross-process BatchNorm, for strategies that have the option
     run_dir: str = "runs/default"
+    default_root_dir: str | None = None  # Lightning's name for run_dir
     enable_progress_bar: bool = True
     enable_checkpointing: bool = True
     enable_model_summary: bool = True
-    logger: Any = True  # True (TensorBoard), False, "tensorboard", "csv", or a list of those
+    logger: Any = True  # True (TensorBoard + CSV), False, "tensorboard", "csv", ..., or a list of those
     callbacks: list[Any] = field(default_factory=list)
+    profiler: Any = None  # None, "simple", "torch", or {name: torch, ...} (docs/performance.md)
     launcher: str = "auto"
     max_restarts: int = 0
     timeout: float = 1800.0  # seconds a collective may wait before the job is ended
@@ -80,6 +92,8 @@ class RunConfig:
 
 def validate_trainer_config(data: dict[str, Any]) -> TrainerConfig:
     data = dict(data)
+    if hasattr(data.get("max_time"), "total_seconds"):  # a timedelta: OmegaConf holds plain values only
+        data["max_time"] = {"seconds": data["max_time"].total_seconds()}
     if "strategy" in data:
         data["strategy"] = normalize_strategy(data["strategy"])
     if "precision" in data and data["precision"] is not None:
@@ -91,21 +105,99 @@ def validate_trainer_config(data: dict[str, Any]) -> TrainerConfig:
     check_choice(cfg.gradient_clip_algorithm, CLIP_ALGORITHMS, "trainer.gradient_clip_algorithm")
     check_choice(cfg.nan_policy, NAN_POLICIES, "trainer.nan_policy")
     _check_logger_and_callbacks(cfg)  # else they would fail only inside the workers
-    if not (cfg.devices == "auto" or (isinstance(cfg.devices, int) and not isinstance(cfg.devices, bool) and cfg.devices > 0)):
-        raise ConfigError(f"trainer.devices={cfg.devices!r} is not valid; use 'auto' or a positive integer")
-    for name in ("num_nodes", "accumulate_grad_batches", "log_every_n_steps", "check_val_every_n_epoch"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"trainer.{name}={getattr(cfg, name)} must be at least 1")
-    for name in ("val_check_interval", "max_epochs"):
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"trainer.{name}={value} must be at least 1 (or null)")
+    _check_counts(cfg)
+    _check_lightning_options(cfg)
     if cfg.gradient_clip_val is not None and cfg.gradient_clip_val <= 0:
         raise ConfigError(f"trainer.gradient_clip_val={cfg.gradient_clip_val} must be positive (or null)")
     if cfg.timeout <= 0:
         raise ConfigError(f"trainer.timeout={cfg.timeout} must be a positive number of seconds")
+    if cfg.default_root_dir is not None:
+        cfg.run_dir = cfg.default_root_dir
     cfg.strategy = validate_strategy_spec(normalize_strategy(cfg.strategy))
     return cfg
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_counts(cfg: TrainerConfig) -> None:
+    devices = cfg.devices
+    if not (devices == "auto" or (_is_int(devices) and devices > 0) or (
+            isinstance(devices, list) and devices and all(_is_int(d) and d >= 0 for d in devices))):
+        raise ConfigError(f"trainer.devices={devices!r} is not valid; use 'auto', a positive integer, or a list of "
+                          f"GPU indices such as [0, 1]")
+    for name in ("num_nodes", "accumulate_grad_batches", "log_every_n_steps"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"trainer.{name}={getattr(cfg, name)} must be at least 1")
+    for name in ("max_epochs", "check_val_every_n_epoch"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"trainer.{name}={value} must be at least 1 (or null)")
+    for name in ("min_epochs", "min_steps", "reload_dataloaders_every_n_epochs"):
+        value = getattr(cfg, name)
+        if value is not None and value < 0:
+            raise ConfigError(f"trainer.{name}={value} must not be negative")
+    if cfg.num_sanity_val_steps < -1:
+        raise ConfigError(f"trainer.num_sanity_val_steps={cfg.num_sanity_val_steps}; use -1 (all), 0 (none) or N")
+
+
+def _check_batches_option(name: str, value: Any, allow_none: bool = True) -> None:
+    """A number of batches (int >= 0) or a fraction (float in [0, 1])."""
+    if value is None and allow_none:
+        return
+    if _is_int(value) and value >= 0:
+        return
+    if isinstance(value, float) and (0.0 <= value <= 1.0 or (value > 1 and value.is_integer())):
+        return
+    raise ConfigError(f"trainer.{name}={value!r} is not valid; give a number of batches (e.g. 10) or a fraction "
+                      f"of the epoch in [0, 1] (e.g. 0.25)")
+
+
+def _check_lightning_options(cfg: TrainerConfig) -> None:
+    for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
+        _check_batches_option(name, getattr(cfg, name))
+    _check_batches_option("overfit_batches", cfg.overfit_batches, allow_none=False)
+    interval = cfg.val_check_interval
+    if interval is not None and not ((_is_int(interval) and interval >= 1) or
+                                     (isinstance(interval, float) and 0.0 < interval <= 1.0)):
+        raise ConfigError(f"trainer.val_check_interval={interval!r}; give a number of training batches (>= 1) or a "
+                          f"fraction of the epoch in (0, 1]")
+    if not (isinstance(cfg.fast_dev_run, bool) or (_is_int(cfg.fast_dev_run) and cfg.fast_dev_run >= 0)):
+        raise ConfigError(f"trainer.fast_dev_run={cfg.fast_dev_run!r}; use true, false, or a number of batches")
+    if cfg.max_time is not None:
+        parse_max_time(cfg.max_time)
+    if cfg.profiler is not None:
+        check_profiler_spec(cfg.profiler)
+
+
+def parse_max_time(value: Any) -> float:
+    """``"DD:HH:MM:SS"`` or a mapping of ``days``/``hours``/``minutes``/``seconds`` -> seconds."""
+    if isinstance(value, str):
+        parts = value.split(":")
+        if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
+            raise ConfigError(f"trainer.max_time={value!r}; write it as DD:HH:MM:SS, e.g. 00:12:00:00 for 12 hours")
+        days, hours, minutes, seconds = (int(p) for p in parts)
+        return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+    if isinstance(value, dict):
+        units = {"weeks": 604800, "days": 86400, "hours": 3600, "minutes": 60, "seconds": 1}
+        unknown = [k for k in value if k not in units]
+        if unknown:
+            raise ConfigError(f"trainer.max_time has unknown unit(s) {unknown}; valid: {', '.join(units)}")
+        return float(sum(units[k] * float(v) for k, v in value.items()))
+    if hasattr(value, "total_seconds"):
+        return float(value.total_seconds())
+    raise ConfigError(f"trainer.max_time={value!r}; use DD:HH:MM:SS or a mapping such as {{hours: 12}}")
+
+
+PROFILERS = ("simple", "torch")
+
+
+def check_profiler_spec(spec: Any) -> None:
+    name = spec.get("name") if isinstance(spec, dict) else spec
+    if name not in PROFILERS:
+        raise ConfigError(f"trainer.profiler={spec!r}; choose one of: {', '.join(PROFILERS)} (or null), or a mapping "
+                          f"{{name: torch, ...options}}")
 
 
 def _check_logger_and_callbacks(cfg: TrainerConfig) -> None:

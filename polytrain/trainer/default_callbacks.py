@@ -48,7 +48,9 @@ def build_callbacks(cfg: TrainerConfig, objects: list[Callback], logger_objects:
         if not isinstance(cb, Callback):
             raise ConfigError(f"trainer.callbacks[{i}]: {spec['_target_']} is not a polytrain Callback")
         callbacks.append(cb)
-    if logger_objects is not None:
+    if cfg.fast_dev_run:
+        pass  # a quick check of every loop: nothing is logged or written
+    elif logger_objects is not None:
         callbacks.extend(logger_objects if isinstance(logger_objects, (list, tuple)) else [logger_objects])
     else:
         callbacks.extend(_loggers(cfg.logger, cfg.run_dir))
@@ -56,7 +58,7 @@ def build_callbacks(cfg: TrainerConfig, objects: list[Callback], logger_objects:
         callbacks.append(ModelSummary())
     if cfg.enable_progress_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(ProgressBar())
-    if cfg.enable_checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+    if cfg.enable_checkpointing and not cfg.fast_dev_run and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
         callbacks.append(ModelCheckpoint())
     # Checkpointing runs last so a saved state includes what the other callbacks updated this step.
     callbacks.sort(key=lambda c: isinstance(c, ModelCheckpoint))

@@ -8,7 +8,6 @@ import torch
 
 from polytrain.core import collectives as C
 from polytrain.core.errors import EmptyDataError, NonFiniteError
-from polytrain.data.loaders import loader_length
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
@@ -21,26 +20,22 @@ def _describe(loader: Any) -> str:
             f"drop_last={getattr(loader, 'drop_last', '?')}")
 
 
-def check_batches(trainer: Trainer, loader: Any, stage: str) -> int:
-    """Number of batches this epoch, agreed by all ranks before any training happens.
+def check_batches(trainer: Trainer, loader: Any, stage: str, count: int | None) -> int:
+    """Number of batches this epoch (``count``: the loader's length after the limits), agreed by all
+    ranks before any training happens.
 
     A rank with zero batches, or ranks with different counts, would otherwise train zero steps
     and report success, or leave the others waiting in a gradient all-reduce.
     """
     strategy = trainer.strategy
-    length = loader_length(loader)
-    limit = trainer.config.limit_train_batches
-    if length is None and limit is None:
-        raise EmptyDataError(f"the {stage} DataLoader has no length (an IterableDataset?); set "
-                             f"trainer.limit_train_batches to the number of batches per epoch")
-    if limit is None:
-        count = length
-    else:
-        count = limit if length is None else min(length, limit)
     dataset = getattr(loader, "dataset", None)
     samples = len(dataset) if hasattr(dataset, "__len__") else None
     # Gathered before anyone raises: every rank must reach the same verdict, or some would wait.
     gathered = strategy.all_gather_object((count, samples), strategy.dp_group)
+    if any(c is None for c, _ in gathered):
+        raise EmptyDataError(f"the {stage} DataLoader has no length on rank(s) "
+                             f"{[r for r, (c, _) in enumerate(gathered) if c is None]} (an IterableDataset?); set "
+                             f"trainer.limit_train_batches to the number of batches per epoch")
     counts = [int(c) for c, _ in gathered]
     sampler = getattr(loader, "sampler", None)
     if samples is not None and samples < strategy.dp_size and hasattr(sampler, "num_replicas"):

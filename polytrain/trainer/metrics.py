@@ -1,25 +1,34 @@
-"""What ``TrainModule.log`` records, and how it is reduced across ranks without extra syncs.
+"""What ``self.log`` records, and how it is reduced and published, with Lightning's semantics.
 
-Per-step values stay on the device until a logging step asks for them. Per-epoch values are kept
-as (weighted sum, sample count) pairs so that ranks with different numbers of samples reduce to
-exactly the single-process mean; one all-reduce per epoch carries all of them.
+- Defaults depend on where ``self.log`` is called: training steps and batch-level hooks log per step,
+  evaluation steps per epoch, epoch-level hooks per epoch only (the loops set ``defaults``).
+- Each stage keeps its own values (``train``, ``val``, ``test``; the sanity check's are dropped), so a
+  value logged during validation never reaches a training logging step.
+- Logged both per step and per epoch, a value is "forked": loggers get ``name_step`` at logging steps
+  and ``name_epoch`` at epoch end; ``callback_metrics`` holds both and ``name`` (the latest).
+- Epoch values reduce with ``reduce_fx`` (``mean`` weighted by batch size, ``sum``, ``max``, ``min``)
+  over the epoch and across the data-parallel ranks, in one all-reduce per operation. A torchmetrics
+  ``Metric`` passed as the value is computed (and synced by itself) at epoch end, then reset.
+- Per-step values stay on the device until a logging step asks for them; ``sync_dist`` reduces them
+  across ranks only then. Nothing here forces a host-device sync on other steps.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from polytrain.core import collectives as C
 
+REDUCE_FX = ("mean", "sum", "max", "min")
+_ALL_REDUCE_OP = {"mean": "sum", "sum": "sum", "max": "max", "min": "min"}
 
-@dataclass
-class _Meta:
-    prog_bar: bool
-    logger: bool
-    sync_dist: bool
+
+def is_metric_object(value: Any) -> bool:
+    """A torchmetrics ``Metric`` (duck-typed: polytrain does not import torchmetrics)."""
+    return isinstance(value, torch.nn.Module) and callable(getattr(value, "compute", None)) and callable(
+        getattr(value, "reset", None))
 
 
 def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
@@ -32,76 +41,184 @@ def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
         return value.reshape(()).float()
     if isinstance(value, (int, float, bool)):
         return torch.tensor(float(value), device=device)
-    raise TypeError(f"self.log needs a number or a scalar tensor, got {type(value).__name__}")
+    raise TypeError(f"self.log needs a number, a scalar tensor or a torchmetrics Metric, got {type(value).__name__}")
+
+
+class Logged:
+    """One name's record within a stage."""
+
+    __slots__ = ("name", "options", "on_step", "on_epoch", "prog_bar", "logger", "reduce_fx", "sync_dist",
+                 "metric", "total", "count", "step_value")
+
+    def __init__(self, name: str, options: tuple) -> None:
+        self.name = name
+        self.options = options
+        self.on_step, self.on_epoch, self.prog_bar, self.logger, self.reduce_fx, self.sync_dist = options
+        self.metric: Any = None
+        self.total: torch.Tensor | None = None  # epoch accumulation (weighted sum for mean)
+        self.count: float = 0.0
+        self.step_value: torch.Tensor | None = None
+
+    @property
+    def forked(self) -> bool:
+        return self.on_step and self.on_epoch
+
+    def step_name(self) -> str:
+        return f"{self.name}_step" if self.forked else self.name
+
+    def epoch_name(self) -> str:
+        return f"{self.name}_epoch" if self.forked else self.name
 
 
 class MetricCollector:
     def __init__(self) -> None:
-        self.stage = "train"
         self.device = torch.device("cpu")
         self.batch_size = 1
-        self.step_values: dict[str, torch.Tensor] = {}
-        # stage -> name -> [weighted sum, count]; validation inside a training epoch keeps its own.
-        self.epoch_sums: dict[str, dict[str, list[torch.Tensor]]] = {}
-        self.meta: dict[str, _Meta] = {}
+        self.stage: str | None = None  # "train" | "val" | "test" | "sanity" | None (logging refused)
+        self.defaults = (True, False)  # (on_step, on_epoch) where self.log is being called
+        self.refused_in: str | None = None  # a hook where logging is an error
+        self.results: dict[str, dict[str, Logged]] = {}
+        self._current: dict[str, Logged] = {}
+        self._fresh: dict[str, Logged] = {}  # this stage's values logged per step since its last logging step
+        self._fresh_by_stage: dict[str, dict[str, Logged]] = {}
+        # What callbacks see: tensors, the latest of every name (per step values are local until
+        # a logging step syncs them). Dropped values of the sanity check never land here.
+        self.callback: dict[str, torch.Tensor] = {}
 
-    def log(self, name: str, value: Any, *, prog_bar: bool, sync_dist: bool, on_step: bool | None,
-            on_epoch: bool | None, batch_size: int | None, logger: bool) -> None:
-        training = self.stage == "train"
-        on_step = training if on_step is None else on_step
-        on_epoch = (not training) if on_epoch is None else on_epoch
-        tensor = _as_tensor(value, self.device)
-        meta = self.meta.get(name)
-        if meta is None or meta.prog_bar != prog_bar or meta.logger != logger or meta.sync_dist != sync_dist:
-            self.meta[name] = _Meta(prog_bar, logger, sync_dist)
-        if on_step:
-            self.step_values[name] = tensor
-        if on_epoch:
-            weight = float(batch_size if batch_size is not None else self.batch_size)
-            sums = self.epoch_sums.setdefault(self.stage, {})
-            entry = sums.get(name)
-            if entry is None:
-                sums[name] = [tensor * weight, torch.tensor(weight, device=tensor.device)]
-            else:
-                entry[0] = entry[0] + tensor * weight
-                entry[1] = entry[1] + weight
-
-    def start_stage(self, stage: str) -> None:
+    # ------------------------------------------------------------------ recording
+    def start_stage(self, stage: str | None, defaults: tuple[bool, bool] = (True, False)) -> None:
         self.stage = stage
+        self.defaults = defaults
+        self.refused_in = None
+        if stage is not None:
+            self._current = self.results.setdefault(stage, {})
+            self._fresh = self._fresh_by_stage.setdefault(stage, {})
 
-    def pop_step_values(self, dp_group: Any = None) -> dict[str, torch.Tensor]:
-        """The latest per-step values; those logged with ``sync_dist`` are averaged over ranks.
+    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
+            on_epoch: bool | None = None, reduce_fx: str = "mean", sync_dist: bool = False,
+            batch_size: int | None = None) -> None:
+        if self.refused_in is not None or self.stage is None:
+            where = self.refused_in or "outside a training or evaluation loop"
+            raise RuntimeError(f"self.log({name!r}) was called in {where}, where nothing is logged; log from "
+                               f"training_step, validation_step, test_step or the batch/epoch hooks around them")
+        on_step = self.defaults[0] if on_step is None else on_step
+        on_epoch = self.defaults[1] if on_epoch is None else on_epoch
+        options = (on_step, on_epoch, prog_bar, logger, reduce_fx, sync_dist)
+        entry = self._current.get(name)
+        if entry is None or entry.options != options:
+            if reduce_fx not in REDUCE_FX:
+                raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}); valid: {', '.join(REDUCE_FX)}")
+            if not (on_step or on_epoch):
+                raise ValueError(f"self.log({name!r}) with on_step=False and on_epoch=False records nothing")
+            entry = self._current[name] = Logged(name, options)
+        if is_metric_object(value):
+            entry.metric = value
+            if not on_step:
+                return
+            value = getattr(value, "_forward_cache", None)
+            if value is None:
+                raise ValueError(f"self.log({name!r}, <Metric>, on_step=True): call the metric on the batch "
+                                 f"(metric(preds, target)) before logging it, so it has a per-step value")
+        tensor = _as_tensor(value, self.device)
+        if on_step:
+            entry.step_value = tensor
+            self._fresh[name] = entry
+            if self.stage != "sanity":
+                self.callback[name] = tensor
+                if on_epoch:
+                    self.callback[f"{name}_step"] = tensor
+        if on_epoch and entry.metric is None:
+            self._accumulate(entry, tensor, batch_size)
 
-        Every rank calls this on the same (logging) steps, so the all-reduce is matched.
-        """
-        values = dict(self.step_values)
-        # Popped, not peeked: a value logged once must not be re-emitted at every later logging step.
-        self.step_values.clear()
-        synced = sorted(k for k, v in values.items() if self.meta[k].sync_dist)
-        if synced and C.active(dp_group):
-            packed = C.all_reduce(torch.stack([values[k].float() for k in synced]), "mean", dp_group)
-            values.update(zip(synced, packed.unbind(0)))
+    def _accumulate(self, entry: Logged, tensor: torch.Tensor, batch_size: int | None) -> None:
+        fx = entry.reduce_fx
+        if fx == "mean":
+            weight = float(batch_size if batch_size is not None else self.batch_size)
+            weighted = tensor * weight
+            entry.total = weighted if entry.total is None else entry.total + weighted
+            entry.count += weight
+        elif entry.total is None:
+            entry.total = tensor
+            entry.count = 1.0
+        else:
+            entry.total = (entry.total + tensor if fx == "sum" else
+                           torch.maximum(entry.total, tensor) if fx == "max" else torch.minimum(entry.total, tensor))
+            entry.count += 1.0
+
+    # ------------------------------------------------------------------ publishing
+    def has_fresh_step_values(self) -> bool:
+        return bool(self._fresh)
+
+    def pop_step_values(self, group: Any = None, sync: bool = True) -> dict[str, tuple[Logged, torch.Tensor]]:
+        """The per-step values logged since the last call, by published name; ``sync_dist`` ones
+        reduced across ``group`` (``sync=True``: every rank calls this at the same logging steps)."""
+        fresh = dict(self._fresh)
+        self._fresh.clear()
+        synced = [e for e in fresh.values() if e.sync_dist] if sync else []
+        values = {e.step_name(): (e, e.step_value) for e in fresh.values()}
+        if synced and C.active(group):
+            for op in {e.reduce_fx for e in synced}:
+                entries = [e for e in synced if e.reduce_fx == op]
+                packed = C.all_reduce(torch.stack([e.step_value.float() for e in entries]), op, group)
+                for e, v in zip(entries, packed.unbind(0)):
+                    values[e.step_name()] = (e, v)
+        for e, v in values.values():
+            if self.stage != "sanity":
+                self.callback[e.name] = v
+                if e.forked:
+                    self.callback[e.step_name()] = v
         return values
 
-    def reduce_epoch(self, stage: str, dp_group: Any = None) -> dict[str, torch.Tensor]:
-        """Sample-weighted means over every data-parallel rank; called by all ranks at epoch end."""
-        epoch_sums = self.epoch_sums.pop(stage, {})
-        local = sorted(epoch_sums)
-        # Ranks can differ in which names they logged (a rank with no batches logged none), so
-        # agree on the union first; a missing name contributes (0, 0).
-        names = sorted(set().union(*map(set, C.all_gather_object(local, dp_group)))) if C.active(dp_group) else local
-        if not names:
-            return {}
-        device = self.device
-        zero = torch.zeros((), device=device)
-        sums = torch.stack([epoch_sums.get(n, [zero, zero])[0].to(device) for n in names]
-                           + [epoch_sums.get(n, [zero, zero])[1].to(device) for n in names])
-        sums = C.all_reduce(sums, "sum", dp_group)
-        totals, counts = sums[: len(names)], sums[len(names):]
-        return {n: totals[i] / counts[i].clamp_min(1e-12) for i, n in enumerate(names) if counts[i] > 0}
+    def reduce_epoch(self, stage: str, group: Any = None) -> dict[str, tuple[Logged, torch.Tensor]]:
+        """Epoch values of ``stage`` reduced over the epoch and the data-parallel ranks, by published
+        name; the stage's records are cleared. Called by every rank at the same point."""
+        results = self.results.pop(stage, {})
+        if stage == self.stage:
+            self._current = self.results.setdefault(stage, {})
+        local = sorted(n for n, e in results.items() if e.on_epoch and e.metric is None and e.total is not None)
+        # Ranks can differ in which names they logged (a rank with no batches logged none), so agree
+        # on the union first; a missing name contributes nothing (count 0).
+        names = sorted(set().union(*map(set, C.all_gather_object(local, group)))) if C.active(group) else local
+        out: dict[str, tuple[Logged, torch.Tensor]] = {}
+        by_op: dict[str, list[str]] = {}
+        for n in names:
+            fx = results[n].reduce_fx if n in results else "mean"
+            by_op.setdefault(_ALL_REDUCE_OP[fx], []).append(n)
+        for op, op_names in by_op.items():
+            totals, counts = [], []
+            for n in op_names:
+                e = results.get(n)
+                empty = torch.tensor(0.0 if op == "sum" else float("-inf") if op == "max" else float("inf"),
+                                     device=self.device)
+                totals.append(e.total.to(self.device) if e is not None and e.total is not None else empty)
+                counts.append(e.count if e is not None else 0.0)
+            packed = torch.stack(totals + [torch.tensor(c, device=self.device) for c in counts])
+            if C.active(group):
+                packed = torch.cat([C.all_reduce(packed[: len(op_names)], op, group),
+                                    C.all_reduce(packed[len(op_names):], "sum", group)])
+            for i, n in enumerate(op_names):
+                count = packed[len(op_names) + i]
+                if float(count) <= 0:
+                    continue
+                e = results.get(n) or Logged(n, (False, True, False, True, "mean", False))
+                value = packed[i] / count if e.reduce_fx == "mean" else packed[i]
+                out[e.epoch_name()] = (e, value)
+        for e in results.values():
+            if e.metric is not None and e.on_epoch:
+                out[e.epoch_name()] = (e, _as_tensor(e.metric.compute(), self.device))
+                e.metric.reset()
+        if stage != "sanity":
+            for e, v in out.values():
+                self.callback[e.name] = v
+                if e.forked:
+                    self.callback[e.epoch_name()] = v
+        return out
 
-    def reset_epoch(self, stage: str) -> None:
-        self.epoch_sums.pop(stage, None)
+    def discard(self, stage: str) -> None:
+        """Forget ``stage``'s records (the sanity check's)."""
+        self.results.pop(stage, None)
+        self._fresh_by_stage.pop(stage, None)
 
-    def names_for(self, values: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in values.items() if getattr(self.meta.get(k, _Meta(False, True, False)), kind)}
+    def reset_callback_metrics(self) -> None:
+        """A standalone validate/test starts with no metrics of an earlier stage."""
+        self.callback.clear()

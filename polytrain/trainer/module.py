@@ -1,29 +1,39 @@
-"""``TrainModule``: the user's model plus the steps and hooks the Trainer calls."""
+"""``TrainModule``: the user's model plus the steps and hooks the Trainer calls.
+
+The hooks, their names, arguments and order are Lightning's (``LightningModule``), so a module
+written for Lightning runs with its import renamed (``polytrain.LightningModule`` is this class).
+Hooks with a default body (``optimizer_step``, ``backward``, ``transfer_batch_to_device``, ...) are
+the default behaviour: override them to change it. docs/migrating-from-lightning.md lists them all.
+"""
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from polytrain.core.batch import move_to_device
 from polytrain.core.protocol import LOG_TAP, MUTED
+from polytrain.trainer.hparams import HyperparametersMixin, load_module_from_checkpoint
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
 
 
-class TrainModule(nn.Module):
-    """Subclass this; override ``training_step`` and ``configure_optimizers`` at least.
+class TrainModule(HyperparametersMixin, nn.Module):
+    """Subclass this; override ``training_step`` and ``configure_optimizers`` at least."""
 
-    Hook names and meanings follow PyTorch Lightning's where they coincide.
-    """
+    prepare_data_per_node: bool = True  # prepare_data on local rank 0 of every node (False: global rank 0)
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         # Stored outside nn.Module's registries: the trainer is not a submodule or a buffer.
         self.__dict__["_trainer"] = None
+        self.__dict__["_automatic_optimization"] = True
+        self.__dict__["_param_requires_grad_state"] = {}
 
     # ------------------------------------------------------------------ trainer access
     @property
@@ -43,6 +53,14 @@ class TrainModule(nn.Module):
         return state
 
     @property
+    def automatic_optimization(self) -> bool:
+        return self.__dict__.get("_automatic_optimization", True)
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        self.__dict__["_automatic_optimization"] = bool(value)
+
+    @property
     def device(self) -> torch.device:
         trainer = self.__dict__.get("_trainer")
         if trainer is not None and trainer.strategy is not None:
@@ -50,28 +68,44 @@ class TrainModule(nn.Module):
         param = next(self.parameters(), None)
         return param.device if param is not None else torch.device("cpu")
 
+    def _trainer_value(self, name: str, default: Any) -> Any:
+        trainer = self.__dict__.get("_trainer")
+        return getattr(trainer, name) if trainer is not None else default
+
     @property
     def global_rank(self) -> int:
-        trainer = self.__dict__.get("_trainer")
-        return trainer.global_rank if trainer is not None else 0
+        return self._trainer_value("global_rank", 0)
+
+    @property
+    def local_rank(self) -> int:
+        return self._trainer_value("local_rank", 0)
 
     @property
     def current_epoch(self) -> int:
-        return self.trainer.current_epoch
+        return self._trainer_value("current_epoch", 0)
 
     @property
     def global_step(self) -> int:
-        return self.trainer.global_step
+        return self._trainer_value("global_step", 0)
+
+    @property
+    def logger(self) -> Any:
+        return self._trainer_value("logger", None)
+
+    @property
+    def loggers(self) -> list[Any]:
+        return self._trainer_value("loggers", [])
 
     # ------------------------------------------------------------------ logging
-    def log(self, name: str, value: torch.Tensor | float | int, *, prog_bar: bool = False,
-            sync_dist: bool = False, on_step: bool | None = None, on_epoch: bool | None = None,
-            batch_size: int | None = None, logger: bool = True) -> None:
-        """Record a metric. Training steps log per step by default; evaluation per epoch.
-
-        Epoch values are averaged over samples and reduced across data-parallel ranks once per
-        epoch. ``sync_dist=True`` also reduces per-step values (only on steps that are logged).
-        """
+    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
+            on_epoch: bool | None = None, reduce_fx: str = "mean", enable_graph: bool = False,
+            sync_dist: bool = False, sync_dist_group: Any = None, add_dataloader_idx: bool = True,
+            batch_size: int | None = None, metric_attribute: str | None = None,
+            rank_zero_only: bool = False) -> None:
+        """Record a metric. Training steps log per step by default; evaluation per epoch; epoch hooks
+        per epoch. Epoch values are reduced (``reduce_fx``) over the epoch and across data-parallel
+        ranks; ``sync_dist=True`` also reduces per-step values, on the steps that are logged.
+        ``rank_zero_only`` is accepted for Lightning code and changes nothing (every rank logs)."""
         trainer = self.__dict__.get("_trainer")
         if trainer is None:
             return
@@ -80,14 +114,31 @@ class TrainModule(nn.Module):
             if tap is MUTED:
                 return
             tap.append((name, torch.as_tensor(value).detach().reshape(()).float(),
-                        dict(prog_bar=prog_bar, sync_dist=sync_dist, on_step=on_step, on_epoch=on_epoch,
-                             batch_size=batch_size, logger=logger)))
-        trainer.metrics.log(name, value, prog_bar=prog_bar, sync_dist=sync_dist, on_step=on_step,
-                            on_epoch=on_epoch, batch_size=batch_size, logger=logger)
+                        dict(prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
+                             reduce_fx=reduce_fx, sync_dist=sync_dist, batch_size=batch_size)))
+        trainer.metrics.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size)
 
-    def log_dict(self, values: Mapping[str, torch.Tensor | float | int], **kwargs: Any) -> None:
-        for name, value in values.items():
+    def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
+        for name, value in dictionary.items():
             self.log(name, value, **kwargs)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only."""
+        if self.global_rank == 0:
+            builtins.print(*args, **kwargs)
+
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Every rank's ``data`` (tensors, or dicts/lists of them) stacked along a new first dimension;
+        unchanged on one process."""
+        trainer = self.__dict__.get("_trainer")
+        if trainer is None or trainer.world_size == 1:
+            return data
+        if isinstance(data, Mapping):
+            return {k: self.all_gather(v, group, sync_grads) for k, v in data.items()}
+        if isinstance(data, (list, tuple)):
+            return type(data)(self.all_gather(v, group, sync_grads) for v in data)
+        tensor = torch.as_tensor(data, device=self.device)
+        return trainer.strategy.all_gather(tensor, group)
 
     # ------------------------------------------------------------------ model and optimisation
     def configure_model(self) -> None:
@@ -100,21 +151,101 @@ class TrainModule(nn.Module):
             f"(optimizer, scheduler), ([optimizers], [schedulers]) or a dict"
         )
 
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
+    def configure_callbacks(self) -> Any:
+        """Callbacks this module needs; they replace the Trainer's callbacks of the same type."""
+        return []
+
+    def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        """The optimizers (one, or a list), wrapped so ``step()`` goes through the strategy (precision,
+        hooks, step counting); ``use_pl_optimizer=False`` gives the raw torch ones."""
+        opts = self.trainer.optimizers if use_pl_optimizer else self.trainer.strategy.optimizers
+        return opts[0] if len(opts) == 1 else list(opts)
+
+    def lr_schedulers(self) -> Any:
+        scheds = [s["scheduler"] for s in self.trainer.lr_scheduler_configs]
+        return None if not scheds else scheds[0] if len(scheds) == 1 else scheds
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``loss.backward()`` for manual optimisation: scaled under ``16-mixed``, with the gradient
+        all-reduce of data-parallel strategies (skipped while ``trainer.accumulating``)."""
+        self.trainer.manual_backward(loss, *args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Called with the (precision-scaled) loss; override for e.g. ``retain_graph``."""
+        loss.backward(*args, **kwargs)
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Only ``optimizer``'s parameters require grad until ``untoggle_optimizer`` (GANs)."""
+        raw = getattr(optimizer, "optimizer", optimizer)
+        own = {id(p) for g in raw.param_groups for p in g["params"]}
+        state = self.__dict__["_param_requires_grad_state"]
+        for opt in self.trainer.strategy.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if id(p) not in own:
+                        state.setdefault(id(p), (p, p.requires_grad))
+                        p.requires_grad = False
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        state = self.__dict__["_param_requires_grad_state"]
+        for p, requires_grad in state.values():
+            p.requires_grad = requires_grad
+        state.clear()
+
+    def clip_gradients(self, optimizer: Any, gradient_clip_val: float | None = None,
+                       gradient_clip_algorithm: str | None = None) -> None:
+        """Clip the gradients of ``optimizer``'s parameters (unscaled first under ``16-mixed``)."""
+        if gradient_clip_val is None or gradient_clip_val == 0:
+            return
+        self.trainer.clip_gradients(getattr(optimizer, "optimizer", optimizer), float(gradient_clip_val),
+                                    gradient_clip_algorithm or "norm")
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        optimizer.step(closure=optimizer_closure)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        optimizer.zero_grad()
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        if metric is None:
+            scheduler.step()
+        else:
+            scheduler.step(metric)
+
+    def freeze(self) -> None:
+        for p in self.parameters():
+            p.requires_grad = False
+        self.eval()
+
+    def unfreeze(self) -> None:
+        for p in self.parameters():
+            p.requires_grad = True
+        self.train()
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
             f"{type(self).__name__} must define training_step(self, batch, batch_idx) returning a loss tensor"
         )
 
-    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return None
 
-    def test_step(self, batch: Any, batch_idx: int) -> Any:
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return None
 
-    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         return self(batch)
 
     # ------------------------------------------------------------------ data
+    def prepare_data(self) -> None: ...
+    def setup(self, stage: str) -> None: ...
+    def teardown(self, stage: str) -> None: ...
+
     def train_dataloader(self) -> Any:
         return None
 
@@ -127,19 +258,79 @@ class TrainModule(nn.Module):
     def predict_dataloader(self) -> Any:
         return None
 
-    # ------------------------------------------------------------------ hooks (call order for fit)
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return move_to_device(batch, device)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
+
+    # ------------------------------------------------------------------ lifecycle hooks (no-ops)
     def on_fit_start(self) -> None: ...
+    def on_fit_end(self) -> None: ...
+    def on_train_start(self) -> None: ...
+    def on_train_end(self) -> None: ...
     def on_train_epoch_start(self) -> None: ...
+    def on_train_epoch_end(self) -> None: ...
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any: ...
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
     def on_before_backward(self, loss: torch.Tensor) -> None: ...
     def on_after_backward(self) -> None: ...
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    def on_validation_start(self) -> None: ...
+    def on_validation_end(self) -> None: ...
+    def on_validation_epoch_start(self) -> None: ...
     def on_validation_epoch_end(self) -> None: ...
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_start(self) -> None: ...
+    def on_test_end(self) -> None: ...
+    def on_test_epoch_start(self) -> None: ...
     def on_test_epoch_end(self) -> None: ...
-    def on_train_epoch_end(self) -> None: ...
-    def on_fit_end(self) -> None: ...
+    def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_start(self) -> None: ...
+    def on_predict_end(self) -> None: ...
+    def on_predict_epoch_start(self) -> None: ...
+    def on_predict_epoch_end(self) -> None: ...
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
+
+    def on_validation_model_eval(self) -> None:
+        self.eval()
+
+    def on_validation_model_train(self) -> None:
+        self.train()
+
+    def on_validation_model_zero_grad(self) -> None:
+        self.zero_grad(set_to_none=True)
+
+    def on_test_model_eval(self) -> None:
+        self.eval()
+
+    def on_test_model_train(self) -> None:
+        self.train()
+
+    def on_predict_model_eval(self) -> None:
+        self.eval()
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str, map_location: Any = None, hparams_file: str | None = None,
+                             strict: bool | None = None, **kwargs: Any) -> TrainModule:
+        """A new module built from the checkpoint's saved hyperparameters (``**kwargs`` win) with its
+        weights, from any polytrain checkpoint: a file or a sharded directory."""
+        if hparams_file is not None:
+            raise ValueError("hparams_file is not supported: polytrain checkpoints carry their hyperparameters")
+        return load_module_from_checkpoint(cls, checkpoint_path, map_location, strict is not False, **kwargs)
+
+
+LightningModule = TrainModule  # Lightning's name for it
 
 
 def overrides(module: nn.Module, name: str) -> bool:

@@ -1,31 +1,53 @@
-"""Turning ``configure_optimizers``' many return shapes into optimizers and scheduler entries."""
+"""Turning ``configure_optimizers``' many return shapes into optimizers and scheduler configs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-_SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "monitor")
+_SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "monitor", "name", "strict")
 
 
-def _scheduler_entry(item: Any) -> dict[str, Any]:
+@dataclass
+class SchedulerConfig:
+    """One learning-rate scheduler and when it steps (Lightning's ``LRSchedulerConfig`` keys;
+    ``config.scheduler`` and ``config["scheduler"]`` both work)."""
+
+    scheduler: Any
+    interval: str = "epoch"  # "epoch" | "step"
+    frequency: int = 1
+    monitor: str | None = None  # the metric a ReduceLROnPlateau reads
+    name: str | None = None
+    strict: bool = True  # a monitored metric that was not logged is an error (False: skip the step)
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+    @property
+    def reduce_on_plateau(self) -> bool:
+        return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def _scheduler_entry(item: Any) -> SchedulerConfig:
     if isinstance(item, dict):
         unknown = [k for k in item if k not in _SCHEDULER_KEYS]
         if unknown or "scheduler" not in item:
             raise ValueError(f"lr_scheduler dict needs 'scheduler' and may have {', '.join(_SCHEDULER_KEYS)}; "
                              f"got {sorted(item)}")
-        entry = {"interval": "epoch", "frequency": 1, "monitor": None, **item}
+        entry = SchedulerConfig(**item)
     else:
-        entry = {"scheduler": item, "interval": "epoch", "frequency": 1, "monitor": None}
-    if entry["interval"] not in ("epoch", "step"):
-        raise ValueError(f"lr_scheduler interval={entry['interval']!r}; valid: epoch, step")
-    if isinstance(entry["scheduler"], torch.optim.lr_scheduler.ReduceLROnPlateau) and not entry["monitor"]:
+        entry = SchedulerConfig(item)
+    if entry.interval not in ("epoch", "step"):
+        raise ValueError(f"lr_scheduler interval={entry.interval!r}; valid: epoch, step")
+    if entry.reduce_on_plateau and not entry.monitor:
         raise ValueError("ReduceLROnPlateau needs a metric: return {'scheduler': ..., 'monitor': 'val/loss'}")
     return entry
 
 
-def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[dict[str, Any]]]:
+def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
     """Accepts an optimizer, (opt, sched), ([opts], [scheds]), a dict, or a list of dicts."""
     if isinstance(result, torch.optim.Optimizer):
         return [result], []
@@ -51,15 +73,21 @@ def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[dic
     )
 
 
-def step_schedulers(entries: list[dict[str, Any]], interval: str, count: int, metrics: dict[str, Any]) -> None:
-    for entry in entries:
-        if entry["interval"] != interval or count % entry["frequency"]:
+def step_schedulers(configs: list[SchedulerConfig], interval: str, count: int, metrics: dict[str, Any],
+                    step_fn: Callable[[Any, Any], None], plateau: bool | None = None) -> None:
+    """Step the ``interval`` schedulers due at ``count`` through ``step_fn(scheduler, metric)`` (the
+    module's ``lr_scheduler_step``). ``plateau``: only monitored ones (True) or only the others (False)."""
+    for entry in configs:
+        if entry.interval != interval or count % entry.frequency:
             continue
-        scheduler = entry["scheduler"]
-        if entry["monitor"]:
-            if entry["monitor"] not in metrics:
-                raise KeyError(f"lr_scheduler monitors '{entry['monitor']}' but it was not logged; "
+        if plateau is not None and bool(entry.monitor) != plateau:
+            continue
+        metric = None
+        if entry.monitor:
+            if entry.monitor not in metrics:
+                if not entry.strict:
+                    continue
+                raise KeyError(f"lr_scheduler monitors '{entry.monitor}' but it was not logged; "
                                f"logged: {', '.join(sorted(metrics)) or '(nothing)'}")
-            scheduler.step(float(metrics[entry["monitor"]]))
-        else:
-            scheduler.step()
+            metric = metrics[entry.monitor]
+        step_fn(entry.scheduler, metric)

@@ -11,20 +11,31 @@ from omegaconf import OmegaConf
 
 from polytrain.callbacks.base import Callback
 from polytrain.callbacks.checkpoint import ModelCheckpoint
+from polytrain.callbacks.early_stopping import EarlyStopping
 from polytrain.callbacks.loggers import Logger
+from polytrain.callbacks.progress import ProgressBar
 from polytrain.core import divergence, heartbeat
 from polytrain.core.errors import ConfigError
 from polytrain.core.rng import enable_deterministic
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.launcher import LaunchPlan, plan_launch
 from polytrain.strategies.registry import build_strategy
-from polytrain.trainer import loops
+from polytrain.trainer import lifecycle
 from polytrain.trainer.checkpoint import build_payload
-from polytrain.trainer.config import TrainerConfig, load_config, trainer_to_dict, validate_trainer_config
+from polytrain.trainer.config import (
+    TrainerConfig,
+    load_config,
+    parse_max_time,
+    trainer_to_dict,
+    validate_trainer_config,
+)
+from polytrain.trainer.datamodule import DataModule
 from polytrain.trainer.default_callbacks import build_callbacks
+from polytrain.trainer.entry_points import run_stage
 from polytrain.trainer.launch import launch_from_trainer
 from polytrain.trainer.metrics import MetricCollector
 from polytrain.trainer.module import TrainModule, overrides
+from polytrain.trainer.steps import StepMixin
 
 log = logging.getLogger("polytrain")
 
@@ -37,18 +48,9 @@ def _is_plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str, dict))
 
 
-def _overridden(obj: Any, name: str, base: type) -> bool:
-    """False only when ``obj.name`` is ``base``'s own method: not redefined by its class or instance."""
-    return name in getattr(obj, "__dict__", {}) or getattr(type(obj), name, None) is not getattr(base, name, None)
-
-
-def _hook_plan(callbacks: list[Callback], module: Any, name: str) -> tuple[list[Callback], bool]:
-    return [cb for cb in callbacks if _overridden(cb, name, Callback)], _overridden(module, name, TrainModule)
-
-
-class Trainer:
-    """Keyword arguments are exactly the ``trainer:`` config section (see ``TrainerConfig``);
-    ``callbacks``, ``logger`` and ``strategy`` also accept objects."""
+class Trainer(StepMixin):
+    """Keyword arguments are exactly the ``trainer:`` config section (see ``TrainerConfig``; Lightning's
+    names); ``callbacks``, ``logger`` and ``strategy`` also accept objects."""
 
     def __init__(self, **kwargs: Any) -> None:
         objects = {k: kwargs.pop(k) for k in _OBJECT_KEYS if k in kwargs and not _is_plain(kwargs[k])}
@@ -57,30 +59,48 @@ class Trainer:
             callback_objects = [c for c in kwargs["callbacks"] if isinstance(c, Callback)]
             kwargs["callbacks"] = [c for c in kwargs["callbacks"] if not isinstance(c, Callback)]
         if isinstance(objects.get("callbacks"), (list, tuple)):
-            callback_objects += [c for c in objects.pop("callbacks")]
+            callback_objects += list(objects.pop("callbacks"))
+        elif isinstance(objects.get("callbacks"), Callback):
+            callback_objects.append(objects.pop("callbacks"))
         self.config: TrainerConfig = validate_trainer_config(kwargs)
         if "strategy" in objects:
             self.config.strategy = objects["strategy"]
-        self.callbacks: list[Callback] = build_callbacks(self.config, callback_objects, objects.get("logger"))
+        self.base_callbacks: list[Callback] = build_callbacks(self.config, callback_objects, objects.get("logger"))
+        self.callbacks: list[Callback] = list(self.base_callbacks)
         self.strategy: Strategy | None = None
         self.module: TrainModule | None = None
+        self.datamodule: DataModule | None = None
         self.metrics = MetricCollector()
-        self.schedulers: list[dict[str, Any]] = []
+        self.hooks: Any = None
+        self.guard: Any = None
+        self.optimizers: list[Any] = []
+        self.lr_scheduler_configs: list[Any] = []
+        self.given_loaders: dict[str, Any] = {}
+        self.train_loader: Any = None
+        self.val_loader: Any = None
         self.current_epoch = 0
         self.global_step = 0
         self.batch_in_epoch = 0
+        self.batches_stepped = 0  # batches after which an optimizer stepped: the logging cadence
+        self.eval_batches_seen = 0
         self.should_stop = False
-        self.stage = "fit"
-        self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.sanity_checking = False
+        self.accumulating = False  # manual optimisation: this batch is not the last of its window
+        self.skip_this_step = False
+        self.stage: str | None = None
         self.logged_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
         self.pending_rng: dict[str, Any] | None = None
         self.resumed_mid_epoch = False
+        self.resumed_loop: dict[str, Any] | None = None
+        self.epoch_complete = True
         self.at_epoch_end = False  # True while on_train_epoch_end hooks run after a complete epoch
         self.num_training_batches: int | None = None
         self.num_val_batches: int | None = None
+        self.train_batch_size: int | None = None
+        self.sample_base = (0, 0)
+        self.fit_ckpt_path: str | None = None
         self._run_config: dict[str, Any] | None = None
-        self._hook_plan: dict[str, tuple[Any, ...]] = {}
 
     @classmethod
     def from_config(cls, config: Any) -> Trainer:
@@ -100,8 +120,20 @@ class Trainer:
         return self.strategy.global_rank if self.strategy is not None else 0
 
     @property
+    def local_rank(self) -> int:
+        return self.strategy.local_rank if self.strategy is not None else 0
+
+    @property
+    def node_rank(self) -> int:
+        return self.strategy.env.node_rank if self.strategy is not None else 0
+
+    @property
     def world_size(self) -> int:
         return self.strategy.world_size if self.strategy is not None else 1
+
+    @property
+    def num_nodes(self) -> int:
+        return self.config.num_nodes
 
     @property
     def is_global_zero(self) -> bool:
@@ -112,16 +144,91 @@ class Trainer:
         return self.strategy.is_logging_rank if self.strategy is not None else True
 
     @property
+    def lightning_module(self) -> TrainModule | None:
+        return self.module
+
+    @property
+    def model(self) -> Any:
+        """What the step runs through: the module, or the strategy's wrapper around it."""
+        return self.strategy.model if self.strategy is not None and self.strategy.model is not None else self.module
+
+    @property
+    def max_time_seconds(self) -> float | None:
+        return parse_max_time(self.config.max_time) if self.config.max_time is not None else None
+
+    @property
     def run_dir(self) -> str:
         return self.config.run_dir
+
+    default_root_dir = run_dir
+
+    @property
+    def log_dir(self) -> str:
+        return self.config.run_dir
+
+    @property
+    def callback_metrics(self) -> dict[str, torch.Tensor]:
+        return self.metrics.callback
+
+    @callback_metrics.setter
+    def callback_metrics(self, values: dict[str, torch.Tensor]) -> None:
+        self.metrics.callback = dict(values)
 
     @property
     def loggers(self) -> list[Logger]:
         return [cb for cb in self.callbacks if isinstance(cb, Logger)]
 
     @property
+    def logger(self) -> Logger | None:
+        loggers = self.loggers
+        return loggers[0] if loggers else None
+
+    @property
     def checkpoint_callback(self) -> ModelCheckpoint | None:
         return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
+
+    @property
+    def checkpoint_callbacks(self) -> list[ModelCheckpoint]:
+        return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+
+    @property
+    def early_stopping_callback(self) -> EarlyStopping | None:
+        return next((cb for cb in self.callbacks if isinstance(cb, EarlyStopping)), None)
+
+    @property
+    def progress_bar_callback(self) -> ProgressBar | None:
+        return next((cb for cb in self.callbacks if isinstance(cb, ProgressBar)), None)
+
+    @property
+    def train_dataloader(self) -> Any:
+        return self.train_loader
+
+    @property
+    def val_dataloaders(self) -> Any:
+        return self.val_loader
+
+    @property
+    def training(self) -> bool:
+        return self.stage == "fit" and not self.sanity_checking
+
+    @property
+    def validating(self) -> bool:
+        return self.stage == "validate" or self.sanity_checking
+
+    @property
+    def testing(self) -> bool:
+        return self.stage == "test"
+
+    @property
+    def predicting(self) -> bool:
+        return self.stage == "predict"
+
+    def __getattr__(self, name: str) -> Any:
+        # Lightning code reads options as attributes (trainer.max_epochs, trainer.accumulate_grad_batches).
+        config = self.__dict__.get("config")
+        if config is not None and name in TrainerConfig.__dataclass_fields__:
+            return getattr(config, name)
+        raise AttributeError(f"'Trainer' object has no attribute '{name}'")
 
     def config_dict(self) -> dict[str, Any]:
         if self._run_config is not None:
@@ -129,55 +236,63 @@ class Trainer:
         return {"trainer": trainer_to_dict(self.config)}
 
     # ------------------------------------------------------------------ entry points
-    def fit(self, module: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
-            datamodule: Any = None, ckpt_path: str | None = None) -> None:
+    def fit(self, model: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
+            datamodule: DataModule | None = None, ckpt_path: str | None = None) -> None:
         """Train; ``ckpt_path="last"`` (or ``trainer.resume``) continues from the newest checkpoint."""
-        self._run("fit", module, dict(train_dataloaders=train_dataloaders, val_dataloaders=val_dataloaders,
-                                      datamodule=datamodule, ckpt_path=ckpt_path))
+        if isinstance(train_dataloaders, DataModule):
+            train_dataloaders, datamodule = None, train_dataloaders
+        self._run("fit", model, dict(train=train_dataloaders, val=val_dataloaders), datamodule, ckpt_path)
 
-    def validate(self, module: TrainModule | None = None, dataloaders: Any = None, datamodule: Any = None,
-                 ckpt_path: str | None = None) -> list[dict[str, float]]:
-        return self._run("validate", module, dict(dataloaders=dataloaders, datamodule=datamodule,
-                                                  ckpt_path=ckpt_path))
+    def validate(self, model: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
+                 verbose: bool = True, datamodule: DataModule | None = None) -> list[dict[str, float]]:
+        return self._run("validate", model, dict(val=dataloaders), datamodule, ckpt_path)
 
-    def test(self, module: TrainModule | None = None, dataloaders: Any = None, datamodule: Any = None,
-             ckpt_path: str | None = None) -> list[dict[str, float]]:
-        return self._run("test", module, dict(dataloaders=dataloaders, datamodule=datamodule, ckpt_path=ckpt_path))
+    def test(self, model: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
+             verbose: bool = True, datamodule: DataModule | None = None) -> list[dict[str, float]]:
+        return self._run("test", model, dict(test=dataloaders), datamodule, ckpt_path)
 
-    def predict(self, module: TrainModule | None = None, dataloaders: Any = None, datamodule: Any = None,
+    def predict(self, model: TrainModule | None = None, dataloaders: Any = None,
+                datamodule: DataModule | None = None, return_predictions: bool | None = None,
                 ckpt_path: str | None = None) -> list[Any]:
         """This rank's predictions, in the order of its share of the data (rank r: samples r, r+N, ...)."""
-        return self._run("predict", module, dict(dataloaders=dataloaders, datamodule=datamodule,
-                                                 ckpt_path=ckpt_path))
+        return self._run("predict", model, dict(predict=dataloaders), datamodule, ckpt_path)
 
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, filepath: str, weights_only: bool = False) -> None:
         """Every rank must call this (it gathers RNG states and meets at a barrier). Under
         ``nan_policy: error`` a model that already holds NaN/inf is refused before anything is written."""
-        guard = getattr(self, "guard", None)
-        if guard is not None:
-            guard.check()
-        self.strategy.save_checkpoint(build_payload(self, epoch_done=self.at_epoch_end), path)
+        if self.guard is not None:
+            self.guard.check()
+        self.strategy.save_checkpoint(build_payload(self, epoch_done=self.at_epoch_end), filepath)
 
     # ------------------------------------------------------------------ plumbing
-    def _run(self, stage: str, module: TrainModule | None, kwargs: dict[str, Any]) -> Any:
-        module = module if module is not None else self.module
-        if module is None:
+    def _run(self, stage: str, model: TrainModule | None, loaders: dict[str, Any], datamodule: Any,
+             ckpt_path: str | None) -> Any:
+        model_given = model is not None
+        model = model if model is not None else self.module
+        if model is None:
             raise ValueError(f"trainer.{stage}() needs a TrainModule")
-        if stage == "fit" and not overrides(module, "training_step"):
-            raise ConfigError(f"{type(module).__name__} does not define training_step(self, batch, batch_idx); "
+        if stage == "fit" and not overrides(model, "training_step"):
+            raise ConfigError(f"{type(model).__name__} does not define training_step(self, batch, batch_idx); "
                               f"a TrainModule must return the loss to minimise from it")
         plan = plan_launch(self.config)
         if plan.method != "here":
-            return launch_from_trainer(self, plan, stage, module, kwargs)
+            given = dict(train_dataloaders=loaders.get("train"), val_dataloaders=loaders.get("val")) \
+                if stage == "fit" else dict(dataloaders=next(iter(loaders.values())))
+            return launch_from_trainer(self, plan, stage, model, dict(given, datamodule=datamodule, ckpt_path=ckpt_path))
         self._setup_strategy(plan)
-        self.stage = stage
-        self.module = module
-        module._attach(self)
+        self.stage, self.module = stage, model
+        self.datamodule = datamodule if datamodule is not None else self.datamodule
+        self.given_loaders = {k: v for k, v in loaders.items() if v is not None}
+        model._attach(self)
+        if self.datamodule is not None:
+            self.datamodule.trainer = self
         try:
-            return getattr(loops, f"run_{stage}")(self, module, **kwargs)
+            return run_stage(self, stage, ckpt_path, model_given)
         except BaseException as exc:
             for cb in self.callbacks:
-                cb.on_exception(self, module, exc)
+                cb.on_exception(self, model, exc)
+            if self.datamodule is not None:
+                self.datamodule.on_exception(exc)
             explained = heartbeat.explain(exc)  # a collective timeout -> which rank stopped, and where
             if explained is not None:
                 raise explained from exc
@@ -201,29 +316,21 @@ class Trainer:
             divergence.enable(self.config.timeout)  # before the process group starts
         self.strategy.setup_environment()
         self.metrics.device = self.strategy.collective_device
-        self.strategy.bind_hooks(self.call_hook)
         heartbeat.start(self.strategy.global_rank, self.strategy.world_size, self.config.timeout)
 
     def restore_loop(self, loop: dict[str, Any]) -> None:
         self.current_epoch = int(loop["epoch"])
         self.global_step = int(loop["global_step"])
         self.batch_in_epoch = int(loop["batch_in_epoch"])
+        self.batches_stepped = int(loop.get("batches_stepped", self.global_step))
         self.resumed_mid_epoch = self.batch_in_epoch > 0
         self.resumed_loop = loop  # sample_offset + dp_size: re-split if the data-parallel size changed
 
-    def call_hook(self, name: str, *args: Any) -> None:
-        """Callbacks first, then the module's hook of the same name (if it has one).
+    def call_hook(self, name: str, *args: Any) -> Any:
+        """The funnel for hooks a strategy fires inside its step: callbacks first, then the module."""
+        return self.hooks(name, *args)
 
-        Runs every training step, so the callbacks (and module) that only inherit the base class's
-        no-op are skipped: which ones is worked out once per hook and callback list (~0.5 us a step).
-        """
-        key = (self.module, *self.callbacks)
-        cached = self._hook_plan.get(name)
-        if cached is None or cached[0] != key:
-            cached = self._hook_plan[name] = (key, *_hook_plan(self.callbacks, self.module, name))
-        for cb in cached[1]:
-            getattr(cb, name)(self, self.module, *args)
-        if cached[2]:
-            hook = getattr(self.module, name, None)
-            if hook is not None:
-                hook(*args)
+    def bind_strategy_hooks(self) -> None:
+        backward = self.module.backward if overrides(self.module, "backward") else None
+        self.strategy.bind_hooks(self.call_hook, backward)
+        lifecycle.bind_transfer(self)

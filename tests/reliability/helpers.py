@@ -63,7 +63,7 @@ def rel_module() -> Any:
 def quiet(run_dir: str, **kwargs: Any) -> dict[str, Any]:
     """Trainer keywords for a quiet 2-rank DDP run on CPU (what in-process tests start from)."""
     base = dict(strategy="ddp", accelerator="cpu", devices=2, run_dir=run_dir, logger=False,
-                enable_progress_bar=False, enable_model_summary=False, timeout=60.0)
+                enable_progress_bar=False, enable_model_summary=False, timeout=60.0, seed=0)
     return {**base, **kwargs}
 
 
@@ -274,7 +274,7 @@ def write_config(path: str | Path, run_dir: str | Path, out_dir: str | Path, *, 
 
     trainer = {"accelerator": "cpu", "devices": devices, "strategy": "ddp", "max_epochs": max_epochs,
                "log_every_n_steps": 1, "enable_progress_bar": False, "enable_model_summary": False,
-               "logger": False, "timeout": 60, "run_dir": str(run_dir), "resume": "auto",
+               "logger": False, "timeout": 60, "run_dir": str(run_dir), "resume": "auto", "seed": 0,
                "callbacks": [{"_target_": "polytrain.callbacks.checkpoint.ModelCheckpoint",
                               "every_n_train_steps": every_n_steps}],
                **(extra_trainer or {})}

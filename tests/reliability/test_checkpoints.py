@@ -43,7 +43,7 @@ def _module() -> Any:
 def _fit(run_dir: str, ckpt_path: str | None = None, max_steps: int = MAX_STEPS, callbacks: list | None = None,
          every_n: int = 1, top_k: int = 1) -> tuple[Any, Trainer]:
     module = _module()
-    trainer = Trainer(strategy="single", accelerator="cpu", devices=1, max_steps=max_steps, run_dir=run_dir,
+    trainer = Trainer(strategy="single", accelerator="cpu", devices=1, max_steps=max_steps, run_dir=run_dir, seed=0,
                       logger=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[*(callbacks or []), ModelCheckpoint(every_n_train_steps=every_n, save_top_k=top_k,
                                                                      save_on_fit_end=False)])

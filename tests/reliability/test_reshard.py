@@ -53,7 +53,7 @@ def _worker(rank: int, world_size: int, root: str, phase: str, ckpt_path: str | 
     out_dir = os.path.join(root, phase)
     after_load = AfterLoad()
     module = rel_module().RelModule(n=N, batch_size=BATCH, out_dir=out_dir)
-    trainer = Trainer(strategy="fsdp", accelerator="cpu", devices=world_size, max_epochs=1, max_steps=max_steps,
+    trainer = Trainer(strategy="fsdp", accelerator="cpu", devices=world_size, max_epochs=1, max_steps=max_steps, seed=0,
                       run_dir=os.path.join(out_dir, "run"), logger=False, enable_progress_bar=False,
                       enable_model_summary=False, timeout=60.0, callbacks=[after_load])
     trainer.fit(module, ckpt_path=ckpt_path)

@@ -54,7 +54,7 @@ def _foreign_safe_globals() -> list[Any]:
 
 
 def _trainer(run_dir: Path, **kwargs: Any) -> Trainer:
-    return Trainer(strategy="single", accelerator="cpu", devices=1, run_dir=str(run_dir), logger=False,
+    return Trainer(strategy="single", accelerator="cpu", devices=1, run_dir=str(run_dir), logger=False, seed=0,
                    enable_progress_bar=False, enable_model_summary=False, **kwargs)
 
 

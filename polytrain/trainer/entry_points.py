@@ -1,0 +1,50 @@
+"""Running one stage (fit, validate, test, predict) between its set-up and tear-down."""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from polytrain.trainer import lifecycle
+from polytrain.trainer.data_connector import batch_limit, request_loader
+from polytrain.trainer.evaluation import run_eval_pass
+from polytrain.trainer.fit_loop import run_fit
+
+if TYPE_CHECKING:
+    from polytrain.trainer.trainer import Trainer
+
+_LOADER_STAGE = {"validate": "val", "test": "test", "predict": "predict"}
+
+
+def run_stage(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: bool = True) -> Any:
+    lifecycle.begin(trainer, stage)
+    if stage == "fit":
+        trainer.fit_ckpt_path = ckpt_path
+        run_fit(trainer)
+        result = None
+    else:
+        result = _evaluate(trainer, stage, ckpt_path, model_given)
+    lifecycle.end(trainer, stage)
+    return result
+
+
+def _evaluate(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: bool) -> Any:
+    loader_stage = _LOADER_STAGE[stage]
+    best = getattr(trainer.checkpoint_callback, "best_model_path", None)
+    if ckpt_path is None and not model_given and best:
+        warnings.warn(f"trainer.{stage}() without a model after fit evaluates the best checkpoint ({best}), as "
+                      f"Lightning does; pass the model (current weights) or ckpt_path to choose", stacklevel=4)
+        ckpt_path = "best"
+    if stage != "predict":
+        trainer.metrics.reset_callback_metrics()
+    if ckpt_path is not None:
+        lifecycle.load_weights(trainer, ckpt_path)
+    loader = request_loader(trainer, loader_stage)
+    if loader is None:
+        raise ValueError(f"no {loader_stage} data: pass dataloaders to {stage}() or define {loader_stage}_dataloader() "
+                         f"on {type(trainer.module).__name__} (or its DataModule)")
+    limit = batch_limit(trainer, loader_stage, loader)
+    if loader_stage == "val":
+        trainer.val_loader, trainer.num_val_batches = loader, limit
+    result = run_eval_pass(trainer, loader, loader_stage, limit)
+    return result if stage == "predict" else [result]

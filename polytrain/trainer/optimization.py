@@ -1,0 +1,190 @@
+"""One training batch, automatic or manual optimisation, in Lightning's order.
+
+Automatic (per micro-batch): ``training_step`` runs inside a closure that ``optimizer.step`` calls
+(so LBFGS-style optimizers work), then ``on_before_zero_grad``/``optimizer_zero_grad`` on the first
+micro-batch of a window, then the backward hooks around ``backward``; after the closure,
+``on_before_optimizer_step`` and ``configure_gradient_clipping`` see unscaled gradients; then the
+update. Micro-batches that do not end a window run the closure directly, without the gradient sync.
+Several optimizers (a polytrain extension: Lightning needs manual optimisation for that) share one
+forward/backward and step in turn. The GradScaler is updated once per iteration, after every
+optimizer stepped, as PyTorch's multi-optimizer AMP recipe does.
+
+Manual: ``training_step`` alone; the module drives ``self.optimizers()`` (``StepOptimizer`` s, so
+``step()`` goes through precision, hooks and step counting) and ``self.manual_backward``.
+
+The plans (which hooks anyone overrides) are fixed when a fit starts, so the common batch costs a
+handful of attribute reads beyond the work itself (benchmarks/overhead.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from polytrain.core import heartbeat
+from polytrain.core.protocol import extract_loss
+
+if TYPE_CHECKING:
+    from polytrain.trainer.trainer import Trainer
+
+
+class StepOptimizer:
+    """A torch optimizer whose ``step`` goes through the Trainer: precision (unscaling, skipped
+    overflow steps), ``on_before_optimizer_step``, step counting. It is also an instance of the wrapped
+    optimizer's class and shares its state; ``.optimizer`` is the raw one."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, trainer: Trainer) -> None:
+        self.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in ("step", "__del__")})
+        self._optimizer = optimizer
+        self._trainer = trainer
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        return self._trainer._optimizer_step(self._optimizer, closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __repr__(self) -> str:
+        return f"StepOptimizer({self._optimizer!r})"
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, trainer: Trainer) -> StepOptimizer:
+    cls = type(f"Step{type(optimizer).__name__}", (StepOptimizer, type(optimizer)), {})
+    wrapped = cls.__new__(cls)
+    StepOptimizer.__init__(wrapped, optimizer, trainer)
+    return wrapped
+
+
+class Closure:
+    """The automatic step's forward/zero-grad/backward for one micro-batch, callable by ``optimizer.step``."""
+
+    __slots__ = ("runner", "batch", "batch_idx", "zero_grad", "result", "ran")
+
+    def __init__(self, runner: AutomaticOptimization) -> None:
+        self.runner = runner
+        self.batch: Any = None
+        self.batch_idx = 0
+        self.zero_grad: Callable[[], None] | None = None
+        self.result: Any = None
+        self.ran = False
+
+    def __call__(self) -> torch.Tensor | None:
+        runner = self.runner
+        heartbeat.at("training_step")
+        result = self.result = runner.strategy.forward_backward(self.batch, self.batch_idx, runner.accumulate,
+                                                                self.zero_grad)
+        self.ran = True
+        runner.guard.observe(result.loss, end_of_window=runner.end_of_window)
+        return result.loss
+
+
+class AutomaticOptimization:
+    """Per-fit plan of a training batch under automatic optimisation."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.strategy = trainer.strategy
+        self.module = trainer.module
+        self.guard = trainer.guard
+        hooks = trainer.hooks
+        self.optimizers = list(self.strategy.optimizers)
+        self.wrapped = trainer.optimizers
+        self.accumulate = trainer.config.accumulate_grad_batches
+        self.clip_val = trainer.config.gradient_clip_val
+        self.clip_algorithm = trainer.config.gradient_clip_algorithm
+        self.before_zero_grad = hooks.batch_plan("on_before_zero_grad")
+        self.before_optimizer_step = hooks.batch_plan("on_before_optimizer_step")
+        self.optimizer_step_hook = self.module.optimizer_step if hooks.module_overrides("optimizer_step") else None
+        self.zero_grad_hook = self.module.optimizer_zero_grad if hooks.module_overrides("optimizer_zero_grad") \
+            else None
+        self.clip_hook = self.module.configure_gradient_clipping \
+            if hooks.module_overrides("configure_gradient_clipping") or hooks.module_overrides("clip_gradients") \
+            else None
+        self.closure = Closure(self)
+        self.end_of_window = True
+        self.epoch = 0
+        self.batch_idx = 0
+
+    def _zero_grad(self) -> None:
+        for k, opt in enumerate(self.optimizers):
+            for fn in self.before_zero_grad:
+                fn(opt)
+            if self.zero_grad_hook is not None:
+                self.zero_grad_hook(self.epoch, self.batch_idx, self.wrapped[k])
+            else:
+                opt.zero_grad(set_to_none=True)
+
+    def after_closure(self, optimizer: torch.optim.Optimizer) -> None:
+        """Gradients are final and unscaled: hooks, clipping, and the NaN guard's skip decision."""
+        heartbeat.at("optimizer_step")
+        for fn in self.before_optimizer_step:
+            fn(optimizer)
+        if self.clip_hook is not None:
+            self.clip_hook(optimizer, gradient_clip_val=self.clip_val, gradient_clip_algorithm=self.clip_algorithm)
+        elif self.clip_val is not None:
+            self.trainer.clip_gradients(optimizer, self.clip_val, self.clip_algorithm)
+        if optimizer is self.optimizers[0] and self.guard.should_skip_step():
+            self.trainer.skip_this_step = True
+        if self.trainer.skip_this_step:
+            optimizer.zero_grad(set_to_none=True)  # no gradient, no update (and no optimizer state change)
+
+    def run(self, batch: Any, batch_idx: int, end_of_window: bool, epoch: int) -> Any:
+        """Forward/backward (and the optimizer steps when ``end_of_window``); returns the closure's result."""
+        closure = self.closure
+        closure.batch, closure.batch_idx, closure.ran = batch, batch_idx, False
+        closure.zero_grad = self._zero_grad if batch_idx % self.accumulate == 0 else None
+        self.end_of_window, self.epoch, self.batch_idx = end_of_window, epoch, batch_idx
+        if not end_of_window:
+            with self.strategy.no_backward_sync(True):
+                closure()
+            return closure.result
+        trainer = self.trainer
+        trainer.skip_this_step = False
+        for k, opt in enumerate(self.optimizers):
+            step_closure = closure if k == 0 else _rerun_guard(closure)
+            if self.optimizer_step_hook is not None:
+                self.optimizer_step_hook(epoch, batch_idx, self.wrapped[k], step_closure)
+                if not closure.ran:
+                    raise RuntimeError(
+                        f"{type(self.module).__name__}.optimizer_step did not run the closure it was given: call "
+                        f"optimizer.step(closure=optimizer_closure) (or optimizer_closure()) in it, or training_step "
+                        f"and backward never happen")
+            else:
+                trainer._optimizer_step(opt, step_closure)
+        self.strategy.precision.update()
+        return closure.result
+
+
+def _rerun_guard(closure: Closure) -> Callable[[], Any]:
+    """For the 2nd, 3rd... optimizer: the forward/backward already ran; its loss again."""
+
+    def again() -> Any:
+        return closure.result.loss if closure.result is not None else None
+
+    return again
+
+
+class ManualOptimization:
+    """Per-fit plan of a training batch under manual optimisation."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.strategy = trainer.strategy
+        self.accumulate = trainer.config.accumulate_grad_batches
+
+    def run(self, batch: Any, batch_idx: int, end_of_window: bool, epoch: int) -> Any:
+        trainer = self.trainer
+        trainer.accumulating = not end_of_window
+        with self.strategy.no_backward_sync(not end_of_window):
+            output = self.strategy.training_step(batch, batch_idx)
+        self.strategy.precision.update()  # one scaler update per iteration, whatever the module stepped
+        trainer.accumulating = False
+        loss = extract_loss(output) if output is not None else None
+        trainer.guard.observe(loss.detach() if loss is not None else None, end_of_window=True)
+        return output
