@@ -52,6 +52,8 @@ def _measure(args: argparse.Namespace, strategy: str, run_dir: str) -> dict[str,
             self.sizes: dict[str, int] = {}
 
         def configure_model(self) -> None:
+            if hasattr(self, "net"):  # idempotent: called again by validate/test
+                return
             blocks = [nn.Sequential(nn.Linear(args.width, 4 * args.width), nn.GELU(),
                                     nn.Linear(4 * args.width, args.width)) for _ in range(args.blocks)]
             self.net = nn.Sequential(*blocks, nn.Linear(args.width, 10))

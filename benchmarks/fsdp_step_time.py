@@ -65,6 +65,8 @@ def run_polytrain(args: argparse.Namespace, run_dir: str) -> tuple[tuple[float, 
 
     class Module(TrainModule):
         def configure_model(self) -> None:
+            if hasattr(self, "net"):  # idempotent: called again by validate/test
+                return
             self.net = build_net(args)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

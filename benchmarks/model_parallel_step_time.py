@@ -89,6 +89,8 @@ def run_polytrain(args: argparse.Namespace, run_dir: str) -> tuple[float, dict[s
 
     class Module(TrainModule):
         def configure_model(self) -> None:
+            if hasattr(self, "net"):  # idempotent: called again by validate/test
+                return
             self.net = build_net(args)
 
         def tensor_parallel_plan(self) -> dict[str, Any]:

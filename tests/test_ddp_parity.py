@@ -60,6 +60,8 @@ class Regressor(TrainModule):
         self.post_clip_norms: list[float] = []
 
     def configure_model(self) -> None:
+        if hasattr(self, "net"):  # idempotent: called again by validate/test
+            return
         # Built here, under the trainer's seed, so both runs start from the same weights.
         layers: list[nn.Module] = [nn.Linear(6, 16)]
         if self.bn:
@@ -130,7 +132,7 @@ def _fit(variant: str, run_dir: str, batch_size: int, **trainer_kwargs: Any) -> 
     module = Regressor(batch_size, spec.get("samples", NUM_SAMPLES), spec["bn"])
     recorder, counter = LossRecorder(), AllReduceCounter()
     trainer = Trainer(accelerator="cpu", enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                      run_dir=run_dir, log_every_n_steps=1, callbacks=[recorder, counter], seed=0, **spec["trainer"],
+                      run_dir=run_dir, log_every_n_steps=1, callbacks=[recorder, counter], seed=0, use_distributed_sampler="always", **spec["trainer"],
                       **trainer_kwargs)
     trainer.fit(module)
     bn_layers = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]

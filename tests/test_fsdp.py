@@ -138,7 +138,7 @@ def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def quiet(root: str, **kwargs: Any) -> dict[str, Any]:
     defaults = dict(accelerator="cpu", run_dir=root, enable_progress_bar=False, logger=False,
-                    enable_checkpointing=False, log_every_n_steps=1, max_steps=STEPS, seed=0)
+                    enable_checkpointing=False, log_every_n_steps=1, max_steps=STEPS, seed=0, use_distributed_sampler="always")
     return {**defaults, **kwargs}
 
 

@@ -61,6 +61,8 @@ class Classifier(TrainModule):
         self.batch_sums: list[float] = []
 
     def configure_model(self) -> None:
+        if hasattr(self, "net"):  # idempotent: called again by validate/test
+            return
         # Built under the trainer's seed: every run starts from the same weights.
         self.net = nn.Sequential(nn.Linear(6, 16), Block(16), Block(16), nn.LayerNorm(16), nn.Linear(16, 3))
 
@@ -108,7 +110,7 @@ def _fit(run_dir: str, strategy: Any, batch_size: int = GLOBAL_BATCH, module: Tr
     recorder = LossRecorder()
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False,
                       enable_progress_bar=False, enable_checkpointing=False, run_dir=run_dir, log_every_n_steps=1,
-                      callbacks=[recorder], seed=0, **kwargs)
+                      callbacks=[recorder], seed=0, use_distributed_sampler="always", **kwargs)
     trainer.fit(module)
     state = trainer.strategy.module_state_dict()  # every rank calls: it gathers under tensor parallelism
     return {

@@ -53,6 +53,8 @@ class Regressor(TrainModule):
         self.batch_size, self.num_samples = batch_size, num_samples
 
     def configure_model(self) -> None:
+        if hasattr(self, "net"):  # idempotent: called again by validate/test
+            return
         self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
                                  nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
 
@@ -104,7 +106,7 @@ def _fit(run_dir: str, strategy: Any, devices: int | str, batch_size: int, sampl
     trainer_kwargs = {"max_epochs": 2, **trainer_kwargs}
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, run_dir=run_dir,
                       enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                      log_every_n_steps=1, callbacks=[recorder], seed=0, **trainer_kwargs)
+                      log_every_n_steps=1, callbacks=[recorder], seed=0, use_distributed_sampler="always", **trainer_kwargs)
     trainer.fit(module, ckpt_path=ckpt_path)
     return {"losses": [recorder.losses[s] for s in sorted(recorder.losses)], "steps": trainer.global_step,
             "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
@@ -260,13 +262,14 @@ def test_pipeline_checkpoint_resumes_on_a_single_device(two_ranks: dict[str, Any
     module = Regressor()
     trainer = Trainer(accelerator="cpu", devices=1, strategy="single", max_epochs=3,
                       run_dir=os.path.join(two_ranks["root"], "resumed"), enable_progress_bar=False, logger=False,
-                      enable_checkpointing=False, log_every_n_steps=1, seed=0)
+                      enable_checkpointing=False, log_every_n_steps=1, seed=0, use_distributed_sampler="always")
     trainer.fit(module, ckpt_path=path)
     assert trainer.global_step == 30
     torch.manual_seed(0)
     fresh = Regressor()
     Trainer(accelerator="cpu", devices=1, strategy="single", max_epochs=3, enable_progress_bar=False, logger=False,
-            enable_checkpointing=False, run_dir=os.path.join(two_ranks["root"], "fresh"), seed=0).fit(fresh)
+            enable_checkpointing=False, run_dir=os.path.join(two_ranks["root"], "fresh"), seed=0,
+            use_distributed_sampler="always").fit(fresh)
     for key, value in fresh.state_dict().items():
         assert_close(module.state_dict()[key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}")
 

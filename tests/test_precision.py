@@ -48,6 +48,8 @@ class Probe(TrainModule):
         self.around_step: list[dict[str, Any]] = []
 
     def configure_model(self) -> None:
+        if hasattr(self, "net"):  # idempotent: called again by validate/test
+            return
         self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
 
     def _scaler(self) -> Any:

@@ -46,6 +46,8 @@ class DropoutNet(TrainModule):
         self.steps_run = 0  # training steps executed by this process for this module
 
     def configure_model(self) -> None:
+        if hasattr(self, "net"):  # idempotent: called again by validate/test
+            return
         self.net = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

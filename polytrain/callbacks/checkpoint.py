@@ -24,6 +24,8 @@ class ModelCheckpoint(Callback):
     anyone acts, so the collective inside ``save_checkpoint`` is always matched.
     """
 
+    watches_metrics = True
+
     def __init__(self, dirpath: str | None = None, filename: str = "epoch={epoch}-step={step}",
                  monitor: str | None = None, mode: str = "min", save_top_k: int = 1, save_last: bool = True,
                  every_n_train_steps: int | None = None, every_n_epochs: int | None = 1,

@@ -15,6 +15,8 @@ class EarlyStopping(Callback):
     is acted on, so every rank leaves the loop at the same step.
     """
 
+    watches_metrics = True
+
     def __init__(self, monitor: str, mode: str = "min", patience: int = 3, min_delta: float = 0.0,
                  stopping_threshold: float | None = None, divergence_threshold: float | None = None,
                  check_finite: bool = True, check_on_train_epoch_end: bool = False, verbose: bool = True) -> None:

@@ -11,6 +11,8 @@ from polytrain.callbacks.base import Callback
 
 
 class Logger(Callback):
+    watches_metrics = True  # flushes after the epoch's metrics are published
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         raise NotImplementedError
 

@@ -55,7 +55,9 @@ def agree_on_error(strategy: Any, error: str | None) -> None:
 
 def save_replicated(strategy: Any, payload: dict[str, Any], path: str) -> None:
     payload = dict(payload)
-    payload["model"] = strategy.module_state_dict()
+    # A payload built from the live module may carry its state_dict already (what hooks saw).
+    model = payload.pop("state_dict", None)
+    payload["model"] = model if model is not None and strategy.state_dict_is_module_state else strategy.module_state_dict()
     payload["optimizer"] = full_optimizer_state(strategy)
     error = None
     if strategy.is_global_zero:

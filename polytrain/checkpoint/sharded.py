@@ -106,6 +106,7 @@ def save_sharded(strategy: Any, payload: dict[str, Any], path: str) -> None:
     dcp = lazy.dcp()
 
     path = os.path.abspath(path)
+    payload = {k: v for k, v in payload.items() if k != "state_dict"}  # the hooks' view of the live model
     tmp, error = None, None
     if strategy.is_global_zero:
         try:

@@ -56,15 +56,20 @@ def _options() -> Any:
 
 
 def part_state(part: nn.Module, optimizers: list[torch.optim.Optimizer]) -> tuple[dict, dict]:
-    sd = lazy.dcp().state_dict
-    model = sd.get_model_state_dict(part, options=_options())
+    return lazy.dcp().state_dict.get_model_state_dict(part, options=_options()), optimizer_state(part, optimizers)
+
+
+def optimizer_state(part: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    """``optimizers``' state, flattened and keyed by parameter name within ``part``."""
+    if not optimizers:
+        return {}
     # torch creates missing optimizer state with a zero-lr step; a saved run must not keep it
     # (Adam's step count would be off by one), so such optimizers get their empty state back.
     fresh = [(opt, opt.state_dict()) for opt in optimizers if not opt.state]
-    optim = sd.get_optimizer_state_dict(part, optimizers, options=_options()) if optimizers else {}
+    optim = lazy.dcp().state_dict.get_optimizer_state_dict(part, optimizers, options=_options())
     for opt, state in fresh:
         opt.load_state_dict(state)
-    return model, optim
+    return optim
 
 
 def set_part_state(part: nn.Module, optimizers: list[torch.optim.Optimizer], model: dict, optim: dict) -> None:
@@ -82,7 +87,7 @@ def full_optimizer_state(strategy: Any) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for part, optimizers in state_dict_parts(strategy):
         if optimizers:
-            _, optim = part_state(part, optimizers)
+            optim = optimizer_state(part, optimizers)
             merged.update({k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in optim.items()})
     return merged
 

@@ -69,9 +69,16 @@ def _rebuild(loader: DataLoader, sampler: Sampler) -> DataLoader:
 
 
 def distribute_dataloader(loader: Any, num_replicas: int, rank: int, seed: int, stage: str,
-                          use_sampler: bool = True) -> Any:
-    """Give ``loader`` a sampler over the data-parallel group, keeping everything else the user set."""
+                          use_sampler: bool | str = True) -> Any:
+    """Give ``loader`` a sampler over the data-parallel group, keeping everything else the user set.
+
+    On one data-parallel rank the loader is left as the user built it (a ``shuffle=True`` loader then
+    draws its order from the global RNG, exactly as in the user's own loop), unless ``use_sampler`` is
+    ``"always"``: then one rank reads the very order that N ranks would read together (to compare a
+    strategy with one device, or to resume an N-rank run on one)."""
     if not use_sampler or not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return loader
+    if num_replicas == 1 and use_sampler != "always":
         return loader
     if not _is_default_sampling(loader):
         if num_replicas > 1:

@@ -58,11 +58,18 @@ class StepRouter(nn.Module):
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
+        # Called after the routed method returns, still inside the wrapper's forward (DDP under
+        # manual optimisation: see DDPStrategy.training_step).
+        self.__dict__["after_method"] = None
 
     def forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
         # _modules directly: `self.module` goes through nn.Module.__getattr__ after a failed normal
         # lookup (an AttributeError built and dropped), ~2 us on every step.
-        return getattr(self._modules["module"], method)(*args, **kwargs)
+        result = getattr(self._modules["module"], method)(*args, **kwargs)
+        after = self.__dict__["after_method"]
+        if after is not None:
+            after()
+        return result
 
 
 class Strategy(ABC):
@@ -164,7 +171,7 @@ class Strategy(ABC):
         self.optimizers = list(optimizers)
         return self.optimizers
 
-    def process_dataloader(self, loader: DataLoader, stage: str, seed: int, use_sampler: bool) -> DataLoader:
+    def process_dataloader(self, loader: DataLoader, stage: str, seed: int, use_sampler: bool | str) -> DataLoader:
         return distribute_dataloader(loader, self.dp_size, self.dp_rank, seed, stage, use_sampler)
 
     def batch_to_device(self, batch: Any) -> Any:
@@ -302,6 +309,12 @@ class Strategy(ABC):
 
     def module_state_dict(self) -> dict[str, Any]:
         return self.module.state_dict()
+
+    @property
+    def state_dict_is_module_state(self) -> bool:
+        """Whether ``module_state_dict()`` is just ``module.state_dict()`` (a checkpoint may reuse one
+        taken already); False where it gathers shards."""
+        return type(self).module_state_dict is Strategy.module_state_dict
 
     def teardown(self) -> None:
         heartbeat.stop()  # before the store it writes to goes away

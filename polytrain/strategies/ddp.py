@@ -67,15 +67,22 @@ class DDPStrategy(Strategy):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if self.module.automatic_optimization:
             return super().training_step(batch, batch_idx)
-        # Manual optimisation runs several backward passes (one per manual_backward) after one
-        # forward through DDP (a GAN's two losses): DDP must not prepare its reducer in the forward,
-        # it is prepared before each backward instead (prepare_manual_backward).
-        sync = self.model.require_backward_grad_sync
-        self.model.require_backward_grad_sync = False
+        # Manual optimisation runs its backward passes inside training_step (a GAN's two losses), each
+        # after prepare_manual_backward readied DDP's reducer. Once the step returns, DDP's forward must
+        # not ready the reducer again for a backward that never comes: the sync flag is off from the
+        # router's return until DDP's forward is done.
+        ddp, router = self.model, self.model.module
+        sync = ddp.require_backward_grad_sync
+
+        def stop_sync() -> None:
+            ddp.require_backward_grad_sync = False
+
+        router.__dict__["after_method"] = stop_sync
         try:
             return super().training_step(batch, batch_idx)
         finally:
-            self.model.require_backward_grad_sync = sync
+            router.__dict__["after_method"] = None
+            ddp.require_backward_grad_sync = sync
 
     def prepare_manual_backward(self, loss: torch.Tensor) -> None:
         ddp = self.model

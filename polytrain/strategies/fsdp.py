@@ -117,7 +117,7 @@ class FSDPStrategy(Strategy):
         return torch.device("cpu") if self.options.cpu_offload else self.root_device
 
     # ------------------------------------------------------------------ data
-    def process_dataloader(self, loader: DataLoader, stage: str, seed: int, use_sampler: bool) -> Any:
+    def process_dataloader(self, loader: DataLoader, stage: str, seed: int, use_sampler: bool | str) -> Any:
         loader = super().process_dataloader(loader, stage, seed, use_sampler)
         if stage == "train":
             return loader  # the training sampler pads: every rank already has the same count

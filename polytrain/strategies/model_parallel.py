@@ -251,7 +251,7 @@ class ModelParallelStrategy(Strategy):
     def _forward_has_dp_collectives(self) -> bool:
         return not self.layers and self.dims.dp_size > 1
 
-    def process_dataloader(self, loader: DataLoader, stage: str, seed: int, use_sampler: bool) -> Any:
+    def process_dataloader(self, loader: DataLoader, stage: str, seed: int, use_sampler: bool | str) -> Any:
         loader = super().process_dataloader(loader, stage, seed, use_sampler)  # split over dp only
         if stage == "train" or not self._forward_has_dp_collectives:
             return loader

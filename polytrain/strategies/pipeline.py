@@ -216,7 +216,7 @@ class PipelineStrategy(Strategy):
                 f"divisible by {m}"
             )
 
-    def process_dataloader(self, loader: DataLoader, stage: str, seed: int, use_sampler: bool) -> DataLoader:
+    def process_dataloader(self, loader: DataLoader, stage: str, seed: int, use_sampler: bool | str) -> DataLoader:
         loader = super().process_dataloader(loader, stage, seed, use_sampler)
         if stage == "train" and isinstance(loader, DataLoader) and loader.batch_size:
             self.check_batch_size(loader.batch_size, "train DataLoader batch_size")

@@ -40,6 +40,9 @@ def build_payload(trainer: Trainer, epoch_done: bool) -> dict[str, Any]:
     Lightning's order: callbacks' and the DataModule's ``state_dict``, then ``on_save_checkpoint`` of
     the callbacks and of the module (both may add keys)."""
     strategy, module, datamodule = trainer.strategy, trainer.module, trainer.datamodule
+    # The live model state, for hooks that read checkpoint["state_dict"] (Lightning code does); the
+    # strategy writes the model itself (under "model", gathered or sharded), so this is not saved.
+    state_dict = module.state_dict()
     loop = {
         "epoch": trainer.current_epoch + (1 if epoch_done else 0),
         "global_step": trainer.global_step,
@@ -52,6 +55,9 @@ def build_payload(trainer: Trainer, epoch_done: bool) -> dict[str, Any]:
     }
     payload: dict[str, Any] = {
         "polytrain": {"format": FORMAT_VERSION, "version": __version__},
+        "epoch": loop["epoch"],
+        "global_step": trainer.global_step,
+        "state_dict": state_dict,
         "loop": loop,
         "sampler": {"seed": trainer.config.seed},
         "rng": strategy.all_gather_object(capture_rng_state()),
@@ -73,6 +79,8 @@ def restore_payload(trainer: Trainer, payload: dict[str, Any]) -> None:
     """Everything but model/optimizer state (the strategy restored those), in Lightning's order: the
     module's ``on_load_checkpoint``, the DataModule's state, the callbacks' ``on_load_checkpoint``
     and ``load_state_dict``; then schedulers, grad scaler, loop position and RNG."""
+    if "state_dict" not in payload:  # what Lightning code reads: the weights just loaded
+        payload["state_dict"] = payload.get("model") or trainer.module.state_dict()
     trainer.module.on_load_checkpoint(payload)
     datamodule = trainer.datamodule
     if datamodule is not None:

@@ -58,7 +58,7 @@ class TrainerConfig:
     reload_dataloaders_every_n_epochs: int = 0
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
-    gradient_clip_algorithm: str = "norm"
+    gradient_clip_algorithm: str | None = None  # "norm" (the default when None) or "value"
     log_every_n_steps: int = 50
     seed: int | None = None  # None: polytrain leaves your RNG alone (docs/reproducibility.md)
     deterministic: bool = False
@@ -76,7 +76,9 @@ class TrainerConfig:
     max_restarts: int = 0
     timeout: float = 1800.0  # seconds a collective may wait before the job is ended
     resume: str | None = None  # None, "last", "auto" (last if one exists) or a path
-    use_distributed_sampler: bool = True
+    # true: inject a DistributedSampler when data-parallel ranks > 1 (Lightning); "always": also on one
+    # rank, which then reads the order N ranks read together; false: never
+    use_distributed_sampler: Any = True
     nan_policy: str = "error"
     detect_divergence: bool = False
 
@@ -102,7 +104,8 @@ def validate_trainer_config(data: dict[str, Any]) -> TrainerConfig:
     check_choice(cfg.precision, PRECISIONS, "trainer.precision")
     check_choice(cfg.accelerator, ACCELERATORS, "trainer.accelerator")
     check_choice(cfg.launcher, LAUNCHERS, "trainer.launcher")
-    check_choice(cfg.gradient_clip_algorithm, CLIP_ALGORITHMS, "trainer.gradient_clip_algorithm")
+    if cfg.gradient_clip_algorithm is not None:
+        check_choice(cfg.gradient_clip_algorithm, CLIP_ALGORITHMS, "trainer.gradient_clip_algorithm")
     check_choice(cfg.nan_policy, NAN_POLICIES, "trainer.nan_policy")
     _check_logger_and_callbacks(cfg)  # else they would fail only inside the workers
     _check_counts(cfg)
@@ -158,6 +161,9 @@ def _check_lightning_options(cfg: TrainerConfig) -> None:
     for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
         _check_batches_option(name, getattr(cfg, name))
     _check_batches_option("overfit_batches", cfg.overfit_batches, allow_none=False)
+    if cfg.use_distributed_sampler not in (True, False, "always"):
+        raise ConfigError(f"trainer.use_distributed_sampler={cfg.use_distributed_sampler!r}; use true, false or "
+                          f"'always'")
     interval = cfg.val_check_interval
     if interval is not None and not ((_is_int(interval) and interval >= 1) or
                                      (isinstance(interval, float) and 0.0 < interval <= 1.0)):

@@ -14,6 +14,9 @@ from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 from polytrain.core.errors import ConfigError
 from polytrain.core.rng import restore_rng_state
 from polytrain.data.loaders import loader_length, resume_position, set_epoch
+from polytrain.trainer.datamodule import DataModule
+from polytrain.trainer.hooks import defines
+from polytrain.trainer.module import TrainModule
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
@@ -26,15 +29,26 @@ LIMIT_OPTION = {"train": "limit_train_batches", "val": "limit_val_batches", "tes
                 "predict": "limit_predict_batches"}
 
 
+def loader_source(trainer: Trainer, stage: str) -> Any:
+    """Where ``stage``'s loader comes from: loaders given to the entry point, else the DataModule's
+    method, else the module's; None when nothing defines one (as Lightning, the base class's
+    ``*_dataloader`` is never called)."""
+    name = LOADER_METHOD[stage]
+    if trainer.given_loaders.get(stage) is not None:
+        return trainer.given_loaders[stage]
+    datamodule = trainer.datamodule
+    if datamodule is not None and defines(datamodule, name, DataModule):
+        return getattr(datamodule, name)
+    if defines(trainer.module, name, TrainModule):
+        return getattr(trainer.module, name)
+    return None
+
+
 def request_loader(trainer: Trainer, stage: str) -> Any:
     """The processed loader for ``stage`` (``train``/``val``/``test``/``predict``), or None."""
     name = LOADER_METHOD[stage]
-    loader = trainer.given_loaders.get(stage)
-    if loader is None:
-        datamodule = trainer.datamodule
-        source = datamodule if datamodule is not None and callable(getattr(datamodule, name, None)) \
-            else trainer.module
-        loader = getattr(source, name)()
+    source = loader_source(trainer, stage)
+    loader = source() if callable(source) and not isinstance(source, DataLoader) else source
     if loader is None:
         return None
     if isinstance(loader, (list, tuple)):
@@ -51,7 +65,11 @@ def request_loader(trainer: Trainer, stage: str) -> Any:
                             pin_memory=loader.pin_memory, drop_last=loader.drop_last)
     strategy, cfg = trainer.strategy, trainer.config
     seed = cfg.seed if cfg.seed is not None else 0
-    return strategy.process_dataloader(loader, stage, seed, cfg.use_distributed_sampler)
+    use_sampler = cfg.use_distributed_sampler
+    resumed_dp = (trainer.resumed_loop or {}).get("dp_size")
+    if use_sampler is True and stage == "train" and resumed_dp not in (None, strategy.dp_size):
+        use_sampler = "always"  # an N-rank epoch resumed on one rank continues in the N-rank order
+    return strategy.process_dataloader(loader, stage, seed, use_sampler)
 
 
 def batch_limit(trainer: Trainer, stage: str, loader: Any) -> int | None:

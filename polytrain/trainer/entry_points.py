@@ -5,6 +5,8 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from polytrain.trainer import lifecycle
 from polytrain.trainer.data_connector import batch_limit, request_loader
 from polytrain.trainer.evaluation import run_eval_pass
@@ -35,11 +37,11 @@ def _evaluate(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: 
         warnings.warn(f"trainer.{stage}() without a model after fit evaluates the best checkpoint ({best}), as "
                       f"Lightning does; pass the model (current weights) or ckpt_path to choose", stacklevel=4)
         ckpt_path = "best"
-    if stage != "predict":
-        trainer.metrics.reset_callback_metrics()
+    trainer.metrics.reset_callback_metrics()
     if ckpt_path is not None:
         lifecycle.load_weights(trainer, ckpt_path)
-    loader = request_loader(trainer, loader_stage)
+    with torch.no_grad():  # as Lightning: the loader is asked for inside the (gradient-free) evaluation
+        loader = request_loader(trainer, loader_stage)
     if loader is None:
         raise ValueError(f"no {loader_stage} data: pass dataloaders to {stage}() or define {loader_stage}_dataloader() "
                          f"on {type(trainer.module).__name__} (or its DataModule)")

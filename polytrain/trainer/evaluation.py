@@ -19,6 +19,8 @@ from polytrain.core import heartbeat
 from polytrain.core.batch import batch_size_of
 from polytrain.data.loaders import set_epoch
 from polytrain.strategies.base import PADDING_BATCH
+from polytrain.trainer.hooks import defines
+from polytrain.trainer.module import TrainModule
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
@@ -38,34 +40,35 @@ def run_eval_pass(trainer: Trainer, loader: Any, stage: str, limit: int | None, 
     metric_stage = "sanity" if sanity else stage
     outputs: list[Any] = []
     with torch.no_grad():
+        iterator = iter(loader)  # before the hooks, as Lightning (the iterator draws from the RNG)
         hooks(f"on_{word}_model_eval")
         metrics.start_stage(None if stage == "predict" else metric_stage, defaults=(False, True))
         if stage == "predict":
             metrics.refused_in = "a predict hook"
         hooks(f"on_{word}_start")
         hooks(f"on_{word}_epoch_start")
-        for batch_idx, batch in enumerate(loader):
+        for batch_idx, batch in enumerate(iterator):
             if limit is not None and batch_idx >= limit:
                 break
             output = _eval_batch(trainer, stage, step_name, word, batch, batch_idx)
             if output is not PADDING_BATCH and stage == "predict":
                 outputs.append(output)
         hooks(f"on_{word}_epoch_end")
-    result: Any = outputs
-    if stage != "predict":
-        values = metrics.reduce_epoch(metric_stage, strategy.dp_group)
-        if sanity:
-            metrics.discard("sanity")
+        result: Any = outputs
+        if stage != "predict":
+            values = metrics.reduce_epoch(metric_stage, strategy.dp_group)
+            if sanity:
+                metrics.discard("sanity")
+            else:
+                trainer.publish(values, trainer.global_step)
+            result = {name: float(v) for name, (_, v) in values.items()}
+        metrics.start_stage(None)
+        hooks(f"on_{word}_end")
+        if stage != "predict" and defines(module, f"on_{word}_model_train", TrainModule):
+            hooks(f"on_{word}_model_train")
         else:
-            trainer.publish(values, trainer.global_step)
-        result = {name: float(v) for name, (_, v) in values.items()}
-    metrics.start_stage(None)
-    hooks(f"on_{word}_end")
-    if stage != "predict" and hooks.module_overrides(f"on_{word}_model_train"):
-        hooks(f"on_{word}_model_train")
-    else:
-        for m, training in modes.items():
-            m.training = training
+            for m, training in modes.items():
+                m.training = training
     return result
 
 

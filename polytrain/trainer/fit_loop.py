@@ -15,13 +15,17 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from polytrain.core import heartbeat
 from polytrain.core.batch import batch_size_of
 from polytrain.core.errors import ConfigError
 from polytrain.core.rng import fork_stream, isolate_rng, seed_everything
-from polytrain.trainer.data_connector import batch_limit, epoch_iterator, request_loader
+from polytrain.trainer.data_connector import batch_limit, epoch_iterator, loader_source, request_loader
 from polytrain.trainer.evaluation import run_eval_pass
 from polytrain.trainer.guards import check_batches
+from polytrain.trainer.hooks import defines
+from polytrain.trainer.module import TrainModule
 from polytrain.trainer.optim import step_schedulers
 from polytrain.trainer.optimization import AutomaticOptimization, ManualOptimization
 
@@ -37,7 +41,8 @@ def run_fit(trainer: Trainer) -> None:
     trainer.setup_optimizers()
     trainer.restore_checkpoint_for_fit()
     hooks("on_fit_start")
-    sanity = cfg.num_sanity_val_steps != 0 and not cfg.fast_dev_run
+    sanity = (cfg.num_sanity_val_steps != 0 and not cfg.fast_dev_run and loader_source(trainer, "val") is not None
+              and defines(trainer.module, "validation_step", TrainModule) and cfg.limit_val_batches != 0)
     if sanity:
         _sanity_check(trainer)
     trainer.train_loader = request_loader(trainer, "train")
@@ -77,19 +82,19 @@ def _request_val(trainer: Trainer) -> None:
 
 def _sanity_check(trainer: Trainer) -> None:
     """A few validation batches before training, so a bug in ``validation_step`` shows in seconds, not
-    after an epoch. Its random draws are undone and its metrics dropped."""
+    after an epoch. Its random draws are undone and its metrics dropped (Lightning's order: the
+    hooks, then the val loader is asked for, all without gradients)."""
     steps = trainer.config.num_sanity_val_steps
     with isolate_rng():
-        _request_val(trainer)
-        if trainer.val_loader is None:
-            return
-        limit = trainer.num_val_batches if steps == -1 else min(steps, trainer.num_val_batches or steps)
-        if not limit:
-            return
         trainer.sanity_checking = True
         trainer.hooks.callbacks_only("on_sanity_check_start")
         try:
-            run_eval_pass(trainer, trainer.val_loader, "val", limit, sanity=True)
+            with torch.no_grad():
+                _request_val(trainer)
+            if trainer.val_loader is not None:
+                limit = trainer.num_val_batches if steps == -1 else min(steps, trainer.num_val_batches or steps)
+                if limit:
+                    run_eval_pass(trainer, trainer.val_loader, "val", limit, sanity=True)
         finally:
             trainer.sanity_checking = False
         trainer.hooks.callbacks_only("on_sanity_check_end")

@@ -57,8 +57,19 @@ ALWAYS_CALLED = frozenset({"on_validation_model_eval", "on_validation_model_zero
 
 
 def overridden(obj: Any, name: str, base: type) -> bool:
-    """False only when ``obj.name`` is ``base``'s own method (not redefined by its class or instance)."""
+    """False only when ``obj.name`` is ``base``'s own method (not redefined by its class or instance).
+    For hooks Lightning always calls: skipping one nobody redefined is then invisible."""
     return name in getattr(obj, "__dict__", {}) or getattr(type(obj), name, None) is not getattr(base, name, None)
+
+
+def defines(obj: Any, name: str, base: type) -> bool:
+    """Whether ``obj`` has its own code for ``name`` (seen through ``functools.wraps`` wrappers): for
+    hooks Lightning calls only when the module defines them (``prepare_data``, ``configure_model``,
+    ``on_validation_model_train``, ...)."""
+    attr = getattr(obj, "__dict__", {}).get(name)
+    fn = getattr(type(obj), name, None) if attr is None else getattr(attr, "__wrapped__", attr)
+    fn = getattr(fn, "__func__", fn)
+    return fn is not getattr(base, name, None)
 
 
 def runs_after_module(callback: Callback) -> bool:

@@ -10,6 +10,7 @@ are shared with every rank before anything is built, and nothing is reseeded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,15 @@ from polytrain.core.errors import ConfigError
 from polytrain.core.rng import capture_rng_state, restore_rng_state, seed_everything
 from polytrain.trainer import checkpoint as ckpt
 from polytrain.trainer.datamodule import DataModule
-from polytrain.trainer.hooks import CALLBACK_HOOKS, DATAMODULE_HOOKS, MODULE_HOOKS, Hooks, warn_unknown_hooks
+from polytrain.trainer.hooks import (
+    CALLBACK_HOOKS,
+    DATAMODULE_HOOKS,
+    MODULE_HOOKS,
+    Hooks,
+    defines,
+    overridden,
+    warn_unknown_hooks,
+)
 from polytrain.trainer.module import TrainModule
 
 if TYPE_CHECKING:
@@ -48,9 +57,18 @@ def begin(trainer: Trainer, stage: str) -> None:
         trainer.datamodule.setup(**kwargs)
     trainer.hooks.callbacks_only("setup", **kwargs)
     module.setup(**kwargs)
-    if trainer.strategy.module is not module:
-        with trainer.strategy.model_init_context():
+    first = trainer.strategy.module is not module
+    if _overridden(module, "configure_model", TrainModule):
+        # As Lightning: when defined, in every stage, so it must be idempotent; on meta the first time.
+        before = [id(p) for p in module.parameters()]
+        with trainer.strategy.model_init_context() if first else contextlib.nullcontext():
             module.configure_model()
+        if not first and [id(p) for p in module.parameters()] != before:
+            raise ConfigError(
+                f"{type(module).__name__}.configure_model() built new layers when called again for {stage}(): the "
+                f"trained weights were replaced. It runs in every stage (as in Lightning), so make it idempotent, "
+                f"e.g. start it with `if hasattr(self, 'net'): return`")
+    if first:
         trainer.strategy.setup_module(module)
     trainer.bind_strategy_hooks()
 
@@ -96,8 +114,7 @@ def _prepare_data(trainer: Trainer) -> None:
     strategy.barrier("prepare_data")
 
 
-def _overridden(obj: Any, name: str, base: type) -> bool:
-    return getattr(type(obj), name, None) is not getattr(base, name, None)
+_overridden = defines
 
 
 def restore_for_fit(trainer: Trainer, ckpt_path: str | None) -> None:
@@ -148,10 +165,10 @@ def bind_transfer(trainer: Trainer) -> None:
     DataModule (first) or the module overrides one of them."""
     strategy, module, datamodule = trainer.strategy, trainer.module, trainer.datamodule
     chosen: dict[str, Any] = {}
-    for name in _TRANSFER_HOOKS:
-        if datamodule is not None and _overridden(datamodule, name, DataModule):
+    for name in _TRANSFER_HOOKS:  # Lightning calls them always: skip only those nobody redefined
+        if datamodule is not None and defines(datamodule, name, DataModule):
             chosen[name] = getattr(datamodule, name)
-        elif _overridden(module, name, TrainModule):
+        elif overridden(module, name, TrainModule):
             chosen[name] = getattr(module, name)
     if not chosen:
         trainer.transfer_batch = strategy.batch_to_device

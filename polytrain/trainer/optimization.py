@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from polytrain.core import heartbeat
-from polytrain.core.protocol import extract_loss
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
@@ -128,7 +127,7 @@ class AutomaticOptimization:
         if self.clip_hook is not None:
             self.clip_hook(optimizer, gradient_clip_val=self.clip_val, gradient_clip_algorithm=self.clip_algorithm)
         elif self.clip_val is not None:
-            self.trainer.clip_gradients(optimizer, self.clip_val, self.clip_algorithm)
+            self.trainer.clip_gradients(optimizer, self.clip_val, self.clip_algorithm or "norm")
         if optimizer is self.optimizers[0] and self.guard.should_skip_step():
             self.trainer.skip_this_step = True
         if self.trainer.skip_this_step:
@@ -185,6 +184,7 @@ class ManualOptimization:
             output = self.strategy.training_step(batch, batch_idx)
         self.strategy.precision.update()  # one scaler update per iteration, whatever the module stepped
         trainer.accumulating = False
-        loss = extract_loss(output) if output is not None else None
-        trainer.guard.observe(loss.detach() if loss is not None else None, end_of_window=True)
+        # Manual optimisation may return anything; a tensor or a dict's "loss" is watched for NaN.
+        loss = output.get("loss") if isinstance(output, dict) else output
+        trainer.guard.observe(loss.detach() if isinstance(loss, torch.Tensor) else None, end_of_window=True)
         return output

@@ -331,6 +331,6 @@ class Trainer(StepMixin):
         return self.hooks(name, *args)
 
     def bind_strategy_hooks(self) -> None:
-        backward = self.module.backward if overrides(self.module, "backward") else None
+        backward = self.module.backward if self.hooks.module_overrides("backward") else None
         self.strategy.bind_hooks(self.call_hook, backward)
         lifecycle.bind_transfer(self)
