@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from polytrain.core import heartbeat
 from polytrain.core.batch import batch_size_of
 from polytrain.core.errors import ConfigError
-from polytrain.core.rng import fork_stream, isolate_rng, seed_everything
+from polytrain.core.rng import isolate_rng, training_streams
 from polytrain.trainer.data_connector import batch_limit, epoch_iterator, request_loader
 from polytrain.trainer.evaluation import run_eval_pass
 from polytrain.trainer.guards import check_batches
@@ -46,11 +46,9 @@ def run_fit(trainer: Trainer) -> None:
                          f"{type(trainer.module).__name__} (or its DataModule)")
     trainer.num_training_batches = check_batches(trainer, trainer.train_loader, "train",
                                                  batch_limit(trainer, "train", trainer.train_loader))
-    # Training steps get a stream per data-parallel rank (tensor/pipeline peers of a replica share it).
-    if cfg.seed is None:
-        fork_stream(trainer.strategy.dp_rank)
-    else:
-        seed_everything(cfg.seed + trainer.strategy.dp_rank)
+    # Training steps get a stream per data-parallel rank (tensor/pipeline peers of a replica share it),
+    # and sharded regions (polytrain.layers.sharded_rng) one per global rank.
+    training_streams(cfg.seed, trainer.strategy.dp_rank, trainer.strategy.global_rank)
     trainer.train_batch_size = getattr(trainer.train_loader, "batch_size", None)
     loop = EpochLoop(trainer)
     loop.first_iterator = epoch_iterator(trainer, trainer.train_loader, trainer.current_epoch)
