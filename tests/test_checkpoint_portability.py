@@ -19,10 +19,10 @@ from torch import nn
 from torch.testing import assert_close
 
 from polytrain import Trainer
+from polytrain.checkpoint.consolidate import consolidate
+from polytrain.checkpoint.layout import find_resumable
 from polytrain.checkpoint.reading import read_checkpoint
 from polytrain.core.errors import CheckpointError
-from polytrain.checkpoint.layout import find_resumable
-from polytrain.checkpoint.consolidate import consolidate
 
 FIRST, SECOND = 6, 12  # ddp trains to step 6; fsdp continues to 12
 

@@ -46,8 +46,8 @@ def _fit_example(path: str, run_dir: str) -> dict[str, Any]:
     """What ``polytrain fit -c path`` runs in each worker (minus the teardown: the next run reuses
     this spawn's process group)."""
     from polytrain import Trainer
-    from polytrain.trainer.config import instantiate, load_config
     from polytrain.core.rng import seed_everything
+    from polytrain.trainer.config import instantiate, load_config
 
     config = load_config(path, _quiet(run_dir))
     if config["trainer"]["seed"] is not None:

@@ -25,8 +25,8 @@ import torch
 from polytrain import Trainer
 from polytrain.callbacks.base import Callback
 from polytrain.callbacks.checkpoint import ModelCheckpoint
-from polytrain.checkpoint.reading import read_checkpoint
 from polytrain.checkpoint.layout import find_resumable, is_complete
+from polytrain.checkpoint.reading import read_checkpoint
 
 from .conftest import CKPT_KILL_MODES
 from .helpers import Done, bitwise_equal, figure, pick, rel_module

@@ -20,10 +20,10 @@ import torch
 
 from polytrain import Trainer
 from polytrain.callbacks.checkpoint import ModelCheckpoint
-from polytrain.cli import main as cli_main
-from polytrain.checkpoint.reading import read_checkpoint
-from polytrain.core.errors import CheckpointError
 from polytrain.checkpoint.layout import find_resumable, is_complete
+from polytrain.checkpoint.reading import read_checkpoint
+from polytrain.cli import main as cli_main
+from polytrain.core.errors import CheckpointError
 
 from .helpers import REPO, figure, rel_module
 
