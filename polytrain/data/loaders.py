@@ -100,9 +100,15 @@ def set_epoch(loader: Any, epoch: int) -> None:
 
 
 def skip_batches(loader: Any, num_batches: int) -> int:
-    """Arrange for the next pass to start ``num_batches`` in; returns how many the loop must skip itself."""
+    """Arrange for the next pass to start ``num_batches`` in; returns how many the loop must skip itself.
+
+    With DataLoader workers the loop replays the skipped batches (loads and drops them): a worker's
+    RNG stream (random augmentations) advances with every sample it loads and batches go to workers
+    round-robin, so only loading them again, from the same base seed (``iterator_rng_state``), puts
+    every worker's stream where it was. That costs a partial epoch of loading, without compute."""
     sampler = getattr(loader, "sampler", None)
-    if num_batches and isinstance(sampler, ResumableDistributedSampler) and loader.batch_size:
+    if num_batches and isinstance(sampler, ResumableDistributedSampler) and loader.batch_size \
+            and not getattr(loader, "num_workers", 0):
         sampler.skip(num_batches * loader.batch_size)
         return 0
     return num_batches
@@ -140,6 +146,21 @@ def resume_position(loader: Any, start: int, num_batches: int, dp_size: int, sav
         f"polytrain's sampler, so its position cannot be re-split over the new ranks. Resume with {old_dp} "
         f"data-parallel ranks, or from a checkpoint taken at an epoch boundary"
     )
+
+
+def iterator_rng_state(loader: Any) -> torch.Tensor:
+    """The RNG state a new iterator of ``loader`` draws its workers' base seed from: the loader's own
+    generator, else the main process's default one."""
+    gen = getattr(loader, "generator", None)
+    return gen.get_state() if gen is not None else torch.get_rng_state()
+
+
+def set_iterator_rng_state(loader: Any, state: torch.Tensor) -> None:
+    gen = getattr(loader, "generator", None)
+    if gen is not None:
+        gen.set_state(state)
+    else:
+        torch.set_rng_state(state)
 
 
 def loader_length(loader: Any) -> int | None:

@@ -13,7 +13,13 @@ from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
 from polytrain.core.errors import ConfigError
 from polytrain.core.rng import restore_rng_state
-from polytrain.data.loaders import loader_length, resume_position, set_epoch
+from polytrain.data.loaders import (
+    iterator_rng_state,
+    loader_length,
+    resume_position,
+    set_epoch,
+    set_iterator_rng_state,
+)
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
@@ -94,6 +100,11 @@ def epoch_iterator(trainer: Trainer, loader: Any, epoch: int) -> tuple[Any, int]
         # iterator was created, so restore before creating it.
         restore_rng_state(trainer.pending_rng)
         trainer.pending_rng = None
+    if trainer.pending_rng is not None and "loader_iter" in trainer.pending_rng:
+        # Saved mid-epoch: the epoch's iterator drew its workers' base seed from this state; the
+        # skipped batches are replayed through the workers (skip_batches), so each stream is where it was.
+        set_iterator_rng_state(loader, trainer.pending_rng["loader_iter"])
+    trainer.loader_rng = iterator_rng_state(loader)  # checkpointed: a mid-epoch resume recreates the iterator
     iterator = iter(loader)
     for _ in range(manual_skip):
         next(iterator)

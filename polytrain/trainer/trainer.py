@@ -91,6 +91,7 @@ class Trainer(StepMixin):
         self.logged_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
         self.pending_rng: dict[str, Any] | None = None
+        self.loader_rng: torch.Tensor | None = None  # what this epoch's iterator seeded its workers from
         self.resumed_mid_epoch = False
         self.resumed_loop: dict[str, Any] | None = None
         self.epoch_complete = True
