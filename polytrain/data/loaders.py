@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -68,9 +69,34 @@ def _rebuild(loader: DataLoader, sampler: Sampler) -> DataLoader:
     return DataLoader(loader.dataset, **kwargs)
 
 
+_WARNED_ITERABLE: set[tuple[str, str]] = set()
+
+
+def warn_unsplit_iterable(loader: Any, num_replicas: int, stage: str) -> None:
+    """Once per dataset class and stage: an iterable is not split across data-parallel ranks."""
+    dataset = getattr(loader, "dataset", None)
+    if num_replicas <= 1 or not isinstance(dataset, IterableDataset):
+        return
+    key = (type(dataset).__qualname__, stage)
+    if key in _WARNED_ITERABLE:
+        return
+    _WARNED_ITERABLE.add(key)
+    warnings.warn(
+        f"the {stage} DataLoader wraps an IterableDataset ({type(dataset).__name__}), which polytrain has not "
+        f"split over the {num_replicas} data-parallel ranks (it has no indices to sample): unless it shards "
+        f"itself, every rank iterates the whole stream and each sample is used {num_replicas} times. Shard it in "
+        f"__iter__ by data-parallel rank: keep items i with i % dp_size == dp_rank, reading dp_rank/dp_size "
+        f"from module.trainer.strategy (torch.distributed.get_rank()/get_world_size() under plain ddp), and "
+        f"by torch.utils.data.get_worker_info() across DataLoader workers. Ranks whose streams end at "
+        f"different batches end the epoch together, at the shortest one's end",
+        UserWarning, stacklevel=2,
+    )
+
+
 def distribute_dataloader(loader: Any, num_replicas: int, rank: int, seed: int, stage: str,
                           use_sampler: bool = True) -> Any:
     """Give ``loader`` a sampler over the data-parallel group, keeping everything else the user set."""
+    warn_unsplit_iterable(loader, num_replicas, stage)
     if not use_sampler or not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return loader
     if not _is_default_sampling(loader):
@@ -161,6 +187,12 @@ def set_iterator_rng_state(loader: Any, state: torch.Tensor) -> None:
         gen.set_state(state)
     else:
         torch.set_rng_state(state)
+
+
+def is_iterable_style(loader: Any) -> bool:
+    """A loader whose batch count no rank knows in advance: an ``IterableDataset`` (its ``__len__``, if
+    any, is only a hint) or an object without a length."""
+    return isinstance(getattr(loader, "dataset", None), IterableDataset) or loader_length(loader) is None
 
 
 def loader_length(loader: Any) -> int | None:

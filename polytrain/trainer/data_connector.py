@@ -1,12 +1,14 @@
 """Where loaders come from and how many batches of each run: the explicit loaders given to
 ``fit``/``validate``/..., else the DataModule's, else the module's ``*_dataloader``; then the
 strategy's sampler injection; ``limit_*_batches`` (a count or a fraction), ``overfit_batches``,
-``fast_dev_run``; and the iterator a training epoch starts with after a resume."""
+``fast_dev_run``; the iterator a training epoch starts with after a resume; and, for iterable-style
+training data, the per-batch agreement that lets ranks whose streams differ in length end together."""
 
 from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
@@ -114,3 +116,35 @@ def epoch_iterator(trainer: Trainer, loader: Any, epoch: int) -> tuple[Any, int]
         trainer.pending_rng = None
     trainer.resumed_mid_epoch = False
     return iterator, start
+
+
+NO_BATCH = object()  # AgreedBatches.take: some rank's stream has ended
+
+
+class AgreedBatches:
+    """Iterable-style training data: no rank knows in advance how many batches its stream holds, and
+    ranks may hold different numbers. One batch is fetched ahead (as Lightning's prefetching fetcher)
+    and, before each batch, the ranks agree whether every one of them has it (``any_missing``: one
+    small all-reduce per batch, paid by iterable-style loaders only), so all of them end the epoch at
+    the same batch, the shortest rank's end, and the loop knows which batch is the last (it closes
+    its accumulation window)."""
+
+    __slots__ = ("iterator", "any_missing", "_next")
+
+    def __init__(self, iterator: Iterator[Any], any_missing: Callable[[bool], bool]) -> None:
+        self.iterator = iterator
+        self.any_missing = any_missing
+        self._next = self._fetch()
+
+    def _fetch(self) -> Any:
+        item = next(self.iterator, NO_BATCH)
+        return NO_BATCH if self.any_missing(item is NO_BATCH) else item
+
+    def take(self, more_wanted: bool) -> tuple[Any, bool]:
+        """``(batch, is_last)``; ``batch`` is ``NO_BATCH`` when some rank has no batch left. With
+        ``more_wanted`` False (the epoch's bound is reached) nothing more is fetched."""
+        batch = self._next
+        if batch is NO_BATCH:
+            return NO_BATCH, True
+        self._next = self._fetch() if more_wanted else NO_BATCH
+        return batch, self._next is NO_BATCH
