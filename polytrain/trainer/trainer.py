@@ -290,6 +290,7 @@ class Trainer(StepMixin):
         try:
             return run_stage(self, stage, ckpt_path, model_given)
         except BaseException as exc:
+            heartbeat.failed(exc, self.global_step)  # peers waiting on this rank learn why, and where
             for cb in self.callbacks:
                 cb.on_exception(self, model, exc)
             if self.datamodule is not None:
