@@ -113,7 +113,7 @@ def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return {f"net.{k}": v for k, v in net.state_dict().items()}, losses
 
 
