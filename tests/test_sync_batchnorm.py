@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -202,10 +203,20 @@ def test_converter_shares_state_and_converts_nested_modules() -> None:
     for key, value in new_inner.state_dict().items():
         assert torch.equal(value, expected[key]), key
 
-    single = nn.BatchNorm2d(C, bias=False)
+    single = _batchnorm2d_without_bias(C)
     converted_single = convert_sync_batchnorm(single)
     assert isinstance(converted_single, CrossProcessBatchNorm) and converted_single is not single
     assert converted_single.bias is None and converted_single.weight is single.weight
+
+
+def _batchnorm2d_without_bias(channels: int) -> nn.BatchNorm2d:
+    """``BatchNorm2d(C, bias=False)``; torch before 2.12 has no ``bias`` argument, so the layer is built
+    affine and its bias removed the way the newer constructor does it (``register_parameter(None)``)."""
+    if "bias" in inspect.signature(nn.BatchNorm2d.__init__).parameters:
+        return nn.BatchNorm2d(channels, bias=False)
+    layer = nn.BatchNorm2d(channels)
+    layer.register_parameter("bias", None)
+    return layer
 
 
 @pytest.mark.gpu

@@ -48,6 +48,7 @@ class ModelCheckpoint(Callback):
         self.best_model_score: float | None = None
         self.last_model_path: str | None = None
         self._last_saved_step = -1
+        self._step_at_last_batch = 0
 
     def setup(self, trainer: Any, module: Any, stage: str) -> None:
         if self.dirpath is None:
@@ -62,10 +63,20 @@ class ModelCheckpoint(Callback):
         here = os.path.abspath(self.dirpath)
         self.kept = [(k, p) for k, p in self.kept if os.path.dirname(os.path.abspath(p)) == here]
 
+    def on_fit_start(self, trainer: Any, module: Any) -> None:
+        # After the resume (if any): the state at this step is the file just loaded, so saving it again
+        # (at fit end, say) would rewrite that step's name with another position or other RNG states.
+        self._step_at_last_batch = trainer.global_step
+        self._last_saved_step = trainer.global_step if trainer.global_step > 0 else -1
+
     # ------------------------------------------------------------------ triggers
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # Only right after an optimizer step: under gradient accumulation the other micro-batches end
+        # with a pending gradient that no checkpoint holds, and they repeat the step number.
+        stepped = trainer.global_step != self._step_at_last_batch
+        self._step_at_last_batch = trainer.global_step
         n = self.every_n_train_steps
-        if n and trainer.global_step % n == 0 and trainer.global_step != self._last_saved_step:
+        if n and stepped and trainer.global_step % n == 0 and trainer.global_step != self._last_saved_step:
             self._save(trainer)
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:

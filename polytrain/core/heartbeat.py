@@ -9,7 +9,11 @@ assigns three attributes per position (no store traffic, no device sync on the h
 
 When a collective raises (a timeout, or a peer's connection closed), ``explain(exc)`` reads every
 peer's record and names the rank(s) that fell behind: the smallest sequence number, or a record
-the peer's thread stopped refreshing (the process died). The Trainer re-raises that as
+the peer's thread stopped refreshing (the process died). A rank that raises (its own error, not a
+failed collective) publishes at once, synchronously, that it raised, what and at which step
+(``failed``): its thread publishes only about once a second, so a rank that fails quickly would
+otherwise leave a record of where it was a second earlier (even "step 0, in setup"), and its
+peers would report it as lagging there. The Trainer re-raises a failed collective as
 ``RankUnresponsiveError`` chained to the original error, so the launcher's failure summary says
 who stopped responding and where, e.g.::
 
@@ -50,13 +54,14 @@ class _Heartbeat:
         self.step = 0
         self.where = "setup"
         self.seq = 0
+        self.error: str | None = None  # set once this rank raised (``failed``)
         self.changed_at = time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="polytrain-heartbeat", daemon=True)
 
     def record(self) -> dict[str, Any]:
         return {"rank": self.rank, "step": self.step, "where": self.where, "seq": self.seq,
-                "changed_at": self.changed_at, "pushed_at": time.time(), "pid": os.getpid()}
+                "changed_at": self.changed_at, "pushed_at": time.time(), "pid": os.getpid(), "error": self.error}
 
     def push(self) -> None:
         self.store.set(f"{_PREFIX}{self.rank}", json.dumps(self.record()))
@@ -126,6 +131,21 @@ def at(where: str) -> None:
         beat(hb.step, where)
 
 
+def failed(exc: BaseException, step: int | None = None) -> None:
+    """This rank is leaving with ``exc`` (at optimizer step ``step``): publish that now, so peers
+    waiting for it in a collective name the error instead of a stale position. A failed collective
+    is not this rank's own error (``explain`` names the peer behind it) and is not published."""
+    hb = _current
+    if hb is None or hb.error is not None or isinstance(exc, RankUnresponsiveError) \
+            or looks_like_collective_failure(exc):
+        return
+    hb.error = _first_line(exc)
+    if step is not None:
+        hb.step = step
+    with contextlib.suppress(Exception):  # the store may be gone (rank 0 died first): nothing to tell
+        hb.push()
+
+
 def looks_like_collective_failure(exc: BaseException) -> bool:
     backend_error = getattr(dist, "DistBackendError", None)
     if backend_error is not None and isinstance(exc, backend_error):
@@ -158,12 +178,17 @@ def describe_peers(now: float | None = None) -> tuple[list[str], dict[int, dict[
         records[r] = hb.record() if r == hb.rank else _read(hb.store, r)
     stale_after = max(3 * hb.interval_s, 3.0)
     culprits: list[str] = []
-    min_seq = min((rec["seq"] for rec in records.values() if rec is not None), default=hb.seq)
+    min_seq = min((rec["seq"] for rec in records.values() if rec is not None and not rec.get("error")),
+                  default=hb.seq)
     for r, rec in records.items():
         if r == hb.rank:
             continue
         if rec is None:
             culprits.append(f"rank {r} never published a heartbeat (it did not finish starting up)")
+            continue
+        if rec.get("error"):
+            culprits.append(f"rank {r} raised at step {rec['step']} (its last position: {rec['where']}): "
+                            f"{rec['error']}")
             continue
         silent = now - rec["pushed_at"]
         idle = now - rec["changed_at"]
@@ -202,4 +227,4 @@ def explain(exc: BaseException) -> RankUnresponsiveError | None:
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

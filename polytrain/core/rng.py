@@ -6,13 +6,17 @@ one process draws exactly what the user's own loop seeded the same way draws. Ev
 before training (``__init__``, ``prepare_data``, ``setup``, ``*_dataloader``) sees one stream on every
 rank (rank 0's, shared when the job starts); training steps then get a stream per data-parallel
 rank (``fork_stream``), so dropout differs between replicas but not between tensor- or
-pipeline-parallel peers of one replica."""
+pipeline-parallel peers of one replica. Inside a sharded region (between a column- and a
+row-parallel layer, where each tensor-parallel peer holds other columns) dropout runs under
+``sharded_rng()``: a second stream per global rank, as Megatron's RNG tracker."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,6 +44,8 @@ def capture_rng_state() -> dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    if _SHARDED:
+        state["sharded"] = dict(_SHARDED)
     if np is not None:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
         state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
@@ -53,6 +59,9 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    if "sharded" in state:
+        _SHARDED.clear()
+        _SHARDED.update(state["sharded"])
     if "numpy" in state and np is not None:
         npst = state["numpy"]
         np.random.set_state((npst["kind"], npst["keys"].numpy().astype("uint32"), npst["pos"],
@@ -78,6 +87,27 @@ class isolate_rng:  # noqa: N801 - used like a function, as torch.random.fork_rn
         restore_rng_state(self._state)
 
 
+def training_streams(seed: int | None, dp_rank: int, global_rank: int) -> None:
+    """The streams training steps draw from (called once, before the first training batch).
+
+    The default stream becomes per data-parallel rank: ``fork_stream(dp_rank)`` with no seed, else
+    ``seed_everything(seed + dp_rank)``. The sharded-region stream (``sharded_rng``) is per global
+    rank: seeded ``seed + SHARDED_SEED_OFFSET + global_rank``, or, with no seed, from a hash of the
+    shared stream and the rank (nothing is drawn from the default stream for it)."""
+    if seed is None:
+        seed_sharded_stream(_derived_seed(b"sharded", global_rank))
+        fork_stream(dp_rank)
+    else:
+        seed_everything(seed + dp_rank)
+        seed_sharded_stream(seed + SHARDED_SEED_OFFSET + global_rank)
+
+
+def _derived_seed(tag: bytes, rank: int) -> int:
+    """A seed from the current (shared) torch state, ``tag`` and ``rank``: the same on every run."""
+    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes() + tag + rank.to_bytes(4, "little")).digest()
+    return int.from_bytes(digest[:8], "little") % 2**63
+
+
 def fork_stream(rank: int) -> None:
     """Give data-parallel rank ``rank`` a stream of its own, derived from the current (shared) one.
 
@@ -86,9 +116,52 @@ def fork_stream(rank: int) -> None:
     same on every run, different for every rank."""
     if rank == 0:
         return
-    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes() + rank.to_bytes(4, "little")).digest()
-    seed = int.from_bytes(digest[:8], "little") % 2**63
+    seed = _derived_seed(b"", rank)
     random.seed(seed)
     torch.manual_seed(seed)  # also every CUDA device
     if np is not None:
         np.random.seed(seed % 2**32)
+
+
+# --------------------------------------------------------------------------- sharded-region stream
+# Megatron's rule for tensor parallelism: tensor-parallel peers (one data-parallel rank) share the
+# default stream, so they draw identical masks on the replicated activations they all hold (or their
+# replicated parameters get different gradients and drift apart); a sharded activation is different
+# columns on every peer, so its dropout draws from this second stream, seeded per global rank.
+# Its state travels with the other RNG states (``capture_rng_state``), so checkpoints hold it.
+SHARDED_SEED_OFFSET = 2718  # Megatron's offset between the two streams
+_SHARDED: dict[str, Any] = {}  # {"seed": int, "torch": CPU state, "cuda": state once used on CUDA}
+
+
+def seed_sharded_stream(seed: int) -> None:
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    _SHARDED.clear()
+    _SHARDED.update(seed=int(seed), torch=gen.get_state())
+
+
+@contextlib.contextmanager
+def sharded_rng() -> Iterator[None]:
+    """Random ops inside draw from this rank's sharded-region stream; the default stream then
+    continues exactly where it was (Megatron's ``get_cuda_rng_tracker().fork()``). Before a Trainer
+    seeded the stream (outside ``fit``), the default stream is used."""
+    if not _SHARDED:
+        yield
+        return
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    saved = torch.get_rng_state()
+    torch.set_rng_state(_SHARDED["torch"])
+    if cuda:
+        saved_cuda = torch.cuda.get_rng_state()
+        if "cuda" in _SHARDED:
+            torch.cuda.set_rng_state(_SHARDED["cuda"])
+        else:
+            torch.cuda.manual_seed(_SHARDED["seed"])
+    try:
+        yield
+    finally:
+        _SHARDED["torch"] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+        if cuda:
+            _SHARDED["cuda"] = torch.cuda.get_rng_state()
+            torch.cuda.set_rng_state(saved_cuda)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +69,30 @@ def _rebuild(loader: DataLoader, sampler: Sampler) -> DataLoader:
     return DataLoader(loader.dataset, **kwargs)
 
 
+_WARNED_ITERABLE: set[tuple[str, str]] = set()
+
+
+def warn_unsplit_iterable(loader: Any, num_replicas: int, stage: str) -> None:
+    """Once per dataset class and stage: an iterable is not split across data-parallel ranks."""
+    dataset = getattr(loader, "dataset", None)
+    if num_replicas <= 1 or not isinstance(dataset, IterableDataset):
+        return
+    key = (type(dataset).__qualname__, stage)
+    if key in _WARNED_ITERABLE:
+        return
+    _WARNED_ITERABLE.add(key)
+    warnings.warn(
+        f"the {stage} DataLoader wraps an IterableDataset ({type(dataset).__name__}), which polytrain has not "
+        f"split over the {num_replicas} data-parallel ranks (it has no indices to sample): unless it shards "
+        f"itself, every rank iterates the whole stream and each sample is used {num_replicas} times. Shard it in "
+        f"__iter__ by data-parallel rank: keep items i with i % dp_size == dp_rank, reading dp_rank/dp_size "
+        f"from module.trainer.strategy (torch.distributed.get_rank()/get_world_size() under plain ddp), and "
+        f"by torch.utils.data.get_worker_info() across DataLoader workers. Ranks whose streams end at "
+        f"different batches end the epoch together, at the shortest one's end",
+        UserWarning, stacklevel=2,
+    )
+
+
 def distribute_dataloader(loader: Any, num_replicas: int, rank: int, seed: int, stage: str,
                           use_sampler: bool | str = True) -> Any:
     """Give ``loader`` a sampler over the data-parallel group, keeping everything else the user set.
@@ -76,6 +101,7 @@ def distribute_dataloader(loader: Any, num_replicas: int, rank: int, seed: int, 
     draws its order from the global RNG, exactly as in the user's own loop), unless ``use_sampler`` is
     ``"always"``: then one rank reads the very order that N ranks would read together (to compare a
     strategy with one device, or to resume an N-rank run on one)."""
+    warn_unsplit_iterable(loader, num_replicas, stage)
     if not use_sampler or not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return loader
     if num_replicas == 1 and use_sampler != "always":
@@ -107,9 +133,15 @@ def set_epoch(loader: Any, epoch: int) -> None:
 
 
 def skip_batches(loader: Any, num_batches: int) -> int:
-    """Arrange for the next pass to start ``num_batches`` in; returns how many the loop must skip itself."""
+    """Arrange for the next pass to start ``num_batches`` in; returns how many the loop must skip itself.
+
+    With DataLoader workers the loop replays the skipped batches (loads and drops them): a worker's
+    RNG stream (random augmentations) advances with every sample it loads and batches go to workers
+    round-robin, so only loading them again, from the same base seed (``iterator_rng_state``), puts
+    every worker's stream where it was. That costs a partial epoch of loading, without compute."""
     sampler = getattr(loader, "sampler", None)
-    if num_batches and isinstance(sampler, ResumableDistributedSampler) and loader.batch_size:
+    if num_batches and isinstance(sampler, ResumableDistributedSampler) and loader.batch_size \
+            and not getattr(loader, "num_workers", 0):
         sampler.skip(num_batches * loader.batch_size)
         return 0
     return num_batches
@@ -147,6 +179,27 @@ def resume_position(loader: Any, start: int, num_batches: int, dp_size: int, sav
         f"polytrain's sampler, so its position cannot be re-split over the new ranks. Resume with {old_dp} "
         f"data-parallel ranks, or from a checkpoint taken at an epoch boundary"
     )
+
+
+def iterator_rng_state(loader: Any) -> torch.Tensor:
+    """The RNG state a new iterator of ``loader`` draws its workers' base seed from: the loader's own
+    generator, else the main process's default one."""
+    gen = getattr(loader, "generator", None)
+    return gen.get_state() if gen is not None else torch.get_rng_state()
+
+
+def set_iterator_rng_state(loader: Any, state: torch.Tensor) -> None:
+    gen = getattr(loader, "generator", None)
+    if gen is not None:
+        gen.set_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+def is_iterable_style(loader: Any) -> bool:
+    """A loader whose batch count no rank knows in advance: an ``IterableDataset`` (its ``__len__``, if
+    any, is only a hint) or an object without a length."""
+    return isinstance(getattr(loader, "dataset", None), IterableDataset) or loader_length(loader) is None
 
 
 def loader_length(loader: Any) -> int | None:

@@ -25,6 +25,8 @@ from polytrain.core.environment import ClusterEnvironment, detect_environment
 from polytrain.core.errors import ConfigError
 from polytrain.strategies.registry import resolve_strategy_name, strategy_class
 
+SINGLE_PROCESS_STRATEGIES = ("single", "dp")  # strategies that cannot use a second process
+
 
 class LaunchRequest(Protocol):
     """What launching reads from a job's configuration (``TrainerConfig`` has these fields)."""
@@ -92,6 +94,15 @@ def plan_launch(cfg: LaunchRequest) -> LaunchPlan:
     options = spec if isinstance(cfg.strategy, dict) else getattr(cfg.strategy, "options", None)
     per_node = strategy_class(name).processes_per_node(devices, options) if name != "custom" else devices
     wanted = per_node * cfg.num_nodes
+    if env.is_distributed and name in SINGLE_PROCESS_STRATEGIES:
+        # Each process would train its own replica on the whole dataset, never exchanging a gradient:
+        # refuse before anything is built.
+        raise ConfigError(
+            f"strategy '{name}' trains in one process, but the launcher ({env.source}) started "
+            f"{env.world_size} processes (WORLD_SIZE={env.world_size}): each would train its own unsynchronised "
+            f"replica. Use strategy: ddp (or auto) for {env.world_size} processes, or launch one process "
+            f"(e.g. torchrun --nproc_per_node=1){' and let dp drive the GPUs' if name == 'dp' else ''}"
+        )
     if env.is_distributed:
         if cfg.devices != "auto" and env.world_size != wanted:
             raise ConfigError(

@@ -35,6 +35,16 @@ def _sample_offset(trainer: Trainer, epoch_done: bool) -> int | None:
     return base_offset + (trainer.batch_in_epoch - base_batch) * batch_size * trainer.strategy.dp_size
 
 
+def _rank_rng(trainer: Trainer, epoch_done: bool) -> dict[str, Any]:
+    """This rank's RNG streams (with the sharded-region stream, ``polytrain.layers.sharded_rng``) and,
+    mid-epoch, the state the epoch's DataLoader iterator drew its workers' base seed from: a resume
+    recreates that iterator and replays the consumed batches through the workers."""
+    state = capture_rng_state()
+    if not epoch_done and trainer.batch_in_epoch > 0 and trainer.loader_rng is not None:
+        state["loader_iter"] = trainer.loader_rng
+    return state
+
+
 def build_payload(trainer: Trainer, epoch_done: bool) -> dict[str, Any]:
     """Called on every rank (it gathers RNG states); the strategy adds model/optimizer state. Hooks in
     Lightning's order: callbacks' and the DataModule's ``state_dict``, then ``on_save_checkpoint`` of
@@ -60,7 +70,7 @@ def build_payload(trainer: Trainer, epoch_done: bool) -> dict[str, Any]:
         "state_dict": state_dict,
         "loop": loop,
         "sampler": {"seed": trainer.config.seed},
-        "rng": strategy.all_gather_object(capture_rng_state()),
+        "rng": strategy.all_gather_object(_rank_rng(trainer, epoch_done)),
         "schedulers": [s.scheduler.state_dict() for s in trainer.lr_scheduler_configs],
         "precision": strategy.precision.state_dict(),
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},

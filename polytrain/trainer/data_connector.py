@@ -1,19 +1,27 @@
 """Where loaders come from and how many batches of each run: the explicit loaders given to
 ``fit``/``validate``/..., else the DataModule's, else the module's ``*_dataloader``; then the
 strategy's sampler injection; ``limit_*_batches`` (a count or a fraction), ``overfit_batches``,
-``fast_dev_run``; and the iterator a training epoch starts with after a resume."""
+``fast_dev_run``; the iterator a training epoch starts with after a resume; and, for iterable-style
+training data, the per-batch agreement that lets ranks whose streams differ in length end together."""
 
 from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
 from polytrain.core.errors import ConfigError
 from polytrain.core.rng import restore_rng_state
-from polytrain.data.loaders import loader_length, resume_position, set_epoch
+from polytrain.data.loaders import (
+    iterator_rng_state,
+    loader_length,
+    resume_position,
+    set_epoch,
+    set_iterator_rng_state,
+)
 from polytrain.trainer.datamodule import DataModule
 from polytrain.trainer.hooks import defines
 from polytrain.trainer.module import TrainModule
@@ -112,6 +120,11 @@ def epoch_iterator(trainer: Trainer, loader: Any, epoch: int) -> tuple[Any, int]
         # iterator was created, so restore before creating it.
         restore_rng_state(trainer.pending_rng)
         trainer.pending_rng = None
+    if trainer.pending_rng is not None and "loader_iter" in trainer.pending_rng:
+        # Saved mid-epoch: the epoch's iterator drew its workers' base seed from this state; the
+        # skipped batches are replayed through the workers (skip_batches), so each stream is where it was.
+        set_iterator_rng_state(loader, trainer.pending_rng["loader_iter"])
+    trainer.loader_rng = iterator_rng_state(loader)  # checkpointed: a mid-epoch resume recreates the iterator
     iterator = iter(loader)
     for _ in range(manual_skip):
         next(iterator)
@@ -121,3 +134,35 @@ def epoch_iterator(trainer: Trainer, loader: Any, epoch: int) -> tuple[Any, int]
         trainer.pending_rng = None
     trainer.resumed_mid_epoch = False
     return iterator, start
+
+
+NO_BATCH = object()  # AgreedBatches.take: some rank's stream has ended
+
+
+class AgreedBatches:
+    """Iterable-style training data: no rank knows in advance how many batches its stream holds, and
+    ranks may hold different numbers. One batch is fetched ahead (as Lightning's prefetching fetcher)
+    and, before each batch, the ranks agree whether every one of them has it (``any_missing``: one
+    small all-reduce per batch, paid by iterable-style loaders only), so all of them end the epoch at
+    the same batch, the shortest rank's end, and the loop knows which batch is the last (it closes
+    its accumulation window)."""
+
+    __slots__ = ("iterator", "any_missing", "_next")
+
+    def __init__(self, iterator: Iterator[Any], any_missing: Callable[[bool], bool]) -> None:
+        self.iterator = iterator
+        self.any_missing = any_missing
+        self._next = self._fetch()
+
+    def _fetch(self) -> Any:
+        item = next(self.iterator, NO_BATCH)
+        return NO_BATCH if self.any_missing(item is NO_BATCH) else item
+
+    def take(self, more_wanted: bool) -> tuple[Any, bool]:
+        """``(batch, is_last)``; ``batch`` is ``NO_BATCH`` when some rank has no batch left. With
+        ``more_wanted`` False (the epoch's bound is reached) nothing more is fetched."""
+        batch = self._next
+        if batch is NO_BATCH:
+            return NO_BATCH, True
+        self._next = self._fetch() if more_wanted else NO_BATCH
+        return batch, self._next is NO_BATCH

@@ -19,9 +19,16 @@ import torch
 
 from polytrain.core import heartbeat
 from polytrain.core.batch import batch_size_of
-from polytrain.core.errors import ConfigError
-from polytrain.core.rng import fork_stream, isolate_rng, seed_everything
-from polytrain.trainer.data_connector import batch_limit, epoch_iterator, loader_source, request_loader
+from polytrain.core.errors import ConfigError, EmptyDataError
+from polytrain.core.rng import isolate_rng, training_streams
+from polytrain.trainer.data_connector import (
+    NO_BATCH,
+    AgreedBatches,
+    batch_limit,
+    epoch_iterator,
+    loader_source,
+    request_loader,
+)
 from polytrain.trainer.evaluation import run_eval_pass
 from polytrain.trainer.guards import check_batches
 from polytrain.trainer.hooks import defines
@@ -49,15 +56,14 @@ def run_fit(trainer: Trainer) -> None:
     if trainer.train_loader is None:
         raise ValueError(f"no training data: pass train_dataloaders to fit() or define train_dataloader() on "
                          f"{type(trainer.module).__name__} (or its DataModule)")
-    trainer.num_training_batches = check_batches(trainer, trainer.train_loader, "train",
-                                                 batch_limit(trainer, "train", trainer.train_loader))
-    # Training steps get a stream per data-parallel rank (tensor/pipeline peers of a replica share it).
-    if cfg.seed is None:
-        fork_stream(trainer.strategy.dp_rank)
-    else:
-        seed_everything(cfg.seed + trainer.strategy.dp_rank)
+    # Iterable-style data (``agreed``): ranks agree before each batch and end the epoch together.
+    trainer.num_training_batches, agreed = check_batches(trainer, trainer.train_loader, "train",
+                                                         batch_limit(trainer, "train", trainer.train_loader))
+    # Training steps get a stream per data-parallel rank (tensor/pipeline peers of a replica share it),
+    # and sharded regions (polytrain.layers.sharded_rng) one per global rank.
+    training_streams(cfg.seed, trainer.strategy.dp_rank, trainer.strategy.global_rank)
     trainer.train_batch_size = getattr(trainer.train_loader, "batch_size", None)
-    loop = EpochLoop(trainer)
+    loop = EpochLoop(trainer, agreed)
     loop.first_iterator = epoch_iterator(trainer, trainer.train_loader, trainer.current_epoch)
     if not sanity:  # as Lightning: without a sanity check the val loader is asked for here
         _request_val(trainer)
@@ -101,8 +107,9 @@ def _sanity_check(trainer: Trainer) -> None:
 
 
 class EpochLoop:
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: Trainer, agreed: bool = False) -> None:
         self.trainer = trainer
+        self.agreed = agreed  # iterable-style training data: batches agreed across ranks (AgreedBatches)
         cfg = trainer.config
         self.max_epochs = cfg.max_epochs if cfg.max_epochs is not None else (1000 if cfg.max_steps < 0 else 10**9)
         if cfg.fast_dev_run:
@@ -152,7 +159,10 @@ class EpochLoop:
         return epoch_iterator(t, t.train_loader, t.current_epoch)
 
     def _run_batches(self, iterator: Any, start: int) -> bool:
-        """The epoch's batches from ``start``; True if it ran to its end (no stop mid-epoch)."""
+        """The epoch's batches from ``start``; True if it ran to its end (no stop mid-epoch).
+
+        Sized loaders take ``num_batches`` batches. Iterable-style ones go through ``AgreedBatches``: the
+        epoch ends at the shortest rank's stream (or the limit), and its last batch closes its window."""
         t, cfg = self.trainer, self.trainer.config
         num_batches, accumulate = t.num_training_batches, cfg.accumulate_grad_batches
         run, metrics = self.optimization.run, t.metrics
@@ -161,15 +171,25 @@ class EpochLoop:
         stepped = False
         transfer, beat = t.transfer_batch, heartbeat.beat if t.world_size > 1 else None
         metrics.defaults = PER_STEP
+        stop = num_batches if num_batches is not None else 2**62
+        agreed = AgreedBatches(iterator, t.strategy.reduce_boolean_decision) if self.agreed else None
         batch_idx = start
-        for batch_idx in range(start, num_batches if num_batches is not None else 2**62):
-            batch = next(iterator, None) if num_batches is None else next(iterator)
-            if batch is None and num_batches is None:
-                break
+        for batch_idx in range(start, stop):
+            if agreed is None:
+                batch = next(iterator)
+                last = batch_idx + 1 == num_batches
+            else:
+                batch, last = agreed.take(batch_idx + 1 < stop)
+                if batch is NO_BATCH:  # every rank learnt together that some stream has ended
+                    if batch_idx == 0:
+                        raise EmptyDataError(
+                            f"the training DataLoader yielded no batch in epoch {epoch} on at least one "
+                            f"data-parallel rank; an iterable dataset must yield a batch on every rank every epoch")
+                    break
             batch = transfer(batch)
             metrics.batch_size = batch_size_of(batch)
             t.batch_in_epoch = batch_idx + 1
-            end_of_window = (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == num_batches
+            end_of_window = (batch_idx + 1) % accumulate == 0 or last
             if beat is not None:
                 beat(t.global_step, "training_step")
             if any([fn(batch, batch_idx) == -1 for fn in start_hooks]):
@@ -178,7 +198,7 @@ class EpochLoop:
             stepped = automatic and end_of_window and not t.skip_this_step
             if stepped:
                 t.global_step += 1
-                self._after_optimizer_step(num_batches is not None and batch_idx + 1 == num_batches)
+                self._after_optimizer_step(last)
             if stepped or not automatic:
                 t.batches_stepped += 1
                 if t.batches_stepped % log_every == 0:
@@ -186,11 +206,11 @@ class EpochLoop:
             outputs = _batch_outputs(output, automatic)
             for fn in end_hooks:
                 fn(outputs, batch, batch_idx)
-            if self.val_every and self._validates_after(batch_idx) and t.val_loader is not None:
+            if self.val_every and not last and self._validates_after(batch_idx) and t.val_loader is not None:
                 self.validate()
                 metrics.start_stage("train", PER_STEP)
             if 0 <= cfg.max_steps <= t.global_step or self.out_of_time:
-                return batch_idx + 1 == num_batches
+                return last
         return True
 
     def _logging_step(self) -> None:
@@ -212,9 +232,7 @@ class EpochLoop:
 
     def _validates_after(self, batch_idx: int) -> bool:
         """Validation inside the epoch (``val_check_interval``), not at its end."""
-        t, every = self.trainer, self.val_every
-        if batch_idx + 1 == t.num_training_batches:
-            return False  # the epoch's end: _validates_at_epoch_end decides
+        t, every = self.trainer, self.val_every  # not at the epoch's last batch: _validates_at_epoch_end decides
         if t.config.check_val_every_n_epoch is None:  # an interval counted across epochs
             return (t.current_epoch * (t.num_training_batches or 0) + batch_idx + 1) % every == 0
         if (t.current_epoch + 1) % t.config.check_val_every_n_epoch:
@@ -224,13 +242,15 @@ class EpochLoop:
     def _validates_at_epoch_end(self) -> bool:
         t = self.trainer
         every_n = t.config.check_val_every_n_epoch
+        if t.num_training_batches is None:  # an epoch of unknown length: validation at its end, or by count
+            return self.val_every == 0 and every_n is not None and (t.current_epoch + 1) % every_n == 0
         if every_n is None:
             return (t.current_epoch + 1) * (t.num_training_batches or 0) % self.val_every == 0
         return (t.current_epoch + 1) % every_n == 0 and (t.num_training_batches or 0) % self.val_every == 0
 
     def validate(self) -> None:
         t = self.trainer
-        if not t.num_val_batches:
+        if t.num_val_batches == 0:  # None: a loader without length, run until it ends
             return
         t.hooks("on_validation_model_zero_grad")
         run_eval_pass(t, t.val_loader, "val", t.num_val_batches)
@@ -278,12 +298,16 @@ def val_check_batches(trainer: Trainer) -> int:
     cfg, n = trainer.config, trainer.num_training_batches
     interval = cfg.val_check_interval
     if interval is None or (isinstance(interval, float) and interval == 1.0):
-        return n or 1
+        return n if n is not None else 0  # 0: an epoch of unknown length validates at its end only
     if isinstance(interval, float):
         if n is None:
             raise ConfigError(f"trainer.val_check_interval={interval} is a fraction of an epoch, but the training "
                               f"loader has no length; give a number of batches")
         return max(1, int(n * interval))
+    if cfg.check_val_every_n_epoch is None and n is None:
+        raise ConfigError(f"trainer.val_check_interval={interval} with check_val_every_n_epoch=null counts batches "
+                          f"across epochs, but the training loader has no length (an IterableDataset?); set "
+                          f"check_val_every_n_epoch, or trainer.limit_train_batches to fix the epoch's length")
     if cfg.check_val_every_n_epoch is not None and n is not None and interval > n:
         raise ConfigError(f"trainer.val_check_interval={interval} is more than the {n} training batches of an "
                           f"epoch; lower it, or set check_val_every_n_epoch=null to count across epochs")

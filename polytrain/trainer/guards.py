@@ -8,6 +8,7 @@ import torch
 
 from polytrain.core import collectives as C
 from polytrain.core.errors import EmptyDataError, NonFiniteError
+from polytrain.data.loaders import is_iterable_style
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
@@ -20,23 +21,23 @@ def _describe(loader: Any) -> str:
             f"drop_last={getattr(loader, 'drop_last', '?')}")
 
 
-def check_batches(trainer: Trainer, loader: Any, stage: str, count: int | None) -> int:
-    """Number of batches this epoch (``count``: the loader's length after the limits), agreed by all
-    ranks before any training happens.
+def check_batches(trainer: Trainer, loader: Any, stage: str, count: int | None) -> tuple[int | None, bool]:
+    """``(batches per epoch, agreed)``, the same on every rank and settled before any training happens.
+    ``count`` is this rank's loader length after the limits (None: unknown).
 
-    A rank with zero batches, or ranks with different counts, would otherwise train zero steps
-    and report success, or leave the others waiting in a gradient all-reduce.
+    Sized (map-style) loaders: the count. A rank with zero batches, or ranks with different counts,
+    would otherwise train zero steps and report success, or leave the others waiting in a gradient
+    all-reduce. Iterable-style loaders (``agreed``): no rank knows how many batches its stream holds,
+    so the ranks agree before each batch whether every one still has one (``AgreedBatches``); the
+    count is then an upper bound (the limit, or the smallest ``__len__``), or None (until the streams end).
     """
     strategy = trainer.strategy
     dataset = getattr(loader, "dataset", None)
     samples = len(dataset) if hasattr(dataset, "__len__") else None
     # Gathered before anyone raises: every rank must reach the same verdict, or some would wait.
-    gathered = strategy.all_gather_object((count, samples), strategy.dp_group)
-    if any(c is None for c, _ in gathered):
-        raise EmptyDataError(f"the {stage} DataLoader has no length on rank(s) "
-                             f"{[r for r, (c, _) in enumerate(gathered) if c is None]} (an IterableDataset?); set "
-                             f"trainer.limit_train_batches to the number of batches per epoch")
-    counts = [int(c) for c, _ in gathered]
+    gathered = strategy.all_gather_object((count, samples, is_iterable_style(loader)), strategy.dp_group)
+    agreed = any(iterable for _, _, iterable in gathered)
+    counts = [int(c) for c, _, _ in gathered if c is not None]
     sampler = getattr(loader, "sampler", None)
     if samples is not None and samples < strategy.dp_size and hasattr(sampler, "num_replicas"):
         raise EmptyDataError(
@@ -44,20 +45,23 @@ def check_batches(trainer: Trainer, loader: Any, stage: str, count: int | None) 
             f"ranks would only see padding copies of other ranks' samples. Use at least {strategy.dp_size} "
             f"samples or fewer processes"
         )
-    if min(counts) == 0:
+    if counts and min(counts) == 0:
         raise EmptyDataError(
             f"the {stage} DataLoader yields 0 batches on data-parallel rank(s) "
-            f"{[r for r, c in enumerate(counts) if c == 0]} (per-rank batches: {counts}; this rank: "
-            f"{_describe(loader)}). Provide more samples than ranks x batch_size, lower the batch size, "
+            f"{[r for r, (c, _, _) in enumerate(gathered) if c == 0]} (per-rank batches: {[c for c, _, _ in gathered]}; "
+            f"this rank: {_describe(loader)}). Provide more samples than ranks x batch_size, lower the batch size, "
             f"or set drop_last=False"
         )
+    if agreed:
+        # An iterable's ranks end the epoch together, at the shortest stream (or this bound).
+        return (min(counts) if len(counts) == len(gathered) else None), True
     if len(set(counts)) > 1:
         raise ValueError(
             f"data-parallel ranks have different numbers of {stage} batches per epoch: {counts}. Every "
             f"rank must take the same number of optimizer steps; use polytrain's sampler "
             f"(trainer.use_distributed_sampler=true) or make your sampler split evenly"
         )
-    return count
+    return count, False
 
 
 class NonFiniteGuard:

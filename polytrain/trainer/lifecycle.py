@@ -89,7 +89,7 @@ def _seed(trainer: Trainer) -> None:
     if strategy.world_size > 1:
         # Whatever the user seeded (or not) on rank 0, every rank builds from the same stream.
         state = strategy.broadcast(capture_rng_state() if strategy.is_global_zero else None)
-        restore_rng_state({k: v for k, v in state.items() if k != "cuda"})
+        restore_rng_state({k: v for k, v in state.items() if k not in ("cuda", "sharded")})
 
 
 def _merge_callbacks(base: list[Callback], extra: Any) -> list[Callback]:

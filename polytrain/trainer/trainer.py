@@ -91,6 +91,7 @@ class Trainer(StepMixin):
         self.logged_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
         self.pending_rng: dict[str, Any] | None = None
+        self.loader_rng: torch.Tensor | None = None  # what this epoch's iterator seeded its workers from
         self.resumed_mid_epoch = False
         self.resumed_loop: dict[str, Any] | None = None
         self.epoch_complete = True
@@ -289,6 +290,7 @@ class Trainer(StepMixin):
         try:
             return run_stage(self, stage, ckpt_path, model_given)
         except BaseException as exc:
+            heartbeat.failed(exc, self.global_step)  # peers waiting on this rank learn why, and where
             for cb in self.callbacks:
                 cb.on_exception(self, model, exc)
             if self.datamodule is not None:

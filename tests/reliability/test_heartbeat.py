@@ -57,6 +57,27 @@ def test_a_dead_peer_is_named_as_dead(store: Any) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_peer_that_raised_is_named_with_its_error_and_step(store: Any) -> None:
+    """Rank 1 ran 4 steps and raised within its heartbeat's first interval: its periodic record still
+    said "step 0, setup", so rank 0 used to report it as stopped responding there. ``failed``
+    publishes the error and the step at once."""
+    heartbeat.start(1, 2, timeout_s=30.0, store=store, interval_s=30.0)  # the thread never publishes again
+    for step in range(4):
+        heartbeat.beat(step, "training_step")
+        heartbeat.at("optimizer_step")
+    heartbeat.failed(StopIteration(), step=4)
+    heartbeat.failed(RuntimeError("later"), step=9)  # the first error is the one peers hear of
+    heartbeat.start(0, 2, timeout_s=30.0, store=store, interval_s=0.2)
+    heartbeat.beat(4, "training_step")
+    heartbeat.at("backward")
+    heartbeat.failed(RuntimeError("Connection closed by peer [127.0.0.1]:1234"), step=4)  # not rank 0's own
+    text = str(heartbeat.explain(RuntimeError("Connection closed by peer [127.0.0.1]:1234")))
+    figure("heartbeat diagnosis, peer that raised", text.split("; rank 0")[0])
+    assert "rank 1 raised at step 4 (its last position: optimizer_step): StopIteration;" in text, text
+    assert "stopped responding" not in text and "rank 0 waited in backward at step 4" in text, text
+
+
+@pytest.mark.timeout(60)
 def test_other_errors_are_left_alone(store: Any) -> None:
     from polytrain.core.errors import DivergenceError
 
