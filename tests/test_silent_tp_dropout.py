@@ -134,7 +134,7 @@ def _worker(rank: int, world_size: int, root: str, inner: bool) -> dict[str, Any
     module = DropoutNet(inner)
     trainer = Trainer(accelerator="cpu", devices="auto", strategy={"name": "model_parallel", "mode": "tensor", "tp": 2},
                       max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                      run_dir=os.path.join(root, "run"), seed=SEED)
+                      run_dir=os.path.join(root, "run"), seed=SEED, use_distributed_sampler="always")
     trainer.fit(module)
     state = trainer.strategy.module_state_dict()
     return {"state": {k: v.clone() for k, v in state.items()} or None, "losses": module.losses,
@@ -202,7 +202,8 @@ def _fit_sharded(root: str, max_steps: int, ckpt_path: str | None = None) -> tup
     torch.manual_seed(SEED)
     module = ShardedDropoutNet()
     trainer = Trainer(accelerator="cpu", devices=1, strategy="single", max_steps=max_steps, logger=False,
-                      enable_progress_bar=False, enable_checkpointing=False, run_dir=root, seed=SEED)
+                      enable_progress_bar=False, enable_checkpointing=False, run_dir=root, seed=SEED,
+                      use_distributed_sampler="always")
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer, module
 
