@@ -173,6 +173,10 @@ class EpochLoop:
         metrics.defaults = PER_STEP
         stop = num_batches if num_batches is not None else 2**62
         agreed = AgreedBatches(iterator, t.strategy.reduce_boolean_decision) if self.agreed else None
+        # Fixed for the epoch, so the common batch tests one flag instead of calling out.
+        validates_inside = bool(self.val_every) and t.val_loader is not None and (
+            num_batches is None or self.val_every < num_batches or cfg.check_val_every_n_epoch is None)
+        schedulers = bool(t.lr_scheduler_configs)
         batch_idx = start
         for batch_idx in range(start, stop):
             if agreed is None:
@@ -192,21 +196,23 @@ class EpochLoop:
             end_of_window = (batch_idx + 1) % accumulate == 0 or last
             if beat is not None:
                 beat(t.global_step, "training_step")
-            if any([fn(batch, batch_idx) == -1 for fn in start_hooks]):
+            if start_hooks and any([fn(batch, batch_idx) == -1 for fn in start_hooks]):
                 return False  # on_train_batch_start returned -1: the rest of the epoch is skipped
             output = run(batch, batch_idx, end_of_window, epoch)
             stepped = automatic and end_of_window and not t.skip_this_step
             if stepped:
                 t.global_step += 1
-                self._after_optimizer_step(last)
+                if schedulers:
+                    self._after_optimizer_step(last)
             if stepped or not automatic:
                 t.batches_stepped += 1
                 if t.batches_stepped % log_every == 0:
                     self._logging_step()
-            outputs = _batch_outputs(output, automatic)
-            for fn in end_hooks:
-                fn(outputs, batch, batch_idx)
-            if self.val_every and not last and self._validates_after(batch_idx) and t.val_loader is not None:
+            if end_hooks:
+                outputs = _batch_outputs(output, automatic)
+                for fn in end_hooks:
+                    fn(outputs, batch, batch_idx)
+            if validates_inside and not last and self._validates_after(batch_idx):
                 self.validate()
                 metrics.start_stage("train", PER_STEP)
             if 0 <= cfg.max_steps <= t.global_step or self.out_of_time:

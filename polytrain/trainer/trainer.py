@@ -334,5 +334,5 @@ class Trainer(StepMixin):
 
     def bind_strategy_hooks(self) -> None:
         backward = self.module.backward if self.hooks.module_overrides("backward") else None
-        self.strategy.bind_hooks(self.call_hook, backward)
+        self.strategy.bind_hooks(self.call_hook, backward, self.hooks.batch_plan)
         lifecycle.bind_transfer(self)
