@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from polytrain.core import lazy
@@ -90,6 +90,102 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, plan: dict[str, Paral
         parallelize_module(module, tp_mesh, plan)
 
 
+# --------------------------------------------------------------------------- replicated parameters
+#
+# Parameters the plan leaves alone (embeddings, norms, heads...) become DTensors replicated over the
+# tp mesh, so that every parameter an optimizer or a clipping function sees is a DTensor: torch's
+# foreach and fused kernels refuse a list that mixes DTensor and torch.Tensor. Their modules keep
+# computing on plain tensors: while a hooked module runs forward, each such parameter in it is swapped
+# for ``to_local()`` (a view, connected to autograd) and its DTensor is put back afterwards. Hooked are
+# the step's router and every module holding such a parameter somewhere below it, so a parameter used
+# by an enclosing module's forward (``nn.MultiheadAttention`` reads ``out_proj.weight``; tied weights)
+# works too, in a step or in a direct call after fit; under FSDP (2D) the hook of the unit, registered
+# first, runs after FSDP has gathered the parameters. The gradient arrives as a Replicate DTensor
+# computed locally, with no communication: correct because every tp peer computes it from the same
+# replicated activations and the same upstream gradient (the default outputs of Colwise/Rowwise/
+# VocabParallel are replicated tensors, identical on every peer; their input hooks all-reduce the
+# gradient flowing back into replicated activations). A module called with DTensor inputs (a plan that
+# keeps DTensor activations, e.g. sequence parallel with use_local_output=False) computes with the
+# DTensors instead, and DTensor gives a parameter used on shards a Partial gradient
+# (``reduce_partial_grads`` sums it).
+
+
+def _is_tp_replica(param: Any) -> bool:
+    """A DTensor replicated over a 1-D mesh: the tp layout; FSDP's sharded form (2-D) is not one."""
+    return isinstance(param, DTensor) and param.device_mesh.ndim == 1 and param.placements[0].is_replicate()
+
+
+class _LocalReplicas:
+    """Forward hooks on one module: the listed ``(owner, name)`` parameters are local views while it runs,
+    unless it is called with DTensor inputs: then they are DTensors, even where an enclosing module's
+    hook made them views."""
+
+    def __init__(self, replicas: list[tuple[nn.Module, str]]) -> None:
+        self.replicas = replicas
+        self.depth = 0
+        self.swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.depth += 1
+        if self.depth > 1:  # re-entered (a module calling itself): the outer call swapped already
+            return
+        dtensor_inputs = any(isinstance(a, DTensor) for a in (*args, *kwargs.values()))
+        views: dict[int, torch.Tensor] = {}
+        for owner, name in self.replicas:
+            current = owner._parameters.get(name)
+            if dtensor_inputs:
+                swap = getattr(current, "_polytrain_replica", None)  # an enclosing hook's view: undo it
+            elif _is_tp_replica(current):  # not a view already, nor FSDP's sharded parameter
+                swap = views.get(id(current))
+                if swap is None:
+                    swap = views[id(current)] = current.to_local()
+                    swap._polytrain_replica = current
+            else:
+                swap = None
+            if swap is not None:
+                owner._parameters[name] = swap
+                self.swapped.append((owner, name, current))
+
+    def post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            for owner, name, original in reversed(self.swapped):
+                owner._parameters[name] = original
+            self.swapped.clear()
+
+
+def localize_replicas(module: nn.Module, replicas: list[tuple[nn.Module, str]]) -> None:
+    """Hook ``module`` so that ``replicas`` are plain local views during its forward. Register before
+    ``fully_shard``: FSDP's pre-forward hook (prepended) then unshards first and its post-forward hook
+    (appended) reshards after the DTensors are back."""
+    if replicas:
+        hooks = _LocalReplicas(list(replicas))
+        module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
+        module.register_forward_hook(hooks.post, always_call=True)
+
+
+def replicate_unplanned(module: nn.Module, tp_mesh: Any) -> list[tuple[nn.Module, str]]:
+    """Make every parameter the plan left a plain tensor a DTensor replicated over ``tp_mesh`` (rank
+    0's value, as for the sharded ones; tied parameters stay tied) and hook every module holding one
+    (see above). Returns the ``(owner module, parameter name)`` pairs converted."""
+    converted: dict[int, nn.Parameter] = {}
+    below: dict[str, list[tuple[nn.Module, str]]] = {}  # module name -> the replicas in its subtree
+    for path, owner in module.named_modules():
+        for name, param in list(owner._parameters.items()):
+            if param is None or isinstance(param, DTensor):
+                continue
+            if id(param) not in converted:
+                data = distribute_tensor(param.detach(), tp_mesh, [Replicate()])
+                converted[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
+            owner._parameters[name] = converted[id(param)]
+            parts = path.split(".") if path else []
+            for depth in range(len(parts) + 1):
+                below.setdefault(".".join(parts[:depth]), []).append((owner, name))
+    for path, replicas in below.items():
+        localize_replicas(module.get_submodule(path), replicas)
+    return below.get("", [])
+
+
 def shard_data_parallel(module: nn.Module, root: nn.Module, dp_mesh: Any) -> None:
     """FSDP2 over the data-parallel mesh after tensor parallelism (2D). The units are the ``fsdp``
     strategy's (each block of the largest ``nn.Sequential``/``nn.ModuleList``); ``root``, the router
@@ -98,6 +194,18 @@ def shard_data_parallel(module: nn.Module, root: nn.Module, dp_mesh: Any) -> Non
     for block in blocks_to_wrap(module, None):
         fully_shard(block, mesh=dp_mesh)
     fully_shard(root, mesh=dp_mesh, reshard_after_forward=False)  # backward needs the root first
+
+
+def reduce_partial_grads(parameters: list[torch.Tensor]) -> None:
+    """Give every gradient its parameter's layout. A replicated parameter used on sequence shards (a
+    ``SequenceParallel`` norm, or one outside the plan fed DTensor activations) gets a ``Partial``
+    gradient: each peer holds its shard's share. Reduced once here, before clipping and the step, it
+    is neither summed again by each optimizer op that reads it nor fed to an op that cannot take a
+    partial sum (clamp, fused SGD's momentum init). Same parameters, same layouts on every rank."""
+    for param in parameters:
+        grad = param.grad
+        if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -22,6 +22,7 @@ from polytrain.core.process_group import default_backend, init_process_group, re
 from polytrain.data.padding import EvalBatches, PaddingState
 from polytrain.layers.sync_batchnorm import convert_sync_batchnorm
 from polytrain.parallel.dims import ParallelDims
+from polytrain.parallel.dtensor_optim import support_fused_sgd
 from polytrain.parallel.fsdp import (
     apply_fsdp,
     broadcast_module,
@@ -115,6 +116,10 @@ class FSDPStrategy(Strategy):
     @property
     def _state_device(self) -> torch.device:
         return torch.device("cpu") if self.options.cpu_offload else self.root_device
+
+    def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+        support_fused_sgd(optimizers)  # every parameter is a DTensor
+        return super().setup_optimizers(optimizers)
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, loader: DataLoader, stage: str, seed: int, use_sampler: bool) -> Any:

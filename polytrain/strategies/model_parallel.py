@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ from polytrain.data.padding import EvalBatches, PaddingState
 from polytrain.layers.placement import PlacedSequential, stage_bounds
 from polytrain.parallel import tensor_parallel as tp_fn
 from polytrain.parallel.dims import ParallelDims
+from polytrain.parallel.dtensor_optim import support_fused_sgd
 from polytrain.parallel.fsdp import no_gradient_sync
 from polytrain.parallel.pipeline_split import balance, child_costs
 from polytrain.strategies.base import StepRouter, Strategy
@@ -240,11 +242,20 @@ class ModelParallelStrategy(Strategy):
         mesh = self.dims.build_mesh(self._device.type)
         module = self.precision.convert_module(module.to(self._device))
         tp_fn.apply_tensor_parallel(module, mesh["tp"], plan)
+        # Parameters outside the plan become replicated DTensors (one kind for foreach/fused optimizers);
+        # they are local views while the router (every step) or a module holding them runs forward.
+        replicas = tp_fn.replicate_unplanned(module, mesh["tp"])
         self.model = StepRouter(module)
+        tp_fn.localize_replicas(self.model, replicas)  # before fully_shard: see localize_replicas
         if self.dims.dp_size > 1:
             dp_mesh = mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else mesh["dp_shard"]
             tp_fn.shard_data_parallel(module, self.model, dp_mesh)
         return module
+
+    def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+        if not self.layers:
+            support_fused_sgd(optimizers)  # every parameter is a DTensor
+        return super().setup_optimizers(optimizers)
 
     # ------------------------------------------------------------------ data and steps
     @property
@@ -261,8 +272,13 @@ class ModelParallelStrategy(Strategy):
         return EvalBatches(loader, self._padding, self.collective_device)
 
     def eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
-        if not self._forward_has_dp_collectives:
+        if self.layers:
             return super().eval_step(stage, batch, batch_idx)
+        if not self._forward_has_dp_collectives:
+            # Through the router (no wrapper, no collectives of its own): its hook makes the replicated
+            # parameters local views for the whole step, as in training.
+            with self.precision.forward_context():
+                return self.model(f"{stage}_step", batch, batch_idx)
         # Through the FSDP root, which gathers the parameters it owns; safe because every rank runs the
         # same number of evaluation batches (see process_dataloader).
         return padded_eval_step(self, self._padding, stage, batch, batch_idx)
@@ -276,10 +292,23 @@ class ModelParallelStrategy(Strategy):
             return no_gradient_sync(self.model)
         return contextlib.nullcontext()
 
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
+                       after_closure: Callable[[], None]) -> Any:
+        if self.layers:
+            return super().optimizer_step(optimizer, closure, after_closure)
+
+        def reduce_then_after_closure() -> None:
+            # After backward, before the hooks and clipping: Partial gradients (sequence parallel) summed once.
+            tp_fn.reduce_partial_grads([p for group in optimizer.param_groups for p in group["params"]])
+            after_closure()
+
+        return super().optimizer_step(optimizer, closure, reduce_then_after_closure)
+
     def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> torch.Tensor | None:
         if self.layers or algorithm == "value":
             return super().clip_gradients(optimizer, value, algorithm)
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        tp_fn.reduce_partial_grads(params)  # idempotent: clipping by hand under manual optimisation
         return tp_fn.clip_grad_norm(params, value)
 
     # ------------------------------------------------------------------ checkpoints
