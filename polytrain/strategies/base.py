@@ -153,6 +153,11 @@ class Strategy(ABC):
     @abstractmethod
     def setup_environment(self) -> None: ...
 
+    def join_process_group(self) -> None:
+        """Join the job's process group now, with no module (``connect()``). Strategies that join in
+        ``setup_environment`` have nothing left to do; one that defers the rendezvous to
+        ``setup_module`` (to check the module first) joins here."""
+
     @abstractmethod
     def setup_module(self, module: nn.Module) -> nn.Module: ...
 

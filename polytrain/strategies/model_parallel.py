@@ -171,9 +171,22 @@ class ModelParallelStrategy(Strategy):
         self.precision = Precision(self.precision_name, self._device.type)
         if self.layers and self.world_size > 1:
             self._init_process_group()
+        elif not self.layers and self.world_size > 1:
+            self.join_process_group()
 
     def _init_process_group(self) -> None:
         init_process_group(self.env, self.options.backend or default_backend(self._device), self.timeout)
+
+    def join_process_group(self) -> None:
+        """Tensor mode joins in ``setup_environment`` when there are several processes (the Trainer's
+        first collectives come before the module is set up); alone, in ``setup_module`` after the
+        module's plan was checked. ``connect()``, which has no module, joins (and builds the mesh)
+        here. Idempotent."""
+        if self.layers:
+            return  # joined in setup_environment when there is more than one process
+        self._init_process_group()
+        if not hasattr(self.dims, "mesh"):
+            self.dims.build_mesh(self._device.type)
 
     def _process_devices(self) -> list[torch.device]:
         per = self.options.devices_per_process
@@ -237,9 +250,9 @@ class ModelParallelStrategy(Strategy):
         return module
 
     def _shard_tensors(self, module: nn.Module) -> nn.Module:
-        plan = tp_fn.module_plan(module)  # reads the module only: a bad plan fails before any rendezvous
-        self._init_process_group()
-        mesh = self.dims.build_mesh(self._device.type)
+        plan = tp_fn.module_plan(module)  # reads the module only: alone, a bad plan fails before any rendezvous
+        self.join_process_group()
+        mesh = self.dims.mesh
         module = self.precision.convert_module(module.to(self._device))
         tp_fn.apply_tensor_parallel(module, mesh["tp"], plan)
         # Parameters outside the plan become replicated DTensors (one kind for foreach/fused optimizers);
