@@ -94,6 +94,31 @@ class _PipelineOutput(nn.Module):
         return self.output
 
 
+_STAGE_CLASS: Any = None
+
+
+def _stage_class() -> type:
+    """``PipelineStage``, minus the self-addressed warm-up messages of torch < 2.12's schedules.
+
+    Before its first step a schedule of torch 2.11 sends one dummy tensor between every pair of
+    neighbouring stages (``_get_init_p2p_neighbors_ops``) to create the p2p communicators. When two
+    neighbouring stages live on the same rank (the V-shaped ``zbv`` schedule puts stages 1 and 2 on
+    rank 1 of 2), that is a send to itself, which gloo cannot do: "Pair is not connected". A rank
+    needs no channel to itself, so those ops are dropped (both directions, so the batch stays
+    matched with the peers'). Newer torch no longer sends these messages; the override is then dead.
+    """
+    global _STAGE_CLASS
+    if _STAGE_CLASS is None:
+
+        class _Stage(lazy.pipelining().PipelineStage):
+            def _get_init_p2p_neighbors_ops(self) -> list[Any]:
+                ops = super()._get_init_p2p_neighbors_ops()
+                return [op for op in ops if getattr(op, "group_peer", None) != self.group_rank]
+
+        _STAGE_CLASS = _Stage
+    return _STAGE_CLASS
+
+
 class PipelineStrategy(Strategy):
     name = "pipeline"
     Options = PipelineOptions
@@ -188,8 +213,7 @@ class PipelineStrategy(Strategy):
         return self._schedules[key]
 
     def _new_schedule(self) -> Any:
-        PipelineStage = lazy.pipelining().PipelineStage
-        stages = [PipelineStage(self.stage_modules[s], s, self.n_stages, self.root_device, group=self.pp_group)
+        stages = [_stage_class()(self.stage_modules[s], s, self.n_stages, self.root_device, group=self.pp_group)
                   for s in self.local_stages]
         cls = schedule_class(self.options.schedule)
         try:
