@@ -49,6 +49,19 @@ def full_model_state(module: nn.Module) -> dict[str, Any]:
     return sd.get_model_state_dict(module, options=sd.StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def gathered_stage_state(module: nn.Module, is_global_zero: bool) -> dict[str, Any]:
+    """The whole model on rank 0 from a pipeline's ranks, each holding some stages (maybe sharded over
+    their own sub-mesh): every rank makes its part full (a collective within the part's meshes), then
+    the parts meet on rank 0 (others get ``{}``). A collective: every rank calls it."""
+    DTensor = lazy.dtensor().DTensor
+    local = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+             for k, v in module.state_dict().items()}
+    merged: dict[str, Any] = {}
+    for part in C.all_gather_object(local):
+        merged.update(part)
+    return merged if is_global_zero else {}
+
+
 def _options() -> Any:
     # Sharded (each rank its own slices: no communication). Flattened optimizer state is keyed by
     # parameter name alone, so any partition of the model finds its entries.

@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from polytrain.core import collectives as C
 from polytrain.core import lazy
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.fsdp import blocks_to_wrap
@@ -27,7 +26,7 @@ class TensorParallelPlanError(ConfigError):
     """The module's tensor-parallel plan cannot be applied; the message says what to change."""
 
 
-def module_plan(module: nn.Module) -> dict[str, ParallelStyle] | None:
+def module_plan(module: nn.Module) -> dict[str, Any] | None:
     """The module's plan: ``tensor_parallel_plan()``'s dict, or None when it has ``parallelize(tp_mesh)``."""
     hook = getattr(module, "tensor_parallel_plan", None)
     if callable(hook):
@@ -66,6 +65,7 @@ def check_plan(module: nn.Module, plan: Any) -> None:
             f"non-empty dict {{'submodule.name': ColwiseParallel(), ...}}"
         )
     known = [n for n, _ in module.named_modules() if n]
+    ParallelStyle = lazy.dtensor().parallel.ParallelStyle
     for key, style in plan.items():
         if not isinstance(style, ParallelStyle):
             raise TensorParallelPlanError(
@@ -82,12 +82,12 @@ def check_plan(module: nn.Module, plan: Any) -> None:
             )
 
 
-def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, plan: dict[str, ParallelStyle] | None) -> None:
+def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, plan: dict[str, Any] | None) -> None:
     """Shard the module's layers over ``tp_mesh`` (rank 0's initial values win, as on one device)."""
     if plan is None:
         module.parallelize(tp_mesh)
     else:
-        parallelize_module(module, tp_mesh, plan)
+        lazy.dtensor().parallel.parallelize_module(module, tp_mesh, plan)
 
 
 # --------------------------------------------------------------------------- replicated parameters
@@ -110,7 +110,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, plan: dict[str, Paral
 # (``reduce_partial_grads`` sums it).
 
 
-def _is_tp_replica(param: Any) -> bool:
+def _is_tp_replica(param: Any, DTensor: type) -> bool:
     """A DTensor replicated over a 1-D mesh: the tp layout; FSDP's sharded form (2-D) is not one."""
     return isinstance(param, DTensor) and param.device_mesh.ndim == 1 and param.placements[0].is_replicate()
 
@@ -129,13 +129,14 @@ class _LocalReplicas:
         self.depth += 1
         if self.depth > 1:  # re-entered (a module calling itself): the outer call swapped already
             return
+        DTensor = lazy.dtensor().DTensor
         dtensor_inputs = any(isinstance(a, DTensor) for a in (*args, *kwargs.values()))
         views: dict[int, torch.Tensor] = {}
         for owner, name in self.replicas:
             current = owner._parameters.get(name)
             if dtensor_inputs:
                 swap = getattr(current, "_polytrain_replica", None)  # an enclosing hook's view: undo it
-            elif _is_tp_replica(current):  # not a view already, nor FSDP's sharded parameter
+            elif _is_tp_replica(current, DTensor):  # not a view already, nor FSDP's sharded parameter
                 swap = views.get(id(current))
                 if swap is None:
                     swap = views[id(current)] = current.to_local()
@@ -168,14 +169,15 @@ def replicate_unplanned(module: nn.Module, tp_mesh: Any) -> list[tuple[nn.Module
     """Make every parameter the plan left a plain tensor a DTensor replicated over ``tp_mesh`` (rank
     0's value, as for the sharded ones; tied parameters stay tied) and hook every module holding one
     (see above). Returns the ``(owner module, parameter name)`` pairs converted."""
+    dt = lazy.dtensor()
     converted: dict[int, nn.Parameter] = {}
     below: dict[str, list[tuple[nn.Module, str]]] = {}  # module name -> the replicas in its subtree
     for path, owner in module.named_modules():
         for name, param in list(owner._parameters.items()):
-            if param is None or isinstance(param, DTensor):
+            if param is None or isinstance(param, dt.DTensor):
                 continue
             if id(param) not in converted:
-                data = distribute_tensor(param.detach(), tp_mesh, [Replicate()])
+                data = dt.distribute_tensor(param.detach(), tp_mesh, [dt.Replicate()])
                 converted[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
             owner._parameters[name] = converted[id(param)]
             parts = path.split(".") if path else []
@@ -202,28 +204,36 @@ def reduce_partial_grads(parameters: list[torch.Tensor]) -> None:
     gradient: each peer holds its shard's share. Reduced once here, before clipping and the step, it
     is neither summed again by each optimizer op that reads it nor fed to an op that cannot take a
     partial sum (clamp, fused SGD's momentum init). Same parameters, same layouts on every rank."""
+    DTensor = lazy.dtensor().DTensor
     for param in parameters:
         grad = param.grad
         if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
             param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
-def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_`` over a mix of sharded (``DTensor``) and replicated gradients.
+def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float, group: Any = None) -> torch.Tensor:
+    """``clip_grad_norm_`` over a mix of sharded (``DTensor``) and replicated gradients, and over the
+    pipeline stages when ``group`` (the pp group) is given.
 
     A DTensor's norm is reduced over its mesh (``full_tensor``) so sharded gradients count once in
-    full; a plain tensor is the same on every rank and counts as it is. Every rank calls this with
-    the same parameters in the same order, so the per-parameter reductions match.
+    full; a plain tensor is the same on every rank and counts as it is; stages' squared norms are
+    summed over ``group``. Every rank calls this with the same parameters in the same order (per
+    stage), so the per-parameter reductions match.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
+    DTensor = lazy.dtensor().DTensor
     norms = []
     for g in grads:
         norm = torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    device = norms[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+    if norms:
+        device = norms[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+    else:
+        total = torch.zeros(())
+    if group is not None and C.active(group):
+        squared = total.reshape(1).pow(2)
+        total = C.all_reduce(squared, "sum", group).sqrt().reshape(())
     coef = float(max_norm) / (float(total) + 1e-6)
     if coef < 1.0 and math.isfinite(coef):
         for g in grads:

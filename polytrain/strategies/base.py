@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from polytrain.checkpoint.replicated import load_replicated, save_replicated
+from polytrain.checkpoint.io import CheckpointIO, ReplicatedCheckpointIO
 from polytrain.core import collectives as C
 from polytrain.core import heartbeat
 from polytrain.core.batch import move_to_device
@@ -66,19 +66,28 @@ class StepRouter(nn.Module):
 
 
 class Strategy(ABC):
+    """One parallelism's answer to every verb. Built by ``registry.build_strategy``, which hands it
+    its collaborators: the ``Precision`` object, the ``ParallelDims`` (strategies with a device mesh)
+    and, when the caller chooses one, the ``CheckpointIO``; a strategy built by hand (tests) gets the
+    same objects from the same two classmethods."""
+
     name: ClassVar[str]
     Options: ClassVar[type]
+    aliases: ClassVar[dict[str, dict[str, Any]]] = {}  # other names for this strategy with options (Lightning's)
 
     def __init__(self, options: Any, *, accelerator: str, devices: int, num_nodes: int,
-                 precision: str, timeout: float, env: ClusterEnvironment) -> None:
+                 precision: Precision | str, timeout: float, env: ClusterEnvironment,
+                 dims: Any = None, checkpoint_io: CheckpointIO | None = None) -> None:
         self.options = options
         self.accelerator = accelerator
         self.devices = devices
         self.num_nodes = num_nodes
-        self.precision_name = precision
         self.timeout = timeout
         self.env = env
-        self.precision: Precision | None = None
+        self.precision = precision if isinstance(precision, Precision) else Precision.for_accelerator(precision, accelerator)
+        self.precision_name = self.precision.name
+        self.dims = dims if dims is not None else self.parallel_dims(options, env, num_nodes)
+        self.checkpoint_io = checkpoint_io if checkpoint_io is not None else self.default_checkpoint_io()
         self.module: nn.Module | None = None  # the user's TrainModule, unwrapped
         self.model: nn.Module | None = None  # what forward runs through (maybe wrapped)
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -97,6 +106,16 @@ class Strategy(ABC):
         if self._call_hook is None:
             self._call_hook = module_hook_caller(self.module)
         return self._call_hook(name, *args)
+
+    @classmethod
+    def parallel_dims(cls, options: Any, env: ClusterEnvironment, num_nodes: int) -> Any:
+        """The job's ``ParallelDims`` for these options (None: this strategy has no device mesh).
+        Raises ``ConfigError`` naming every degree when they do not fit the world size."""
+        return None
+
+    def default_checkpoint_io(self) -> CheckpointIO:
+        """The checkpoint I/O this strategy's layout needs when none is handed to it."""
+        return ReplicatedCheckpointIO()
 
     @classmethod
     def processes_per_node(cls, devices: int, options: Any = None) -> int:
@@ -146,8 +165,9 @@ class Strategy(ABC):
 
     @property
     def replicated(self) -> bool:
-        """True when every rank holds the whole model (checkpoints come from rank 0 alone)."""
-        return True
+        """True when every rank holds the whole model (checkpoints come from rank 0 alone): a property
+        of the checkpoint I/O object, not a second place deciding it."""
+        return self.checkpoint_io.replicated
 
     # ------------------------------------------------------------------ setup
     @abstractmethod
@@ -157,6 +177,7 @@ class Strategy(ABC):
         """Join the job's process group now, with no module (``connect()``). Strategies that join in
         ``setup_environment`` have nothing left to do; one that defers the rendezvous to
         ``setup_module`` (to check the module first) joins here."""
+        return None
 
     @abstractmethod
     def setup_module(self, module: nn.Module) -> nn.Module: ...
@@ -174,8 +195,7 @@ class Strategy(ABC):
 
     def batch_to_device(self, batch: Any) -> Any:
         # Imported at module level: a function-level import costs ~2 us per call, every step.
-        batch = move_to_device(batch, self.root_device)
-        return self.precision.convert_input(batch) if self.precision else batch
+        return self.precision.convert_input(move_to_device(batch, self.root_device))
 
     # ------------------------------------------------------------------ step
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -300,10 +320,10 @@ class Strategy(ABC):
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, payload: dict[str, Any], path: str) -> None:
-        save_replicated(self, payload, path)
+        self.checkpoint_io.save(self, payload, path)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        return load_replicated(self, path)
+        return self.checkpoint_io.load(self, path)
 
     def module_state_dict(self) -> dict[str, Any]:
         return self.module.state_dict()

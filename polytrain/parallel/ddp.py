@@ -1,0 +1,35 @@
+"""DistributedDataParallel's keyword arguments from polytrain's option names.
+
+DDP replicates a plain module (no DTensor parameters): the data-parallel step of a layout with only
+``dp_replicate`` (the ``ddp`` preset). It wraps the step's router, so the user's ``training_step``
+runs as DDP's forward and DDP sees every gradient it must all-reduce.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+DEFAULTS: dict[str, Any] = {"find_unused_parameters": False, "static_graph": False, "bucket_cap_mb": 25.0,
+                            "gradient_as_bucket_view": False, "broadcast_buffers": True}
+
+
+def ddp_kwargs(options: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """``DistributedDataParallel(module, **ddp_kwargs(...))`` for ``options`` (``DEFAULTS``' keys)."""
+    o = {**DEFAULTS, **options}
+    kwargs = dict(
+        device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=o["find_unused_parameters"],
+        static_graph=o["static_graph"],
+        bucket_cap_mb=o["bucket_cap_mb"],
+        gradient_as_bucket_view=o["gradient_as_bucket_view"],
+    )
+    # torch 2.14 renamed broadcast_buffers; older releases only know the old name.
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        kwargs["forward_sync_buffers"] = o["broadcast_buffers"]
+    else:
+        kwargs["broadcast_buffers"] = o["broadcast_buffers"]
+    return kwargs
