@@ -113,6 +113,11 @@ class Strategy(ABC):
         Raises ``ConfigError`` naming every degree when they do not fit the world size."""
         return None
 
+    @classmethod
+    def check_options(cls, options: Any, device_type: str) -> None:
+        """At config load: raise ``ConfigError`` for options this strategy cannot run on ``device_type``."""
+        return None
+
     def default_checkpoint_io(self) -> CheckpointIO:
         """The checkpoint I/O this strategy's layout needs when none is handed to it."""
         return ReplicatedCheckpointIO()

@@ -115,6 +115,12 @@ class ParallelStrategy(Strategy):
     def parallel_dims(cls, options: Any, env: ClusterEnvironment, num_nodes: int) -> Any:
         return cls.compose(options, num_nodes).dims(env.world_size, env.global_rank)
 
+    @classmethod
+    def check_options(cls, options: Any, device_type: str) -> None:
+        layout = cls.compose(options, 1)
+        if layout.cp != 1:
+            check_context_parallel(layout.cp, device_type)
+
     def default_checkpoint_io(self) -> CheckpointIO:
         sharded = self.data_parallel == "fsdp" or self.layout.uses_tp(self.dims) or self.dims.pp > 1
         return ShardedCheckpointIO() if sharded else ReplicatedCheckpointIO()

@@ -20,6 +20,8 @@ import pkgutil
 from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
+import torch
+
 from polytrain.core.errors import ConfigError
 from polytrain.core.options import validate_dataclass
 from polytrain.core.precision import Precision
@@ -134,8 +136,9 @@ def normalize_strategy(value: Any) -> dict[str, Any]:
     return value  # a Strategy instance passed to Trainer(strategy=...)
 
 
-def validate_strategy_spec(spec: Any) -> Any:
-    """Check the name and the options of ``{name: ..., **options}``; a Strategy instance passes."""
+def validate_strategy_spec(spec: Any, accelerator: str | None = None) -> Any:
+    """Check the name and the options of ``{name: ..., **options}``; a Strategy instance passes. With
+    ``accelerator``, also what the strategy can run there (``check_options``: context parallel on CPU)."""
     if not isinstance(spec, dict):
         if isinstance(spec, Strategy):
             return spec
@@ -152,6 +155,9 @@ def validate_strategy_spec(spec: Any) -> Any:
     if unknown:
         raise ConfigError(f"strategy '{name}' has no option '{unknown[0]}'; valid: {', '.join(valid) or '(none)'}")
     parsed = validate_dataclass(cls.Options, options, f"trainer.strategy ({name})")
+    if accelerator is not None:
+        cls.check_options(parsed, "cuda" if accelerator in ("cuda", "gpu") or (
+            accelerator == "auto" and torch.cuda.is_available()) else "cpu")
     return {"name": name, **dataclasses.asdict(parsed)}
 
 
