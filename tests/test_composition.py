@@ -9,6 +9,7 @@ the same global batches (10 steps, SGD with momentum, losses and every weight wi
     pp2 x tp2 x dp_shard2 (8 ranks)      dp_replicate2 x dp_shard2 x tp2 (8 ranks)
     pp2 x dp_shard2 (4 ranks)            pp2 x tp2 (4 ranks)
 
+Validation after step 10 runs through each layout too (its val/loss on every rank equals one device's).
 Checkpoints: saved after 5 steps under pp2 x tp2 x dp_shard2, resumed to step 10 on one device and under
 dp_shard4; saved on one device and under dp_shard4, resumed under pp2 x tp2 x dp_shard2. Each resumed run
 must land where the uninterrupted one-device run does. Three spawns (4, 8, 4 ranks) run every job.
@@ -81,7 +82,8 @@ def fit(root: str, layout: str | None, steps: int, save: str | None = None, ckpt
     name = f"{layout or 'single'}-{steps}{'-resumed' if ckpt else ''}"
     trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy(layout), max_steps=steps, seed=0,
                       logger=False, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                      limit_val_batches=0, run_dir=os.path.join(root, name), callbacks=[recorder], timeout=120.0)
+                      num_sanity_val_steps=0, val_check_interval=STEPS, run_dir=os.path.join(root, name),
+                      callbacks=[recorder], timeout=120.0)  # validation once, after step 10
     trainer.fit(module, ckpt_path=ckpt)
     if save is not None:
         trainer.save_checkpoint(save)
@@ -89,7 +91,8 @@ def fit(root: str, layout: str | None, steps: int, save: str | None = None, ckpt
     state = s.module_state_dict()  # a collective: the full model on rank 0
     return {"losses": recorder.losses, "steps": trainer.global_step, "dp": (s.dp_rank, s.dp_size),
             "state": {k: v.detach().cpu().clone() for k, v in state.items()} or None,
-            "logged": float(trainer.callback_metrics["train/loss"]), "logging": trainer.is_logging_rank}
+            "logged": float(trainer.callback_metrics["train/loss"]), "logging": trainer.is_logging_rank,
+            "val": float(trainer.callback_metrics["val/loss"]) if steps == STEPS else None}
 
 
 def jobs_for(world: int, root: str) -> list[tuple[str, dict[str, Any]]]:
@@ -162,6 +165,9 @@ def check(ranks: list[dict[str, Any]], reference: dict[str, Any], what: str, fir
         assert_close(state[name], value, **TOL, msg=lambda m, n=name: f"{what} {n}: {m}")
         worst = max(worst, (state[name] - value).abs().max().item())
     assert all(r["state"] is None for r in ranks[1:]), what  # gathered on rank 0 only
+    for r in ranks:  # validation through the layout (padding batches where FSDP gathers), every rank's view
+        assert abs(r["val"] - reference["val"]) < 1e-5, (what, r["val"], reference["val"])
+        worst = max(worst, abs(r["val"] - reference["val"]))
     print(f"{what}: largest difference from one device {worst:.1e}")
     return worst
 

@@ -7,11 +7,14 @@ runs as DDP's forward and DDP sees every gradient it must all-reduce.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _find_tensors
 
 DEFAULTS: dict[str, Any] = {"find_unused_parameters": False, "static_graph": False, "bucket_cap_mb": 25.0,
                             "gradient_as_bucket_view": False, "broadcast_buffers": True}
@@ -33,3 +36,26 @@ def ddp_kwargs(options: dict[str, Any], device: torch.device) -> dict[str, Any]:
     else:
         kwargs["broadcast_buffers"] = o["broadcast_buffers"]
     return kwargs
+
+
+def prepare_manual_backward(ddp: DistributedDataParallel, loss: torch.Tensor) -> None:
+    """Before each ``manual_backward`` of a step whose forward ran through DDP with gradient sync held
+    back (several backward passes after one forward: a GAN's two losses)."""
+    if not (torch.is_grad_enabled() and ddp.require_backward_grad_sync):
+        return  # inside no_backward_sync (accumulating): gradients stay local
+    # With find_unused_parameters the reducer walks the graph from this loss to the parameters it
+    # uses; the others are marked ready at once, so this backward's all-reduce completes.
+    used = list(_find_tensors(loss)) if ddp.find_unused_parameters and not ddp.static_graph else []
+    ddp.reducer.prepare_for_backward(used)
+
+
+@contextlib.contextmanager
+def forward_without_reducer(ddp: DistributedDataParallel) -> Iterator[None]:
+    """A forward through DDP that does not prepare its reducer (manual optimisation prepares it before
+    each backward instead: ``prepare_manual_backward``)."""
+    sync = ddp.require_backward_grad_sync
+    ddp.require_backward_grad_sync = False
+    try:
+        yield
+    finally:
+        ddp.require_backward_grad_sync = sync

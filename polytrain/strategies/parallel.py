@@ -43,7 +43,7 @@ from polytrain.parallel.apply import (
     parallelize,
 )
 from polytrain.parallel.context_parallel import check_context_parallel, context_parallel_step
-from polytrain.parallel.ddp import ddp_kwargs
+from polytrain.parallel.ddp import ddp_kwargs, forward_without_reducer, prepare_manual_backward
 from polytrain.parallel.dtensor_optim import support_fused_sgd
 from polytrain.parallel.fsdp import (
     broadcast_module,
@@ -96,6 +96,7 @@ class ParallelStrategy(Strategy):
         env: ClusterEnvironment = kwargs["env"]
         dims = dims if dims is not None else self.layout.dims(env.world_size, env.global_rank)
         self.data_parallel = data_parallel_mode(self.layout, dims)  # fsdp | ddp | all_reduce | none
+        self._tp = self.layout.uses_tp(dims)  # the module's plan is applied
         super().__init__(options, dims=dims, checkpoint_io=checkpoint_io, **kwargs)
         self.pipeline: PipelineRunner | None = None
         self._padding = PaddingState()
@@ -122,7 +123,7 @@ class ParallelStrategy(Strategy):
             check_context_parallel(layout.cp, device_type)
 
     def default_checkpoint_io(self) -> CheckpointIO:
-        sharded = self.data_parallel == "fsdp" or self.layout.uses_tp(self.dims) or self.dims.pp > 1
+        sharded = self.data_parallel == "fsdp" or self._tp or self.dims.pp > 1
         return ShardedCheckpointIO() if sharded else ReplicatedCheckpointIO()
 
     # ------------------------------------------------------------------ topology (all from self.dims)
@@ -213,10 +214,6 @@ class ParallelStrategy(Strategy):
         return torch.device("meta")
 
     @property
-    def _tp(self) -> bool:
-        return self.layout.uses_tp(self.dims)
-
-    @property
     def _meta_init(self) -> bool:
         if self.layout.meta_init is not None:
             return self.layout.meta_init
@@ -273,20 +270,12 @@ class ParallelStrategy(Strategy):
     def process_dataloader(self, loader: DataLoader, stage: str, seed: int, use_sampler: bool) -> Any:
         loader = super().process_dataloader(loader, stage, seed, use_sampler)  # split over dp only
         if stage == "train":
-            if self.pipeline is not None and isinstance(loader, DataLoader) and loader.batch_size:
-                self._check_train_batches(loader)
+            if self.pipeline is not None:
+                self.pipeline.check_train_loader(loader)
             return loader
         padding = self._eval_padding
         # FSDP gathers in every forward: data ranks must run as many evaluation batches as each other.
         return loader if padding is None else EvalBatches(loader, padding, self.collective_device)
-
-    def _check_train_batches(self, loader: DataLoader) -> None:
-        self.check_batch_size(loader.batch_size, "train DataLoader batch_size")
-        with contextlib.suppress(TypeError):
-            tail = len(loader.sampler) % loader.batch_size
-            if tail and not loader.drop_last:
-                self.check_batch_size(tail, f"the last batch of each epoch holds {tail} of {len(loader.sampler)} "
-                                            f"samples; or set drop_last=True")
 
     # ------------------------------------------------------------------ step
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -300,26 +289,13 @@ class ParallelStrategy(Strategy):
         if self.data_parallel != "ddp" or self.module.automatic_optimization:
             return super().training_step(batch, batch_idx)
         # Manual optimisation runs several backward passes (one per manual_backward) after one forward
-        # through DDP (a GAN's two losses): DDP must not prepare its reducer in the forward; it is
-        # prepared before each backward instead (prepare_manual_backward).
-        sync = self.model.require_backward_grad_sync
-        self.model.require_backward_grad_sync = False
-        try:
+        # through DDP: its reducer is prepared before each backward instead (prepare_manual_backward).
+        with forward_without_reducer(self.model):
             return super().training_step(batch, batch_idx)
-        finally:
-            self.model.require_backward_grad_sync = sync
 
     def prepare_manual_backward(self, loss: torch.Tensor) -> None:
-        if self.data_parallel != "ddp":
-            return
-        ddp = self.model
-        if not (torch.is_grad_enabled() and ddp.require_backward_grad_sync):
-            return  # inside no_backward_sync (accumulating): gradients stay local
-        # With find_unused_parameters the reducer walks the graph from this loss to the parameters it
-        # uses; the others are marked ready at once, so this backward's all-reduce completes.
-        used = list(torch.nn.parallel.distributed._find_tensors(loss)) \
-            if ddp.find_unused_parameters and not ddp.static_graph else []
-        ddp.reducer.prepare_for_backward(used)
+        if self.data_parallel == "ddp":
+            prepare_manual_backward(self.model, loss)
 
     def forward_backward(self, batch: Any, batch_idx: int, accumulate: int = 1,
                          zero_grad: Callable[[], None] | None = None) -> StepResult:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from polytrain.core import collectives as C
 from polytrain.core.errors import ConfigError
@@ -197,6 +198,17 @@ class PipelineRunner:
                 f"batch = {batch_size} x dp={self.dims.dp_size}). Choose n_microbatches in {fits} or a batch size "
                 f"divisible by {m}"
             )
+
+    def check_train_loader(self, loader: Any) -> None:
+        """Every training batch (the last, short one too) splits into ``n_microbatches``."""
+        if not (isinstance(loader, DataLoader) and loader.batch_size):
+            return
+        self.check_batch_size(loader.batch_size, "train DataLoader batch_size")
+        with contextlib.suppress(TypeError):
+            tail = len(loader.sampler) % loader.batch_size
+            if tail and not loader.drop_last:
+                self.check_batch_size(tail, f"the last batch of each epoch holds {tail} of {len(loader.sampler)} "
+                                            f"samples; or set drop_last=True")
 
     # ------------------------------------------------------------------ step
     def forward_backward(self, batch: Any, batch_idx: int, accumulate: int,
