@@ -291,3 +291,31 @@ def test_presets_compose_the_layouts_they_always_had() -> None:
     s = build({"name": "parallel", "dp_replicate": 8, "dp_shard": 1})
     assert s.data_parallel == "ddp" and s.replicated
     assert type(build({"name": "model_parallel"})).__name__ == "LayerPlacementStrategy"
+
+
+def test_a_new_strategy_is_one_class_that_registers_itself() -> None:
+    from dataclasses import dataclass
+
+    from polytrain.parallel.apply import Layout
+    from polytrain.strategies.parallel import ParallelStrategy
+    from polytrain.strategies.registry import _CLASSES, register, strategy_class, validate_strategy_spec
+
+    @dataclass
+    class TwoDOptions:
+        tp: int = 2
+
+    @register
+    class TwoD(ParallelStrategy):  # FSDP x TP with one option: what a user's own preset looks like
+        name = "two_d_test"
+        Options = TwoDOptions
+
+        @classmethod
+        def compose(cls, options: Any, num_nodes: int) -> Layout:
+            return Layout(tp=options.tp, dp_shard=-1)
+
+    try:
+        assert strategy_class("two_d_test") is TwoD
+        assert validate_strategy_spec({"name": "two_d_test", "tp": 4}) == {"name": "two_d_test", "tp": 4}
+        assert Trainer(strategy="two_d_test", accelerator="cpu").config.strategy == {"name": "two_d_test", "tp": 2}
+    finally:
+        _CLASSES.pop("two_d_test")
