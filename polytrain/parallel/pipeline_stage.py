@@ -25,6 +25,20 @@ SCHEDULES: dict[str, tuple[str, bool, str]] = {
 }
 
 
+# Schedules that split each backward into an input-gradient and a weight-gradient pass. FSDP2 reduces
+# a unit's gradients from hooks that fire with the input gradients, before the weight pass has made
+# them (torch 2.11 and 2.15 alike): those layouts would train on partial gradients, so they are refused.
+SPLIT_BACKWARD = ("zero_bubble", "zbv")
+
+
+def check_schedule_with_fsdp(schedule: str) -> None:
+    if schedule in SPLIT_BACKWARD:
+        raise ConfigError(f"pipeline schedule={schedule!r} splits backward into input and weight passes, and FSDP "
+                          f"reduces a block's gradients before the weight pass has computed them; with dp_shard > 1 "
+                          f"(or tp with data parallelism) use gpipe, 1f1b or interleaved_1f1b, or keep {schedule} "
+                          f"without FSDP: tp alone, or replicas with data_parallel: all_reduce")
+
+
 def check_schedule_options(schedule: str, stages_per_rank: int, n_microbatches: int | None) -> None:
     """The schedule's name and its stage/micro-batch counts, checked at config load (no torch import)."""
     if schedule not in SCHEDULES:

@@ -51,7 +51,12 @@ from polytrain.parallel.fsdp import (
     materialize_meta,
     no_gradient_sync,
 )
-from polytrain.parallel.pipeline_stage import SCHEDULES, check_schedule_options, schedule_class
+from polytrain.parallel.pipeline_stage import (
+    SCHEDULES,
+    check_schedule_options,
+    check_schedule_with_fsdp,
+    schedule_class,
+)
 from polytrain.strategies.base import StepResult, StepRouter, Strategy
 from polytrain.strategies.pipelined import PipelineRunner
 from polytrain.strategies.registry import register
@@ -97,6 +102,8 @@ class ParallelStrategy(Strategy):
         dims = dims if dims is not None else self.layout.dims(env.world_size, env.global_rank)
         self.data_parallel = data_parallel_mode(self.layout, dims)  # fsdp | ddp | all_reduce | none
         self._tp = self.layout.uses_tp(dims)  # the module's plan is applied
+        if dims.pp > 1 and self.data_parallel == "fsdp":
+            check_schedule_with_fsdp(self.layout.pipeline.schedule)
         super().__init__(options, dims=dims, checkpoint_io=checkpoint_io, **kwargs)
         self.pipeline: PipelineRunner | None = None
         self._padding = PaddingState()
@@ -121,6 +128,8 @@ class ParallelStrategy(Strategy):
         layout = cls.compose(options, 1)
         if layout.cp != 1:
             check_context_parallel(layout.cp, device_type)
+        if layout.pp != 1 and (layout.data_parallel == "fsdp" or layout.dp_shard > 1 or layout.cp > 1):
+            check_schedule_with_fsdp(layout.pipeline.schedule)  # the rest is known with the world size
 
     def default_checkpoint_io(self) -> CheckpointIO:
         sharded = self.data_parallel == "fsdp" or self._tp or self.dims.pp > 1
