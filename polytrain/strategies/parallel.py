@@ -30,11 +30,13 @@ from polytrain.checkpoint.io import CheckpointIO, ReplicatedCheckpointIO, Sharde
 from polytrain.checkpoint.state import full_model_state, gathered_stage_state
 from polytrain.core.environment import ClusterEnvironment
 from polytrain.core.errors import ConfigError
+from polytrain.core.options import check_choice
 from polytrain.core.process_group import default_backend, init_process_group, resolve_device
 from polytrain.data.padding import EvalBatches, PaddingState
 from polytrain.layers.sync_batchnorm import convert_sync_batchnorm
 from polytrain.parallel import tensor_parallel as tp_fn
 from polytrain.parallel.apply import (
+    DATA_PARALLEL,
     FSDPSettings,
     Layout,
     PipelineSettings,
@@ -85,6 +87,7 @@ class ParallelOptions:
     backend: str | None = None  # None: nccl on CUDA, gloo on CPU
 
     def __post_init__(self) -> None:
+        check_choice(self.data_parallel, DATA_PARALLEL, "parallel data_parallel")
         check_schedule_options(self.schedule, self.stages_per_rank, self.n_microbatches)
         if self.cp != 1:
             check_context_parallel(self.cp)
