@@ -152,7 +152,9 @@ def run_polytrain(args: argparse.Namespace, dataset: Any, run_dir: str, strategy
     timer = _CLASSES[1]()
     t0 = time.perf_counter()
     trainer = Trainer(strategy=strategy, accelerator="cpu", max_epochs=args.epochs, callbacks=[timer],
-                      log_every_n_steps=args.log_every_n_steps, run_dir=run_dir, seed=0)
+                      log_every_n_steps=args.log_every_n_steps, run_dir=run_dir, seed=0,
+                      # the hand loop's DistributedSampler order on one process too (same weights)
+                      use_distributed_sampler="always")
     t1, c1 = time.perf_counter(), time.process_time()
     trainer.fit(module)
     t2, c2 = time.perf_counter(), time.process_time()

@@ -13,6 +13,7 @@ a single-device run that never saves does not pay for importing them.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -47,6 +48,25 @@ def full_model_state(module: nn.Module) -> dict[str, Any]:
     for a sharded model). A collective when parameters are ``DTensor`` s: every rank calls it."""
     sd = lazy.dcp().state_dict
     return sd.get_model_state_dict(module, options=sd.StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def gathered_stage_state(module: nn.Module, is_global_zero: bool) -> dict[str, Any]:
+    """The whole model on rank 0 from a pipeline's ranks, each holding some stages (maybe sharded over
+    their own sub-mesh): every rank makes its part full (a collective within the part's meshes), then
+    the parts meet on rank 0 (others get ``{}``). A collective: every rank calls it."""
+    DTensor = lazy.dtensor().DTensor
+    # FSDP over TP leaves strided shards that torch gathers in two steps, warning once per tensor.
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        local = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                 for k, v in module.state_dict().items()}
+    finally:
+        quiet.setLevel(level)
+    merged: dict[str, Any] = {}
+    for part in C.all_gather_object(local):
+        merged.update(part)
+    return merged if is_global_zero else {}
 
 
 def _options() -> Any:

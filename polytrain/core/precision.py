@@ -43,6 +43,12 @@ class Precision:
         self._unscaled: set[int] = set()  # optimizers unscaled since the last update()
         self._stepped = False
 
+    @classmethod
+    def for_accelerator(cls, name: str, accelerator: str) -> Precision:
+        """The precision ``name`` on ``accelerator`` (``cpu`` | ``cuda`` | ``gpu``): what the registry
+        hands a strategy it builds."""
+        return cls(name, "cuda" if accelerator in ("cuda", "gpu") else "cpu")
+
     @property
     def param_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.name == "bf16-true" else torch.float32

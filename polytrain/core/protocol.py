@@ -4,7 +4,7 @@
 - ``HookCaller``: how a strategy calls a lifecycle hook (``on_before_backward``, ...). The Trainer
   hands its own funnel to the strategy (callbacks first, then the module), so hooks that fire
   inside a strategy's step reach callbacks too.
-- ``muted_logs`` / ``captured_logs``: route ``self.log`` calls made inside a block. A padding
+- ``muted_logs`` / ``captured_logs`` / ``recorded_logs``: route ``self.log`` calls made inside a block. A padding
   batch (sharded evaluation) must count in no metric; a pipeline's last stage records what the
   user's step logged so the other stages can log the same values. ``TrainModule.log`` reads the
   tap named ``LOG_TAP`` from the module's ``__dict__``; nothing here touches the Trainer.
@@ -70,4 +70,17 @@ def captured_logs(module: nn.Module, records: list[tuple[str, torch.Tensor, dict
                   ) -> contextlib.AbstractContextManager:
     """``self.log`` calls inside are logged as usual and also appended to ``records`` as
     ``(name, detached scalar tensor, keyword arguments)``."""
+    return _tapped(module, records)
+
+
+class SilentRecords(list):
+    """A tap that records ``self.log`` calls and logs nothing (``TrainModule.log`` stops after
+    appending to a tap whose ``silent`` is True)."""
+
+    silent = True
+
+
+def recorded_logs(module: nn.Module, records: SilentRecords) -> contextlib.AbstractContextManager:
+    """``self.log`` calls inside are only appended to ``records`` (a pipeline's last stage runs the
+    user's step once per micro-batch and logs the micro-batches' mean once, on every stage)."""
     return _tapped(module, records)

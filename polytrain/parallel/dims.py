@@ -1,66 +1,196 @@
-"""``ParallelDims``: one object owns the parallel degrees and the device mesh built from them.
+"""``ParallelDims``: every parallel degree of a job, and the device mesh built from them, in one object.
 
-Dimension order (outermost first) is ``pp, dp_replicate, dp_shard, tp``: tensor parallel ranks
-are neighbours (on a GPU node they share NVLink), pipeline stages are furthest apart. The data-
-parallel group is ``dp_replicate x dp_shard``; ranks in one tp/pp group see the same batch.
+Built once from the config (``polytrain.strategies.registry.build_strategy`` hands it to the
+strategy), it is the single source of truth for the topology: ``dp_rank``/``dp_size``,
+``tp_rank``, ``pp_rank``, ``cp_rank`` come from here and nowhere else, computed from the global
+rank the same way ``init_device_mesh`` lays ranks out, so they are known before any process group
+exists and agree with the mesh once it does.
+
+Dimension order (outermost first) is ``pp, dp_replicate, dp_shard, cp, tp`` (torchtitan's): tensor
+parallel ranks are neighbours (on a GPU node they share NVLink), context parallel next, pipeline
+stages furthest apart. The data-parallel group (the sampler's split, metric reduction) is
+``dp_replicate x dp_shard``; ranks of one tp/cp/pp group see the same batch. FSDP shards over
+``dp_shard x cp`` (context-parallel ranks hold the same parameters and reduce their gradients
+together) and replicates over ``dp_replicate`` (HSDP).
+
+Mesh names for ``get_mesh``: the five dimensions, plus the flattened ``dp`` (replicate x shard),
+``dp_shard_cp`` and ``dp_cp``, and ``fsdp``: the mesh ``fully_shard`` takes (1-D ``dp_shard_cp``,
+or 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.device_mesh import init_device_mesh
 
 from polytrain.core.errors import ConfigError
 
+DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # mesh order, outermost first
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+
 
 @dataclass
 class ParallelDims:
     world_size: int
     dp_replicate: int = 1
-    dp_shard: int = -1  # -1: whatever is left of the world after the other degrees
+    dp_shard: int = -1  # -1: whatever the other degrees leave of the world (any ONE degree may be -1)
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    rank: int = 0  # this process's global rank: fixes its coordinates on every dimension
+    # Set by build_mesh (declared here so every mesh the strategy uses has a name and a type).
+    mesh: Any = field(default=None, init=False, repr=False, compare=False)
+    meshes: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "pp"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"parallel degree {name}={getattr(self, name)} must be >= 1 ({self._numbers()})")
-        if self.dp_shard == -1:
-            rest = self.dp_replicate * self.tp * self.pp
+        inferred = [n for n in DEGREES if getattr(self, n) == -1]
+        if len(inferred) > 1:
+            raise ConfigError(f"only one parallel degree may be -1 (inferred from the world size), got "
+                              f"{', '.join(f'{n}=-1' for n in inferred)} ({self._numbers()})")
+        for name in DEGREES:
+            value = getattr(self, name)
+            if value < 1 and value != -1:
+                raise ConfigError(f"parallel degree {name}={value} must be >= 1 or -1 ({self._numbers()})")
+        if inferred:
+            name = inferred[0]
+            others = [n for n in ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+                      if n != name and (n == "dp_replicate" or getattr(self, n) != 1)]
+            rest = math.prod(getattr(self, n) for n in DEGREES if n != name)
             if self.world_size % rest:
-                raise ConfigError(
-                    f"cannot infer dp_shard: world_size={self.world_size} is not divisible by "
-                    f"dp_replicate={self.dp_replicate} x tp={self.tp} x pp={self.pp} = {rest}"
-                )
-            self.dp_shard = self.world_size // rest
-        if self.dp_shard < 1:
-            raise ConfigError(f"parallel degree dp_shard={self.dp_shard} must be >= 1 or -1 ({self._numbers()})")
-        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
+                shown = " x ".join(f"{n}={getattr(self, n)}" for n in others)
+                raise ConfigError(f"cannot infer {name}: world_size={self.world_size} is not divisible by "
+                                  f"{shown} = {rest}")
+            setattr(self, name, self.world_size // rest)
+        product = math.prod(getattr(self, n) for n in DEGREES)
         if product != self.world_size:
             raise ConfigError(
-                f"parallel degrees do not multiply to the world size: pp={self.pp} x dp_replicate="
-                f"{self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} = {product}, but "
+                f"parallel degrees do not multiply to the world size: "
+                f"{' x '.join(f'{n}={getattr(self, n)}' for n in DEGREES)} = {product}, but "
                 f"world_size={self.world_size}"
             )
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside world_size={self.world_size}")
 
     def _numbers(self) -> str:
-        return (f"world_size={self.world_size}, pp={self.pp}, dp_replicate={self.dp_replicate}, "
-                f"dp_shard={self.dp_shard}, tp={self.tp}")
+        return f"world_size={self.world_size}, " + ", ".join(f"{n}={getattr(self, n)}" for n in DEGREES)
 
+    # ------------------------------------------------------------------ degrees
     @property
     def dp_size(self) -> int:
+        """Data-parallel replicas that see different data: ``dp_replicate x dp_shard``."""
         return self.dp_replicate * self.dp_shard
 
-    def dims(self) -> list[tuple[str, int]]:
-        """Named dimensions of the mesh, outermost first; degree-1 dims are kept (cheap, uniform)."""
-        return [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp)]
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks one FSDP group shards parameters over: ``dp_shard x cp``."""
+        return self.dp_shard * self.cp
 
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_size > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    def degrees(self) -> list[tuple[str, int]]:
+        """Named dimensions of the mesh, outermost first; degree-1 dims are kept (cheap, uniform)."""
+        return [(n, getattr(self, n)) for n in DEGREES]
+
+    def dims(self) -> list[tuple[str, int]]:  # the name this had before cp joined
+        return self.degrees()
+
+    # ------------------------------------------------------------------ this rank
+    def coordinates(self, rank: int | None = None) -> dict[str, int]:
+        """``rank``'s index on every dimension: row-major over ``DEGREES``, as ``init_device_mesh``
+        lays out ``arange(world_size)``."""
+        rank = self.rank if rank is None else rank
+        coords = {}
+        for name, size in reversed(self.degrees()):
+            rank, coords[name] = divmod(rank, size)
+        return coords
+
+    @property
+    def dp_rank(self) -> int:
+        c = self.coordinates()
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coordinates()["tp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coordinates()["pp"]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coordinates()["cp"]
+
+    def group_ranks(self, name: str, rank: int | None = None) -> list[int]:
+        """Global ranks of ``rank``'s group along dimension(s) ``name`` (a degree or a flattened name)."""
+        along = FLATTENED.get(name, (name,))
+        coords = self.coordinates(rank)
+        ranks = []
+        for r in range(self.world_size):
+            other = self.coordinates(r)
+            if all(other[n] == coords[n] for n in DEGREES if n not in along):
+                ranks.append(r)
+        return ranks
+
+    # ------------------------------------------------------------------ meshes
     def build_mesh(self, device_type: str) -> Any:
-        """An N-D ``DeviceMesh``; ``self.dp_mesh`` is its flattened data-parallel (replicate x shard)
-        sub-mesh, kept here because slicing a flattened dim from the root mesh is deprecated."""
-        names = [n for n, _ in self.dims()]
-        self.mesh = init_device_mesh(device_type, tuple(d for _, d in self.dims()), mesh_dim_names=tuple(names))
-        self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        """The N-D ``DeviceMesh`` and its flattened sub-meshes (every rank calls this, once)."""
+        if self.mesh is not None:
+            return self.mesh
+        names = tuple(n for n in DEGREES)
+        self.mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=names)
+        self.meshes = {n: self.mesh[n] for n in names}
+        for flat, parts in FLATTENED.items():
+            # Flattened here, once: slicing a flattened dimension back out of the root mesh is deprecated.
+            self.meshes[flat] = self.mesh[parts]._flatten(flat)
+        shard = self.meshes["dp_shard"] if self.cp == 1 else self.meshes["dp_shard_cp"]
+        if self.dp_replicate > 1:
+            parts = ("dp_replicate", "dp_shard") if self.cp == 1 else ("dp_replicate", "dp_shard_cp")
+            self.meshes["fsdp"] = self.mesh[parts]
+        else:
+            self.meshes["fsdp"] = shard
         return self.mesh
+
+    @property
+    def dp_mesh(self) -> Any:
+        return self.get_mesh("dp")
+
+    def get_mesh(self, name: str) -> Any:
+        """The (sub-)mesh called ``name``; raises if the mesh is not built or the name is unknown."""
+        if self.mesh is None:
+            raise RuntimeError(f"the device mesh is not built yet (asked for '{name}'): the strategy builds it "
+                               f"when it joins the process group")
+        if name not in self.meshes:
+            raise KeyError(f"no mesh named '{name}'; known: {', '.join(self.meshes)}")
+        return self.meshes[name]
+
+    def get_optional_mesh(self, name: str) -> Any | None:
+        """``get_mesh(name)``, or None when that dimension has size 1 (the parallelism is off)."""
+        mesh = self.get_mesh(name)
+        return mesh if mesh.size() > 1 else None

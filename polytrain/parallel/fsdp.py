@@ -20,11 +20,12 @@ from polytrain.core.errors import ConfigError
 # --------------------------------------------------------------------------- wrapping
 
 
-def apply_fsdp(module: nn.Module, root: nn.Module, mesh: Any, autocast_dtype: torch.dtype | None,
+def apply_fsdp(module: nn.Module, root: nn.Module | list[nn.Module], mesh: Any, autocast_dtype: torch.dtype | None,
                wrap_modules: list[str] | None = None, reshard_after_forward: bool = True,
                cpu_offload: bool = False, compute_device_type: str = "cpu") -> None:
     """``fully_shard`` each block of ``module`` (``blocks_to_wrap``), then ``root`` (the module the
-    step runs through, owning whatever no block took). ``mesh`` is 1-D (shard) or 2-D (replicate,
+    step runs through, owning whatever no block took; several roots: a pipeline rank's stages, each
+    over the blocks it holds). ``mesh`` is 1-D (shard) or 2-D (replicate,
     shard: HSDP). ``cpu_offload`` keeps shards in CPU memory (pinned when computing on CUDA). Under mixed precision parameters are gathered in the autocast dtype (half the
     traffic) and gradients reduced in fp32; inputs are not cast: autocast picks each op's dtype, as
     on one device."""
@@ -36,7 +37,8 @@ def apply_fsdp(module: nn.Module, root: nn.Module, mesh: Any, autocast_dtype: to
     for block in blocks_to_wrap(module, wrap_modules):
         fsdp.fully_shard(block, reshard_after_forward=reshard_after_forward, **common)
     # The root stays gathered after forward by default: backward needs it first.
-    fsdp.fully_shard(root, reshard_after_forward=None if reshard_after_forward else False, **common)
+    for each in root if isinstance(root, list) else [root]:
+        fsdp.fully_shard(each, reshard_after_forward=None if reshard_after_forward else False, **common)
 
 
 def blocks_to_wrap(module: nn.Module, names: list[str] | None) -> list[nn.Module]:

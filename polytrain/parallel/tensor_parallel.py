@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from polytrain.core import collectives as C
 from polytrain.core import lazy
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.fsdp import blocks_to_wrap
@@ -27,7 +26,7 @@ class TensorParallelPlanError(ConfigError):
     """The module's tensor-parallel plan cannot be applied; the message says what to change."""
 
 
-def module_plan(module: nn.Module) -> dict[str, ParallelStyle] | None:
+def module_plan(module: nn.Module) -> dict[str, Any] | None:
     """The module's plan: ``tensor_parallel_plan()``'s dict, or None when it has ``parallelize(tp_mesh)``."""
     hook = getattr(module, "tensor_parallel_plan", None)
     if callable(hook):
@@ -66,6 +65,7 @@ def check_plan(module: nn.Module, plan: Any) -> None:
             f"non-empty dict {{'submodule.name': ColwiseParallel(), ...}}"
         )
     known = [n for n, _ in module.named_modules() if n]
+    ParallelStyle = lazy.dtensor().parallel.ParallelStyle
     for key, style in plan.items():
         if not isinstance(style, ParallelStyle):
             raise TensorParallelPlanError(
@@ -82,12 +82,110 @@ def check_plan(module: nn.Module, plan: Any) -> None:
             )
 
 
-def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, plan: dict[str, ParallelStyle] | None) -> None:
+def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, plan: dict[str, Any] | None) -> None:
     """Shard the module's layers over ``tp_mesh`` (rank 0's initial values win, as on one device)."""
     if plan is None:
         module.parallelize(tp_mesh)
     else:
-        parallelize_module(module, tp_mesh, plan)
+        lazy.dtensor().parallel.parallelize_module(module, tp_mesh, plan)
+
+
+# --------------------------------------------------------------------------- replicated parameters
+#
+# Parameters the plan leaves alone (embeddings, norms, heads...) become DTensors replicated over the
+# tp mesh, so that every parameter an optimizer or a clipping function sees is a DTensor: torch's
+# foreach and fused kernels refuse a list that mixes DTensor and torch.Tensor. Their modules keep
+# computing on plain tensors: while a hooked module runs forward, each such parameter in it is swapped
+# for ``to_local()`` (a view, connected to autograd) and its DTensor is put back afterwards. Hooked are
+# the step's router and every module holding such a parameter somewhere below it, so a parameter used
+# by an enclosing module's forward (``nn.MultiheadAttention`` reads ``out_proj.weight``; tied weights)
+# works too, in a step or in a direct call after fit; under FSDP (2D) the hook of the unit, registered
+# first, runs after FSDP has gathered the parameters. The gradient arrives as a Replicate DTensor
+# computed locally, with no communication: correct because every tp peer computes it from the same
+# replicated activations and the same upstream gradient (the default outputs of Colwise/Rowwise/
+# VocabParallel are replicated tensors, identical on every peer; their input hooks all-reduce the
+# gradient flowing back into replicated activations). A module called with DTensor inputs (a plan that
+# keeps DTensor activations, e.g. sequence parallel with use_local_output=False) computes with the
+# DTensors instead, and DTensor gives a parameter used on shards a Partial gradient
+# (``reduce_partial_grads`` sums it).
+
+
+def _is_tp_replica(param: Any, DTensor: type) -> bool:
+    """A DTensor replicated over a 1-D mesh: the tp layout; FSDP's sharded form (2-D) is not one."""
+    return isinstance(param, DTensor) and param.device_mesh.ndim == 1 and param.placements[0].is_replicate()
+
+
+class _LocalReplicas:
+    """Forward hooks on one module: the listed ``(owner, name)`` parameters are local views while it runs,
+    unless it is called with DTensor inputs: then they are DTensors, even where an enclosing module's
+    hook made them views."""
+
+    def __init__(self, replicas: list[tuple[nn.Module, str]]) -> None:
+        self.replicas = replicas
+        self.depth = 0
+        self.swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.depth += 1
+        if self.depth > 1:  # re-entered (a module calling itself): the outer call swapped already
+            return
+        DTensor = lazy.dtensor().DTensor
+        dtensor_inputs = any(isinstance(a, DTensor) for a in (*args, *kwargs.values()))
+        views: dict[int, torch.Tensor] = {}
+        for owner, name in self.replicas:
+            current = owner._parameters.get(name)
+            if dtensor_inputs:
+                swap = getattr(current, "_polytrain_replica", None)  # an enclosing hook's view: undo it
+            elif _is_tp_replica(current, DTensor):  # not a view already, nor FSDP's sharded parameter
+                swap = views.get(id(current))
+                if swap is None:
+                    swap = views[id(current)] = current.to_local()
+                    swap._polytrain_replica = current
+            else:
+                swap = None
+            if swap is not None:
+                owner._parameters[name] = swap
+                self.swapped.append((owner, name, current))
+
+    def post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            for owner, name, original in reversed(self.swapped):
+                owner._parameters[name] = original
+            self.swapped.clear()
+
+
+def localize_replicas(module: nn.Module, replicas: list[tuple[nn.Module, str]]) -> None:
+    """Hook ``module`` so that ``replicas`` are plain local views during its forward. Register before
+    ``fully_shard``: FSDP's pre-forward hook (prepended) then unshards first and its post-forward hook
+    (appended) reshards after the DTensors are back."""
+    if replicas:
+        hooks = _LocalReplicas(list(replicas))
+        module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
+        module.register_forward_hook(hooks.post, always_call=True)
+
+
+def replicate_unplanned(module: nn.Module, tp_mesh: Any) -> list[tuple[nn.Module, str]]:
+    """Make every parameter the plan left a plain tensor a DTensor replicated over ``tp_mesh`` (rank
+    0's value, as for the sharded ones; tied parameters stay tied) and hook every module holding one
+    (see above). Returns the ``(owner module, parameter name)`` pairs converted."""
+    dt = lazy.dtensor()
+    converted: dict[int, nn.Parameter] = {}
+    below: dict[str, list[tuple[nn.Module, str]]] = {}  # module name -> the replicas in its subtree
+    for path, owner in module.named_modules():
+        for name, param in list(owner._parameters.items()):
+            if param is None or isinstance(param, dt.DTensor):
+                continue
+            if id(param) not in converted:
+                data = dt.distribute_tensor(param.detach(), tp_mesh, [dt.Replicate()])
+                converted[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
+            owner._parameters[name] = converted[id(param)]
+            parts = path.split(".") if path else []
+            for depth in range(len(parts) + 1):
+                below.setdefault(".".join(parts[:depth]), []).append((owner, name))
+    for path, replicas in below.items():
+        localize_replicas(module.get_submodule(path), replicas)
+    return below.get("", [])
 
 
 def shard_data_parallel(module: nn.Module, root: nn.Module, dp_mesh: Any) -> None:
@@ -100,22 +198,42 @@ def shard_data_parallel(module: nn.Module, root: nn.Module, dp_mesh: Any) -> Non
     fully_shard(root, mesh=dp_mesh, reshard_after_forward=False)  # backward needs the root first
 
 
-def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_`` over a mix of sharded (``DTensor``) and replicated gradients.
+def reduce_partial_grads(parameters: list[torch.Tensor]) -> None:
+    """Give every gradient its parameter's layout. A replicated parameter used on sequence shards (a
+    ``SequenceParallel`` norm, or one outside the plan fed DTensor activations) gets a ``Partial``
+    gradient: each peer holds its shard's share. Reduced once here, before clipping and the step, it
+    is neither summed again by each optimizer op that reads it nor fed to an op that cannot take a
+    partial sum (clamp, fused SGD's momentum init). Same parameters, same layouts on every rank."""
+    DTensor = lazy.dtensor().DTensor
+    for param in parameters:
+        grad = param.grad
+        if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float, group: Any = None) -> torch.Tensor:
+    """``clip_grad_norm_`` over a mix of sharded (``DTensor``) and replicated gradients, and over the
+    pipeline stages when ``group`` (the pp group) is given.
 
     A DTensor's norm is reduced over its mesh (``full_tensor``) so sharded gradients count once in
-    full; a plain tensor is the same on every rank and counts as it is. Every rank calls this with
-    the same parameters in the same order, so the per-parameter reductions match.
+    full; a plain tensor is the same on every rank and counts as it is; stages' squared norms are
+    summed over ``group``. Every rank calls this with the same parameters in the same order (per
+    stage), so the per-parameter reductions match.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
+    DTensor = lazy.dtensor().DTensor
     norms = []
     for g in grads:
         norm = torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    device = norms[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+    if norms:
+        device = norms[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+    else:
+        total = torch.zeros(())
+    if group is not None and C.active(group):
+        squared = total.reshape(1).pow(2)
+        total = C.all_reduce(squared, "sum", group).sqrt().reshape(())
     coef = float(max_norm) / (float(total) + 1e-6)
     if coef < 1.0 and math.isfinite(coef):
         for g in grads:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from polytrain.checkpoint.replicated import load_replicated, save_replicated
+from polytrain.checkpoint.io import CheckpointIO, ReplicatedCheckpointIO
 from polytrain.core import collectives as C
 from polytrain.core import heartbeat
 from polytrain.core.batch import move_to_device
@@ -60,7 +60,7 @@ class StepRouter(nn.Module):
         super().__init__()
         self.module = module
         # Called after the routed method returns, still inside the wrapper's forward (DDP under
-        # manual optimisation: see DDPStrategy.training_step).
+        # manual optimisation: see parallel.ddp.forward_without_reducer).
         self.__dict__["after_method"] = None
 
     def forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -74,19 +74,28 @@ class StepRouter(nn.Module):
 
 
 class Strategy(ABC):
+    """One parallelism's answer to every verb. Built by ``registry.build_strategy``, which hands it
+    its collaborators: the ``Precision`` object, the ``ParallelDims`` (strategies with a device mesh)
+    and, when the caller chooses one, the ``CheckpointIO``; a strategy built by hand (tests) gets the
+    same objects from the same two classmethods."""
+
     name: ClassVar[str]
     Options: ClassVar[type]
+    aliases: ClassVar[dict[str, dict[str, Any]]] = {}  # other names for this strategy with options (Lightning's)
 
     def __init__(self, options: Any, *, accelerator: str, devices: int, num_nodes: int,
-                 precision: str, timeout: float, env: ClusterEnvironment) -> None:
+                 precision: Precision | str, timeout: float, env: ClusterEnvironment,
+                 dims: Any = None, checkpoint_io: CheckpointIO | None = None) -> None:
         self.options = options
         self.accelerator = accelerator
         self.devices = devices
         self.num_nodes = num_nodes
-        self.precision_name = precision
         self.timeout = timeout
         self.env = env
-        self.precision: Precision | None = None
+        self.precision = precision if isinstance(precision, Precision) else Precision.for_accelerator(precision, accelerator)
+        self.precision_name = self.precision.name
+        self.dims = dims if dims is not None else self.parallel_dims(options, env, num_nodes)
+        self.checkpoint_io = checkpoint_io if checkpoint_io is not None else self.default_checkpoint_io()
         self.module: nn.Module | None = None  # the user's TrainModule, unwrapped
         self.model: nn.Module | None = None  # what forward runs through (maybe wrapped)
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -114,6 +123,21 @@ class Strategy(ABC):
         if self._call_hook is None:
             self._call_hook = module_hook_caller(self.module)
         return self._call_hook(name, *args)
+
+    @classmethod
+    def parallel_dims(cls, options: Any, env: ClusterEnvironment, num_nodes: int) -> Any:
+        """The job's ``ParallelDims`` for these options (None: this strategy has no device mesh).
+        Raises ``ConfigError`` naming every degree when they do not fit the world size."""
+        return None
+
+    @classmethod
+    def check_options(cls, options: Any, device_type: str) -> None:
+        """At config load: raise ``ConfigError`` for options this strategy cannot run on ``device_type``."""
+        return None
+
+    def default_checkpoint_io(self) -> CheckpointIO:
+        """The checkpoint I/O this strategy's layout needs when none is handed to it."""
+        return ReplicatedCheckpointIO()
 
     @classmethod
     def processes_per_node(cls, devices: int, options: Any = None) -> int:
@@ -163,12 +187,19 @@ class Strategy(ABC):
 
     @property
     def replicated(self) -> bool:
-        """True when every rank holds the whole model (checkpoints come from rank 0 alone)."""
-        return True
+        """True when every rank holds the whole model (checkpoints come from rank 0 alone): a property
+        of the checkpoint I/O object, not a second place deciding it."""
+        return self.checkpoint_io.replicated
 
     # ------------------------------------------------------------------ setup
     @abstractmethod
     def setup_environment(self) -> None: ...
+
+    def join_process_group(self) -> None:
+        """Join the job's process group now, with no module (``connect()``). Strategies that join in
+        ``setup_environment`` have nothing left to do; one that defers the rendezvous to
+        ``setup_module`` (to check the module first) joins here."""
+        return None
 
     @abstractmethod
     def setup_module(self, module: nn.Module) -> nn.Module: ...
@@ -186,8 +217,7 @@ class Strategy(ABC):
 
     def batch_to_device(self, batch: Any) -> Any:
         # Imported at module level: a function-level import costs ~2 us per call, every step.
-        batch = move_to_device(batch, self.root_device)
-        return self.precision.convert_input(batch) if self.precision else batch
+        return self.precision.convert_input(move_to_device(batch, self.root_device))
 
     # ------------------------------------------------------------------ step
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -198,10 +228,13 @@ class Strategy(ABC):
 
     def _bind_training_step(self) -> Callable[[Any, int], Any]:
         """The user's step through the wrapper (DDP, DataParallel: see StepRouter), or straight on the
-        module when nothing wraps it (the router's nn.Module call costs ~3 us a step); under autocast
+        module when nothing wraps or hooks the router (its nn.Module call costs ~3 us a step); under autocast
         when the precision asks for it."""
-        wrapped = type(self.model) is not StepRouter
-        step = functools.partial(self.model, "training_step") if wrapped else self.module.training_step
+        model = self.model
+        # The router must run when it wraps or carries hooks (tensor parallel swaps replicated DTensor
+        # parameters for local views around the step in the router's hooks).
+        routed = type(model) is not StepRouter or bool(model._forward_pre_hooks or model._forward_hooks)
+        step = functools.partial(model, "training_step") if routed else self.module.training_step
         if self.precision.autocast_dtype is None:
             return step
         context = self.precision.forward_context
@@ -331,10 +364,10 @@ class Strategy(ABC):
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, payload: dict[str, Any], path: str) -> None:
-        save_replicated(self, payload, path)
+        self.checkpoint_io.save(self, payload, path)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        return load_replicated(self, path)
+        return self.checkpoint_io.load(self, path)
 
     def module_state_dict(self) -> dict[str, Any]:
         return self.module.state_dict()

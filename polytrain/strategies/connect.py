@@ -37,7 +37,7 @@ def connect(strategy: Any = "ddp", accelerator: str = "auto", precision: str = "
     if timeout <= 0:
         raise ConfigError(f"timeout={timeout} must be a positive number of seconds")
     env = detect_environment()
-    spec = validate_strategy_spec(normalize_strategy(strategy))
+    spec = validate_strategy_spec(normalize_strategy(strategy), accelerator)
     spec["name"] = resolve_strategy_name(spec["name"], env.world_size)
     if accelerator == "auto":
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,4 +47,5 @@ def connect(strategy: Any = "ddp", accelerator: str = "auto", precision: str = "
                            num_nodes=max(1, env.world_size // env.local_world_size), precision=precision,
                            timeout=timeout, env=env)
     built.setup_environment()
+    built.join_process_group()  # a strategy may defer its rendezvous to setup_module, which connect never calls
     return built

@@ -1,21 +1,16 @@
-"""``ddp``: one process per device, full replicas, gradients all-reduced during backward."""
+"""``ddp``: one process per device, full replicas, gradients all-reduced during backward.
+
+A preset of ``parallel``: ``dp_replicate`` = every process, through DDP's wrapper (``parallel.ddp``).
+"""
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.nn.parallel.distributed import _find_tensors
-
-from polytrain.core.precision import Precision
-from polytrain.core.process_group import default_backend, init_process_group, resolve_device
-from polytrain.layers.sync_batchnorm import convert_sync_batchnorm
-from polytrain.strategies.base import StepRouter, Strategy
+from polytrain.parallel.apply import Layout
+from polytrain.strategies.parallel import ParallelStrategy
+from polytrain.strategies.registry import register
 
 
 @dataclass
@@ -29,66 +24,20 @@ class DDPOptions:
     sync_batchnorm: bool = False
 
 
-class DDPStrategy(Strategy):
+@register
+class DDPStrategy(ParallelStrategy):
     name = "ddp"
     Options = DDPOptions
+    aliases = {  # Lightning's strategy strings
+        "ddp_find_unused_parameters_true": {"find_unused_parameters": True},
+        "ddp_find_unused_parameters_false": {"find_unused_parameters": False},
+    }
 
-    def setup_environment(self) -> None:
-        self._device = resolve_device(self.accelerator, self.local_rank)
-        self.precision = Precision(self.precision_name, self._device.type)
-        init_process_group(self.env, self.options.backend or default_backend(self._device), self.timeout)
-
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        module = self.precision.convert_module(module.to(self.root_device))
-        if self.options.sync_batchnorm:
-            module = convert_sync_batchnorm(module)
-        self.module = module
-        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
-        # DDP broadcasts rank 0's parameters here, so every replica starts identical.
-        kwargs = dict(
-            device_ids=device_ids,
-            find_unused_parameters=self.options.find_unused_parameters,
-            static_graph=self.options.static_graph,
-            bucket_cap_mb=self.options.bucket_cap_mb,
-            gradient_as_bucket_view=self.options.gradient_as_bucket_view,
-        )
-        # torch 2.14 renamed broadcast_buffers; older releases only know the old name.
-        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-            kwargs["forward_sync_buffers"] = self.options.broadcast_buffers
-        else:
-            kwargs["broadcast_buffers"] = self.options.broadcast_buffers
-        self.model = DistributedDataParallel(StepRouter(module), **kwargs)
-        return self.model
-
-    def no_backward_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
-        return self.model.no_sync() if enabled else contextlib.nullcontext()
-
-    # ------------------------------------------------------------------ manual optimisation
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        if self.module.automatic_optimization:
-            return super().training_step(batch, batch_idx)
-        # Manual optimisation runs its backward passes inside training_step (a GAN's two losses), each
-        # after prepare_manual_backward readied DDP's reducer. Once the step returns, DDP's forward must
-        # not ready the reducer again for a backward that never comes: the sync flag is off from the
-        # router's return until DDP's forward is done.
-        ddp, router = self.model, self.model.module
-        sync = ddp.require_backward_grad_sync
-
-        def stop_sync() -> None:
-            ddp.require_backward_grad_sync = False
-
-        router.__dict__["after_method"] = stop_sync
-        try:
-            return super().training_step(batch, batch_idx)
-        finally:
-            router.__dict__["after_method"] = None
-            ddp.require_backward_grad_sync = sync
-
-    def prepare_manual_backward(self, loss: torch.Tensor) -> None:
-        ddp = self.model
-        if not (torch.is_grad_enabled() and ddp.require_backward_grad_sync):
-            return  # inside no_backward_sync (accumulating): gradients stay local
-        # With find_unused_parameters the reducer walks the graph from this loss to the parameters it
-        # uses; the others are marked ready at once, so this backward's all-reduce completes.
-        used = list(_find_tensors(loss)) if ddp.find_unused_parameters and not ddp.static_graph else []
-        ddp.reducer.prepare_for_backward(used)
+    @classmethod
+    def compose(cls, options: Any, num_nodes: int) -> Layout:
+        o = options
+        return Layout(dp_replicate=-1, dp_shard=1, data_parallel="ddp", backend=o.backend,
+                      sync_batchnorm=o.sync_batchnorm,
+                      ddp=dict(find_unused_parameters=o.find_unused_parameters, static_graph=o.static_graph,
+                               bucket_cap_mb=o.bucket_cap_mb, gradient_as_bucket_view=o.gradient_as_bucket_view,
+                               broadcast_buffers=o.broadcast_buffers))

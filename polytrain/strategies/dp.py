@@ -1,6 +1,8 @@
 """``dp``: ``nn.DataParallel`` — one process drives several GPUs, batch split along dim 0.
 
-Kept for users coming from it; DDP is faster (no GIL contention, no per-step replication).
+Kept for users coming from it; DDP is faster (no GIL contention, no per-step replication). One
+process, several devices: not a degree of the device mesh, so its own small class, not a preset of
+``parallel``.
 On CPU there is only one device, so it falls back to plain single-device training and says so.
 """
 
@@ -13,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from polytrain.core.precision import Precision
 from polytrain.core.process_group import resolve_device
 from polytrain.strategies.base import StepRouter, Strategy
+from polytrain.strategies.registry import register
 
 
 @dataclass
@@ -32,6 +34,7 @@ def _mean_replica_losses(output: Any) -> Any:
     return output
 
 
+@register
 class DataParallelStrategy(Strategy):
     name = "dp"
     Options = DataParallelOptions
@@ -52,7 +55,6 @@ class DataParallelStrategy(Strategy):
             warnings.warn("strategy 'dp' on CPU: DataParallel has one device here, so this runs as "
                           "single-device training. Use strategy 'ddp' for several CPU processes.",
                           stacklevel=2)
-        self.precision = Precision(self.precision_name, self._device.type)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         self.module = self.precision.convert_module(module.to(self.root_device))

@@ -1,23 +1,107 @@
-"""Strategies by name. Importing a strategy's module is deferred until it is asked for."""
+"""Strategies by name. Each strategy registers itself next to its class::
+
+    @register
+    class MyStrategy(Strategy):
+        name = "mine"
+        Options = MyOptions
+
+so a new strategy is one new file in ``polytrain/strategies/``. Modules are imported only when a
+name is asked for: ``polytrain.strategies.<name>`` first (one module for the usual names), then
+every module of the package (an alias such as Lightning's ``ddp_find_unused_parameters_true``, a
+strategy whose file is named differently, or the full list for an error message).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any
+import importlib.util
+import pkgutil
+from collections.abc import Iterator, Mapping
+from typing import Any, TypeVar
+
+import torch
 
 from polytrain.core.errors import ConfigError
 from polytrain.core.options import validate_dataclass
+from polytrain.core.precision import Precision
 from polytrain.strategies.base import Strategy
 
-_STRATEGIES: dict[str, str] = {
-    "single": "polytrain.strategies.single:SingleDeviceStrategy",
-    "dp": "polytrain.strategies.dp:DataParallelStrategy",
-    "ddp": "polytrain.strategies.ddp:DDPStrategy",
-    "fsdp": "polytrain.strategies.fsdp:FSDPStrategy",
-    "model_parallel": "polytrain.strategies.model_parallel:ModelParallelStrategy",
-    "pipeline": "polytrain.strategies.pipeline:PipelineStrategy",
-}
+S = TypeVar("S", bound=type)
+PACKAGE = "polytrain.strategies"
+
+_CLASSES: dict[str, type] = {}
+_ALIASES: dict[str, dict[str, Any]] = {}  # alias -> {"name": strategy, **options}
+_discovered = False
+
+
+def register(cls: S) -> S:
+    """Class decorator: make ``cls`` (with its ``name``, ``Options`` and ``aliases``) available by name."""
+    name = cls.__dict__.get("name")
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{cls.__name__} needs a class attribute name = '<strategy name>' to be registered")
+    if name in _CLASSES and _CLASSES[name] is not cls:
+        raise ValueError(f"strategy name '{name}' is registered twice: {_CLASSES[name].__qualname__} and "
+                         f"{cls.__qualname__}")
+    _CLASSES[name] = cls
+    for alias, options in getattr(cls, "aliases", {}).items():
+        _ALIASES[alias] = {"name": name, **options}
+    return cls
+
+
+def _discover() -> None:
+    """Import every module of the package once, so every strategy has registered itself."""
+    global _discovered
+    if _discovered:
+        return
+    package = importlib.import_module(PACKAGE)
+    for info in pkgutil.iter_modules(package.__path__):
+        _import(f"{PACKAGE}.{info.name}")
+    _discovered = True
+
+
+def _import(module_name: str) -> None:
+    try:
+        importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name:
+            raise
+
+
+def _lookup(name: str) -> type | None:
+    if name not in _CLASSES and importlib.util.find_spec(f"{PACKAGE}.{name}") is not None:
+        _import(f"{PACKAGE}.{name}")
+    if name not in _CLASSES:
+        _discover()
+    return _CLASSES.get(name)
+
+
+class _Registered(Mapping):
+    """Every registered name -> its class (iterating discovers them all)."""
+
+    def __getitem__(self, name: str) -> type:
+        cls = _lookup(name)
+        if cls is None:
+            raise KeyError(name)
+        return cls
+
+    def __iter__(self) -> Iterator[str]:
+        _discover()
+        return iter(sorted(_CLASSES, key=_order))
+
+    def __len__(self) -> int:
+        _discover()
+        return len(_CLASSES)
+
+
+_PREFERRED = ("single", "dp", "ddp", "fsdp", "model_parallel", "pipeline", "parallel")
+
+
+def _order(name: str) -> tuple[int, str]:
+    return (_PREFERRED.index(name) if name in _PREFERRED else len(_PREFERRED), name)
+
+
+_STRATEGIES: Mapping[str, type] = _Registered()
 
 
 def available_strategies() -> list[str]:
@@ -25,24 +109,16 @@ def available_strategies() -> list[str]:
 
 
 def strategy_class(name: str) -> type:
-    if name not in _STRATEGIES:
+    cls = _lookup(name)
+    if cls is None:
         raise ConfigError(f"unknown strategy '{name}'; valid: {', '.join(available_strategies())}")
-    module_name, _, cls_name = _STRATEGIES[name].partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name == module_name:
-            raise ConfigError(f"strategy '{name}' is not available in this build of polytrain") from None
-        raise
-    return getattr(module, cls_name)
+    return cls
 
 
-# Lightning's strategy strings that are a polytrain strategy with options.
-LIGHTNING_NAMES: dict[str, dict[str, Any]] = {
-    "ddp_find_unused_parameters_true": {"name": "ddp", "find_unused_parameters": True},
-    "ddp_find_unused_parameters_false": {"name": "ddp", "find_unused_parameters": False},
-    "single_device": {"name": "single"},
-}
+def lightning_names() -> dict[str, dict[str, Any]]:
+    """Aliases (Lightning's strategy strings) -> the strategy mapping they stand for."""
+    _discover()
+    return dict(_ALIASES)
 
 
 def normalize_strategy(value: Any) -> dict[str, Any]:
@@ -50,7 +126,9 @@ def normalize_strategy(value: Any) -> dict[str, Any]:
     if value is None:
         return {"name": "auto"}
     if isinstance(value, str):
-        return dict(LIGHTNING_NAMES.get(value, {"name": value}))
+        if value != "auto" and _lookup(value) is None and value in _ALIASES:
+            return dict(_ALIASES[value])
+        return {"name": value}
     if isinstance(value, dict):
         return {"name": "auto", **value}
     if hasattr(value, "items"):
@@ -58,8 +136,9 @@ def normalize_strategy(value: Any) -> dict[str, Any]:
     return value  # a Strategy instance passed to Trainer(strategy=...)
 
 
-def validate_strategy_spec(spec: Any) -> Any:
-    """Check the name and the options of ``{name: ..., **options}``; a Strategy instance passes."""
+def validate_strategy_spec(spec: Any, accelerator: str | None = None) -> Any:
+    """Check the name and the options of ``{name: ..., **options}``; a Strategy instance passes. With
+    ``accelerator``, also what the strategy can run there (``check_options``: context parallel on CPU)."""
     if not isinstance(spec, dict):
         if isinstance(spec, Strategy):
             return spec
@@ -76,6 +155,9 @@ def validate_strategy_spec(spec: Any) -> Any:
     if unknown:
         raise ConfigError(f"strategy '{name}' has no option '{unknown[0]}'; valid: {', '.join(valid) or '(none)'}")
     parsed = validate_dataclass(cls.Options, options, f"trainer.strategy ({name})")
+    if accelerator is not None:
+        cls.check_options(parsed, "cuda" if accelerator in ("cuda", "gpu") or (
+            accelerator == "auto" and torch.cuda.is_available()) else "cpu")
     return {"name": name, **dataclasses.asdict(parsed)}
 
 
@@ -85,7 +167,13 @@ def resolve_strategy_name(name: str, processes: int) -> str:
     return "ddp" if processes > 1 else "single"
 
 
-def build_strategy(spec: dict[str, Any], **kwargs: Any) -> Any:
+def build_strategy(spec: dict[str, Any], *, precision: str | Precision, **kwargs: Any) -> Any:
+    """The strategy ``spec`` names, with its collaborators built here, once: the ``Precision`` object
+    and (strategies with a device mesh) the ``ParallelDims`` of the job."""
     options = dict(spec)
     cls = strategy_class(options.pop("name"))
-    return cls(validate_dataclass(cls.Options, options, f"trainer.strategy ({cls.name})"), **kwargs)
+    parsed = validate_dataclass(cls.Options, options, f"trainer.strategy ({cls.name})")
+    if not isinstance(precision, Precision):
+        precision = Precision.for_accelerator(precision, kwargs["accelerator"])
+    dims = cls.parallel_dims(parsed, kwargs["env"], kwargs["num_nodes"])
+    return cls(parsed, precision=precision, dims=dims, **kwargs)

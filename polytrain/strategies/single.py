@@ -1,15 +1,16 @@
-"""``single``: one process, one device. The default when one process is asked for."""
+"""``single``: one process, one device. The default when one process is asked for.
+
+A preset of ``parallel`` with every degree 1 and no process group.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-from torch import nn
-
-from polytrain.core.precision import Precision
-from polytrain.core.process_group import resolve_device
-from polytrain.strategies.base import StepRouter, Strategy
+from polytrain.parallel.apply import Layout
+from polytrain.strategies.parallel import ParallelStrategy
+from polytrain.strategies.registry import register
 
 
 @dataclass
@@ -17,19 +18,15 @@ class SingleOptions:
     device_index: int = 0  # which GPU when accelerator is cuda
 
 
-class SingleDeviceStrategy(Strategy):
+@register
+class SingleDeviceStrategy(ParallelStrategy):
     name = "single"
     Options = SingleOptions
+    aliases = {"single_device": {}}  # Lightning's name
 
-    def setup_environment(self) -> None:
-        self._device = resolve_device(self.accelerator, self.options.device_index)
-        self.precision = Precision(self.precision_name, self._device.type)
-
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        self.module = self.precision.convert_module(module.to(self.root_device))
-        self.model = StepRouter(self.module)
-        return self.model
-
-    def teardown(self) -> None:
-        if self.root_device.type == "cuda":
-            torch.cuda.empty_cache()
+    @classmethod
+    def compose(cls, options: Any, num_nodes: int) -> Layout:
+        # dp_replicate=-1: started as several processes (a launcher's choice) it stays what it always was,
+        # independent replicas that never communicate.
+        return Layout(dp_replicate=-1, dp_shard=1, data_parallel="none", process_group=False,
+                      device_index=options.device_index)

@@ -116,7 +116,7 @@ def validate_trainer_config(data: dict[str, Any]) -> TrainerConfig:
         raise ConfigError(f"trainer.timeout={cfg.timeout} must be a positive number of seconds")
     if cfg.default_root_dir is not None:
         cfg.run_dir = cfg.default_root_dir
-    cfg.strategy = validate_strategy_spec(normalize_strategy(cfg.strategy))
+    cfg.strategy = validate_strategy_spec(normalize_strategy(cfg.strategy), cfg.accelerator)
     return cfg
 
 

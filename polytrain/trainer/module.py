@@ -116,6 +116,8 @@ class TrainModule(HyperparametersMixin, nn.Module):
             tap.append((name, torch.as_tensor(value).detach().reshape(()).float(),
                         dict(prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
                              reduce_fx=reduce_fx, sync_dist=sync_dist, batch_size=batch_size)))
+            if getattr(tap, "silent", False):
+                return  # recorded only (protocol.recorded_logs: a pipeline stage logs the mean later)
         trainer.metrics.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size)
 
     def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:

@@ -1,0 +1,143 @@
+"""The one place that says in which order parallelisms are applied to a model part.
+
+A "part" is what one rank runs forward: the whole module (no pipeline), or one pipeline stage
+(``pipeline_split`` cuts the user's ``nn.Sequential`` first, so every later step sees only this
+rank's layers and works inside this stage's sub-mesh). On each part, in torchtitan's order:
+
+1. **tensor parallel** (``tensor_parallel``): the module's plan over the ``tp`` mesh; parameters the
+   plan leaves alone become replicated DTensors. First, because it rewrites layers (DTensor
+   parameters, input/output hooks) that everything after must see as they finally are.
+2. **activation checkpointing**: wraps blocks (``polytrain/parallel/activation_checkpointing.py``
+   plugs in here). After TP, so a recomputed block recomputes its TP collectives too; before
+   compile, so the compiled graph holds the checkpoint boundaries.
+3. **compile** (``polytrain/parallel/compile.py`` plugs in here): per block, after the block's
+   final form is known and before FSDP (FSDP's hooks stay outside the compiled regions).
+4. **data parallel**: FSDP2/HSDP over the ``fsdp`` mesh (``dp_replicate x dp_shard x cp``; on top of
+   TP: 2-D DTensors), or a gradient all-reduce, or DDP's wrapper (a plain replicated module). Last,
+   because it shards whatever parameters the steps above left, and wraps units in their final form.
+
+``Layout`` is the resolved description a strategy composes from its options (a preset fills it
+from its own option names).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from polytrain.core.errors import ConfigError
+from polytrain.parallel import tensor_parallel as tp_fn
+from polytrain.parallel.dims import ParallelDims
+from polytrain.parallel.fsdp import apply_fsdp
+
+DATA_PARALLEL = ("auto", "fsdp", "ddp", "all_reduce", "none")
+APPLY_ORDER = ("tensor_parallel", "activation_checkpointing", "compile", "data_parallel")
+
+
+@dataclass
+class FSDPSettings:
+    wrap_modules: list[str] | None = None  # class names of the FSDP units; None: the largest container's children
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+
+
+@dataclass
+class PipelineSettings:
+    schedule: str = "1f1b"
+    n_microbatches: int | None = None
+    stages_per_rank: int = 1
+    split_points: list[int] | None = None
+    sequential: str | None = None
+    step: str = "training_step"  # "training_step": the user's step per micro-batch | "pipeline_loss"
+
+
+@dataclass
+class Layout:
+    """Degrees and the per-parallelism settings of one job (``-1``: inferred from the world size)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    data_parallel: str = "auto"  # auto | fsdp (even on one rank) | ddp (wrapper) | all_reduce (flat, per step)
+    fsdp: FSDPSettings = field(default_factory=FSDPSettings)
+    pipeline: PipelineSettings = field(default_factory=PipelineSettings)
+    ddp: dict[str, Any] = field(default_factory=dict)  # DistributedDataParallel keyword arguments
+    sync_batchnorm: bool = False
+    backend: str | None = None  # None: nccl on CUDA, gloo on CPU
+    device_index: int | None = None  # None: the local rank's device
+    meta_init: bool | None = None  # configure_model on the meta device; None: under plain FSDP
+    process_group: bool = True  # False: one process and nothing to communicate (single)
+    tensor_parallel: bool | None = None  # apply the module's plan; None: when tp > 1 (model_parallel: always)
+
+    def dims(self, world_size: int, rank: int) -> ParallelDims:
+        return ParallelDims(world_size, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp,
+                            pp=self.pp, cp=self.cp, rank=rank)
+
+    def uses_tp(self, dims: ParallelDims) -> bool:
+        return dims.tp > 1 if self.tensor_parallel is None else self.tensor_parallel
+
+
+def data_parallel_mode(layout: Layout, dims: ParallelDims) -> str:
+    """How gradients meet across data-parallel ranks: ``fsdp`` | ``ddp`` | ``all_reduce`` | ``none``.
+
+    ``auto``: FSDP whenever parameters are sharded over data (``dp_shard x cp > 1``) or already DTensors
+    (tensor parallel: HSDP with one shard when only replicated); a plain replicated model: DDP without a
+    pipeline, one flat all-reduce per step with one (stages run outside any wrapper). ``none``: nothing
+    meets (one replica, or ``single`` started several times)."""
+    mode = layout.data_parallel
+    if mode not in DATA_PARALLEL:
+        raise ConfigError(f"data_parallel={mode!r} is not valid; choose one of: {', '.join(DATA_PARALLEL)}")
+    if mode != "auto":
+        if mode == "ddp" and (dims.tp > 1 or dims.pp > 1 or dims.fsdp_size > 1):
+            raise ConfigError(f"data_parallel='ddp' replicates a plain module: it cannot combine with tp={dims.tp}, "
+                              f"pp={dims.pp}, dp_shard x cp={dims.fsdp_size}; use data_parallel=auto")
+        return mode
+    if dims.fsdp_size > 1 or (layout.uses_tp(dims) and dims.dp_size > 1):
+        return "fsdp"
+    if dims.dp_size == 1:
+        return "none"
+    return "all_reduce" if dims.pp > 1 else "ddp"
+
+
+@dataclass
+class Applied:
+    """What applying the parallelisms to one part produced (the strategy needs it for the step)."""
+
+    replicas: list[tuple[nn.Module, str]] = field(default_factory=list)  # tp: (owner, name) made replicated
+    steps: list[str] = field(default_factory=list)  # the APPLY_ORDER entries that did something
+
+
+def parallelize(part: nn.Module, roots: list[nn.Module], dims: ParallelDims, layout: Layout, mode: str,
+                plan: dict[str, Any] | None, autocast_dtype: torch.dtype | None, device_type: str) -> Applied:
+    """Apply every parallelism of ``layout`` to ``part`` (the module, or a pipeline rank's pruned module)
+    in ``APPLY_ORDER``. ``roots`` are what forward runs through (the step's router, or this rank's
+    pipeline stages): they get the TP view hooks and are the FSDP roots. ``plan`` None with tp > 1 means
+    the module's own ``parallelize(tp_mesh)``."""
+    applied = Applied()
+    if layout.uses_tp(dims):
+        tp_mesh = dims.get_mesh("tp")
+        tp_fn.apply_tensor_parallel(part, tp_mesh, plan)
+        applied.replicas = tp_fn.replicate_unplanned(part, tp_mesh)
+        for root in roots:
+            tp_fn.localize_replicas(root, applied.replicas)  # before fully_shard: see localize_replicas
+        applied.steps.append("tensor_parallel")
+    # activation checkpointing and compile: polytrain/parallel/activation_checkpointing.py and compile.py
+    # add their calls here, in this order (see the module docstring).
+    if mode == "fsdp":
+        apply_fsdp(part, roots, dims.get_mesh("fsdp"), autocast_dtype, layout.fsdp.wrap_modules,
+                   layout.fsdp.reshard_after_forward, layout.fsdp.cpu_offload, device_type)
+        applied.steps.append("data_parallel")
+    return applied
+
+
+def local_plan(module: nn.Module, plan: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The entries of ``plan`` that reach a submodule this rank still holds (a pipeline stage keeps
+    only its layers; the plan was checked against the whole module before the cut)."""
+    if plan is None:
+        return None
+    return {key: style for key, style in plan.items() if tp_fn.resolve_key(module, key)}

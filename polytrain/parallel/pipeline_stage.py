@@ -1,0 +1,125 @@
+"""The ``torch.distributed.pipelining`` side of pipeline parallelism: schedules by name, the stage
+class polytrain runs (with the fixes it needs across torch releases), and the plain point-to-point
+transfer evaluation uses (one whole batch through the stages, no schedule).
+
+``torch.distributed.pipelining`` costs a second to import: it loads through ``polytrain.core.lazy``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from polytrain.core import lazy
+from polytrain.core.errors import ConfigError
+
+# name -> (class in torch.distributed.pipelining.schedules, several stages per rank, stage placement)
+SCHEDULES: dict[str, tuple[str, bool, str]] = {
+    "gpipe": ("ScheduleGPipe", False, "loop"),
+    "1f1b": ("Schedule1F1B", False, "loop"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", True, "loop"),
+    "zero_bubble": ("ScheduleInterleavedZeroBubble", True, "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", True, "v"),
+}
+
+
+# Schedules that split each backward into an input-gradient and a weight-gradient pass. FSDP2 reduces
+# a unit's gradients from hooks that fire with the input gradients, before the weight pass has made
+# them (torch 2.11 and 2.15 alike): those layouts would train on partial gradients, so they are refused.
+SPLIT_BACKWARD = ("zero_bubble", "zbv")
+
+
+def check_schedule_with_fsdp(schedule: str) -> None:
+    if schedule in SPLIT_BACKWARD:
+        raise ConfigError(f"pipeline schedule={schedule!r} splits backward into input and weight passes, and FSDP "
+                          f"reduces a block's gradients before the weight pass has computed them; with dp_shard > 1 "
+                          f"(or tp with data parallelism) use gpipe, 1f1b or interleaved_1f1b, or keep {schedule} "
+                          f"without FSDP: tp alone, or replicas with data_parallel: all_reduce")
+
+
+def check_schedule_options(schedule: str, stages_per_rank: int, n_microbatches: int | None) -> None:
+    """The schedule's name and its stage/micro-batch counts, checked at config load (no torch import)."""
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"pipeline schedule={schedule!r} is not known; valid: {', '.join(SCHEDULES)}")
+    for key, value in (("n_microbatches", n_microbatches), ("stages_per_rank", stages_per_rank)):
+        if value is not None and value < 1:
+            raise ConfigError(f"pipeline {key}={value} must be at least 1")
+    if not SCHEDULES[schedule][1] and stages_per_rank != 1:
+        raise ConfigError(f"pipeline schedule={schedule!r} runs one stage per rank but stages_per_rank="
+                          f"{stages_per_rank}; use interleaved_1f1b, zero_bubble or zbv")
+    if schedule == "zbv" and stages_per_rank != 2:
+        raise ConfigError(f"pipeline schedule='zbv' needs stages_per_rank=2, got {stages_per_rank}")
+
+
+def schedule_class(name: str) -> type | None:
+    """The torch class for ``name``, or None where this torch build lacks it."""
+    return getattr(lazy.pipelining().schedules, SCHEDULES[name][0], None)
+
+
+def stage_owners(pp: int, n_stages: int, schedule: str) -> dict[int, int]:
+    """Stage index -> the pp rank that runs it (a loop, or zbv's V)."""
+    return lazy.pipelining()._utils.generate_stage_to_rank_mapping(pp, n_stages, SCHEDULES[schedule][2])
+
+
+_STAGE_CLASS: Any = None
+
+
+def stage_class() -> type:
+    """``PipelineStage`` with two adjustments, each dead where torch does not need it.
+
+    - torch < 2.12 sends one dummy tensor between neighbouring stages before the first step
+      (``_get_init_p2p_neighbors_ops``). When two neighbouring stages live on one rank (zbv puts
+      stages 1 and 2 on rank 1 of 2) that is a send to itself, which gloo cannot do ("Pair is not
+      connected"). A rank needs no channel to itself: those ops are dropped, both directions.
+    - torch >= 2.15 infers shapes with a probe step that calls the loss function on placeholder
+      outputs (``_backward_metadata_inference``). ``probing`` is True meanwhile, so a loss function
+      that runs user code (the user's ``training_step``) can answer the probe without running it.
+    """
+    global _STAGE_CLASS
+    if _STAGE_CLASS is None:
+
+        class _Stage(lazy.pipelining().PipelineStage):
+            probing = False
+
+            def _get_init_p2p_neighbors_ops(self) -> list[Any]:
+                ops = super()._get_init_p2p_neighbors_ops()
+                return [op for op in ops if getattr(op, "group_peer", None) != self.group_rank]
+
+            def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+                self.probing = True
+                try:
+                    return super()._backward_metadata_inference(*args, **kwargs)
+                finally:
+                    self.probing = False
+
+        _STAGE_CLASS = _Stage
+    return _STAGE_CLASS
+
+
+# --------------------------------------------------------------------------- evaluation transfers
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool]
+_HEADER = 10  # dtype, ndim, up to 8 sizes
+
+
+def send_tensor(x: torch.Tensor, dst: int, group: Any, device: torch.device) -> None:
+    if not isinstance(x, torch.Tensor) or x.ndim > _HEADER - 2:
+        raise TypeError(f"pipeline stages must pass one tensor of at most {_HEADER - 2} dims to the next stage; "
+                        f"got {type(x).__name__}{'' if not isinstance(x, torch.Tensor) else f' of {x.ndim} dims'}")
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0], header[1] = _DTYPES.index(x.dtype), x.ndim
+    header[2:2 + x.ndim] = torch.tensor(x.shape, dtype=torch.int64)
+    dist.send(header.to(device), dst=dst, group=group)
+    dist.send(x.contiguous(), dst=dst, group=group)
+
+
+def recv_tensor(src: int, group: Any, device: torch.device) -> torch.Tensor:
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src=src, group=group)
+    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+    x = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=device)
+    dist.recv(x, src=src, group=group)
+    return x

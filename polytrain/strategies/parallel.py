@@ -1,0 +1,384 @@
+"""``parallel``: every parallelism composed over one device mesh.
+
+    strategy: {name: parallel, pp: 2, tp: 2, dp_shard: 2}      # 8 processes
+
+Degrees ``dp_replicate x dp_shard x cp x tp x pp`` (one may be ``-1``: inferred) make one
+``ParallelDims``; ``parallel.apply`` applies the parallelisms to the model in one stated order
+(tensor parallel, activation checkpointing, compile, FSDP/HSDP) and, with ``pp > 1``, first cuts the
+module's ``nn.Sequential`` into stages that are each parallelised within their own sub-mesh
+(``strategies.pipelined``). The user's ``training_step`` and hooks run as under every other strategy.
+
+Today's strategy names are presets of this class (``single``, ``ddp``, ``fsdp``, ``model_parallel``
+tensor mode, ``pipeline``): each maps its own options to a ``Layout`` in ``compose`` and inherits
+everything else. See docs/strategies/composition.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from polytrain.checkpoint.io import CheckpointIO, ReplicatedCheckpointIO, ShardedCheckpointIO
+from polytrain.checkpoint.state import full_model_state, gathered_stage_state
+from polytrain.core.environment import ClusterEnvironment
+from polytrain.core.errors import ConfigError
+from polytrain.core.options import check_choice
+from polytrain.core.process_group import default_backend, init_process_group, resolve_device
+from polytrain.data.padding import EvalBatches, PaddingState
+from polytrain.layers.sync_batchnorm import convert_sync_batchnorm
+from polytrain.parallel import tensor_parallel as tp_fn
+from polytrain.parallel.apply import (
+    DATA_PARALLEL,
+    FSDPSettings,
+    Layout,
+    PipelineSettings,
+    data_parallel_mode,
+    local_plan,
+    parallelize,
+)
+from polytrain.parallel.context_parallel import check_context_parallel, context_parallel_step
+from polytrain.parallel.ddp import ddp_kwargs, forward_without_reducer, prepare_manual_backward
+from polytrain.parallel.dtensor_optim import support_fused_sgd
+from polytrain.parallel.fsdp import (
+    broadcast_module,
+    clip_sharded_grad_norm,
+    materialize_meta,
+    no_gradient_sync,
+)
+from polytrain.parallel.pipeline_stage import (
+    SCHEDULES,
+    check_schedule_options,
+    check_schedule_with_fsdp,
+    schedule_class,
+)
+from polytrain.strategies.base import StepResult, StepRouter, Strategy
+from polytrain.strategies.pipelined import PipelineRunner
+from polytrain.strategies.registry import register
+from polytrain.strategies.sharded_eval import padded_eval_step
+
+
+@dataclass
+class ParallelOptions:
+    dp_replicate: int = 1  # replicas (HSDP across them when sharded); -1: inferred
+    dp_shard: int = -1  # FSDP degree; -1: whatever the other degrees leave of the world
+    tp: int = 1  # tensor parallel (the module's tensor_parallel_plan() or parallelize(tp_mesh))
+    pp: int = 1  # pipeline stages' ranks (the module's nn.Sequential is cut)
+    cp: int = 1  # context parallel (sequence split; CUDA with flash/efficient attention only)
+    data_parallel: str = "auto"  # auto | fsdp | ddp | all_reduce: how gradients meet across data ranks
+    # --- pipeline (pp > 1)
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble | zbv
+    n_microbatches: int | None = None  # None: the number of stages
+    stages_per_rank: int = 1
+    split_points: list[int] | None = None  # first child index of stages 1..n-1; None: balanced by parameters
+    sequential: str | None = None  # attribute holding the nn.Sequential; None: the only one
+    # --- FSDP (dp_shard x cp > 1, or under tp with dp > 1)
+    wrap_modules: list[str] | None = None
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    sync_batchnorm: bool = False
+    backend: str | None = None  # None: nccl on CUDA, gloo on CPU
+
+    def __post_init__(self) -> None:
+        check_choice(self.data_parallel, DATA_PARALLEL, "parallel data_parallel")
+        check_schedule_options(self.schedule, self.stages_per_rank, self.n_microbatches)
+        if self.cp != 1:
+            check_context_parallel(self.cp)
+
+
+@register
+class ParallelStrategy(Strategy):
+    name = "parallel"
+    Options = ParallelOptions
+
+    def __init__(self, options: Any, *, dims: Any = None, checkpoint_io: CheckpointIO | None = None,
+                 **kwargs: Any) -> None:
+        self.layout: Layout = self.compose(options, kwargs["num_nodes"])
+        env: ClusterEnvironment = kwargs["env"]
+        dims = dims if dims is not None else self.layout.dims(env.world_size, env.global_rank)
+        self.data_parallel = data_parallel_mode(self.layout, dims)  # fsdp | ddp | all_reduce | none
+        self._tp = self.layout.uses_tp(dims)  # the module's plan is applied
+        if dims.pp > 1 and self.data_parallel == "fsdp":
+            check_schedule_with_fsdp(self.layout.pipeline.schedule)
+        super().__init__(options, dims=dims, checkpoint_io=checkpoint_io, **kwargs)
+        self.pipeline: PipelineRunner | None = None
+        self._padding = PaddingState()
+        self._init_rng: torch.Tensor | None = None
+
+    @classmethod
+    def compose(cls, options: Any, num_nodes: int) -> Layout:
+        """This strategy's options as a ``Layout`` (presets override this and nothing else of substance)."""
+        o = options
+        return Layout(dp_replicate=o.dp_replicate, dp_shard=o.dp_shard, tp=o.tp, pp=o.pp, cp=o.cp,
+                      data_parallel=o.data_parallel, backend=o.backend, sync_batchnorm=o.sync_batchnorm,
+                      fsdp=FSDPSettings(o.wrap_modules, o.reshard_after_forward, o.cpu_offload),
+                      pipeline=PipelineSettings(o.schedule, o.n_microbatches, o.stages_per_rank, o.split_points,
+                                                o.sequential))
+
+    @classmethod
+    def parallel_dims(cls, options: Any, env: ClusterEnvironment, num_nodes: int) -> Any:
+        return cls.compose(options, num_nodes).dims(env.world_size, env.global_rank)
+
+    @classmethod
+    def check_options(cls, options: Any, device_type: str) -> None:
+        layout = cls.compose(options, 1)
+        if layout.cp != 1:
+            check_context_parallel(layout.cp, device_type)
+        if layout.pp != 1 and (layout.data_parallel == "fsdp" or layout.dp_shard > 1 or layout.cp > 1):
+            check_schedule_with_fsdp(layout.pipeline.schedule)  # the rest is known with the world size
+
+    def default_checkpoint_io(self) -> CheckpointIO:
+        sharded = self.data_parallel == "fsdp" or self._tp or self.dims.pp > 1
+        return ShardedCheckpointIO() if sharded else ReplicatedCheckpointIO()
+
+    # ------------------------------------------------------------------ topology (all from self.dims)
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp_size
+
+    @property
+    def dp_group(self) -> Any:
+        if self.dims.dp_size == self.world_size:
+            return None  # the data-parallel group is the world
+        return self.dims.get_mesh("dp").get_group()
+
+    @property
+    def pp_rank(self) -> int:
+        return self.dims.pp_rank
+
+    @property
+    def pp_size(self) -> int:
+        return self.dims.pp
+
+    @property
+    def pp_group(self) -> Any:
+        return self.dims.get_mesh("pp").get_group()
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pipeline is None or self.pipeline.is_last_stage
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """Pipeline: the last stage's first data-parallel replica (tp/cp rank 0): it holds the loss."""
+        if self.pipeline is None:
+            return self.is_global_zero
+        d = self.dims
+        return self.pipeline.is_last_stage and d.dp_rank == 0 and d.tp_rank == 0 and d.cp_rank == 0
+
+    @property
+    def fsdp_mesh(self) -> Any:
+        """1-D (shard) mesh, or 2-D (replicate, shard) for HSDP, as ``fully_shard`` expects."""
+        return self.dims.get_mesh("fsdp")
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.pipeline.n_microbatches
+
+    def check_batch_size(self, batch_size: int, where: str) -> None:
+        self.pipeline.check_batch_size(batch_size, where)
+
+    # ------------------------------------------------------------------ setup
+    def setup_environment(self) -> None:
+        layout, dims = self.layout, self.dims
+        if dims.pp > 1 and schedule_class(layout.pipeline.schedule) is None:
+            # Checked here, not in the options: importing torch's pipelining costs a second.
+            raise ConfigError(f"pipeline schedule={layout.pipeline.schedule!r} needs torch.distributed.pipelining."
+                              f"{SCHEDULES[layout.pipeline.schedule][0]}, which torch {torch.__version__} lacks")
+        index = layout.device_index if layout.device_index is not None else self.local_rank
+        self._device = resolve_device(self.accelerator, index)
+        if self.precision.name == "16-mixed" and (dims.pp > 1 or self._tp):
+            what = "the pipeline strategy (each stage's GradScaler would skip steps on its own)" if dims.pp > 1 else \
+                "tensor parallelism (a GradScaler over sharded gradients)"
+            raise ConfigError(f"precision '16-mixed' is not supported by {what}; use precision 'bf16-mixed' or '32'")
+        if dims.cp > 1:
+            check_context_parallel(dims.cp, self._device.type)
+        if self.world_size > 1:
+            self.join_process_group()
+        if dims.pp > 1:
+            self.pipeline = PipelineRunner(self, layout.pipeline, dims)
+
+    def join_process_group(self) -> None:
+        """Join the job's process group and build the mesh (idempotent). Several processes join in
+        ``setup_environment``; one alone joins in ``setup_module``, after the module's plan was read."""
+        if not self.layout.process_group:
+            return
+        init_process_group(self.env, self.layout.backend or default_backend(self._device), self.timeout)
+        self.dims.build_mesh(self._device.type)
+
+    def model_init_context(self) -> contextlib.AbstractContextManager:
+        if not self._meta_init:
+            return contextlib.nullcontext()
+        # Layers built in configure_model land on the meta device (no memory); setup_module then
+        # allocates only this rank's shards and initialises them from this RNG state.
+        self._init_rng = torch.get_rng_state()
+        return torch.device("meta")
+
+    @property
+    def _meta_init(self) -> bool:
+        if self.layout.meta_init is not None:
+            return self.layout.meta_init
+        return self.data_parallel == "fsdp" and not self._tp and self.dims.pp == self.dims.cp == 1
+
+    @property
+    def _state_device(self) -> torch.device:
+        return torch.device("cpu") if self.layout.fsdp.cpu_offload else self.root_device
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        dims, mode = self.dims, self.data_parallel
+        plan = tp_fn.module_plan(module) if self._tp else None  # read before any rendezvous
+        if self.pipeline is not None:
+            self.pipeline.check_module(module)
+        self.join_process_group()
+        module = self.precision.convert_module(module)
+        if self.layout.sync_batchnorm:
+            module = convert_sync_batchnorm(module, self.dp_group if mode == "fsdp" else None)
+        on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+        if mode != "ddp" and self.world_size > 1:
+            broadcast_module(module, self.collective_device)  # as DDP: every rank starts from rank 0's weights
+        if self.pipeline is not None:
+            roots = self.pipeline.split(module, self.is_global_zero)  # this rank keeps its stages only
+            plan = local_plan(module, plan)
+        if not on_meta:
+            module.to(self._state_device)  # else fully_shard moves what is not on meta
+        router = StepRouter(module)
+        if self.pipeline is None:
+            roots = [router]
+        parallelize(module, roots, dims, self.layout, mode, plan, self.precision.autocast_dtype,
+                    self.root_device.type)
+        if on_meta:
+            materialize_meta(module, self._state_device, self._init_rng)
+        self.module, self.model = module, router
+        if mode == "ddp":
+            self.model = DistributedDataParallel(router, **ddp_kwargs(self.layout.ddp, self.root_device))
+        if self.pipeline is not None:
+            self.pipeline.build(module, self.root_device)
+        return self.model
+
+    def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+        if self.data_parallel == "fsdp" or self._tp:
+            support_fused_sgd(optimizers)  # every parameter is a DTensor
+        return super().setup_optimizers(optimizers)
+
+    # ------------------------------------------------------------------ data
+    @property
+    def _eval_padding(self) -> PaddingState | None:
+        """Set when every evaluation forward gathers over the data-parallel group (FSDP)."""
+        if self.data_parallel != "fsdp":
+            return None
+        return self.pipeline.padding if self.pipeline is not None else self._padding
+
+    def process_dataloader(self, loader: DataLoader, stage: str, seed: int, use_sampler: bool | str) -> Any:
+        loader = super().process_dataloader(loader, stage, seed, use_sampler)  # split over dp only
+        if stage == "train":
+            if self.pipeline is not None:
+                self.pipeline.check_train_loader(loader)
+            return loader
+        padding = self._eval_padding
+        # FSDP gathers in every forward: data ranks must run as many evaluation batches as each other.
+        return loader if padding is None else EvalBatches(loader, padding, self.collective_device)
+
+    # ------------------------------------------------------------------ step
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.pipeline is not None:
+            raise ConfigError("manual optimisation (training_step driving the optimizers) is not supported under "
+                              "pipeline parallelism: the schedule owns forward and backward; use automatic "
+                              "optimisation")
+        if self.dims.cp > 1:
+            with context_parallel_step(self.dims.get_mesh("cp"), self.module, batch):
+                return super().training_step(batch, batch_idx)
+        if self.data_parallel != "ddp" or self.module.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        # Manual optimisation: DDP's reducer is readied before each manual_backward, never by its forward.
+        with forward_without_reducer(self.model):
+            return super().training_step(batch, batch_idx)
+
+    def prepare_manual_backward(self, loss: torch.Tensor) -> None:
+        if self.data_parallel == "ddp":
+            prepare_manual_backward(self.model, loss)
+
+    def forward_backward(self, batch: Any, batch_idx: int, accumulate: int = 1,
+                         zero_grad: Callable[[], None] | None = None) -> StepResult:
+        if self.pipeline is not None:
+            return self.pipeline.forward_backward(batch, batch_idx, accumulate, zero_grad)
+        return super().forward_backward(batch, batch_idx, accumulate, zero_grad)
+
+    def eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
+        if self.pipeline is not None:
+            return self.pipeline.eval_step(stage, batch, batch_idx)
+        if self.data_parallel == "fsdp":
+            # Through the sharded root (its forward gathers parameters): every rank runs as many
+            # evaluation forwards as the others (process_dataloader's EvalBatches).
+            return padded_eval_step(self, self._padding, stage, batch, batch_idx)
+        if self._tp:
+            # Through the router (no collectives of its own): its hook makes the replicated parameters
+            # local views for the whole step, as in training.
+            with self.precision.forward_context():
+                return self.model(f"{stage}_step", batch, batch_idx)
+        return super().eval_step(stage, batch, batch_idx)
+
+    def no_backward_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        if not enabled:
+            return contextlib.nullcontext()
+        if self.pipeline is not None:
+            # With FSDP in the stages torch's stage defers the reduction to the schedule's last
+            # micro-batch by itself (and each step's reduce-scatter adds to the sharded gradients).
+            return self.pipeline.no_sync() if self.data_parallel == "all_reduce" else contextlib.nullcontext()
+        if self.data_parallel == "ddp":
+            return self.model.no_sync()
+        if self.data_parallel == "fsdp":
+            return no_gradient_sync(self.model)
+        return contextlib.nullcontext()
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> torch.Tensor | None:
+        if algorithm == "value":
+            return super().clip_gradients(optimizer, value, algorithm)  # elementwise: shards are fine
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self._tp or self.pipeline is not None:
+            tp_fn.reduce_partial_grads(params)  # idempotent: clipping by hand under manual optimisation
+            return tp_fn.clip_grad_norm(params, value, self.pp_group if self.pipeline is not None else None)
+        if self.data_parallel == "fsdp":
+            return clip_sharded_grad_norm(optimizer, value)
+        return super().clip_gradients(optimizer, value, algorithm)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
+                       after_closure: Callable[[], None]) -> Any:
+        if not self._tp:
+            return super().optimizer_step(optimizer, closure, after_closure)
+
+        def reduce_then_after_closure() -> None:
+            # After backward, before the hooks and clipping: Partial gradients (sequence parallel) summed once.
+            tp_fn.reduce_partial_grads([p for group in optimizer.param_groups for p in group["params"]])
+            after_closure()
+
+        return super().optimizer_step(optimizer, closure, reduce_then_after_closure)
+
+    # ------------------------------------------------------------------ checkpoints and teardown
+    def module_state_dict(self) -> dict[str, Any]:
+        """The full model as CPU tensors on rank 0 (others: ``{}``) when sharded or pipelined (a
+        collective: every rank calls it); the module's own state dict when replicated."""
+        if self.pipeline is not None:
+            return gathered_stage_state(self.module, self.is_global_zero)
+        if self.data_parallel == "fsdp" or self._tp:
+            return full_model_state(self.module)
+        return self.module.state_dict()
+
+    @property
+    def state_dict_is_module_state(self) -> bool:
+        return self.pipeline is None and self.data_parallel != "fsdp" and not self._tp
+
+    def teardown(self) -> None:
+        super().teardown()
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()

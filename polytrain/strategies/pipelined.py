@@ -1,0 +1,371 @@
+"""Pipeline parallelism inside the composed strategy (``parallel``, and its ``pipeline`` preset).
+
+The module's ``nn.Sequential`` is cut into stages (``parallel.pipeline_split``); each rank keeps only
+its stages' children under their original names (checkpoints match every other layout's), and the
+composed strategy then parallelises what it kept inside this stage's sub-mesh (tensor parallel, FSDP:
+``parallel.apply``). A ``torch.distributed.pipelining`` schedule runs the micro-batches.
+
+The loss on the last stage, per micro-batch, comes from one of two steps (``PipelineSettings.step``):
+
+- ``training_step`` (the default of ``parallel``): the user's own ``training_step`` on that micro-batch
+  of the batch, with the pipelined Sequential replaced by a stand-in returning the micro-batch's
+  stage output. What it logs is recorded, averaged over the micro-batches and logged once on every
+  stage, so every rank's callbacks see what one device's would. The first stage finds the
+  Sequential's input the same way: it runs the step until the step calls the Sequential.
+- ``pipeline_loss`` (the ``pipeline`` preset, its contract since it exists): batches are ``(inputs,
+  targets)`` and the last stage calls ``module.pipeline_loss(outputs, targets)``; ``train/loss`` is
+  logged on every rank.
+
+Evaluation runs the user's step on the last stage with the stand-in (the whole batch through the
+stages, point to point); what it logs is copied to the other stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from polytrain.core import collectives as C
+from polytrain.core.errors import ConfigError
+from polytrain.core.protocol import SilentRecords, captured_logs, extract_loss, muted_logs, recorded_logs
+from polytrain.data.padding import PaddingState
+from polytrain.parallel import pipeline_split as S
+from polytrain.parallel.apply import PipelineSettings
+from polytrain.parallel.dims import ParallelDims
+from polytrain.parallel.pipeline_stage import (
+    SCHEDULES,
+    recv_tensor,
+    schedule_class,
+    send_tensor,
+    stage_class,
+    stage_owners,
+)
+from polytrain.strategies.base import PADDING_BATCH, StepResult, Strategy
+
+log = logging.getLogger("polytrain")
+
+
+class _Captured(Exception):
+    """Raised by the input stand-in: the step got as far as calling the Sequential."""
+
+
+class _StandIn(nn.Module):
+    """Takes the pipelined Sequential's place while a user's step runs: returns ``output`` (the stage
+    output of this micro-batch), or, with ``output`` None, records its input and stops the step."""
+
+    def __init__(self, output: Any, seq_name: str) -> None:
+        super().__init__()
+        self.output, self.seq_name, self.calls, self.input = output, seq_name, 0, None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.output is None:
+            if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+                raise TypeError(f"self.{self.seq_name} must be called with one tensor under pipeline parallelism "
+                                f"(it flows between stages); got {len(args)} argument(s) and {sorted(kwargs)}")
+            self.input = args[0]
+            raise _Captured
+        if self.calls > 1:
+            raise RuntimeError(f"the step called self.{self.seq_name} {self.calls} times; under pipeline "
+                               f"parallelism the Sequential runs once per batch (per micro-batch in training)")
+        return self.output
+
+
+def _leading_size(batch: Any) -> int:
+    """The batch size: dimension 0 of the first tensor in the batch."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        size = _leading_size(value)
+        if size >= 0:
+            return size
+    return -1
+
+
+def _rows(batch: Any, start: int, stop: int, size: int) -> Any:
+    """Rows ``start:stop`` of every tensor in ``batch`` whose dimension 0 is the batch size."""
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop] if batch.ndim and batch.shape[0] == size else batch
+    if isinstance(batch, (list, tuple)):
+        rows = [_rows(x, start, stop, size) for x in batch]
+        return type(batch)(*rows) if hasattr(batch, "_fields") else type(batch)(rows)
+    if isinstance(batch, dict):
+        return {k: _rows(v, start, stop, size) for k, v in batch.items()}
+    return batch
+
+
+def _signature(batch: Any) -> tuple:
+    if isinstance(batch, torch.Tensor):
+        return (tuple(batch.shape), batch.dtype)
+    if isinstance(batch, dict):
+        return tuple((k, _signature(v)) for k, v in batch.items())
+    if isinstance(batch, (list, tuple)):
+        return tuple(_signature(x) for x in batch)
+    return ()
+
+
+def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(batch, (list, tuple)) and len(batch) == 2):
+        kind = f"{type(batch).__name__} of {len(batch)}" if isinstance(batch, (list, tuple)) else type(batch).__name__
+        raise TypeError(f"the pipeline strategy needs batches of (inputs, targets); got a {kind}. Return pairs "
+                        f"from the dataset/collate_fn")
+    return batch[0], batch[1]
+
+
+class PipelineRunner:
+    """The pipeline half of a composed strategy: the cut, the schedules, the step and evaluation."""
+
+    def __init__(self, strategy: Strategy, settings: PipelineSettings, dims: ParallelDims) -> None:
+        self.strategy, self.settings, self.dims = strategy, settings, dims
+        self.n_stages = dims.pp * settings.stages_per_rank
+        self.n_microbatches = settings.n_microbatches or self.n_stages
+        self.owner = stage_owners(dims.pp, self.n_stages, settings.schedule)
+        self.local_stages = [s for s in range(self.n_stages) if self.owner[s] == dims.pp_rank]
+        self.is_last_stage = self.owner[self.n_stages - 1] == dims.pp_rank
+        self.pp_ranks = dims.group_ranks("pp")  # global rank of each stage rank
+        self.last_rank = self.pp_ranks[self.owner[self.n_stages - 1]]
+        self.sync_grads = True
+        self.padding = PaddingState()
+
+    @property
+    def pp_group(self) -> Any:
+        return self.dims.get_mesh("pp").get_group()
+
+    # ------------------------------------------------------------------ the cut
+    def check_module(self, module: nn.Module) -> None:
+        if self.settings.step == "pipeline_loss" and not callable(getattr(module, "pipeline_loss", None)):
+            raise ConfigError(f"{type(module).__name__} needs pipeline_loss(self, outputs, targets) -> Tensor for "
+                              f"the pipeline strategy: the loss of the Sequential's outputs, run on the last stage")
+        self.seq_name, seq = S.find_sequential(module, self.settings.sequential)
+        S.check_params_inside(module, self.seq_name)
+
+    def split(self, module: nn.Module, is_global_zero: bool) -> list[nn.Module]:
+        """Prune ``module`` to this rank's stages; returns the stage modules (the kept children)."""
+        seq = getattr(module, self.seq_name)
+        costs = S.child_costs(seq)
+        points = (S.check_split_points(self.settings.split_points, len(seq), self.n_stages)
+                  if self.settings.split_points is not None else S.balance(costs, self.n_stages))
+        children = S.stage_children(seq, points)
+        S.check_no_shared_across_ranks(self.seq_name, seq, children, self.owner)
+        if is_global_zero:
+            log.info("pipeline %s over pp=%d x dp=%d: %s", self.settings.schedule, self.dims.pp, self.dims.dp_size,
+                     S.describe(self.seq_name, children, costs))
+        S.prune(seq, {n for s in self.local_stages for n in children[s]})
+        self.stage_modules = {s: S.stage_module(seq, children[s]) for s in self.local_stages}
+        return list(self.stage_modules.values())
+
+    def build(self, module: nn.Module, device: torch.device) -> None:
+        self.module, self.device = module, device
+        self.stages: list[Any] = []  # of every schedule: torch's shape probe may run in any of them
+        self._schedules: dict[tuple[Any, ...], Any] = {}
+        self._spare = self._new_schedule()  # built now so a bad n_microbatches fails before any data
+
+    def _schedule(self, key: tuple[Any, ...]) -> Any:
+        """One schedule per batch shape: stages fix their buffers' shapes on their first step."""
+        if key not in self._schedules:
+            self._schedules[key] = self._spare or self._new_schedule()
+            self._spare = None
+        return self._schedules[key]
+
+    def _new_schedule(self) -> Any:
+        stages = [stage_class()(self.stage_modules[s], s, self.n_stages, self.device, group=self.pp_group)
+                  for s in self.local_stages]
+        self.stages += stages
+        name = self.settings.schedule
+        try:
+            # scale_grads=False: the loss is scaled instead, so gradients accumulated over several
+            # trainer micro-batches are not divided again.
+            return schedule_class(name)(stages if SCHEDULES[name][1] else stages[0],
+                                        n_microbatches=self.n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        except ValueError as err:
+            raise ConfigError(f"pipeline schedule={name!r} with n_microbatches={self.n_microbatches}, pp="
+                              f"{self.dims.pp}, stages_per_rank={self.settings.stages_per_rank}: {err}") from None
+
+    # ------------------------------------------------------------------ data
+    def check_batch_size(self, batch_size: int, where: str) -> None:
+        m = self.n_microbatches
+        if batch_size % m:
+            fits = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+            raise ValueError(
+                f"n_microbatches={m} does not divide the per-rank batch size {batch_size} ({where}; global "
+                f"batch = {batch_size} x dp={self.dims.dp_size}). Choose n_microbatches in {fits} or a batch size "
+                f"divisible by {m}"
+            )
+
+    def check_train_loader(self, loader: Any) -> None:
+        """Every training batch (the last, short one too) splits into ``n_microbatches``."""
+        if not (isinstance(loader, DataLoader) and loader.batch_size):
+            return
+        self.check_batch_size(loader.batch_size, "train DataLoader batch_size")
+        with contextlib.suppress(TypeError):
+            tail = len(loader.sampler) % loader.batch_size
+            if tail and not loader.drop_last:
+                self.check_batch_size(tail, f"the last batch of each epoch holds {tail} of {len(loader.sampler)} "
+                                            f"samples; or set drop_last=True")
+
+    # ------------------------------------------------------------------ step
+    def forward_backward(self, batch: Any, batch_idx: int, accumulate: int,
+                         zero_grad: Callable[[], None] | None) -> StepResult:
+        s = self.strategy
+        user_step = self.settings.step == "training_step"
+        if user_step:
+            size, key = _leading_size(batch), _signature(batch)
+            inputs = self._stage_input("training_step", batch, batch_idx) if 0 in self.local_stages else None
+            if inputs is not None and inputs.shape[0] != size:
+                raise ValueError(f"self.{self.seq_name} was called on {inputs.shape[0]} rows of a batch of {size}; "
+                                 f"under pipeline parallelism its input must hold one row per sample")
+            targets = torch.arange(size)  # the last stage's loss finds its micro-batch's rows by index
+        else:
+            inputs, targets = split_batch(batch)
+            size, key = inputs.shape[0], (tuple(inputs.shape), inputs.dtype)
+        self.check_batch_size(size, f"batch {batch_idx}")
+        schedule = self._schedule(key)
+        if zero_grad is not None:
+            zero_grad()
+        self._loss_factor = 1.0 / (accumulate * self.n_microbatches)
+        self._batch, self._batch_idx, self._records = batch, batch_idx, SilentRecords()
+        losses: list[torch.Tensor] = []  # one per micro-batch, as scaled by _loss_fn
+        with s.precision.forward_context():
+            schedule.step(*((inputs,) if 0 in self.local_stages else ()),
+                          target=targets if self.is_last_stage else None, losses=losses, return_outputs=False)
+        self._batch = None
+        if self.is_last_stage:
+            local = torch.stack([x.detach() for x in losses]).sum() * accumulate  # = mean of the raw losses
+        else:
+            local = torch.zeros((), device=s.root_device)
+        loss = C.broadcast(local.float(), self.last_rank, self.pp_group)
+        if self.sync_grads and s.data_parallel == "all_reduce":
+            self.average_grads_over_dp()
+        if user_step:
+            self.share_logged(_mean_records(self._records), log_here=True)
+            s.call_hook("on_before_backward", loss)  # forward and backward interleave inside the schedule
+        s.call_hook("on_after_backward")
+        if not user_step and hasattr(s.module, "log"):
+            s.module.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        return StepResult(loss / accumulate if accumulate != 1 else loss, loss)
+
+    def _loss_fn(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.settings.step == "pipeline_loss":
+            return self.module.pipeline_loss(outputs, targets) * self._loss_factor
+        if any(stage.probing for stage in self.stages) or self._batch is None:
+            return outputs.float().sum() * 0.0  # torch's shape probe on placeholder outputs: no user code
+        size = _leading_size(self._batch)
+        start, stop = int(targets[0]), int(targets[-1]) + 1
+        micro = _rows(self._batch, start, stop, size)
+        with recorded_logs(self.module, self._records), self._sequential_as(outputs):
+            output = self.module.training_step(micro, self._batch_idx)
+        loss = extract_loss(output)
+        if loss is None:
+            raise RuntimeError("training_step returned None under pipeline parallelism: every micro-batch of a "
+                               "batch must give a loss (all stages run the batch's schedule together)")
+        return loss * self._loss_factor
+
+    def _stage_input(self, step: str, batch: Any, batch_idx: int) -> torch.Tensor:
+        """What the user's ``step`` feeds the Sequential: the step runs until it calls it (logs muted)."""
+        stand_in = _StandIn(None, self.seq_name)
+        with muted_logs(self.module), self._sequential_as(stand_in), torch.no_grad():
+            with contextlib.suppress(_Captured), self.strategy.precision.forward_context():
+                getattr(self.module, step)(batch, batch_idx)
+        if stand_in.input is None:
+            raise RuntimeError(f"{type(self.module).__name__}.{step} returned without calling self.{self.seq_name}: "
+                               f"under pipeline parallelism the first stage needs the Sequential's input")
+        return stand_in.input
+
+    @contextlib.contextmanager
+    def _sequential_as(self, stand_in: Any) -> Iterator[None]:
+        modules = self.module._modules
+        seq = modules[self.seq_name]
+        modules[self.seq_name] = stand_in if isinstance(stand_in, nn.Module) else _StandIn(stand_in, self.seq_name)
+        try:
+            yield
+        finally:
+            modules[self.seq_name] = seq
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.sync_grads = False
+        try:
+            yield
+        finally:
+            self.sync_grads = True
+
+    def average_grads_over_dp(self) -> None:
+        """One flat all-reduce per dtype over this stage's replicas (ranks with the same pp rank)."""
+        group = self.dims.get_mesh("dp").get_group()
+        if not C.active(group):
+            return
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        for dtype in {g.dtype for g in grads}:
+            same = [g for g in grads if g.dtype == dtype]
+            flat = C.all_reduce(torch._utils._flatten_dense_tensors(same), "mean", group)
+            for g, synced in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
+                g.copy_(synced)
+
+    # ------------------------------------------------------------------ evaluation
+    def eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
+        """Every rank of the pipeline runs this with the same batch; the last stage runs the user's step."""
+        s, step = self.strategy, f"{stage}_step"
+        if self.settings.step == "training_step":
+            inputs = self._stage_input(step, batch, batch_idx) if 0 in self.local_stages else None
+        else:
+            inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+        with s.precision.forward_context():
+            output = self._forward_stages(inputs)
+        records: list[tuple[str, torch.Tensor, dict[str, Any]]] = []
+        result = None
+        padding = self.padding.active
+        if self.is_last_stage:
+            logs = muted_logs(self.module) if padding else captured_logs(self.module, records)
+            with logs, self._sequential_as(output), s.precision.forward_context():
+                result = getattr(self.module, step)(batch, batch_idx)
+        if padding:
+            return PADDING_BATCH
+        if stage != "predict":
+            self.share_logged(records, log_here=False)
+        return result
+
+    def _forward_stages(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """The whole batch through this rank's stages in order, activations sent between ranks."""
+        group, ranks, device = self.pp_group, self.pp_ranks, self.strategy.root_device
+        for s in self.local_stages:
+            if s > 0 and self.owner[s - 1] != self.dims.pp_rank:
+                x = recv_tensor(ranks[self.owner[s - 1]], group, device)
+            x = self.stage_modules[s](x)
+            if s < self.n_stages - 1 and self.owner[s + 1] != self.dims.pp_rank:
+                send_tensor(x, ranks[self.owner[s + 1]], group, device)
+        return x if self.is_last_stage else None
+
+    def share_logged(self, records: list[tuple[str, torch.Tensor, dict[str, Any]]], log_here: bool) -> None:
+        """Copy what the last stage logged to the other stages (and log it there too when ``log_here``),
+        so every rank holds the same metrics."""
+        device = self.strategy.root_device
+        if C.active(self.pp_group):
+            described = C.broadcast_object([(name, kwargs) for name, _, kwargs in records], self.last_rank,
+                                           self.pp_group)
+        else:
+            described = [(name, kwargs) for name, _, kwargs in records]
+        if not described:
+            return
+        packed = (torch.stack([v.to(device) for _, v, _ in records]) if self.is_last_stage
+                  else torch.zeros(len(described), device=device))
+        packed = C.broadcast(packed, self.last_rank, self.pp_group)
+        if log_here or not self.is_last_stage:
+            for (name, kwargs), value in zip(described, packed.unbind(0)):
+                self.module.log(name, value, **kwargs)
+
+
+def _mean_records(records: SilentRecords) -> list[tuple[str, torch.Tensor, dict[str, Any]]]:
+    """Each logged name once: the mean of its micro-batch values (one device logs the whole batch's
+    value; for a mean over equal micro-batches that is their mean), with its first call's options."""
+    merged: dict[str, tuple[list[torch.Tensor], dict[str, Any]]] = {}
+    for name, value, kwargs in records:
+        merged.setdefault(name, ([], kwargs))[0].append(value)
+    return [(name, torch.stack(values).mean(), kwargs) for name, (values, kwargs) in merged.items()]
