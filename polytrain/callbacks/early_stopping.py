@@ -73,7 +73,8 @@ class EarlyStopping(Callback):
                 print(f"EarlyStopping at epoch {trainer.current_epoch}: {self.reason}", flush=True)
 
     def on_validation_end(self, trainer: Any, module: Any) -> None:
-        if not self.check_on_train_epoch_end and trainer.stage == "fit":
+        # Not in the sanity check (its metrics are dropped), nor in a standalone validate(): as Lightning.
+        if not self.check_on_train_epoch_end and trainer.stage == "fit" and not trainer.sanity_checking:
             self._check(trainer)
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
