@@ -60,6 +60,8 @@ class EarlyStopping(Callback):
         return False, ""
 
     def _check(self, trainer: Any) -> None:
+        if getattr(trainer, "fast_dev_run", False):
+            return  # as Lightning: fast_dev_run checks the loops, it never stops early
         if self.monitor not in trainer.callback_metrics:
             raise KeyError(f"EarlyStopping monitors '{self.monitor}' but it was not logged; logged: "
                            f"{', '.join(sorted(trainer.callback_metrics)) or '(nothing)'}")

@@ -121,7 +121,7 @@ def restore_payload(trainer: Trainer, payload: dict[str, Any]) -> None:
 def ensure_run_dir(trainer: Trainer) -> None:
     """Create ``run_dir`` before the first step: an unwritable path then fails at once, with one
     clear error on every rank, instead of after an epoch inside a logger on one rank only."""
-    if not trainer.loggers and trainer.checkpoint_callback is None:
+    if (not trainer.loggers and trainer.checkpoint_callback is None) or trainer.config.fast_dev_run:
         return  # nothing will write there
     error = None
     if trainer.is_global_zero or trainer.is_logging_rank:

@@ -136,8 +136,9 @@ def resolve_path(trainer: Trainer, choice: str | None) -> str | None:
         callback = trainer.checkpoint_callback
         best = getattr(callback, "best_model_path", None)
         if not best:
-            raise ConfigError("ckpt_path='best' needs a ModelCheckpoint with a monitor that has saved a checkpoint; "
-                              "none has (pass a path, or 'last')")
+            why = "there is no ModelCheckpoint callback" if callback is None else "it has not saved a checkpoint yet"
+            raise ConfigError(f"ckpt_path='best' loads the best checkpoint of the ModelCheckpoint callback, but {why}; "
+                              f"fit with checkpointing enabled first (monitor=... ranks them), or pass a path or 'last'")
         return best
     return resolve_resume(choice, trainer.run_dir)
 
