@@ -80,8 +80,9 @@ def build_payload(trainer: Trainer, epoch_done: bool) -> dict[str, Any]:
     if datamodule is not None:
         payload["datamodule"] = {type(datamodule).__qualname__: datamodule.state_dict()}
         payload["datamodule_hyper_parameters"] = plain(dict(datamodule.hparams))
-    trainer.hooks.callbacks_only("on_save_checkpoint", payload)
-    module.on_save_checkpoint(payload)
+    with trainer.metrics.refusing("on_save_checkpoint"):
+        trainer.hooks.callbacks_only("on_save_checkpoint", payload)
+        module.on_save_checkpoint(payload)
     return payload
 
 

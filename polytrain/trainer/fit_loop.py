@@ -310,7 +310,8 @@ class EpochLoop:
             _request_val(t)
         if t.num_val_batches == 0:  # None: a loader without length, run until it ends
             return
-        t.hooks("on_validation_model_zero_grad")
+        with t.metrics.refusing("on_validation_model_zero_grad"):
+            t.hooks("on_validation_model_zero_grad")
         run_eval_pass(t, t.val_loader, "val", t.num_val_batches)
         self._agree_on_stop()  # e.g. EarlyStopping after a validation inside the epoch
 

@@ -175,14 +175,16 @@ def bind_transfer(trainer: Trainer) -> None:
         trainer.transfer_batch = strategy.batch_to_device
         return
     before, move, after = (chosen.get(n) for n in _TRANSFER_HOOKS)
+    refusing = trainer.metrics.refusing("a batch-transfer hook")
 
     def transfer(batch: Any, dataloader_idx: int = 0) -> Any:
-        if before is not None:
-            batch = before(batch, dataloader_idx)
-        if move is not None:
-            batch = strategy.precision.convert_input(move(batch, strategy.root_device, dataloader_idx))
-        else:
-            batch = strategy.batch_to_device(batch)
-        return after(batch, dataloader_idx) if after is not None else batch
+        with refusing:
+            if before is not None:
+                batch = before(batch, dataloader_idx)
+            if move is not None:
+                batch = strategy.precision.convert_input(move(batch, strategy.root_device, dataloader_idx))
+            else:
+                batch = strategy.batch_to_device(batch)
+            return after(batch, dataloader_idx) if after is not None else batch
 
     trainer.transfer_batch = transfer

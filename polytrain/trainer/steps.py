@@ -83,7 +83,8 @@ class StepMixin:
             self.skip_this_step = True
 
     def scheduler_step(self: Trainer, scheduler: Any, metric: Any) -> None:
-        self.module.lr_scheduler_step(scheduler, metric)
+        with self.metrics.refusing("lr_scheduler_step"):
+            self.module.lr_scheduler_step(scheduler, metric)
 
     # ------------------------------------------------------------------ metrics
     def publish(self: Trainer, values: dict[str, tuple[Logged, torch.Tensor]], step: int) -> None:
