@@ -20,7 +20,7 @@ class Logger(Callback):
 
     def on_log(self, trainer: Any, metrics: dict[str, float], step: int) -> None:
         if trainer.is_logging_rank and metrics:
-            self.log_metrics(metrics, step)
+            self.log_metrics({**metrics, "epoch": float(trainer.current_epoch)}, step)  # Lightning's epoch column
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
         if trainer.is_logging_rank:

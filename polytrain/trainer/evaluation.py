@@ -92,6 +92,7 @@ def _eval_batch(trainer: Trainer, stage: str, step_name: str, word: str, batch: 
         # unreduced: ranks may hold different numbers of evaluation batches, so no collective here.
         values = metrics.pop_step_values(sync=False)
         if not trainer.sanity_checking:
-            trainer.publish(values, trainer.eval_batches_seen)
-    trainer.eval_batches_seen += 1
+            trainer.publish(values, trainer.eval_batches_seen.get(trainer.stage, 0))
+    if not trainer.sanity_checking:  # as Lightning: each loop (fit's validation, validate, test) counts its own
+        trainer.eval_batches_seen[trainer.stage] = trainer.eval_batches_seen.get(trainer.stage, 0) + 1
     return output

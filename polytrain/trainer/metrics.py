@@ -111,6 +111,9 @@ class MetricCollector:
         # What callbacks see: tensors, the latest of every name (per step values are local until
         # a logging step syncs them). Dropped values of the sanity check never land here.
         self.callback: dict[str, torch.Tensor] = {}
+        # The training epoch's last per-step values (reduce_epoch keeps them): what Lightning's
+        # logged_metrics and progress_bar_metrics show after the epoch, logged or not on a logging step.
+        self.last_step_values: dict[str, tuple[Logged, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ recording
     def start_stage(self, stage: str | None, defaults: tuple[bool, bool] = (True, False)) -> None:
@@ -251,6 +254,16 @@ class MetricCollector:
                 self.callback[e.name] = v
                 if e.forked:
                     self.callback[e.epoch_name()] = v
+        if stage == "train":
+            self.last_step_values = {e.step_name(): (e, e.step_value) for e in results.values()
+                                     if e.on_step and e.step_value is not None}
+        elif stage in ("val", "test"):
+            # As Lightning: an evaluation's per-step values leave callback_metrics when it ends.
+            for e in results.values():
+                if e.on_step:
+                    self.callback.pop(e.step_name(), None)
+                    if not e.on_epoch:
+                        self.callback.pop(e.name, None)
         return out
 
     def discard(self, stage: str) -> None:

@@ -82,7 +82,7 @@ class Trainer(StepMixin):
         self.global_step = 0
         self.batch_in_epoch = 0
         self.batches_stepped = 0  # batches after which an optimizer stepped: the logging cadence
-        self.eval_batches_seen = 0
+        self.eval_batches_seen: dict[str, int] = {}  # per entry point: the step axis of evaluation step values
         self.should_stop = False
         self.sanity_checking = False
         self.accumulating = False  # manual optimisation: this batch is not the last of its window
