@@ -85,7 +85,8 @@ class TrainerConfig:
 
 @dataclass
 class RunConfig:
-    """A whole job: what to train (``module``), optional ``data``, and the ``trainer`` section."""
+    """A whole job: what to train (``module``), optional ``data`` (or ``datamodule:``, Lightning CLI's name), and
+    the ``trainer`` section."""
 
     module: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] | None = None
@@ -302,11 +303,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 def validate_run_config(data: dict[str, Any]) -> dict[str, Any]:
     data = dict(data)
     config_dir = data.pop("config_dir", None)
-    check_keys(data, ["module", "data", "trainer"], "config")
+    if "datamodule" in data:  # Lightning CLI's name for the section
+        if data.get("data") is not None:
+            raise ConfigError("config has both data: and datamodule: sections; they are the same thing (the "
+                              "DataModule to use), keep one")
+        data["data"] = data.pop("datamodule")
+    check_keys(data, ["module", "data", "datamodule", "trainer"], "config")
     if not data.get("module") or "_target_" not in data["module"]:
         raise ConfigError("config.module must name the TrainModule to train: module: {_target_: pkg.Class, ...}")
     for section in ("module", "data"):
-        if data.get(section) is not None and not isinstance(data[section], dict):
+        if data.get(section) is not None and not (isinstance(data[section], dict) and "_target_" in data[section]):
             raise ConfigError(f"config.{section} must be a mapping with a _target_ key")
     trainer = validate_trainer_config(data.get("trainer") or {})
     out = {"module": data["module"], "data": data.get("data"), "trainer": trainer_to_dict(trainer)}
