@@ -26,7 +26,7 @@ ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
 LAUNCHERS = ("auto", "elastic", "spawn", "fork", "none")
 CLIP_ALGORITHMS = ("norm", "value")
 NAN_POLICIES = ("error", "skip")
-LOGGERS = ("tensorboard", "csv")
+LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")  # mlflow/wandb: optional extras, polytrain[mlflow|wandb]
 # An anchor/alias "billion laughs" document is small on disk but huge once expanded.
 MAX_YAML_NODES = 100_000
 
