@@ -497,3 +497,13 @@ def test_profiler_is_accepted(tmp_path: Any, profiler: str) -> None:
     assert trainer.global_step == 9
     with pytest.raises(ConfigError, match="trainer.profiler"):
         Trainer(profiler="nonsense")
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_benchmark_sets_cudnn_benchmark(tmp_path: Any, value: bool) -> None:
+    saved = torch.backends.cudnn.benchmark
+    try:
+        fit(tmp_path, benchmark=value, limit_train_batches=1)
+        assert torch.backends.cudnn.benchmark is value
+    finally:
+        torch.backends.cudnn.benchmark = saved

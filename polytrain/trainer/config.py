@@ -62,6 +62,7 @@ class TrainerConfig:
     log_every_n_steps: int = 50
     seed: int | None = None  # None: polytrain leaves your RNG alone (docs/reproducibility.md)
     deterministic: bool = False
+    benchmark: bool | None = None  # torch.backends.cudnn.benchmark (None: leave it as it is)
     detect_anomaly: bool = False
     sync_batchnorm: bool = False  # cross-process BatchNorm, for strategies that have the option
     run_dir: str = "runs/default"

@@ -312,6 +312,8 @@ class Trainer(StepMixin):
                 spec, accelerator=plan.accelerator, devices=plan.devices, num_nodes=plan.num_nodes,
                 precision=self.config.precision, timeout=self.config.timeout, env=plan.env,
             )
+        if self.config.benchmark is not None:
+            torch.backends.cudnn.benchmark = self.config.benchmark
         if self.config.deterministic:
             enable_deterministic()
         if self.config.detect_divergence:
