@@ -507,3 +507,13 @@ def test_benchmark_sets_cudnn_benchmark(tmp_path: Any, value: bool) -> None:
         assert torch.backends.cudnn.benchmark is value
     finally:
         torch.backends.cudnn.benchmark = saved
+
+
+def test_a_lightning_scripts_top_level_names() -> None:
+    import polytrain as pl
+
+    assert pl.callbacks.ModelCheckpoint is ModelCheckpoint  # `pl.callbacks.X` without importing the subpackage
+    assert pl.seed_everything(42, workers=True) == 42 and os.environ["PL_GLOBAL_SEED"] == "42"
+    first = torch.rand(3)
+    assert pl.seed_everything() == 42  # None: PL_GLOBAL_SEED, as Lightning
+    assert torch.equal(torch.rand(3), first)
