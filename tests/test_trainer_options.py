@@ -509,8 +509,11 @@ def test_benchmark_sets_cudnn_benchmark(tmp_path: Any, value: bool) -> None:
         torch.backends.cudnn.benchmark = saved
 
 
-def test_a_lightning_scripts_top_level_names() -> None:
+def test_a_lightning_scripts_top_level_names(monkeypatch: Any) -> None:
     import polytrain as pl
+
+    for name in ("PL_GLOBAL_SEED", "POLYTRAIN_SEED"):
+        monkeypatch.setenv(name, "0")  # restored afterwards
 
     assert pl.callbacks.ModelCheckpoint is ModelCheckpoint  # `pl.callbacks.X` without importing the subpackage
     assert pl.seed_everything(42, workers=True) == 42 and os.environ["PL_GLOBAL_SEED"] == "42"
