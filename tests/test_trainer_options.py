@@ -520,3 +520,27 @@ def test_a_lightning_scripts_top_level_names(monkeypatch: Any) -> None:
     first = torch.rand(3)
     assert pl.seed_everything() == 42  # None: PL_GLOBAL_SEED, as Lightning
     assert torch.equal(torch.rand(3), first)
+
+
+class OneCycle(Recorder):
+    def configure_optimizers(self) -> Any:
+        total = self.trainer.estimated_stepping_batches
+        self.events.append(("estimated", total))
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [opt], [{"scheduler": torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=int(total)),
+                        "interval": "step"}]
+
+    def on_train_start(self) -> None:
+        self.events.append(("estimated", self.trainer.estimated_stepping_batches))
+
+
+@pytest.mark.parametrize(("options", "steps"), [
+    ({"max_epochs": 3}, 27), ({"max_epochs": 3, "accumulate_grad_batches": 2}, 15),  # ceil(9 / 2) per epoch
+    ({"max_epochs": 5, "max_steps": 7}, 7), ({"max_epochs": 2, "limit_train_batches": 0.5}, 8),
+])
+def test_estimated_stepping_batches_in_configure_optimizers(tmp_path: Any, options: dict, steps: int) -> None:
+    trainer, module = fit(tmp_path, OneCycle(), **options)
+    assert trainer.global_step == steps  # OneCycleLR would raise past its total_steps
+    # As Lightning: asking in configure_optimizers requests the training loader then, once for the fit.
+    assert [e for e in module.events if e[0] in ("estimated", "train_dataloader", "val_dataloader")] == \
+        [("train_dataloader", 0), ("estimated", steps), ("val_dataloader", 0), ("estimated", steps)]

@@ -49,6 +49,7 @@ log = logging.getLogger("polytrain")
 
 def run_fit(trainer: Trainer) -> None:
     cfg, hooks = trainer.config, trainer.hooks
+    trainer.train_loader = None  # this fit's, requested after the sanity check (or by estimated_stepping_batches)
     trainer.setup_optimizers()
     trainer.restore_checkpoint_for_fit()
     hooks("on_fit_start")
@@ -59,7 +60,8 @@ def run_fit(trainer: Trainer) -> None:
     if disabled(trainer, "train"):  # limit_train_batches=0: as Lightning, the fit is its sanity check
         hooks("on_fit_end")
         return
-    trainer.train_loader = request_loader(trainer, "train")
+    if not trainer.__dict__.pop("train_loader_early", False):  # estimated_stepping_batches may have asked
+        trainer.train_loader = request_loader(trainer, "train")
     if trainer.train_loader is None:
         raise ValueError(f"no training data: pass train_dataloaders to fit() or define train_dataloader() on "
                          f"{type(trainer.module).__name__} (or its DataModule)")

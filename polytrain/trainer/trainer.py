@@ -4,6 +4,7 @@ it has — everything that differs between parallelisms is behind the strategy's
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from polytrain.trainer.config import (
     trainer_to_dict,
     validate_trainer_config,
 )
+from polytrain.trainer.data_connector import batch_limit, request_loader
 from polytrain.trainer.datamodule import DataModule
 from polytrain.trainer.default_callbacks import build_callbacks
 from polytrain.trainer.entry_points import run_stage
@@ -195,6 +197,29 @@ class Trainer(StepMixin):
     @property
     def early_stopping_callback(self) -> EarlyStopping | None:
         return next((cb for cb in self.callbacks if isinstance(cb, EarlyStopping)), None)
+
+    @property
+    def early_stopping_callbacks(self) -> list[EarlyStopping]:
+        return [cb for cb in self.callbacks if isinstance(cb, EarlyStopping)]
+
+    @property
+    def evaluating(self) -> bool:
+        return self.stage in ("validate", "test") or self.sanity_checking
+
+    @property
+    def estimated_stepping_batches(self) -> int | float:
+        """The optimizer steps ``fit`` will take (Lightning's; e.g. ``OneCycleLR(total_steps=...)`` in
+        ``configure_optimizers``). As Lightning, asking before training requests the training loader
+        early (this fit then uses that loader); a loader without length gives ``inf``."""
+        cfg = self.config
+        if self.train_loader is None:
+            self.train_loader = request_loader(self, "train")
+            self.__dict__["train_loader_early"] = True
+        batches = batch_limit(self, "train", self.train_loader) if self.train_loader is not None else 0
+        epochs = 1 if cfg.fast_dev_run else cfg.max_epochs if cfg.max_epochs is not None else \
+            (1000 if cfg.max_steps < 0 else float("inf"))
+        steps = float("inf") if batches is None else math.ceil(batches / cfg.accumulate_grad_batches) * max(epochs, 1)
+        return min(steps, cfg.max_steps) if cfg.max_steps >= 0 else steps
 
     @property
     def progress_bar_callback(self) -> ProgressBar | None:
