@@ -544,3 +544,39 @@ def test_estimated_stepping_batches_in_configure_optimizers(tmp_path: Any, optio
     # As Lightning: asking in configure_optimizers requests the training loader then, once for the fit.
     assert [e for e in module.events if e[0] in ("estimated", "train_dataloader", "val_dataloader")] == \
         [("train_dataloader", 0), ("estimated", steps), ("val_dataloader", 0), ("estimated", steps)]
+
+
+def test_detect_anomaly_wraps_the_fit_loop(tmp_path: Any) -> None:
+    seen: list[bool] = []
+
+    class Watch(Recorder):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            seen.append(torch.is_anomaly_enabled())
+            return super().training_step(batch, batch_idx)
+
+    fit(tmp_path, Watch(), detect_anomaly=True, limit_train_batches=2)
+    fit(tmp_path, Watch(), limit_train_batches=1)
+    assert seen == [True, True, False] and not torch.is_anomaly_enabled()
+
+
+def _sync_bn_worker(rank: int, world_size: int, root: str) -> list[str]:
+    class WithBN(Recorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = torch.nn.BatchNorm1d(4)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return F.mse_loss(self.net(self.bn(batch[0])), batch[1])
+
+    module = WithBN()
+    Trainer(**{**QUIET, "devices": world_size}, strategy="ddp", sync_batchnorm=True, default_root_dir=root,
+            logger=False, enable_checkpointing=False, max_epochs=1, limit_train_batches=1).fit(module)
+    return [type(m).__name__ for m in module.modules() if "BatchNorm" in type(m).__name__]
+
+
+@pytest.mark.distributed
+def test_sync_batchnorm_reaches_the_strategy(tmp_path: Any) -> None:
+    from distributed import run_distributed
+
+    for names in run_distributed(_sync_bn_worker, 2, str(tmp_path), timeout=120.0):
+        assert names == ["CrossProcessBatchNorm"]  # polytrain's SyncBatchNorm, not the BatchNorm1d built

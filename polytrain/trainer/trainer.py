@@ -20,7 +20,7 @@ from polytrain.core.errors import ConfigError
 from polytrain.core.rng import enable_deterministic
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.launcher import LaunchPlan, plan_launch
-from polytrain.strategies.registry import build_strategy
+from polytrain.strategies.registry import build_strategy, strategy_class
 from polytrain.trainer import lifecycle
 from polytrain.trainer.checkpoint import build_payload
 from polytrain.trainer.config import (
@@ -333,6 +333,8 @@ class Trainer(StepMixin):
         else:
             spec = dict(self.config.strategy)
             spec["name"] = plan.strategy_name
+            if self.config.sync_batchnorm and "sync_batchnorm" in strategy_class(spec["name"]).Options.__dataclass_fields__:
+                spec["sync_batchnorm"] = True  # Lightning's Trainer(sync_batchnorm=True); one process: nothing to sync
             self.strategy = build_strategy(
                 spec, accelerator=plan.accelerator, devices=plan.devices, num_nodes=plan.num_nodes,
                 precision=self.config.precision, timeout=self.config.timeout, env=plan.env,
