@@ -580,3 +580,50 @@ def test_sync_batchnorm_reaches_the_strategy(tmp_path: Any) -> None:
 
     for names in run_distributed(_sync_bn_worker, 2, str(tmp_path), timeout=120.0):
         assert names == ["CrossProcessBatchNorm"]  # polytrain's SyncBatchNorm, not the BatchNorm1d built
+
+
+def test_lightning_module_extras(tmp_path: Any) -> None:
+    """toggled_optimizer, dtype, example_input_array and strict_loading, as LightningModule has them."""
+    flags: list[tuple[bool, bool]] = []
+
+    class TwoNets(Recorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.other = torch.nn.Linear(4, 1)
+            self.example_input_array = torch.zeros(2, 4)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.net.parameters(), lr=0.1), torch.optim.SGD(self.other.parameters(), lr=0.1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt_net, _ = self.optimizers()
+            with self.toggled_optimizer(opt_net):
+                flags.append((self.net.weight.requires_grad, self.other.weight.requires_grad))
+                loss = F.mse_loss(self.net(batch[0]) + self.other(batch[0]), batch[1])
+                opt_net.zero_grad()
+                self.manual_backward(loss)
+                opt_net.step()
+            flags.append((self.net.weight.requires_grad, self.other.weight.requires_grad))
+
+    module = TwoNets()
+    assert module.dtype == torch.float32 and module.example_input_array.shape == (2, 4)
+    fit(tmp_path, module, limit_train_batches=1, limit_val_batches=0)
+    assert flags == [(True, False), (True, True)]
+    assert module.to(torch.float64).dtype == torch.float64
+
+    root = tmp_path / "strict"
+    trainer = Trainer(**QUIET, default_root_dir=str(root), logger=False, max_epochs=1, limit_train_batches=1)
+    trainer.fit(Recorder())
+
+    class Bigger(Recorder):
+        strict_loading = False  # extra layers the checkpoint lacks are left as initialised
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.nn.Linear(1, 1)
+
+    loaded = Bigger.load_from_checkpoint(str(root / "checkpoints" / "last.ckpt"))
+    assert torch.equal(loaded.net.weight, trainer.lightning_module.net.weight)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        Bigger.load_from_checkpoint(str(root / "checkpoints" / "last.ckpt"), strict=True)
