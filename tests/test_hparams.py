@@ -91,28 +91,36 @@ def test_an_nn_module_argument_warns_to_ignore_it() -> None:
 # --------------------------------------------------------------------------- checkpoints and loggers
 
 
-class Regressor(LightningModule):
-    def __init__(self, hidden: int = 8, lr: float = 0.05, optim: dict | None = None):
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 1))
-        self.loaded_keys: list[str] = []
+def regressor_class(base: type) -> type:
+    """The same module over polytrain's LightningModule or over Lightning's (for a Lightning checkpoint)."""
 
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        loss = F.mse_loss(self.net(batch[0]), batch[1])
-        self.log("train_loss", loss)
-        return loss
+    class Regressor(base):  # type: ignore[valid-type, misc]
+        def __init__(self, hidden: int = 8, lr: float = 0.05, optim: dict | None = None):
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+            self.loaded_keys: list[str] = []
 
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = F.mse_loss(self.net(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
 
-    def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)),
-                          batch_size=4)
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
 
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.loaded_keys = sorted(checkpoint)
+        def train_dataloader(self) -> DataLoader:
+            g = torch.Generator().manual_seed(0)
+            return DataLoader(TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)),
+                              batch_size=4)
+
+        def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            self.loaded_keys = sorted(checkpoint)
+
+    return Regressor
+
+
+Regressor = regressor_class(LightningModule)
 
 
 class Data(DataModule):
@@ -214,3 +222,16 @@ def test_load_from_checkpoint_of_a_two_rank_run(tmp_path: Any, strategy: str) ->
     path = results[0]["path"]
     assert os.path.isdir(path) if strategy == "fsdp" else path.endswith(".ckpt")  # fsdp: a sharded DCP directory
     _check_loaded(path, results[0]["state"])
+
+
+def test_load_from_checkpoint_of_a_lightning_checkpoint(tmp_path: Any) -> None:
+    """A checkpoint Lightning wrote gives its weights and hyperparameters to the renamed module."""
+    pl = pytest.importorskip("lightning.pytorch")
+    module = regressor_class(pl.LightningModule)(hidden=16)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(module)
+    path = str(tmp_path / "lightning.ckpt")
+    trainer.save_checkpoint(path)
+    loaded = Regressor.load_from_checkpoint(path)
+    assert loaded.hparams.hidden == 16 and _same_weights(loaded.state_dict(), module.state_dict())
