@@ -627,3 +627,37 @@ def test_lightning_module_extras(tmp_path: Any) -> None:
     assert torch.equal(loaded.net.weight, trainer.lightning_module.net.weight)
     with pytest.raises(RuntimeError, match="Missing key"):
         Bigger.load_from_checkpoint(str(root / "checkpoints" / "last.ckpt"), strict=True)
+
+
+def test_lightnings_precision_spellings() -> None:
+    for given, meant in (("32-true", "32"), (32, "32"), ("16", "16-mixed"), (16, "16-mixed"), ("bf16", "bf16-mixed")):
+        assert validate_trainer_config({"precision": given}).precision == meant
+
+
+def _stop_worker(rank: int, world_size: int, root: str, where: str) -> tuple[int, int]:
+    class Stops(Recorder):
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if where == "one rank" and self.global_rank == 1 and batch_idx == 0:
+                self.trainer.should_stop = True  # on rank 1 only: the ranks must still stop together
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val_loss", -float(self.global_step))  # falls: EarlyStopping(mode="max") stops at its 2nd check
+
+    callbacks = [EarlyStopping("val_loss", patience=0, mode="max", verbose=False)] if where == "early stopping" else []
+    trainer = Trainer(**{**QUIET, "devices": world_size}, strategy="ddp", default_root_dir=root, logger=False,
+                      enable_checkpointing=False, max_epochs=3, log_every_n_steps=2, num_sanity_val_steps=0,
+                      val_check_interval=2 if where == "early stopping" else None, callbacks=callbacks)
+    trainer.fit(Stops(n_train=40))  # 5 batches per rank per epoch
+    return trainer.global_step, trainer.current_epoch
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("where", "step"), [
+    ("one rank", 2),  # set after batch 0 on rank 1: agreed at the next logging step (batch 1), both stop there
+    ("early stopping", 4),  # the validation after batch 3 (the 2nd) did not improve: both stop after that batch
+])
+def test_a_stop_request_under_ddp_ends_the_epoch_on_every_rank_together(tmp_path: Any, where: str, step: int) -> None:
+    from distributed import run_distributed
+
+    results = run_distributed(_stop_worker, 2, str(tmp_path), where, timeout=120.0)
+    assert results == [(step, 1), (step, 1)]

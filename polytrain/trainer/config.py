@@ -22,6 +22,7 @@ from polytrain.core.options import check_choice, check_keys, validate_dataclass
 from polytrain.strategies.registry import normalize_strategy, validate_strategy_spec
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
+PRECISION_ALIASES = {"32-true": "32", "16": "16-mixed", "bf16": "bf16-mixed"}  # Lightning's other spellings
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
 LAUNCHERS = ("auto", "elastic", "spawn", "fork", "none")
 CLIP_ALGORITHMS = ("norm", "value")
@@ -101,7 +102,7 @@ def validate_trainer_config(data: dict[str, Any]) -> TrainerConfig:
     if "strategy" in data:
         data["strategy"] = normalize_strategy(data["strategy"])
     if "precision" in data and data["precision"] is not None:
-        data["precision"] = str(data["precision"])
+        data["precision"] = PRECISION_ALIASES.get(str(data["precision"]), str(data["precision"]))
     cfg: TrainerConfig = validate_dataclass(TrainerConfig, data, "trainer")
     check_choice(cfg.precision, PRECISIONS, "trainer.precision")
     check_choice(cfg.accelerator, ACCELERATORS, "trainer.accelerator")
