@@ -37,7 +37,12 @@ if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
 
 
+_SUBPACKAGES = ("callbacks",)  # `pl.callbacks.ModelCheckpoint`, as Lightning code writes it
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"polytrain.{name}")
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value

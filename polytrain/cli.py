@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for stage in STAGES:
         p = sub.add_parser(stage, help=f"{stage} a TrainModule described by a YAML config")
-        p.add_argument("--config", "-c", required=True, help="YAML file with module:, data: and trainer:")
+        p.add_argument("--config", "-c", required=True, help="YAML file with module:, data: (or datamodule:) and trainer:")
         p.add_argument("--ckpt", default=None, help="checkpoint: a path, 'last' or 'auto'")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_epochs=3")
     ck = sub.add_parser("checkpoint", help="checkpoint utilities")

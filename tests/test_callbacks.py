@@ -312,8 +312,8 @@ def test_unknown_logger_name() -> None:
     from polytrain import Trainer
     from polytrain.trainer.config import ConfigError
 
-    with pytest.raises(ConfigError, match="wandb"):
-        Trainer(logger="wandb", enable_progress_bar=False)
+    with pytest.raises(ConfigError, match="neptune"):
+        Trainer(logger="neptune", enable_progress_bar=False)
 
 
 # --------------------------------------------------------------------------- monitors and progress bar

@@ -72,7 +72,7 @@ def test_valid_values_are_converted_and_defaults_kept() -> None:
 
 
 @pytest.mark.parametrize(("key", "good", "bad", "choices"), [
-    ("precision", "bf16-mixed", "16", PRECISIONS),
+    ("precision", "bf16-mixed", "16-true", PRECISIONS),  # "16", "bf16", "32-true": Lightning's aliases
     ("accelerator", "cpu", "tpu", ACCELERATORS),
     ("launcher", "spawn", "mpi", LAUNCHERS),
     ("gradient_clip_algorithm", "value", "l2", ("norm", "value")),

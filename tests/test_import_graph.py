@@ -46,7 +46,7 @@ TYPING_ONLY = {("polytrain.callbacks", "polytrain.trainer")}
 
 # Function-level imports in the package. Lower this when you remove one; never raise it to make
 # room for an import that only dodges a circle (restructure instead).
-LATE_IMPORT_BUDGET = 6
+LATE_IMPORT_BUDGET = 8
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ _EXPORTS = {
     "TensorBoardLogger": "polytrain.callbacks.loggers",
     "CSVLogger": "polytrain.callbacks.loggers",
     "Logger": "polytrain.callbacks.loggers",
+    "MLFlowLogger": "polytrain.callbacks.experiment_loggers",
+    "WandbLogger": "polytrain.callbacks.experiment_loggers",
     "ModelCheckpoint": "polytrain.callbacks.checkpoint",
     "EarlyStopping": "polytrain.callbacks.early_stopping",
     "LearningRateMonitor": "polytrain.callbacks.monitors",

@@ -118,6 +118,8 @@ class ModelCheckpoint(Callback):
         return score < worst if self.mode == "min" else score > worst
 
     def _save(self, trainer: Any) -> None:
+        if getattr(trainer, "fast_dev_run", False):
+            return  # a quick check of every loop writes nothing, as Lightning (even this callback given explicitly)
         score = self._score(trainer)
         unranked = self.monitor is not None and score is None
         keep = self.save_top_k != 0 and not unranked and (
@@ -156,9 +158,10 @@ class ModelCheckpoint(Callback):
             # The newest checkpoint always survives, even when it ranks below the top k.
             doomed = [p for _, p in self.kept[self.save_top_k:] if p != path]
             self.kept = [kp for kp in self.kept if kp[1] not in doomed]
-        if self.monitor is not None and self.kept:
+        if self.kept:  # without a monitor the newest file is the "best" (Lightning's meaning of ckpt_path="best")
             best_key, self.best_model_path = self.kept[0]
-            self.best_model_score = -best_key if self.mode == "max" else best_key
+            if self.monitor is not None:
+                self.best_model_score = -best_key if self.mode == "max" else best_key
         return doomed
 
     def _update_disk(self, trainer: Any, path: str, doomed: list[str]) -> None:

@@ -60,6 +60,8 @@ class EarlyStopping(Callback):
         return False, ""
 
     def _check(self, trainer: Any) -> None:
+        if getattr(trainer, "fast_dev_run", False):
+            return  # as Lightning: fast_dev_run checks the loops, it never stops early
         if self.monitor not in trainer.callback_metrics:
             raise KeyError(f"EarlyStopping monitors '{self.monitor}' but it was not logged; logged: "
                            f"{', '.join(sorted(trainer.callback_metrics)) or '(nothing)'}")
@@ -73,7 +75,8 @@ class EarlyStopping(Callback):
                 print(f"EarlyStopping at epoch {trainer.current_epoch}: {self.reason}", flush=True)
 
     def on_validation_end(self, trainer: Any, module: Any) -> None:
-        if not self.check_on_train_epoch_end and trainer.stage == "fit":
+        # Not in the sanity check (its metrics are dropped), nor in a standalone validate(): as Lightning.
+        if not self.check_on_train_epoch_end and trainer.stage == "fit" and not trainer.sanity_checking:
             self._check(trainer)
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:

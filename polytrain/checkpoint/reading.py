@@ -1,6 +1,6 @@
 """Reading a whole checkpoint into one process as full CPU tensors, with no process group: a
-replicated ``.ckpt`` file, a bare ``state_dict`` written by a plain loop, or a sharded (DCP)
-directory. Used by replicated strategies (every rank reads the whole file), by sharded ones
+replicated ``.ckpt`` file, a bare ``state_dict`` written by a plain loop, a Lightning checkpoint (its
+weights and hyperparameters), or a sharded (DCP) directory. Used by replicated strategies (every rank reads the whole file), by sharded ones
 loading a replicated file, and by ``polytrain checkpoint consolidate``.
 """
 
@@ -42,7 +42,11 @@ def read_checkpoint(path: str) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} cannot be loaded safely: {err}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(data).__name__}, not a state dict")
-    if "polytrain" not in data:
+    if "polytrain" not in data and "pytorch-lightning_version" in data and "state_dict" in data:
+        # A Lightning checkpoint: its weights and hyperparameters (load_from_checkpoint), no loop state.
+        data = {"model": data["state_dict"], "hyper_parameters": data.get("hyper_parameters", {}),
+                "datamodule_hyper_parameters": data.get("datamodule_hyper_parameters", {})}
+    elif "polytrain" not in data:
         # A bare state_dict written by a plain PyTorch loop: weights only, no loop state.
         data = {"model": strip_wrapper_prefix(data)}
     return data

@@ -10,19 +10,38 @@ import torch.distributed as dist
 
 from polytrain.core.environment import ClusterEnvironment, export_for_torch
 
+# ``trainer.devices=[i, j, ...]``: the GPU each local rank uses (set by the launch plan of this process).
+_cuda_indices: tuple[int, ...] | None = None
+
+
+def select_cuda_devices(indices: list[int] | tuple[int, ...] | None) -> None:
+    """Local rank r uses ``cuda:indices[r]`` (None: ``cuda:r``)."""
+    global _cuda_indices
+    _cuda_indices = tuple(indices) if indices is not None else None
+
+
+def cuda_index(local_rank: int) -> int:
+    if _cuda_indices is None:
+        return local_rank
+    if local_rank >= len(_cuda_indices):
+        raise RuntimeError(f"local rank {local_rank} has no GPU in trainer.devices={list(_cuda_indices)}: list one "
+                           f"GPU index per process of this node")
+    return _cuda_indices[local_rank]
+
 
 def resolve_device(accelerator: str, local_rank: int) -> torch.device:
     if accelerator in ("cuda", "gpu"):
         if not torch.cuda.is_available():
             raise RuntimeError("trainer.accelerator='cuda' but no CUDA device is visible; use accelerator=cpu")
         count = torch.cuda.device_count()
-        if local_rank >= count:
+        index = cuda_index(local_rank)
+        if index >= count:
             raise RuntimeError(
-                f"local rank {local_rank} needs cuda:{local_rank} but only {count} GPU(s) are visible; "
+                f"local rank {local_rank} needs cuda:{index} but only {count} GPU(s) are visible; "
                 f"lower trainer.devices to {count} or fewer"
             )
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 

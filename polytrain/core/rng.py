@@ -27,7 +27,12 @@ except ImportError:  # pragma: no cover - numpy ships with most torch installs
     np = None
 
 
-def seed_everything(seed: int) -> int:
+def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
+    """Seed Python's, numpy's and torch's generators (Lightning's signature; ``seed=None`` reads
+    ``PL_GLOBAL_SEED``, else 0). ``workers`` is accepted for Lightning code: DataLoader workers get
+    torch's per-worker seeds from the seeded base seed either way."""
+    if seed is None:
+        seed = int(os.environ.get("PL_GLOBAL_SEED", os.environ.get("POLYTRAIN_SEED", "0")))
     os.environ["PL_GLOBAL_SEED"] = os.environ["POLYTRAIN_SEED"] = str(seed)
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device

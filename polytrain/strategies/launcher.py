@@ -23,6 +23,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from polytrain.core.environment import ClusterEnvironment, detect_environment
 from polytrain.core.errors import ConfigError
+from polytrain.core.process_group import select_cuda_devices
 from polytrain.strategies.registry import resolve_strategy_name, strategy_class
 
 SINGLE_PROCESS_STRATEGIES = ("single", "dp")  # strategies that cannot use a second process
@@ -32,7 +33,7 @@ class LaunchRequest(Protocol):
     """What launching reads from a job's configuration (``TrainerConfig`` has these fields)."""
 
     accelerator: str
-    devices: Any  # "auto" or a positive int
+    devices: Any  # "auto", a positive int, or a list of GPU indices
     num_nodes: int
     strategy: Any  # the validated strategy mapping, or a Strategy instance
     launcher: str
@@ -65,7 +66,21 @@ def _resolve_accelerator(name: str) -> str:
     return "cuda" if name == "gpu" else name
 
 
+def _resolve_device_list(devices: list[int], accelerator: str) -> int:
+    """``devices=[i, j]`` (Lightning's GPU indices): one process per listed GPU, local rank r on ``cuda:devices[r]``."""
+    if accelerator != "cuda":
+        raise ConfigError(f"trainer.devices={devices} is a list of GPU indices, but the accelerator is "
+                          f"{accelerator!r}; on CPU give a number of processes, e.g. devices={len(devices)}")
+    count = torch.cuda.device_count()
+    if len(set(devices)) != len(devices) or any(i < 0 or i >= count for i in devices):
+        raise ConfigError(f"trainer.devices={devices}: list distinct GPU indices below {count} (the GPUs visible "
+                          f"here are cuda:0..cuda:{count - 1})")
+    return len(devices)
+
+
 def _resolve_devices(devices: Any, accelerator: str, env: ClusterEnvironment) -> int:
+    if isinstance(devices, (list, tuple)):
+        return _resolve_device_list(list(devices), accelerator)
     available = torch.cuda.device_count() if accelerator == "cuda" else (os.cpu_count() or 1)
     if devices == "auto":
         if env.is_distributed:
@@ -87,6 +102,7 @@ def plan_launch(cfg: LaunchRequest) -> LaunchPlan:
     env = detect_environment()
     accelerator = _resolve_accelerator(cfg.accelerator)
     devices = _resolve_devices(cfg.devices, accelerator, env)
+    select_cuda_devices(list(cfg.devices) if isinstance(cfg.devices, (list, tuple)) else None)
     spec = cfg.strategy if isinstance(cfg.strategy, dict) else {"name": getattr(cfg.strategy, "name", "custom")}
     name = spec["name"]
     if name == "auto":

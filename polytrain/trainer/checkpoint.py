@@ -80,8 +80,9 @@ def build_payload(trainer: Trainer, epoch_done: bool) -> dict[str, Any]:
     if datamodule is not None:
         payload["datamodule"] = {type(datamodule).__qualname__: datamodule.state_dict()}
         payload["datamodule_hyper_parameters"] = plain(dict(datamodule.hparams))
-    trainer.hooks.callbacks_only("on_save_checkpoint", payload)
-    module.on_save_checkpoint(payload)
+    with trainer.metrics.refusing("on_save_checkpoint"):
+        trainer.hooks.callbacks_only("on_save_checkpoint", payload)
+        module.on_save_checkpoint(payload)
     return payload
 
 
@@ -121,7 +122,7 @@ def restore_payload(trainer: Trainer, payload: dict[str, Any]) -> None:
 def ensure_run_dir(trainer: Trainer) -> None:
     """Create ``run_dir`` before the first step: an unwritable path then fails at once, with one
     clear error on every rank, instead of after an epoch inside a logger on one rank only."""
-    if not trainer.loggers and trainer.checkpoint_callback is None:
+    if (not trainer.loggers and trainer.checkpoint_callback is None) or trainer.config.fast_dev_run:
         return  # nothing will write there
     error = None
     if trainer.is_global_zero or trainer.is_logging_rank:

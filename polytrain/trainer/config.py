@@ -22,11 +22,12 @@ from polytrain.core.options import check_choice, check_keys, validate_dataclass
 from polytrain.strategies.registry import normalize_strategy, validate_strategy_spec
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
+PRECISION_ALIASES = {"32-true": "32", "16": "16-mixed", "bf16": "bf16-mixed"}  # Lightning's other spellings
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
 LAUNCHERS = ("auto", "elastic", "spawn", "fork", "none")
 CLIP_ALGORITHMS = ("norm", "value")
 NAN_POLICIES = ("error", "skip")
-LOGGERS = ("tensorboard", "csv")
+LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")  # mlflow/wandb: optional extras, polytrain[mlflow|wandb]
 # An anchor/alias "billion laughs" document is small on disk but huge once expanded.
 MAX_YAML_NODES = 100_000
 
@@ -62,6 +63,7 @@ class TrainerConfig:
     log_every_n_steps: int = 50
     seed: int | None = None  # None: polytrain leaves your RNG alone (docs/reproducibility.md)
     deterministic: bool = False
+    benchmark: bool | None = None  # torch.backends.cudnn.benchmark (None: leave it as it is)
     detect_anomaly: bool = False
     sync_batchnorm: bool = False  # cross-process BatchNorm, for strategies that have the option
     run_dir: str = "runs/default"
@@ -85,7 +87,8 @@ class TrainerConfig:
 
 @dataclass
 class RunConfig:
-    """A whole job: what to train (``module``), optional ``data``, and the ``trainer`` section."""
+    """A whole job: what to train (``module``), optional ``data`` (or ``datamodule:``, Lightning CLI's name), and
+    the ``trainer`` section."""
 
     module: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] | None = None
@@ -99,7 +102,7 @@ def validate_trainer_config(data: dict[str, Any]) -> TrainerConfig:
     if "strategy" in data:
         data["strategy"] = normalize_strategy(data["strategy"])
     if "precision" in data and data["precision"] is not None:
-        data["precision"] = str(data["precision"])
+        data["precision"] = PRECISION_ALIASES.get(str(data["precision"]), str(data["precision"]))
     cfg: TrainerConfig = validate_dataclass(TrainerConfig, data, "trainer")
     check_choice(cfg.precision, PRECISIONS, "trainer.precision")
     check_choice(cfg.accelerator, ACCELERATORS, "trainer.accelerator")
@@ -302,11 +305,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 def validate_run_config(data: dict[str, Any]) -> dict[str, Any]:
     data = dict(data)
     config_dir = data.pop("config_dir", None)
-    check_keys(data, ["module", "data", "trainer"], "config")
+    if "datamodule" in data:  # Lightning CLI's name for the section
+        if data.get("data") is not None:
+            raise ConfigError("config has both data: and datamodule: sections; they are the same thing (the "
+                              "DataModule to use), keep one")
+        data["data"] = data.pop("datamodule")
+    check_keys(data, ["module", "data", "datamodule", "trainer"], "config")
     if not data.get("module") or "_target_" not in data["module"]:
         raise ConfigError("config.module must name the TrainModule to train: module: {_target_: pkg.Class, ...}")
     for section in ("module", "data"):
-        if data.get(section) is not None and not isinstance(data[section], dict):
+        if data.get(section) is not None and not (isinstance(data[section], dict) and "_target_" in data[section]):
             raise ConfigError(f"config.{section} must be a mapping with a _target_ key")
     trainer = validate_trainer_config(data.get("trainer") or {})
     out = {"module": data["module"], "data": data.get("data"), "trainer": trainer_to_dict(trainer)}

@@ -80,16 +80,26 @@ def request_loader(trainer: Trainer, stage: str) -> Any:
     return strategy.process_dataloader(loader, stage, seed, use_sampler)
 
 
+def _limit(trainer: Trainer, stage: str) -> Any:
+    """The batch limit that applies to ``stage``: fast_dev_run's, else overfit_batches', else limit_*."""
+    cfg = trainer.config
+    if cfg.fast_dev_run:
+        return 1 if cfg.fast_dev_run is True else int(cfg.fast_dev_run)
+    if cfg.overfit_batches and stage in ("train", "val"):
+        return cfg.overfit_batches
+    return getattr(cfg, LIMIT_OPTION[stage])
+
+
+def disabled(trainer: Trainer, stage: str) -> bool:
+    """``limit_<stage>_batches=0``: as Lightning, that loop does not run and its loader is never requested."""
+    limit = _limit(trainer, stage)
+    return limit is not None and limit == 0
+
+
 def batch_limit(trainer: Trainer, stage: str, loader: Any) -> int | None:
     """How many batches of ``loader`` a pass of ``stage`` runs (None: until the iterator ends)."""
-    cfg = trainer.config
     length = loader_length(loader)
-    if cfg.fast_dev_run:
-        limit: Any = 1 if cfg.fast_dev_run is True else int(cfg.fast_dev_run)
-    elif cfg.overfit_batches and stage in ("train", "val"):
-        limit = cfg.overfit_batches
-    else:
-        limit = getattr(cfg, LIMIT_OPTION[stage])
+    limit = _limit(trainer, stage)
     if limit is None:
         return length
     if isinstance(limit, float) and limit <= 1.0:  # a fraction of the epoch (1.0: all of it)

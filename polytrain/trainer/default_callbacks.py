@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from polytrain.callbacks.base import Callback
 from polytrain.callbacks.checkpoint import ModelCheckpoint
+from polytrain.callbacks.experiment_loggers import MLFlowLogger, WandbLogger
 from polytrain.callbacks.loggers import CSVLogger, TensorBoardLogger
 from polytrain.callbacks.progress import ProgressBar
 from polytrain.callbacks.summary import ModelSummary
 from polytrain.core.errors import ConfigError
 from polytrain.trainer.config import TrainerConfig, instantiate
 
-_LOGGER_NAMES = ("tensorboard", "csv")
+_LOGGER_NAMES = ("tensorboard", "csv", "mlflow", "wandb")
 
 
 def _loggers(spec: Any, run_dir: str) -> list[Callback]:
@@ -30,6 +32,10 @@ def _loggers(spec: Any, run_dir: str) -> list[Callback]:
             out.append(TensorBoardLogger(run_dir))
         elif name == "csv":
             out.append(CSVLogger(run_dir))
+        elif name == "mlflow":  # by name: a file store in the run directory, unless MLFLOW_TRACKING_URI is set
+            out.append(MLFlowLogger(save_dir=os.path.join(run_dir, "mlruns")))
+        elif name == "wandb":  # online unless WANDB_MODE=offline; files under <run_dir>/wandb
+            out.append(WandbLogger(save_dir=run_dir))
         else:
             raise ConfigError(f"trainer.logger has unknown logger '{name}'; valid: {', '.join(_LOGGER_NAMES)}, "
                               f"true, false")

@@ -22,7 +22,8 @@ def run_stage(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: 
     lifecycle.begin(trainer, stage)
     if stage == "fit":
         trainer.fit_ckpt_path = ckpt_path
-        run_fit(trainer)
+        with torch.autograd.set_detect_anomaly(trainer.config.detect_anomaly):  # as Lightning: the fit loop only
+            run_fit(trainer)
         result = None
     else:
         result = _evaluate(trainer, stage, ckpt_path, model_given)

@@ -41,19 +41,24 @@ def run_eval_pass(trainer: Trainer, loader: Any, stage: str, limit: int | None, 
     outputs: list[Any] = []
     with torch.no_grad():
         iterator = iter(loader)  # before the hooks, as Lightning (the iterator draws from the RNG)
-        hooks(f"on_{word}_model_eval")
+        with metrics.refusing(f"on_{word}_model_eval"):
+            hooks(f"on_{word}_model_eval")
         metrics.start_stage(None if stage == "predict" else metric_stage, defaults=(False, True))
         if stage == "predict":
             metrics.refused_in = "a predict hook"
+        metrics.eval_epoch_level = True
         hooks(f"on_{word}_start")
         hooks(f"on_{word}_epoch_start")
+        metrics.eval_epoch_level = False
         for batch_idx, batch in enumerate(iterator):
             if limit is not None and batch_idx >= limit:
                 break
             output = _eval_batch(trainer, stage, step_name, word, batch, batch_idx)
             if output is not PADDING_BATCH and stage == "predict":
                 outputs.append(output)
+        metrics.eval_epoch_level = True
         hooks(f"on_{word}_epoch_end")
+        metrics.eval_epoch_level = False
         result: Any = outputs
         if stage != "predict":
             values = metrics.reduce_epoch(metric_stage, strategy.dp_group)
@@ -65,7 +70,8 @@ def run_eval_pass(trainer: Trainer, loader: Any, stage: str, limit: int | None, 
         metrics.start_stage(None)
         hooks(f"on_{word}_end")
         if stage != "predict" and defines(module, f"on_{word}_model_train", TrainModule):
-            hooks(f"on_{word}_model_train")
+            with metrics.refusing(f"on_{word}_model_train"):
+                hooks(f"on_{word}_model_train")
         else:
             for m, training in modes.items():
                 m.training = training
@@ -86,6 +92,7 @@ def _eval_batch(trainer: Trainer, stage: str, step_name: str, word: str, batch: 
         # unreduced: ranks may hold different numbers of evaluation batches, so no collective here.
         values = metrics.pop_step_values(sync=False)
         if not trainer.sanity_checking:
-            trainer.publish(values, trainer.eval_batches_seen)
-    trainer.eval_batches_seen += 1
+            trainer.publish(values, trainer.eval_batches_seen.get(trainer.stage, 0))
+    if not trainer.sanity_checking:  # as Lightning: each loop (fit's validation, validate, test) counts its own
+        trainer.eval_batches_seen[trainer.stage] = trainer.eval_batches_seen.get(trainer.stage, 0) + 1
     return output

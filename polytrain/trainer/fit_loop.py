@@ -12,6 +12,7 @@ run (hook plans, the optimisation mode, whether a heartbeat runs) is fixed befor
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from polytrain.trainer.data_connector import (
     NO_BATCH,
     AgreedBatches,
     batch_limit,
+    disabled,
     epoch_iterator,
     loader_source,
     request_loader,
@@ -42,17 +44,24 @@ if TYPE_CHECKING:
 EPOCH_ONLY = (False, True)  # self.log defaults in epoch-level hooks
 PER_STEP = (True, False)  # in training_step and the batch-level hooks
 
+log = logging.getLogger("polytrain")
+
 
 def run_fit(trainer: Trainer) -> None:
     cfg, hooks = trainer.config, trainer.hooks
+    trainer.train_loader = None  # this fit's, requested after the sanity check (or by estimated_stepping_batches)
     trainer.setup_optimizers()
     trainer.restore_checkpoint_for_fit()
     hooks("on_fit_start")
     sanity = (cfg.num_sanity_val_steps != 0 and not cfg.fast_dev_run and loader_source(trainer, "val") is not None
-              and defines(trainer.module, "validation_step", TrainModule) and cfg.limit_val_batches != 0)
+              and defines(trainer.module, "validation_step", TrainModule) and not disabled(trainer, "val"))
     if sanity:
         _sanity_check(trainer)
-    trainer.train_loader = request_loader(trainer, "train")
+    if disabled(trainer, "train"):  # limit_train_batches=0: as Lightning, the fit is its sanity check
+        hooks("on_fit_end")
+        return
+    if not trainer.__dict__.pop("train_loader_early", False):  # estimated_stepping_batches may have asked
+        trainer.train_loader = request_loader(trainer, "train")
     if trainer.train_loader is None:
         raise ValueError(f"no training data: pass train_dataloaders to fit() or define train_dataloader() on "
                          f"{type(trainer.module).__name__} (or its DataModule)")
@@ -69,11 +78,10 @@ def run_fit(trainer: Trainer) -> None:
         _request_val(trainer)
     trainer.metrics.start_stage("train", EPOCH_ONLY)
     hooks("on_train_start")
-    trainer.should_stop = loop.done()
-    while not trainer.should_stop:
+    trainer.should_stop = False
+    while not loop.done():
         loop.run_epoch()
-        trainer.should_stop = trainer.strategy.reduce_boolean_decision(trainer.should_stop or loop.time_up())
-        trainer.should_stop = loop.done()
+        loop.agree_at_epoch_end()
     trainer.guard.check()
     trainer.metrics.start_stage(None)
     hooks("on_train_end")
@@ -81,7 +89,7 @@ def run_fit(trainer: Trainer) -> None:
 
 
 def _request_val(trainer: Trainer) -> None:
-    trainer.val_loader = request_loader(trainer, "val")
+    trainer.val_loader = None if disabled(trainer, "val") else request_loader(trainer, "val")
     trainer.num_val_batches = batch_limit(trainer, "val", trainer.val_loader) if trainer.val_loader is not None \
         else 0
 
@@ -122,6 +130,14 @@ class EpochLoop:
         trainer._automatic = self.optimization
         self.val_every = val_check_batches(trainer)
         self.out_of_time = False
+        # A stop request (trainer.should_stop) is acted on after the batch that made it, once min_epochs and
+        # min_steps are met. One process reads it directly; ranks act on the value they last agreed on (at
+        # logging steps, after a validation, at the epoch's end), so a request made on one rank cannot split them.
+        self.multi_rank = trainer.world_size > 1
+        self.stop_agreed = False
+        self.validate_on_stop = False
+        self.loaded_epoch = {"train": trainer.current_epoch, "val": trainer.current_epoch}  # reload_dataloaders_...
+        self._told_min = False
 
     def time_up(self) -> bool:
         """``max_time`` reached on this rank (reduce across ranks before acting on it)."""
@@ -129,19 +145,42 @@ class EpochLoop:
 
     def done(self) -> bool:
         t, cfg = self.trainer, self.trainer.config
-        finished = t.current_epoch >= self.max_epochs or (0 <= cfg.max_steps <= t.global_step)
-        if t.should_stop and not finished:
-            min_epochs, min_steps = cfg.min_epochs or 0, cfg.min_steps or 0
-            if t.current_epoch < min_epochs or t.global_step < min_steps:
-                t.should_stop = False  # a stop request waits for min_epochs/min_steps
-        return finished or t.should_stop
+        finished = t.current_epoch >= self.max_epochs or (0 <= cfg.max_steps <= t.global_step) or self.out_of_time
+        return finished or (t.should_stop and self.min_reached())
+
+    def min_reached(self) -> bool:
+        """A stop request waits (stays pending) until min_epochs and min_steps are met."""
+        t, cfg = self.trainer, self.trainer.config
+        reached = t.current_epoch >= (cfg.min_epochs or 0) and t.global_step >= (cfg.min_steps or 0)
+        if not reached and not self._told_min:
+            self._told_min = True
+            log.info("trainer.should_stop was set but min_epochs=%s / min_steps=%s are not reached yet: training "
+                     "continues until they are", cfg.min_epochs, cfg.min_steps)
+        return reached
+
+    def agree_at_epoch_end(self) -> None:
+        t = self.trainer
+        if self.max_seconds is not None and t.strategy.reduce_boolean_decision(self.time_up()):
+            t.should_stop = self.out_of_time = True
+        t.should_stop = self.stop_agreed = t.strategy.reduce_boolean_decision(t.should_stop)
+
+    def _agree_on_stop(self) -> None:
+        """At a point every rank reaches together (logging step, validation): agree on a stop request."""
+        if self.multi_rank:
+            self.stop_agreed = self.trainer.should_stop = self.trainer.strategy.reduce_boolean_decision(
+                self.trainer.should_stop)
+
+    def _stops_after_batch(self) -> bool:
+        requested = self.stop_agreed if self.multi_rank else self.trainer.should_stop
+        return requested and self.min_reached()
 
     def run_epoch(self) -> None:
         t = self.trainer
         iterator, start = self._iterator()
+        self.validate_on_stop = False
         epoch_complete = self._run_batches(iterator, start)
         t.epoch_complete = epoch_complete
-        if epoch_complete and t.val_loader is not None and self._validates_at_epoch_end():
+        if epoch_complete and t.val_loader is not None and (self._validates_at_epoch_end() or self.validate_on_stop):
             self.validate()
         self._end_epoch(epoch_complete)
 
@@ -152,7 +191,7 @@ class EpochLoop:
             t.hooks("on_train_epoch_start")
             iterator, self.first_iterator = self.first_iterator, None
             return iterator
-        if t.config.reload_dataloaders_every_n_epochs and t.current_epoch % t.config.reload_dataloaders_every_n_epochs == 0:
+        if self._reload_due("train"):
             t.train_loader = request_loader(t, "train")
         t.metrics.start_stage("train", EPOCH_ONLY)
         t.hooks("on_train_epoch_start")
@@ -212,11 +251,17 @@ class EpochLoop:
                 outputs = _batch_outputs(output, automatic)
                 for fn in end_hooks:
                     fn(outputs, batch, batch_idx)
+            validated = False
             if validates_inside and not last and self._validates_after(batch_idx):
                 self.validate()
                 metrics.start_stage("train", PER_STEP)
+                validated = True
             if 0 <= cfg.max_steps <= t.global_step or self.out_of_time:
                 return last
+            if not last and self._stops_after_batch():
+                # As Lightning: the epoch ends here, validating first if this batch did not (and the epoch does).
+                self.validate_on_stop = not validated and self._epoch_validates()
+                return True
         return True
 
     def _logging_step(self) -> None:
@@ -228,6 +273,7 @@ class EpochLoop:
         if self.max_seconds is not None and t.strategy.reduce_boolean_decision(self.time_up()):
             # max_time: every rank stops here; the fit-end checkpoint lets a resubmitted job continue.
             t.should_stop = self.out_of_time = True
+        self._agree_on_stop()
 
     def _after_optimizer_step(self, last_batch: bool) -> None:
         t = self.trainer
@@ -254,12 +300,28 @@ class EpochLoop:
             return (t.current_epoch + 1) * (t.num_training_batches or 0) % self.val_every == 0
         return (t.current_epoch + 1) % every_n == 0 and (t.num_training_batches or 0) % self.val_every == 0
 
+    def _epoch_validates(self) -> bool:
+        every_n = self.trainer.config.check_val_every_n_epoch
+        return every_n is None or (self.trainer.current_epoch + 1) % every_n == 0
+
+    def _reload_due(self, stage: str) -> bool:
+        """``reload_dataloaders_every_n_epochs``: the loader was last requested that many epochs ago."""
+        t, every = self.trainer, self.trainer.config.reload_dataloaders_every_n_epochs
+        if not every or t.current_epoch - self.loaded_epoch[stage] < every:
+            return False
+        self.loaded_epoch[stage] = t.current_epoch
+        return True
+
     def validate(self) -> None:
         t = self.trainer
+        if self._reload_due("val"):  # before the validation, as Lightning
+            _request_val(t)
         if t.num_val_batches == 0:  # None: a loader without length, run until it ends
             return
-        t.hooks("on_validation_model_zero_grad")
+        with t.metrics.refusing("on_validation_model_zero_grad"):
+            t.hooks("on_validation_model_zero_grad")
         run_eval_pass(t, t.val_loader, "val", t.num_val_batches)
+        self._agree_on_stop()  # e.g. EarlyStopping after a validation inside the epoch
 
     def _end_epoch(self, epoch_complete: bool) -> None:
         t = self.trainer

@@ -87,7 +87,8 @@ def warn_unknown_hooks(obj: Any, known: frozenset[str], base: type) -> None:
         if not callable(getattr(type(obj), name, None)) or hasattr(base, name):
             continue
         _warned.add((type(obj), name))
-        close = difflib.get_close_matches(name, sorted(known), n=1)
+        renamed = name.replace("_begin", "_start")  # Lightning 0.x's names (on_epoch_begin, ...)
+        close = [renamed] if renamed in known else difflib.get_close_matches(name, sorted(known), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         warnings.warn(f"{type(obj).__name__}.{name} is never called by polytrain: it is not one of its hooks.{hint}",
                       stacklevel=3)

@@ -12,7 +12,7 @@ import copy
 import inspect
 import types
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -69,7 +69,8 @@ class HyperparametersMixin:
         init_args = _collect_init_args(frame, self)
         if len(args) == 1 and not isinstance(args[0], str):
             source = args[0]
-            values = dict(vars(source)) if isinstance(source, types.SimpleNamespace) else dict(source)
+            # A dict (or DictConfig), or a namespace (argparse.Namespace, SimpleNamespace).
+            values = dict(source) if isinstance(source, Mapping) else dict(vars(source))
         elif args:
             unknown = [a for a in args if a not in init_args]
             if unknown:
@@ -120,14 +121,30 @@ def load_module_from_checkpoint(cls: type, path: str, map_location: Any = None, 
                         f"{sorted(hparams)}): {err}. Pass missing or non-plain arguments as keywords") from None
     if callable(getattr(module, "configure_model", None)):
         module.configure_model()
-    module.on_load_checkpoint(checkpoint)
     state = checkpoint.get("model", {})
-    if map_location is not None:
-        state = {k: v.to(map_location) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    checkpoint.setdefault("state_dict", state)  # the key Lightning code reads in on_load_checkpoint
+    module.on_load_checkpoint(checkpoint)
+    device = _mapped_device(map_location)
+    if device is not None:
+        state = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     module.load_state_dict(state, strict=strict)
-    if map_location is not None:
-        module.to(map_location)
-    return module
+    if device is not None:
+        module.to(device)
+    return module.train()  # as Lightning
+
+
+def _mapped_device(map_location: Any) -> torch.device | None:
+    """Where the weights go (they are read to the CPU): a device or its name, or ``torch.load``'s dict form
+    ``{"cuda:0": "cpu"}`` applied to the CPU tensors read; None keeps them on the CPU."""
+    if map_location is None:
+        return None
+    if isinstance(map_location, dict):
+        target = map_location.get("cpu")
+        return torch.device(target) if target is not None else None
+    if isinstance(map_location, (str, torch.device)):
+        return torch.device(map_location)
+    raise TypeError(f"load_from_checkpoint(map_location={map_location!r}): give a device, a device name or a dict "
+                    f"such as {{'cuda:0': 'cpu'}} (the weights are read to the CPU first)")
 
 
 def load_datamodule_from_checkpoint(cls: type, path: str, **kwargs: Any) -> Any:

@@ -136,8 +136,9 @@ def resolve_path(trainer: Trainer, choice: str | None) -> str | None:
         callback = trainer.checkpoint_callback
         best = getattr(callback, "best_model_path", None)
         if not best:
-            raise ConfigError("ckpt_path='best' needs a ModelCheckpoint with a monitor that has saved a checkpoint; "
-                              "none has (pass a path, or 'last')")
+            why = "there is no ModelCheckpoint callback" if callback is None else "it has not saved a checkpoint yet"
+            raise ConfigError(f"ckpt_path='best' loads the best checkpoint of the ModelCheckpoint callback, but {why}; "
+                              f"fit with checkpointing enabled first (monitor=... ranks them), or pass a path or 'last'")
         return best
     return resolve_resume(choice, trainer.run_dir)
 
@@ -174,14 +175,16 @@ def bind_transfer(trainer: Trainer) -> None:
         trainer.transfer_batch = strategy.batch_to_device
         return
     before, move, after = (chosen.get(n) for n in _TRANSFER_HOOKS)
+    refusing = trainer.metrics.refusing("a batch-transfer hook")
 
     def transfer(batch: Any, dataloader_idx: int = 0) -> Any:
-        if before is not None:
-            batch = before(batch, dataloader_idx)
-        if move is not None:
-            batch = strategy.precision.convert_input(move(batch, strategy.root_device, dataloader_idx))
-        else:
-            batch = strategy.batch_to_device(batch)
-        return after(batch, dataloader_idx) if after is not None else batch
+        with refusing:
+            if before is not None:
+                batch = before(batch, dataloader_idx)
+            if move is not None:
+                batch = strategy.precision.convert_input(move(batch, strategy.root_device, dataloader_idx))
+            else:
+                batch = strategy.batch_to_device(batch)
+            return after(batch, dataloader_idx) if after is not None else batch
 
     trainer.transfer_batch = transfer

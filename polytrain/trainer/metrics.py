@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
@@ -22,6 +24,30 @@ import torch
 from polytrain.core import collectives as C
 
 REDUCE_FX = ("mean", "sum", "max", "min")
+_HERE = (os.path.dirname(os.path.abspath(__file__)),)
+
+
+def _calling_hook() -> str:
+    """The user function that called ``self.log`` (only looked up to word an error)."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) in _HERE:
+        frame = frame.f_back
+    return f"{frame.f_code.co_name}()" if frame is not None else "this hook"
+
+
+class Refusing:
+    """``with metrics.refusing("lr_scheduler_step"):`` logging is an error inside (as Lightning)."""
+
+    __slots__ = ("metrics", "where", "saved")
+
+    def __init__(self, metrics: MetricCollector, where: str) -> None:
+        self.metrics, self.where, self.saved = metrics, where, None
+
+    def __enter__(self) -> None:
+        self.saved, self.metrics.refused_in = self.metrics.refused_in, self.where
+
+    def __exit__(self, *exc: Any) -> None:
+        self.metrics.refused_in = self.saved
 _ALL_REDUCE_OP = {"mean": "sum", "sum": "sum", "max": "max", "min": "min"}
 
 
@@ -77,6 +103,7 @@ class MetricCollector:
         self.stage: str | None = None  # "train" | "val" | "test" | "sanity" | None (logging refused)
         self.defaults = (True, False)  # (on_step, on_epoch) where self.log is being called
         self.refused_in: str | None = None  # a hook where logging is an error
+        self.eval_epoch_level = False  # in an evaluation's start/epoch hooks: on_step=True is an error
         self.results: dict[str, dict[str, Logged]] = {}
         self._current: dict[str, Logged] = {}
         self._fresh: dict[str, Logged] = {}  # this stage's values logged per step since its last logging step
@@ -84,12 +111,16 @@ class MetricCollector:
         # What callbacks see: tensors, the latest of every name (per step values are local until
         # a logging step syncs them). Dropped values of the sanity check never land here.
         self.callback: dict[str, torch.Tensor] = {}
+        # The training epoch's last per-step values (reduce_epoch keeps them): what Lightning's
+        # logged_metrics and progress_bar_metrics show after the epoch, logged or not on a logging step.
+        self.last_step_values: dict[str, tuple[Logged, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ recording
     def start_stage(self, stage: str | None, defaults: tuple[bool, bool] = (True, False)) -> None:
         self.stage = stage
         self.defaults = defaults
         self.refused_in = None
+        self.eval_epoch_level = False
         if stage is not None:
             self._current = self.results.setdefault(stage, {})
             self._fresh = self._fresh_by_stage.setdefault(stage, {})
@@ -98,9 +129,13 @@ class MetricCollector:
             on_epoch: bool | None = None, reduce_fx: str = "mean", sync_dist: bool = False,
             batch_size: int | None = None) -> None:
         if self.refused_in is not None or self.stage is None:
-            where = self.refused_in or "outside a training or evaluation loop"
-            raise RuntimeError(f"self.log({name!r}) was called in {where}, where nothing is logged; log from "
-                               f"training_step, validation_step, test_step or the batch/epoch hooks around them")
+            where = self.refused_in or "outside the training and evaluation loops"
+            raise RuntimeError(f"self.log({name!r}) in {_calling_hook()}: nothing can be logged there ({where}), as in "
+                               f"Lightning. Log from training_step, validation_step, test_step or the batch/epoch hooks "
+                               f"around them")
+        if on_step and self.epoch_level():
+            raise ValueError(f"self.log({name!r}, on_step=True) in {_calling_hook()}: an epoch-level hook logs once per "
+                             f"epoch; drop on_step=True (as in Lightning, where it is an error too)")
         on_step = self.defaults[0] if on_step is None else on_step
         on_epoch = self.defaults[1] if on_epoch is None else on_epoch
         options = (on_step, on_epoch, prog_bar, logger, reduce_fx, sync_dist)
@@ -129,6 +164,13 @@ class MetricCollector:
                     self.callback[f"{name}_step"] = tensor
         if on_epoch and entry.metric is None:
             self._accumulate(entry, tensor, batch_size)
+
+    def epoch_level(self) -> bool:
+        """In a hook that runs once per epoch or stage (on_train_start, on_*_epoch_start/end, ...)."""
+        return self.eval_epoch_level or (self.stage == "train" and self.defaults == (False, True))
+
+    def refusing(self, where: str) -> Refusing:
+        return Refusing(self, where)
 
     def _accumulate(self, entry: Logged, tensor: torch.Tensor, batch_size: int | None) -> None:
         fx = entry.reduce_fx
@@ -212,6 +254,16 @@ class MetricCollector:
                 self.callback[e.name] = v
                 if e.forked:
                     self.callback[e.epoch_name()] = v
+        if stage == "train":
+            self.last_step_values = {e.step_name(): (e, e.step_value) for e in results.values()
+                                     if e.on_step and e.step_value is not None}
+        elif stage in ("val", "test"):
+            # As Lightning: an evaluation's per-step values leave callback_metrics when it ends.
+            for e in results.values():
+                if e.on_step:
+                    self.callback.pop(e.step_name(), None)
+                    if not e.on_epoch:
+                        self.callback.pop(e.name, None)
         return out
 
     def discard(self, stage: str) -> None:

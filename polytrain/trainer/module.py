@@ -9,7 +9,8 @@ the default behaviour: override them to change it. docs/migrating-from-lightning
 from __future__ import annotations
 
 import builtins
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +28,8 @@ class TrainModule(HyperparametersMixin, nn.Module):
     """Subclass this; override ``training_step`` and ``configure_optimizers`` at least."""
 
     prepare_data_per_node: bool = True  # prepare_data on local rank 0 of every node (False: global rank 0)
+    example_input_array: Any = None  # Lightning's attribute; set it to describe an input (unused by polytrain)
+    strict_loading: bool = True  # load_from_checkpoint's default for strict=None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -59,6 +62,12 @@ class TrainModule(HyperparametersMixin, nn.Module):
     @automatic_optimization.setter
     def automatic_optimization(self, value: bool) -> None:
         self.__dict__["_automatic_optimization"] = bool(value)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The floating-point dtype of the parameters (float32 when there are none)."""
+        param = next((p for p in self.parameters() if p.is_floating_point()), None)
+        return param.dtype if param is not None else torch.float32
 
     @property
     def device(self) -> torch.device:
@@ -187,6 +196,15 @@ class TrainModule(HyperparametersMixin, nn.Module):
                     if id(p) not in own:
                         state.setdefault(id(p), (p, p.requires_grad))
                         p.requires_grad = False
+
+    @contextlib.contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        """``with self.toggled_optimizer(opt):`` toggle_optimizer on entry, untoggle_optimizer on exit."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
 
     def untoggle_optimizer(self, optimizer: Any) -> None:
         state = self.__dict__["_param_requires_grad_state"]
@@ -330,7 +348,8 @@ class TrainModule(HyperparametersMixin, nn.Module):
         weights, from any polytrain checkpoint: a file or a sharded directory."""
         if hparams_file is not None:
             raise ValueError("hparams_file is not supported: polytrain checkpoints carry their hyperparameters")
-        return load_module_from_checkpoint(cls, checkpoint_path, map_location, strict is not False, **kwargs)
+        strict = cls.strict_loading if strict is None else strict
+        return load_module_from_checkpoint(cls, checkpoint_path, map_location, strict, **kwargs)
 
 
 LightningModule = TrainModule  # Lightning's name for it

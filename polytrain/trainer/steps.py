@@ -83,11 +83,18 @@ class StepMixin:
             self.skip_this_step = True
 
     def scheduler_step(self: Trainer, scheduler: Any, metric: Any) -> None:
-        self.module.lr_scheduler_step(scheduler, metric)
+        with self.metrics.refusing("lr_scheduler_step"):
+            self.module.lr_scheduler_step(scheduler, metric)
 
     # ------------------------------------------------------------------ metrics
     def publish(self: Trainer, values: dict[str, tuple[Logged, torch.Tensor]], step: int) -> None:
         """Hand values to callbacks and loggers: the only place metrics leave the device."""
+        latest, self.metrics.last_step_values = self.metrics.last_step_values, {}
+        for name, (entry, value) in latest.items():  # the epoch's last step values, not sent again
+            if entry.prog_bar:
+                self.progress_bar_metrics[name] = float(value)
+            if entry.logger:
+                self.logged_metrics[name] = float(value)
         if not values:
             return
         scalars = {name: float(v) for name, (_, v) in values.items()}

@@ -4,6 +4,7 @@ it has — everything that differs between parallelisms is behind the strategy's
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from polytrain.core.errors import ConfigError
 from polytrain.core.rng import enable_deterministic
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.launcher import LaunchPlan, plan_launch
-from polytrain.strategies.registry import build_strategy
+from polytrain.strategies.registry import build_strategy, strategy_class
 from polytrain.trainer import lifecycle
 from polytrain.trainer.checkpoint import build_payload
 from polytrain.trainer.config import (
@@ -29,6 +30,7 @@ from polytrain.trainer.config import (
     trainer_to_dict,
     validate_trainer_config,
 )
+from polytrain.trainer.data_connector import batch_limit, request_loader
 from polytrain.trainer.datamodule import DataModule
 from polytrain.trainer.default_callbacks import build_callbacks
 from polytrain.trainer.entry_points import run_stage
@@ -82,7 +84,7 @@ class Trainer(StepMixin):
         self.global_step = 0
         self.batch_in_epoch = 0
         self.batches_stepped = 0  # batches after which an optimizer stepped: the logging cadence
-        self.eval_batches_seen = 0
+        self.eval_batches_seen: dict[str, int] = {}  # per entry point: the step axis of evaluation step values
         self.should_stop = False
         self.sanity_checking = False
         self.accumulating = False  # manual optimisation: this batch is not the last of its window
@@ -197,6 +199,29 @@ class Trainer(StepMixin):
         return next((cb for cb in self.callbacks if isinstance(cb, EarlyStopping)), None)
 
     @property
+    def early_stopping_callbacks(self) -> list[EarlyStopping]:
+        return [cb for cb in self.callbacks if isinstance(cb, EarlyStopping)]
+
+    @property
+    def evaluating(self) -> bool:
+        return self.stage in ("validate", "test") or self.sanity_checking
+
+    @property
+    def estimated_stepping_batches(self) -> int | float:
+        """The optimizer steps ``fit`` will take (Lightning's; e.g. ``OneCycleLR(total_steps=...)`` in
+        ``configure_optimizers``). As Lightning, asking before training requests the training loader
+        early (this fit then uses that loader); a loader without length gives ``inf``."""
+        cfg = self.config
+        if self.train_loader is None:
+            self.train_loader = request_loader(self, "train")
+            self.__dict__["train_loader_early"] = True
+        batches = batch_limit(self, "train", self.train_loader) if self.train_loader is not None else 0
+        epochs = 1 if cfg.fast_dev_run else cfg.max_epochs if cfg.max_epochs is not None else \
+            (1000 if cfg.max_steps < 0 else float("inf"))
+        steps = float("inf") if batches is None else math.ceil(batches / cfg.accumulate_grad_batches) * max(epochs, 1)
+        return min(steps, cfg.max_steps) if cfg.max_steps >= 0 else steps
+
+    @property
     def progress_bar_callback(self) -> ProgressBar | None:
         return next((cb for cb in self.callbacks if isinstance(cb, ProgressBar)), None)
 
@@ -308,10 +333,14 @@ class Trainer(StepMixin):
         else:
             spec = dict(self.config.strategy)
             spec["name"] = plan.strategy_name
+            if self.config.sync_batchnorm and "sync_batchnorm" in strategy_class(spec["name"]).Options.__dataclass_fields__:
+                spec["sync_batchnorm"] = True  # Lightning's Trainer(sync_batchnorm=True); one process: nothing to sync
             self.strategy = build_strategy(
                 spec, accelerator=plan.accelerator, devices=plan.devices, num_nodes=plan.num_nodes,
                 precision=self.config.precision, timeout=self.config.timeout, env=plan.env,
             )
+        if self.config.benchmark is not None:
+            torch.backends.cudnn.benchmark = self.config.benchmark
         if self.config.deterministic:
             enable_deterministic()
         if self.config.detect_divergence:
