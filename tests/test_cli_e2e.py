@@ -60,8 +60,9 @@ def test_config_typo_exits_2_before_starting_any_process(tmp_path, override, nam
     for text in named:
         assert text in message, result.describe()
     assert "Traceback" not in result.stderr
-    assert result.elapsed < 10, f"a config error took {result.elapsed:.1f}s to report"
-    assert not run_dir.exists()  # no worker ever started
+    # No worker ever started: a worker's first act is creating the run directory. (How fast the error
+    # comes is not asserted: wall time on a loaded CI machine proves nothing.)
+    assert not run_dir.exists()
 
 
 @pytest.mark.distributed
