@@ -134,6 +134,12 @@ def tiny_module() -> type[TinyModule]:
     return TinyModule
 
 
+def pytest_addoption(parser: Any) -> None:
+    # Here, not in tests/matrix/conftest.py: options must be known before that folder is collected.
+    parser.addoption("--matrix-full", action="store_true", default=False,
+                     help="tests/matrix: every valid case of the cartesian product, not the all-pairs covering set")
+
+
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     """`gpu` tests skip (reported as skipped, never as passed) where CUDA is absent."""
     if torch.cuda.is_available():

@@ -269,6 +269,8 @@ class ParallelStrategy(Strategy):
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
         if self.data_parallel == "fsdp" or self._tp:
             support_fused_sgd(optimizers)  # every parameter is a DTensor
+        if self.pipeline is not None:
+            self.pipeline.optimizers_checked = False
         return super().setup_optimizers(optimizers)
 
     # ------------------------------------------------------------------ data
@@ -345,6 +347,8 @@ class ParallelStrategy(Strategy):
         if algorithm == "value":
             return super().clip_gradients(optimizer, value, algorithm)  # elementwise: shards are fine
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self.pipeline is not None:
+            self.pipeline.check_optimizers_line_up(self.optimizers)
         if self._tp or self.pipeline is not None:
             tp_fn.reduce_partial_grads(params)  # idempotent: clipping by hand under manual optimisation
             return tp_fn.clip_grad_norm(params, value, self.pp_group if self.pipeline is not None else None)

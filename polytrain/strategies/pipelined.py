@@ -133,6 +133,7 @@ class PipelineRunner:
         self.last_rank = self.pp_ranks[self.owner[self.n_stages - 1]]
         self.sync_grads = True
         self.padding = PaddingState()
+        self.optimizers_checked = False  # reset by each fit's setup_optimizers
 
     @property
     def pp_group(self) -> Any:
@@ -287,6 +288,26 @@ class PipelineRunner:
             yield
         finally:
             modules[self.seq_name] = seq
+
+    def check_optimizers_line_up(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Clipping by norm reduces optimizer k's norm over the stages, so optimizer k must be one optimizer
+        on every stage: same class and hyperparameters, same count. A stage whose ``configure_optimizers``
+        dropped an optimizer it holds no parameters of shifts the others' indices (another optimizer's
+        norm gets mixed in, silently), or leaves a stage with fewer reductions (a hang). Checked once per
+        fit, at the first clip (every rank clips optimizer 0 first: a matched collective)."""
+        if self.optimizers_checked:
+            return
+        mine = [f"{type(o).__name__}({', '.join(f'{k}={v!r}' for k, v in sorted(o.defaults.items()))})"
+                for o in optimizers]
+        stages = C.all_gather_object(mine, self.pp_group)
+        self.optimizers_checked = True
+        if any(other != stages[0] for other in stages):
+            listed = "; ".join(f"stage rank {r}: [{', '.join(opts)}]" for r, opts in enumerate(stages))
+            raise ConfigError(
+                f"gradient clipping by norm under pipeline parallelism reduces optimizer k's norm over the stages, "
+                f"so configure_optimizers must return the same optimizers in the same order on every stage; got "
+                f"{listed}. Keep an optimizer whose parameters a stage does not hold as an empty group, e.g. "
+                f"torch.optim.SGD([{{'params': []}}], lr=...), or clip by value")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
