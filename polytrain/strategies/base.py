@@ -84,6 +84,9 @@ class Strategy(ABC):
         self.optimizers: list[torch.optim.Optimizer] = []
         self._device = torch.device("cpu")
         self._call_hook: HookCaller | None = None  # the Trainer's funnel; see bind_hooks
+        # trainer.compile / trainer.activation_checkpointing, resolved; set by the Trainer, applied in setup_module.
+        self.compile_options: dict[str, Any] | None = None
+        self.checkpointing_options: dict[str, Any] | None = None
 
     def bind_hooks(self, call_hook: HookCaller, module_backward: Callable[..., None] | None = None) -> None:
         """Hooks that fire inside the step (``on_before_backward``, ``on_after_backward``) go through

@@ -12,9 +12,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
+from polytrain.core.errors import ConfigError
 from polytrain.core.precision import Precision
 from polytrain.core.process_group import default_backend, init_process_group, resolve_device
 from polytrain.layers.sync_batchnorm import convert_sync_batchnorm
+from polytrain.parallel.compile import checkpoint_and_compile
 from polytrain.strategies.base import StepRouter, Strategy
 
 
@@ -43,6 +45,11 @@ class DDPStrategy(Strategy):
         if self.options.sync_batchnorm:
             module = convert_sync_batchnorm(module)
         self.module = module
+        # Compiled regions run inside DDP's forward: dynamo's DDPOptimizer splits them at bucket boundaries.
+        if self.compile_options is not None and self.options.bucket_cap_mb < 1:
+            raise ConfigError(f"ddp bucket_cap_mb={self.options.bucket_cap_mb} with trainer.compile: dynamo's DDPOptimizer "
+                              f"needs buckets of at least DDP's 1 MB first bucket; use bucket_cap_mb >= 1")
+        checkpoint_and_compile(module, self.checkpointing_options, self.compile_options)
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters here, so every replica starts identical.
         kwargs = dict(

@@ -21,6 +21,7 @@ from polytrain.core.precision import Precision
 from polytrain.core.process_group import default_backend, init_process_group, resolve_device
 from polytrain.data.padding import EvalBatches, PaddingState
 from polytrain.layers.sync_batchnorm import convert_sync_batchnorm
+from polytrain.parallel.compile import checkpoint_and_compile
 from polytrain.parallel.dims import ParallelDims
 from polytrain.parallel.fsdp import (
     apply_fsdp,
@@ -105,6 +106,8 @@ class FSDPStrategy(Strategy):
             module.to(self._state_device)  # else fully_shard moves what is not on meta
         broadcast_module(module, self.collective_device)  # as DDP: every rank shards rank 0's weights
         router = StepRouter(module)
+        checkpoint_and_compile(module, self.checkpointing_options, self.compile_options, "blocks",
+                               self.options.wrap_modules)  # each FSDP unit compiled before fully_shard
         apply_fsdp(module, router, self.fsdp_mesh, self.precision.autocast_dtype, self.options.wrap_modules,
                    self.options.reshard_after_forward, self.options.cpu_offload, self.root_device.type)
         if on_meta:

@@ -34,6 +34,7 @@ from polytrain.core.process_group import default_backend, init_process_group, re
 from polytrain.data.padding import EvalBatches, PaddingState
 from polytrain.layers.placement import PlacedSequential, stage_bounds
 from polytrain.parallel import tensor_parallel as tp_fn
+from polytrain.parallel.compile import checkpoint_and_compile
 from polytrain.parallel.dims import ParallelDims
 from polytrain.parallel.fsdp import no_gradient_sync
 from polytrain.parallel.pipeline_split import balance, child_costs
@@ -225,6 +226,7 @@ class ModelParallelStrategy(Strategy):
             setattr(module, name, placed)
             log.info("model_parallel layers: %s.%s placed as %s", type(module).__name__, name, placed.extra_repr())
         module = self.precision.convert_module(module)
+        checkpoint_and_compile(module, self.checkpointing_options, self.compile_options, "blocks")
         router = StepRouter(module)
         if self.world_size > 1:
             # A module spanning several devices: DDP must get device_ids=None.
@@ -240,6 +242,7 @@ class ModelParallelStrategy(Strategy):
         mesh = self.dims.build_mesh(self._device.type)
         module = self.precision.convert_module(module.to(self._device))
         tp_fn.apply_tensor_parallel(module, mesh["tp"], plan)
+        checkpoint_and_compile(module, self.checkpointing_options, self.compile_options, "blocks")  # TP, AC, compile, FSDP
         self.model = StepRouter(module)
         if self.dims.dp_size > 1:
             dp_mesh = mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else mesh["dp_shard"]

@@ -32,6 +32,7 @@ from polytrain.core.precision import Precision
 from polytrain.core.process_group import default_backend, init_process_group, resolve_device
 from polytrain.core.protocol import captured_logs
 from polytrain.parallel import pipeline_split as S
+from polytrain.parallel.compile import checkpoint_and_compile
 from polytrain.parallel.dims import ParallelDims
 from polytrain.strategies.base import StepResult, StepRouter, Strategy
 
@@ -165,6 +166,8 @@ class PipelineStrategy(Strategy):
         self.module = self.precision.convert_module(module.to(self.root_device))
         self.model = StepRouter(self.module)
         self.stage_modules = {s: S.stage_module(seq, children[s]) for s in self.local_stages}
+        checkpoint_and_compile(self.module, self.checkpointing_options, self.compile_options,  # per stage
+                               stages=list(self.stage_modules.values()))
         self._broadcast_replicas()
         self._schedules: dict[tuple[Any, ...], Any] = {}
         self._spare = self._new_schedule()  # built now so a bad n_microbatches fails before any data

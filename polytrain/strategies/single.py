@@ -9,6 +9,7 @@ from torch import nn
 
 from polytrain.core.precision import Precision
 from polytrain.core.process_group import resolve_device
+from polytrain.parallel.compile import checkpoint_and_compile
 from polytrain.strategies.base import StepRouter, Strategy
 
 
@@ -27,6 +28,7 @@ class SingleDeviceStrategy(Strategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         self.module = self.precision.convert_module(module.to(self.root_device))
+        checkpoint_and_compile(self.module, self.checkpointing_options, self.compile_options)
         self.model = StepRouter(self.module)
         return self.model
 

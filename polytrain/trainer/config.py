@@ -19,6 +19,8 @@ import yaml
 
 from polytrain.core.errors import ConfigError
 from polytrain.core.options import check_choice, check_keys, validate_dataclass
+from polytrain.parallel.activation_checkpointing import resolve_checkpointing
+from polytrain.parallel.compile import resolve_compile
 from polytrain.strategies.registry import normalize_strategy, validate_strategy_spec
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
@@ -72,6 +74,8 @@ class TrainerConfig:
     logger: Any = True  # True (TensorBoard + CSV), False, "tensorboard", "csv", ..., or a list of those
     callbacks: list[Any] = field(default_factory=list)
     profiler: Any = None  # None, "simple", "torch", or {name: torch, ...} (docs/performance.md)
+    compile: Any = False  # true, or a mapping of torch.compile keywords (+ modules: [Block]) (docs/compile.md)
+    activation_checkpointing: Any = False  # true, block class name(s), or {modules: [Block], every: 1}
     launcher: str = "auto"
     max_restarts: int = 0
     timeout: float = 1800.0  # seconds a collective may wait before the job is ended
@@ -169,6 +173,8 @@ def _check_lightning_options(cfg: TrainerConfig) -> None:
         parse_max_time(cfg.max_time)
     if cfg.profiler is not None:
         check_profiler_spec(cfg.profiler)
+    resolve_compile(cfg.compile)
+    resolve_checkpointing(cfg.activation_checkpointing)
 
 
 def parse_max_time(value: Any) -> float:

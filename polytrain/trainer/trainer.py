@@ -17,6 +17,8 @@ from polytrain.callbacks.progress import ProgressBar
 from polytrain.core import divergence, heartbeat
 from polytrain.core.errors import ConfigError
 from polytrain.core.rng import enable_deterministic
+from polytrain.parallel.activation_checkpointing import resolve_checkpointing
+from polytrain.parallel.compile import resolve_compile
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.launcher import LaunchPlan, plan_launch
 from polytrain.strategies.registry import build_strategy
@@ -310,6 +312,8 @@ class Trainer(StepMixin):
                 spec, accelerator=plan.accelerator, devices=plan.devices, num_nodes=plan.num_nodes,
                 precision=self.config.precision, timeout=self.config.timeout, env=plan.env,
             )
+        self.strategy.compile_options = resolve_compile(self.config.compile)
+        self.strategy.checkpointing_options = resolve_checkpointing(self.config.activation_checkpointing)
         if self.config.deterministic:
             enable_deterministic()
         if self.config.detect_divergence:

@@ -1,0 +1,130 @@
+"""Activation checkpointing as plain functions: chosen blocks keep only their inputs in forward and
+recompute the rest during backward (``torch.utils.checkpoint``, non-reentrant).
+
+The blocks are the FSDP wrap policy's (``blocks_to_wrap``: the children of the largest
+``nn.ModuleList``/``nn.Sequential``, or the classes named), so one transformer block is one
+checkpointed region and one FSDP unit. Unless classes are named, the one-off layers among them
+(embeddings, final norm, LM head: classes that occur once) are left out when some class repeats:
+checkpointing them saves no memory (their inputs are kept anyway) and the head's recompute costs
+as much as several blocks. Apply it after tensor parallelism and before compile and
+FSDP (torchtitan's order): TP -> AC -> compile -> FSDP.
+
+A block's ``forward`` is replaced on the instance; the block is not wrapped in another module. Its
+parameters keep their names, so state dicts, checkpoints, FSDP and optimizer state are the same
+with checkpointing on or off. Non-reentrant checkpointing saves the RNG state before the forward
+and restores it for the recompute (CPU, and the CUDA devices its inputs are on), so dropout draws
+the same masks in the recompute as in the forward, and the RNG streams after the step are those of
+a run without checkpointing (tests/test_speed.py checks both).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from polytrain.core.errors import ConfigError
+from polytrain.parallel.fsdp import blocks_to_wrap
+
+log = logging.getLogger("polytrain")
+
+CHECKPOINTED = "_polytrain_checkpointed_forward"  # in a block's __dict__: its forward before checkpointing
+OPTION_KEYS = ("modules", "every")
+
+
+def resolve_checkpointing(spec: Any, key: str = "trainer.activation_checkpointing") -> dict[str, Any] | None:
+    """The config value as ``{"modules": [class names] | None, "every": n}``, or None when off.
+
+    ``true`` checkpoints every block; a class name or a list of them chooses the blocks; a mapping may
+    also say ``every: n`` (every n-th block: less recompute, more memory)."""
+    if spec is None or spec is False:
+        return None
+    if spec is True:
+        return {"modules": None, "every": 1}
+    if isinstance(spec, str):
+        spec = [spec]
+    if isinstance(spec, (list, tuple)):
+        spec = {"modules": list(spec)}
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{key}={spec!r} is not valid; use true, a block class name or a list of them, or a mapping "
+                          f"{{modules: [Block], every: 1}}")
+    unknown = sorted(set(spec) - set(OPTION_KEYS))
+    if unknown:
+        raise ConfigError(f"{key} has unknown key(s) {unknown}; valid: {', '.join(OPTION_KEYS)}")
+    modules, every = spec.get("modules"), spec.get("every", 1)
+    if isinstance(modules, str):
+        modules = [modules]
+    if modules is not None and not (isinstance(modules, (list, tuple)) and modules
+                                    and all(isinstance(m, str) for m in modules)):
+        raise ConfigError(f"{key}.modules={spec.get('modules')!r} must be a list of block class names")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(f"{key}.every={every!r} must be a positive integer (1: every block)")
+    return {"modules": list(modules) if modules is not None else None, "every": every}
+
+
+def checkpoint_block(block: nn.Module) -> None:
+    """Make ``block``'s forward a non-reentrant ``torch.utils.checkpoint`` region (idempotent)."""
+    if CHECKPOINTED in block.__dict__:
+        return
+    forward = block.forward  # bound method (or what an earlier instance-level change installed)
+    block.__dict__[CHECKPOINTED] = forward
+    block.forward = _checkpointed(forward)
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed_forward
+
+
+def apply_activation_checkpointing(module: nn.Module, options: dict[str, Any] | None,
+                                   default_modules: list[str] | None = None,
+                                   default_blocks: list[nn.Module] | None = None) -> list[nn.Module]:
+    """Checkpoint the blocks of ``module`` that ``options`` chooses (``resolve_checkpointing``'s
+    result). When the options name no classes: ``default_blocks`` if given (a pipeline rank's share of
+    the blocks), else the blocks of ``default_modules`` (the fsdp strategy's ``wrap_modules``), else
+    the wrap policy's. Returns the checkpointed blocks."""
+    if options is None:
+        return []
+    names = options["modules"] if options["modules"] is not None else default_modules
+    if options["modules"] is None and default_blocks is not None:
+        blocks = repeated(list(default_blocks))
+    else:
+        blocks = blocks_to_wrap(module, names)
+        if names is None:
+            blocks = repeated(blocks)
+    if not blocks:
+        raise ConfigError(f"activation checkpointing found no blocks in {type(module).__name__}: it has no "
+                          f"nn.ModuleList/nn.Sequential of layers; name the block classes with "
+                          f"activation_checkpointing: {{modules: [MyBlock]}}")
+    elif names is not None:
+        blocks = outermost(list(reversed(blocks)))  # blocks_to_wrap lists named blocks innermost first
+    every = options["every"]
+    chosen = [b for i, b in enumerate(blocks, start=1) if i % every == 0]
+    for block in chosen:
+        checkpoint_block(block)
+    kinds = Counter(type(b).__name__ for b in chosen)
+    log.info("activation checkpointing: %d block(s) (%s)", len(chosen),
+             ", ".join(f"{n} x{c}" for n, c in kinds.items()))
+    return chosen
+
+
+def repeated(blocks: list[nn.Module]) -> list[nn.Module]:
+    """The blocks whose class occurs more than once (the repeated layers), or all when none repeats."""
+    counts = Counter(type(b) for b in blocks)
+    kept = [b for b in blocks if counts[type(b)] > 1]
+    return kept or blocks
+
+
+def outermost(modules: list[nn.Module]) -> list[nn.Module]:
+    """``modules`` without those nested inside another of them (a region inside a region is one region)."""
+    inside = {id(d) for m in modules for d in m.modules() if d is not m}
+    return [m for m in modules if id(m) not in inside]
