@@ -9,9 +9,11 @@ checkpointing them saves no memory (their inputs are kept anyway) and the head's
 as much as several blocks. Apply it after tensor parallelism and before compile and
 FSDP (torchtitan's order): TP -> AC -> compile -> FSDP.
 
-A block's ``forward`` is replaced on the instance; the block is not wrapped in another module. Its
-parameters keep their names, so state dicts, checkpoints, FSDP and optimizer state are the same
-with checkpointing on or off. Non-reentrant checkpointing saves the RNG state before the forward
+A checkpointed block is not wrapped in another module: its class is swapped for a subclass of the
+same name whose ``forward`` runs the original one under ``checkpoint`` (FSDP2's ``fully_shard``
+does the same). Parameter names stay as they are, so state dicts, checkpoints, FSDP units and
+optimizer state are the same with checkpointing on or off; ``isinstance`` and class-name matching
+(``wrap_modules``) still see the user's class, and a ``deepcopy`` of the block is checkpointed too. Non-reentrant checkpointing saves the RNG state before the forward
 and restores it for the recompute (CPU, and the CUDA devices its inputs are on), so dropout draws
 the same masks in the recompute as in the forward, and the RNG streams after the step are those of
 a run without checkpointing (tests/test_speed.py checks both).
@@ -33,7 +35,7 @@ from polytrain.parallel.fsdp import blocks_to_wrap
 
 log = logging.getLogger("polytrain")
 
-CHECKPOINTED = "_polytrain_checkpointed_forward"  # in a block's __dict__: its forward before checkpointing
+CHECKPOINTED = "_polytrain_checkpointed_from"  # on a checkpointed class: the class it was made from
 OPTION_KEYS = ("modules", "every")
 
 
@@ -67,22 +69,36 @@ def resolve_checkpointing(spec: Any, key: str = "trainer.activation_checkpointin
     return {"modules": list(modules) if modules is not None else None, "every": every}
 
 
+def swap_class(module: nn.Module, marker: str, key: Any, forward: Callable[[type], Callable[..., Any]]) -> None:
+    """Give ``module`` a subclass of its class, with the same name, whose ``forward`` is
+    ``forward(original class)``; one subclass per (class, marker, key), shared by every instance."""
+    cls = type(module)
+    cache_key = (cls, marker, key)
+    sub = _SUBCLASSES.get(cache_key)
+    if sub is None:
+        sub = _SUBCLASSES[cache_key] = type(cls.__name__, (cls,), {
+            "forward": forward(cls), marker: cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    module.__class__ = sub
+
+
+_SUBCLASSES: dict[tuple[type, str, Any], type] = {}
+
+
 def checkpoint_block(block: nn.Module) -> None:
     """Make ``block``'s forward a non-reentrant ``torch.utils.checkpoint`` region (idempotent)."""
-    if CHECKPOINTED in block.__dict__:
-        return
-    forward = block.forward  # bound method (or what an earlier instance-level change installed)
-    block.__dict__[CHECKPOINTED] = forward
-    block.forward = _checkpointed(forward)
+    if not hasattr(type(block), CHECKPOINTED):
+        swap_class(block, CHECKPOINTED, None, _checkpointed)
 
 
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
-    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+def _checkpointed(cls: type) -> Callable[..., Any]:
+    inner = cls.forward
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            return inner(self, *args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
+        return checkpoint(inner, self, *args, use_reentrant=False, **kwargs)
 
-    return checkpointed_forward
+    return forward
 
 
 def apply_activation_checkpointing(module: nn.Module, options: dict[str, Any] | None,

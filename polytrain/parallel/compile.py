@@ -1,7 +1,8 @@
 """``torch.compile`` as plain functions: which modules to compile, and compiling them in place.
 
-A chosen module's ``forward`` is replaced on the instance by ``torch.compile(forward, **options)``;
-the module is not wrapped in an ``OptimizedModule``. So parameter names (state dicts, checkpoints,
+A chosen module is not wrapped in an ``OptimizedModule``: its class is swapped for a subclass of the
+same name whose ``forward`` is ``torch.compile(original forward, **options)`` (as activation
+checkpointing does, and FSDP2's ``fully_shard``). So parameter names (state dicts, checkpoints,
 optimizer state) do not change, and the hooks that FSDP, DDP and the user register on a module run
 eagerly around its compiled region instead of being traced. ``training_step`` is never compiled:
 ``self.log``, the hooks and the loss bookkeeping around it would each break the graph. What is
@@ -36,12 +37,12 @@ import torch
 from torch import nn
 
 from polytrain.core.errors import ConfigError
-from polytrain.parallel.activation_checkpointing import apply_activation_checkpointing, outermost, repeated
+from polytrain.parallel.activation_checkpointing import apply_activation_checkpointing, outermost, repeated, swap_class
 from polytrain.parallel.fsdp import blocks_to_wrap
 
 log = logging.getLogger("polytrain")
 
-COMPILED = "_polytrain_compiled_forward"  # in a module's __dict__: its forward before compiling
+COMPILED = "_polytrain_compiled_from"  # on a compiled class: the class it was made from
 POLYTRAIN_KEYS = ("modules",)
 SCOPES = ("model", "blocks")
 
@@ -103,12 +104,12 @@ def compile_targets(module: nn.Module, options: dict[str, Any], scope: str = "mo
 
 
 def compile_module(module: nn.Module, kwargs: dict[str, Any]) -> None:
-    """Replace ``module.forward`` on the instance by its compiled version (idempotent)."""
-    if COMPILED in module.__dict__:
-        return
-    forward = module.forward  # bound method, or an instance-level one (activation checkpointing's)
-    module.__dict__[COMPILED] = forward
-    module.forward = torch.compile(forward, **kwargs)
+    """Make ``module``'s forward ``torch.compile(forward, **kwargs)`` (idempotent). Every module of one
+    class compiled with the same keywords shares one compiled function, so dynamo's cache (per code
+    object, parameters as graph inputs) serves them all with one graph."""
+    if not hasattr(type(module), COMPILED):
+        swap_class(module, COMPILED, repr(sorted(kwargs.items())),
+                   lambda cls: torch.compile(cls.forward, **kwargs))
 
 
 def apply_compile(targets: list[nn.Module], options: dict[str, Any] | None) -> list[nn.Module]:
