@@ -102,26 +102,24 @@ def _checkpointed(cls: type) -> Callable[..., Any]:
 
 
 def apply_activation_checkpointing(module: nn.Module, options: dict[str, Any] | None,
-                                   default_modules: list[str] | None = None,
-                                   default_blocks: list[nn.Module] | None = None) -> list[nn.Module]:
+                                   default_modules: list[str] | None = None) -> list[nn.Module]:
     """Checkpoint the blocks of ``module`` that ``options`` chooses (``resolve_checkpointing``'s
-    result). When the options name no classes: ``default_blocks`` if given (a pipeline rank's share of
-    the blocks), else the blocks of ``default_modules`` (the fsdp strategy's ``wrap_modules``), else
-    the wrap policy's. Returns the checkpointed blocks."""
+    result). When the options name no classes: the blocks of ``default_modules`` (the fsdp strategy's
+    ``wrap_modules``), else the wrap policy's repeated blocks. Returns the checkpointed blocks.
+
+    Apply it to the whole model: a pipeline checkpoints before cutting its stages, so every rank
+    chooses from the same blocks (checkpointing a layer another rank keeps costs nothing)."""
     if options is None:
         return []
     names = options["modules"] if options["modules"] is not None else default_modules
-    if options["modules"] is None and default_blocks is not None:
-        blocks = repeated(list(default_blocks))
-    else:
-        blocks = blocks_to_wrap(module, names)
-        if names is None:
-            blocks = repeated(blocks)
+    blocks = blocks_to_wrap(module, names)
+    if names is None:
+        blocks = repeated(blocks)
     if not blocks:
         raise ConfigError(f"activation checkpointing found no blocks in {type(module).__name__}: it has no "
                           f"nn.ModuleList/nn.Sequential of layers; name the block classes with "
                           f"activation_checkpointing: {{modules: [MyBlock]}}")
-    elif names is not None:
+    if names is not None:
         blocks = outermost(list(reversed(blocks)))  # blocks_to_wrap lists named blocks innermost first
     every = options["every"]
     chosen = [b for i, b in enumerate(blocks, start=1) if i % every == 0]

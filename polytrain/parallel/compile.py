@@ -134,11 +134,8 @@ def checkpoint_and_compile(module: nn.Module, checkpointing: dict[str, Any] | No
                            wrap_modules: list[str] | None = None, stages: list[nn.Module] | None = None) -> None:
     """Activation checkpointing, then compile: what a strategy calls once the module is on its
     device (and tensor-parallelised), before any FSDP/DDP wrapping. ``stages`` (pipeline): this rank's
-    stage modules; their children are the blocks to checkpoint and each stage is compiled whole,
-    unless the options name classes."""
-    blocks = None if stages is None else [c for s in stages for c in s.children() if next(c.parameters(), None)
-                                          is not None]
-    apply_activation_checkpointing(module, checkpointing, wrap_modules, blocks)
+    stage modules, each compiled whole unless the options name classes."""
+    apply_activation_checkpointing(module, checkpointing, wrap_modules)
     if compile_options is None:
         return
     named = compile_options.get("modules") is not None

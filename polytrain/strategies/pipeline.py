@@ -32,6 +32,7 @@ from polytrain.core.precision import Precision
 from polytrain.core.process_group import default_backend, init_process_group, resolve_device
 from polytrain.core.protocol import captured_logs
 from polytrain.parallel import pipeline_split as S
+from polytrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from polytrain.parallel.compile import checkpoint_and_compile
 from polytrain.parallel.dims import ParallelDims
 from polytrain.strategies.base import StepResult, StepRouter, Strategy
@@ -162,12 +163,12 @@ class PipelineStrategy(Strategy):
         if self.is_global_zero:
             log.info("pipeline %s over pp=%d x dp=%d: %s", self.options.schedule, self.pp_size, self.dp_size,
                      S.describe(self.seq_name, children, costs))
+        apply_activation_checkpointing(module, self.checkpointing_options)  # before the cut: every rank alike
         S.prune(seq, {n for s in self.local_stages for n in children[s]})
         self.module = self.precision.convert_module(module.to(self.root_device))
         self.model = StepRouter(self.module)
         self.stage_modules = {s: S.stage_module(seq, children[s]) for s in self.local_stages}
-        checkpoint_and_compile(self.module, self.checkpointing_options, self.compile_options,  # per stage
-                               stages=list(self.stage_modules.values()))
+        checkpoint_and_compile(self.module, None, self.compile_options, stages=list(self.stage_modules.values()))
         self._broadcast_replicas()
         self._schedules: dict[tuple[Any, ...], Any] = {}
         self._spare = self._new_schedule()  # built now so a bad n_microbatches fails before any data
