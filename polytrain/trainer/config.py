@@ -21,6 +21,7 @@ from polytrain.core.errors import ConfigError
 from polytrain.core.options import check_choice, check_keys, validate_dataclass
 from polytrain.parallel.activation_checkpointing import resolve_checkpointing
 from polytrain.parallel.compile import resolve_compile
+from polytrain.trainer.profiler import check_profiler_options
 from polytrain.strategies.registry import normalize_strategy, validate_strategy_spec
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
@@ -196,14 +197,8 @@ def parse_max_time(value: Any) -> float:
     raise ConfigError(f"trainer.max_time={value!r}; use DD:HH:MM:SS or a mapping such as {{hours: 12}}")
 
 
-PROFILERS = ("simple", "torch")
-
-
 def check_profiler_spec(spec: Any) -> None:
-    name = spec.get("name") if isinstance(spec, dict) else spec
-    if name not in PROFILERS:
-        raise ConfigError(f"trainer.profiler={spec!r}; choose one of: {', '.join(PROFILERS)} (or null), or a mapping "
-                          f"{{name: torch, ...options}}")
+    check_profiler_options(spec)  # the names and each profiler's options (trainer/profiler.py)
 
 
 def _check_logger_and_callbacks(cfg: TrainerConfig) -> None:

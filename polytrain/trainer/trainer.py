@@ -37,6 +37,7 @@ from polytrain.trainer.entry_points import run_stage
 from polytrain.trainer.launch import launch_from_trainer
 from polytrain.trainer.metrics import MetricCollector
 from polytrain.trainer.module import TrainModule, overrides
+from polytrain.trainer.profiler import build_profiler
 from polytrain.trainer.steps import StepMixin
 
 log = logging.getLogger("polytrain")
@@ -73,6 +74,7 @@ class Trainer(StepMixin):
         self.module: TrainModule | None = None
         self.datamodule: DataModule | None = None
         self.metrics = MetricCollector()
+        self.profiler = build_profiler(self.config.profiler, self)  # trainer.profiler; a pass-through by default
         self.hooks: Any = None
         self.guard: Any = None
         self.optimizers: list[Any] = []
