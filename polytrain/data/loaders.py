@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,12 +41,38 @@ def _chain_worker_init(user_fn: Callable | None) -> Callable:
     return init
 
 
+PIN_CHOSEN = "_polytrain_pin_memory_chosen"  # set on DataLoaders built with an explicit pin_memory
+
+
+@contextlib.contextmanager
+def record_pin_memory_choice() -> Iterator[None]:
+    """DataLoaders built inside remember whether ``pin_memory`` was passed explicitly (Lightning
+    records constructor arguments the same way), so a rebuilt loader pins by default on CUDA but keeps
+    a user's explicit ``pin_memory=False``."""
+    original = DataLoader.__init__
+
+    def init(self: DataLoader, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        # pin_memory is the 8th parameter: dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
+        # collate_fn, pin_memory, ...
+        if "pin_memory" in kwargs or len(args) > 7:
+            self.__dict__[PIN_CHOSEN] = True
+
+    DataLoader.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DataLoader.__init__ = original  # type: ignore[method-assign]
+
+
 def _is_default_sampling(loader: DataLoader) -> bool:
     return (type(loader.sampler) in (SequentialSampler, RandomSampler)
             and type(loader.batch_sampler) in (BatchSampler, type(None)))
 
 
-def _rebuild(loader: DataLoader, sampler: Sampler) -> DataLoader:
+def _rebuild(loader: DataLoader, sampler: Sampler, pin_memory: bool = False) -> DataLoader:
+    """``loader`` with ``sampler``; ``pin_memory=True`` (the strategy computes on CUDA) pins unless the
+    user chose ``pin_memory`` explicitly when building it."""
     batch_size = loader.batch_size
     drop_last = loader.drop_last
     if batch_size is None and loader.batch_sampler is not None:
@@ -55,7 +82,7 @@ def _rebuild(loader: DataLoader, sampler: Sampler) -> DataLoader:
         sampler=sampler,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
+        pin_memory=loader.pin_memory or (pin_memory and not loader.__dict__.get(PIN_CHOSEN, False)),
         drop_last=drop_last,
         timeout=loader.timeout,
         worker_init_fn=_chain_worker_init(loader.worker_init_fn),
@@ -69,8 +96,9 @@ def _rebuild(loader: DataLoader, sampler: Sampler) -> DataLoader:
 
 
 def distribute_dataloader(loader: Any, num_replicas: int, rank: int, seed: int, stage: str,
-                          use_sampler: bool = True) -> Any:
-    """Give ``loader`` a sampler over the data-parallel group, keeping everything else the user set."""
+                          use_sampler: bool = True, pin_memory: bool = False) -> Any:
+    """Give ``loader`` a sampler over the data-parallel group, keeping everything else the user set
+    (``pin_memory``: pin the rebuilt loader's batches unless the user chose; see ``_rebuild``)."""
     if not use_sampler or not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return loader
     if not _is_default_sampling(loader):
@@ -86,10 +114,10 @@ def distribute_dataloader(loader: Any, num_replicas: int, rank: int, seed: int, 
             loader.dataset, num_replicas=num_replicas, rank=rank,
             shuffle=isinstance(loader.sampler, RandomSampler), seed=seed,
         )
-        return _rebuild(loader, sampler)
+        return _rebuild(loader, sampler, pin_memory)
     if num_replicas == 1:
         return loader
-    return _rebuild(loader, EvenlySplitSampler(len(loader.dataset), num_replicas, rank))
+    return _rebuild(loader, EvenlySplitSampler(len(loader.dataset), num_replicas, rank), pin_memory)
 
 
 def set_epoch(loader: Any, epoch: int) -> None:

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
 from polytrain.core.errors import ConfigError
 from polytrain.core.rng import restore_rng_state
-from polytrain.data.loaders import loader_length, resume_position, set_epoch
+from polytrain.data.loaders import loader_length, record_pin_memory_choice, resume_position, set_epoch
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
@@ -34,7 +34,8 @@ def request_loader(trainer: Trainer, stage: str) -> Any:
         datamodule = trainer.datamodule
         source = datamodule if datamodule is not None and callable(getattr(datamodule, name, None)) \
             else trainer.module
-        loader = getattr(source, name)()
+        with record_pin_memory_choice():  # an explicit pin_memory=False is kept on CUDA
+            loader = getattr(source, name)()
     if loader is None:
         return None
     if isinstance(loader, (list, tuple)):
