@@ -56,3 +56,13 @@ def test_gpt_throughput_benchmark_prints_ratios() -> None:
         # Same data, same arithmetic: the last logged loss is the same in both variants.
         match = re.search(rf"^{label}:\s+per-pair .* last loss polytrain ([0-9.]+) hand ([0-9.]+)$", out, re.M)
         assert match and match.group(1) == match.group(2), out
+
+
+@pytest.mark.timeout(300)
+def test_activation_memory_benchmark_shows_a_saving() -> None:
+    out = _run([os.path.join(BENCH, "activation_memory.py"), "--layers", "2", "--d-model", "64", "--seq-len", "128",
+                "--steps", "2"], timeout=280)
+    match = re.search(r"^memory: ([0-9.]+) of off \(([0-9.]+) MB saved\); step time: [0-9.]+ of off; "
+                      r"last loss off ([0-9.]+) on ([0-9.]+)$", out, re.M)
+    assert match, out
+    assert float(match.group(1)) < 0.9 and match.group(3) == match.group(4), out
