@@ -257,3 +257,26 @@ def test_compile_and_checkpointing_tensor_and_pipeline(strategy: dict[str, Any],
     diffs, _ = run_distributed(_parity_run, 2, strategy, "aot_eager", 32, str(tmp_path), timeout=580)[0]
     assert diffs["ac"] <= AC_TOL["atol"], diffs
     assert diffs["compiled"] <= COMPILE_TOL["atol"] and diffs["both"] <= COMPILE_TOL["atol"], diffs
+
+
+def _example_run(rank: int, world: int, run_dir: str) -> dict[str, Any]:
+    from polytrain.trainer.config import instantiate, load_config
+
+    path = os.path.join(GPT_DIR, "config_compile.yaml")
+    overrides = [f"trainer.run_dir={run_dir}", "trainer.enable_progress_bar=false", "trainer.logger=false",
+                 "trainer.enable_checkpointing=false", "trainer.max_epochs=1", "trainer.limit_train_batches=3",
+                 "trainer.limit_val_batches=1", "trainer.compile.backend=aot_eager"]  # inductor: see the top
+    config = load_config(path, overrides)
+    assert config["trainer"]["compile"] == {"backend": "aot_eager"} and config["trainer"]["activation_checkpointing"]
+    module = instantiate(config["module"], "module", config.get("config_dir"))
+    trainer = Trainer.from_config(config)
+    trainer.fit(module)
+    return {"steps": trainer.global_step, "compiled": [hasattr(type(b), "_polytrain_compiled_from") for b in module.net],
+            "checkpointed": [hasattr(type(b), "_polytrain_checkpointed_from") for b in module.net]}
+
+
+@pytest.mark.timeout(300)
+def test_the_compile_example_config_runs(tmp_path: Any) -> None:
+    out = run_distributed(_example_run, 2, str(tmp_path), timeout=280)[0]
+    assert out["steps"] == 3
+    assert out["compiled"] == out["checkpointed"] == [False, True, True, False, False]  # the two Blocks
