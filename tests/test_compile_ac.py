@@ -30,7 +30,7 @@ GPT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if GPT_DIR not in sys.path:
     sys.path.insert(0, GPT_DIR)
 
-from gpt_module import Block, CharGPT, Embeddings  # noqa: E402 - after the sys.path insertion
+from gpt_module import Block, CharGPT  # noqa: E402 - after the sys.path insertion
 
 COMPILE_TOL = {"rtol": 0.0, "atol": 1e-5}
 AC_TOL = {"rtol": 0.0, "atol": 1e-6}
@@ -144,7 +144,7 @@ def test_checkpointing_recomputes_with_the_same_dropout_masks(run_dir: str) -> N
         module = SmallGPT(dropout=0.3)
         masks: list[torch.Tensor] = []
         for block in (module.net[1], module.net[2]):
-            block.drop.register_forward_hook(lambda m, i, o: masks.append(o == 0))
+            block.drop.register_forward_hook(lambda m, i, o, masks=masks: masks.append(o == 0))
         trainer = Trainer(strategy="single", accelerator="cpu", max_steps=2, logger=False,
                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                           num_sanity_val_steps=0, limit_val_batches=0, run_dir=run_dir, seed=0,

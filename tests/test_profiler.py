@@ -10,7 +10,6 @@ import os
 from typing import Any
 
 import pytest
-import torch
 from distributed import run_distributed
 
 from polytrain import Trainer

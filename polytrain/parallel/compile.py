@@ -37,7 +37,12 @@ import torch
 from torch import nn
 
 from polytrain.core.errors import ConfigError
-from polytrain.parallel.activation_checkpointing import apply_activation_checkpointing, outermost, repeated, swap_class
+from polytrain.parallel.activation_checkpointing import (
+    apply_activation_checkpointing,
+    outermost,
+    repeated,
+    swap_class,
+)
 from polytrain.parallel.fsdp import blocks_to_wrap
 
 log = logging.getLogger("polytrain")

@@ -21,8 +21,8 @@ from polytrain.core.errors import ConfigError
 from polytrain.core.options import check_choice, check_keys, validate_dataclass
 from polytrain.parallel.activation_checkpointing import resolve_checkpointing
 from polytrain.parallel.compile import resolve_compile
-from polytrain.trainer.profiler import check_profiler_options
 from polytrain.strategies.registry import normalize_strategy, validate_strategy_spec
+from polytrain.trainer.profiler import check_profiler_options
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
