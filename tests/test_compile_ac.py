@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import pickle
 import sys
 from typing import Any
 
@@ -123,7 +124,9 @@ def test_checkpointed_and_compiled_blocks_keep_names_class_and_copies() -> None:
     assert list(gpt.state_dict()) == keys  # checkpoints, FSDP and optimizer state see the same names
     assert isinstance(block, DropBlock) and type(block).__name__ == "DropBlock"
     assert type(gpt.net[2]) is not DropBlock  # checkpointed: a same-named subclass
-    twin = copy.deepcopy(block)  # a copy runs with its own weights (EMA callbacks copy modules)
+    # Copies (EMA callbacks deepcopy modules) and pickles are the user's class, eager, with their own weights.
+    twin = copy.deepcopy(block)
+    assert type(twin) is DropBlock and type(pickle.loads(pickle.dumps(gpt)).net[2]) is DropBlock
     with torch.no_grad():
         for p in twin.parameters():
             p.zero_()

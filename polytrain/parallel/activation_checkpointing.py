@@ -13,7 +13,8 @@ A checkpointed block is not wrapped in another module: its class is swapped for 
 same name whose ``forward`` runs the original one under ``checkpoint`` (FSDP2's ``fully_shard``
 does the same). Parameter names stay as they are, so state dicts, checkpoints, FSDP units and
 optimizer state are the same with checkpointing on or off; ``isinstance`` and class-name matching
-(``wrap_modules``) still see the user's class, and a ``deepcopy`` of the block is checkpointed too. Non-reentrant checkpointing saves the RNG state before the forward
+(``wrap_modules``) still see the user's class; a ``deepcopy`` or pickle of the block is the user's
+class again (plain, with its own weights). Non-reentrant checkpointing saves the RNG state before the forward
 and restores it for the recompute (CPU, and the CUDA devices its inputs are on), so dropout draws
 the same masks in the recompute as in the forward, and the RNG streams after the step are those of
 a run without checkpointing (tests/test_speed.py checks both).
@@ -21,6 +22,7 @@ a run without checkpointing (tests/test_speed.py checks both).
 
 from __future__ import annotations
 
+import copyreg
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -71,17 +73,31 @@ def resolve_checkpointing(spec: Any, key: str = "trainer.activation_checkpointin
 
 def swap_class(module: nn.Module, marker: str, key: Any, forward: Callable[[type], Callable[..., Any]]) -> None:
     """Give ``module`` a subclass of its class, with the same name, whose ``forward`` is
-    ``forward(original class)``; one subclass per (class, marker, key), shared by every instance."""
+    ``forward(original class)``; one subclass per (class, marker, key), shared by every instance.
+    A pickle or ``deepcopy`` of the module is an instance of the original class (eager, its own
+    weights): the subclass cannot be found by name."""
     cls = type(module)
     cache_key = (cls, marker, key)
     sub = _SUBCLASSES.get(cache_key)
     if sub is None:
+        def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+            return copyreg._reconstructor, (_unswapped(type(self)), object, None), self.__getstate__()
+
         sub = _SUBCLASSES[cache_key] = type(cls.__name__, (cls,), {
-            "forward": forward(cls), marker: cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+            "forward": forward(cls), marker: cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "__reduce_ex__": __reduce_ex__})
     module.__class__ = sub
 
 
+def _unswapped(cls: type) -> type:
+    """The user's class under any number of swaps."""
+    while any(m in cls.__dict__ for m in _MARKERS):
+        cls = cls.__bases__[0]
+    return cls
+
+
 _SUBCLASSES: dict[tuple[type, str, Any], type] = {}
+_MARKERS = ("_polytrain_checkpointed_from", "_polytrain_compiled_from")  # CHECKPOINTED, compile.COMPILED
 
 
 def checkpoint_block(block: nn.Module) -> None:
