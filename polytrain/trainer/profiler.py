@@ -4,7 +4,7 @@
   (getting a batch, moving it, the training batch and its forward/backward/optimizer step, logging
   steps, validation, epoch ends) and prints a table at fit end on global rank 0 (every rank times its
   own; ``filename`` also writes each rank's table under the run directory).
-- ``torch`` runs ``torch.profiler`` on global rank 0 for a window of training steps (``wait``,
+- ``torch`` runs ``torch.profiler`` on global rank 0 for a window of training batches (``wait``,
   ``warmup``, ``active``, ``repeat``, ``skip_first``: ``torch.profiler.schedule``'s meaning) and
   writes the trace with ``tensorboard_trace_handler`` to ``dir`` (default ``<run_dir>/profiler``):
   open it with TensorBoard's profiler plugin, Perfetto or chrome://tracing. The loop's phases and
@@ -237,7 +237,7 @@ class _TimedIterator:
 
 
 class TorchProfiler(SimpleProfiler):
-    """``torch.profiler`` over a window of training steps on global rank 0; the phases and hooks are
+    """``torch.profiler`` over a window of training batches on global rank 0; the phases and hooks are
     labelled ranges in the trace. Other ranks run unprofiled."""
 
     def __init__(self, trainer: Trainer, options: dict[str, Any]) -> None:
