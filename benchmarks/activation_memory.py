@@ -5,7 +5,7 @@ Usage::
     python benchmarks/activation_memory.py                  # GPT, 4 blocks of d 256, seq 256, batch 8 (CPU)
     python benchmarks/activation_memory.py --layers 12 --d-model 768 --seq-len 1024 --device cuda
 
-The model is ``gpt_throughput.py``'s GPT. The same run is made twice through ``Trainer`` (AdamW,
+The model is ``gpt_model.py``'s GPT (the throughput benchmark's). The same run is made twice through ``Trainer`` (AdamW,
 fp32; bf16-mixed with ``--precision``), with ``activation_checkpointing`` off and on, and one
 training step after the first (optimizer state already allocated) is measured:
 
@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import gpt_throughput as G  # noqa: E402 - the same GPT as the throughput benchmark
+import gpt_model as M  # noqa: E402 - the same GPT as the throughput benchmark
 
 
 def measure(args: argparse.Namespace, checkpointing: bool) -> dict[str, Any]:
@@ -83,7 +83,7 @@ def measure(args: argparse.Namespace, checkpointing: bool) -> dict[str, Any]:
                             default=0)
 
     torch.manual_seed(0)
-    module = G.build(args)
+    module = M.build(args.shape, fused=args.device == "cuda")
     g = torch.Generator().manual_seed(1234)
     n = (args.steps + 2) * args.batch_size
     tokens = torch.randint(0, args.shape.vocab, (n, args.shape.seq + 1), generator=g)
@@ -120,9 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    args.shape = G.Shape(args.vocab, args.d_model, args.layers, args.heads, args.seq_len)
-    G._CLASSES = G._make_classes()
-    params = sum(p.numel() for p in G.build(args).parameters())
+    args.shape = M.Shape(args.vocab, args.d_model, args.layers, args.heads, args.seq_len)
+    params = sum(p.numel() for p in M.build(args.shape, fused=args.device == "cuda").parameters())
     how = "torch.cuda.max_memory_allocated" if args.device == "cuda" else "torch.profiler memory events"
     print(f"activation_memory: polytrain {polytrain.__version__}, GPT L={args.layers} d={args.d_model} "
           f"T={args.seq_len} batch {args.batch_size} ({params / 1e6:.1f}M params), {args.device} {args.precision}, "

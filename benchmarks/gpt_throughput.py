@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import multiprocessing as mp
 import os
 import socket
@@ -48,8 +47,10 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpt_model as M  # noqa: E402 - the model, shared with activation_memory.py
 
 # dense peak FLOP/s per device: (name fragment, {precision: peak})
 PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
@@ -58,97 +59,6 @@ PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
     ("H200", {"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
     ("A100", {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
 )
-
-
-@dataclass
-class Shape:
-    vocab: int
-    d: int
-    layers: int
-    heads: int
-    seq: int
-
-
-FULL = Shape(vocab=50304, d=768, layers=12, heads=12, seq=1024)
-TINY = Shape(vocab=512, d=64, layers=2, heads=4, seq=64)
-
-
-# --------------------------------------------------------------------------- the model
-
-
-def _make_classes() -> tuple[type, type]:
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    from polytrain import TrainModule
-
-    class Block(nn.Module):
-        def __init__(self, d: int, heads: int) -> None:
-            super().__init__()
-            self.heads = heads
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, t, d = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-            return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-    class GPT(TrainModule):
-        def __init__(self, shape: Shape, lr: float = 3e-4, fused: bool = False) -> None:
-            super().__init__()
-            self.shape, self.lr, self.fused = shape, lr, fused
-            self.tok = nn.Embedding(shape.vocab, shape.d)
-            self.pos = nn.Embedding(shape.seq, shape.d)
-            self.blocks = nn.ModuleList(Block(shape.d, shape.heads) for _ in range(shape.layers))
-            self.ln_f = nn.LayerNorm(shape.d)
-            self.head = nn.Linear(shape.d, shape.vocab, bias=False)
-            self.head.weight = self.tok.weight  # tied, as GPT-2
-            self.loader: Any = None
-            for name, p in self.named_parameters():  # GPT-2's initialisation
-                if p.dim() == 1:
-                    nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
-                else:
-                    std = 0.02 / math.sqrt(2 * shape.layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
-                    nn.init.normal_(p, 0.0, std)
-
-        def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.ln_f(x))
-
-        def loss(self, batch: Any) -> torch.Tensor:
-            x, y = batch
-            return F.cross_entropy(self(x).view(-1, self.shape.vocab).float(), y.view(-1))
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            loss = self.loss(batch)
-            self.log("train/loss", loss)
-            return loss
-
-        def configure_optimizers(self) -> Any:
-            return make_optimizer(self.parameters(), self.lr, self.fused)
-
-        def train_dataloader(self) -> Any:
-            return self.loader
-
-    return Block, GPT
-
-
-def make_optimizer(params: Any, lr: float, fused: bool) -> Any:
-    import torch
-
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, betas=(0.9, 0.95), fused=fused or None)
-
-
-def model_flops_per_token(model: Any, shape: Shape) -> float:
-    n = sum(p.numel() for p in model.parameters()) - model.pos.weight.numel()  # tied head counted once
-    return 6 * n + 12 * shape.layers * shape.d * shape.seq
 
 
 # --------------------------------------------------------------------------- runs
@@ -172,10 +82,7 @@ def loader(args: argparse.Namespace, ds: Any, sampler: Any = None) -> Any:
 
 
 def build(args: argparse.Namespace) -> Any:
-    import torch
-
-    torch.manual_seed(0)
-    return _CLASSES[1](args.shape, fused=args.device == "cuda")
+    return M.build(args.shape, fused=args.device == "cuda")
 
 
 def _sync(args: argparse.Namespace) -> None:
@@ -213,7 +120,7 @@ def run_polytrain(args: argparse.Namespace, ds: Any, strategy: str, compiled: bo
                       compile={"backend": args.compile_backend} if compiled else False)
     trainer.fit(module)
     return {"seconds": clock.t1 - clock.t0, "cpu": clock.c1 - clock.c0,
-            "loss": trainer.logged_metrics["train/loss"]}  # the last logged value
+            "loss": trainer.logged_metrics["train/loss"]}  # the last step's value (Lightning's logged_metrics)
 
 
 def run_hand(args: argparse.Namespace, ds: Any, strategy: str, compiled: bool) -> dict[str, Any]:
@@ -244,12 +151,12 @@ def run_hand(args: argparse.Namespace, ds: Any, strategy: str, compiled: bool) -
             model.compile(backend=args.compile_backend)
         step_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None) if strategy == "ddp" else model
-    optimizer = make_optimizer(model.parameters(), model.lr, args.device == "cuda")
+    optimizer = M.make_optimizer(model.parameters(), model.lr, args.device == "cuda")
     data = loader(args, ds, DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False))
     autocast = torch.autocast(args.device, dtype=torch.bfloat16) if args.precision == "bf16-mixed" \
         else contextlib.nullcontext()
     t0 = t1 = c0 = c1 = 0.0
-    last = float("nan")
+    last_loss = None
     for i, (x, y) in enumerate(data):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if i == args.warmup:
@@ -260,12 +167,13 @@ def run_hand(args: argparse.Namespace, ds: Any, strategy: str, compiled: bool) -
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        last_loss = loss.detach()
         if (i + 1) % args.log_every == 0:
-            last = loss.item()  # the only host read, on logging steps (as polytrain)
+            loss.item()  # the only host read, on logging steps (as polytrain)
         if i == args.warmup + args.steps - 1:
             _sync(args)
             t1, c1 = time.perf_counter(), time.process_time()
-    return {"seconds": t1 - t0, "cpu": c1 - c0, "loss": last}
+    return {"seconds": t1 - t0, "cpu": c1 - c0, "loss": float(last_loss) if last_loss is not None else float("nan")}
 
 
 def _ddp_loss(ddp: Any, x: Any, y: Any, vocab: int) -> Any:
@@ -334,9 +242,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, plan: li
         import torch
         import torch.distributed as dist
 
-        global _CLASSES
         torch.set_num_threads(args.threads)
-        _CLASSES = _make_classes()
         if args.device == "cuda":
             torch.cuda.set_device(rank)
         # polytrain's strategies join this group instead of creating their own.
@@ -375,9 +281,6 @@ def run_multi(args: argparse.Namespace, plan: list[tuple[str, bool]]) -> list[tu
 # --------------------------------------------------------------------------- main
 
 
-_CLASSES: Any = None
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="a tiny GPT (CPU, CI) instead of GPT-2 small")
@@ -405,9 +308,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    shape = TINY if args.tiny else FULL
+    shape = M.TINY if args.tiny else M.FULL
     if args.seq_len:
-        shape = Shape(shape.vocab, shape.d, shape.layers, shape.heads, args.seq_len)
+        shape = M.Shape(shape.vocab, shape.d, shape.layers, shape.heads, args.seq_len)
     args.shape = shape
     args.batch_size = args.batch_size or (8 if args.tiny else 16)
     args.steps = args.steps or (20 if args.tiny else 40)
@@ -435,15 +338,13 @@ def device_peak(args: argparse.Namespace) -> tuple[float | None, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global _CLASSES
     args = resolve(parse_args(argv))
     import torch
 
     import polytrain
 
     torch.set_num_threads(args.threads)
-    _CLASSES = _make_classes()
-    flops = model_flops_per_token(build(args), args.shape)
+    flops = M.model_flops_per_token(build(args), args.shape)
     n_params = sum(p.numel() for p in build(args).parameters())
     s = args.shape
     print(f"gpt_throughput: polytrain {polytrain.__version__} ({os.path.dirname(polytrain.__file__)}), "

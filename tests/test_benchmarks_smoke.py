@@ -53,7 +53,7 @@ def test_gpt_throughput_benchmark_prints_ratios() -> None:
     for label in ("single eager", r"single compiled \(aot_eager\)", "ddp x2 eager", r"ddp x2 compiled \(aot_eager\)"):
         assert re.search(rf"^{label}: polytrain [0-9.]+ ms/step [0-9.]+k tok/s MFU n/a, hand [0-9.]+ ms/step "
                          rf"[0-9.]+k tok/s MFU n/a, ratio [0-9.]+$", out, re.M), out
-        # Same data, same arithmetic: the last logged loss is the same in both variants.
+        # Same data, same arithmetic: the last step's loss is the same in both variants.
         match = re.search(rf"^{label}:\s+per-pair .* last loss polytrain ([0-9.]+) hand ([0-9.]+)$", out, re.M)
         assert match and match.group(1) == match.group(2), out
 

@@ -76,7 +76,7 @@ class TrainerConfig:
     enable_model_summary: bool = True
     logger: Any = True  # True (TensorBoard + CSV), False, "tensorboard", "csv", ..., or a list of those
     callbacks: list[Any] = field(default_factory=list)
-    profiler: Any = None  # None, "simple", "torch", or {name: torch, ...} (docs/performance.md)
+    profiler: Any = None  # None, "simple", "torch", or {name: torch, ...} (docs/profiler.md)
     compile: Any = False  # true, or a mapping of torch.compile keywords (+ modules: [Block]) (docs/compile.md)
     activation_checkpointing: Any = False  # true, block class name(s), or {modules: [Block], every: 1}
     launcher: str = "auto"
