@@ -40,3 +40,29 @@ def test_import_time_benchmark_prints_ratio() -> None:
     out = _run([os.path.join(BENCH, "import_time.py"), "--runs", "1"], timeout=280)
     assert re.search(r"^import: polytrain over torch [0-9.]+ s, ratio [0-9.]+ \(target <= 0\.3 s extra\)", out,
                      re.M), out
+
+
+@pytest.mark.timeout(300)
+def test_gpt_throughput_benchmark_prints_ratios() -> None:
+    # --tiny on CPU: single and DDP x2, eager and compiled with aot_eager (dynamo and AOTAutograd trace
+    # the same graphs as with inductor; only code generation, minutes on a 2-core machine, is skipped).
+    out = _run([os.path.join(BENCH, "gpt_throughput.py"), "--tiny", "--strategies", "single,ddp", "--compile", "both",
+                "--compile-backend", "aot_eager", "--rounds", "1", "--steps", "4", "--warmup", "2",
+                "--log-every", "2"], timeout=280)
+    assert "MFU n/a" in out  # no CPU peak is claimed
+    for label in ("single eager", r"single compiled \(aot_eager\)", "ddp x2 eager", r"ddp x2 compiled \(aot_eager\)"):
+        assert re.search(rf"^{label}: polytrain [0-9.]+ ms/step [0-9.]+k tok/s MFU n/a, hand [0-9.]+ ms/step "
+                         rf"[0-9.]+k tok/s MFU n/a, ratio [0-9.]+$", out, re.M), out
+        # Same data, same arithmetic: the last step's loss is the same in both variants.
+        match = re.search(rf"^{label}:\s+per-pair .* last loss polytrain ([0-9.]+) hand ([0-9.]+)$", out, re.M)
+        assert match and match.group(1) == match.group(2), out
+
+
+@pytest.mark.timeout(300)
+def test_activation_memory_benchmark_shows_a_saving() -> None:
+    out = _run([os.path.join(BENCH, "activation_memory.py"), "--layers", "2", "--d-model", "64", "--seq-len", "128",
+                "--steps", "2"], timeout=280)
+    match = re.search(r"^memory: ([0-9.]+) of off \(([0-9.]+) MB saved\); step time: [0-9.]+ of off; "
+                      r"last loss off ([0-9.]+) on ([0-9.]+)$", out, re.M)
+    assert match, out
+    assert float(match.group(1)) < 0.9 and match.group(3) == match.group(4), out

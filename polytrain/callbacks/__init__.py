@@ -18,6 +18,7 @@ _EXPORTS = {
     "LearningRateMonitor": "polytrain.callbacks.monitors",
     "ThroughputMonitor": "polytrain.callbacks.monitors",
     "ModelSummary": "polytrain.callbacks.summary",
+    "CompileTime": "polytrain.callbacks.compile_time",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import random
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,12 +43,38 @@ def _chain_worker_init(user_fn: Callable | None) -> Callable:
     return init
 
 
+PIN_CHOSEN = "_polytrain_pin_memory_chosen"  # set on DataLoaders built with an explicit pin_memory
+
+
+@contextlib.contextmanager
+def record_pin_memory_choice() -> Iterator[None]:
+    """DataLoaders built inside remember whether ``pin_memory`` was passed explicitly (Lightning
+    records constructor arguments the same way), so a rebuilt loader pins by default on CUDA but keeps
+    a user's explicit ``pin_memory=False``."""
+    original = DataLoader.__init__
+
+    def init(self: DataLoader, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        # pin_memory is the 8th parameter: dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
+        # collate_fn, pin_memory, ...
+        if "pin_memory" in kwargs or len(args) > 7:
+            self.__dict__[PIN_CHOSEN] = True
+
+    DataLoader.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DataLoader.__init__ = original  # type: ignore[method-assign]
+
+
 def _is_default_sampling(loader: DataLoader) -> bool:
     return (type(loader.sampler) in (SequentialSampler, RandomSampler)
             and type(loader.batch_sampler) in (BatchSampler, type(None)))
 
 
-def _rebuild(loader: DataLoader, sampler: Sampler) -> DataLoader:
+def _rebuild(loader: DataLoader, sampler: Sampler, pin_memory: bool = False) -> DataLoader:
+    """``loader`` with ``sampler``; ``pin_memory=True`` (the strategy computes on CUDA) pins unless the
+    user chose ``pin_memory`` explicitly when building it."""
     batch_size = loader.batch_size
     drop_last = loader.drop_last
     if batch_size is None and loader.batch_sampler is not None:
@@ -56,7 +84,7 @@ def _rebuild(loader: DataLoader, sampler: Sampler) -> DataLoader:
         sampler=sampler,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
+        pin_memory=loader.pin_memory or (pin_memory and not loader.__dict__.get(PIN_CHOSEN, False)),
         drop_last=drop_last,
         timeout=loader.timeout,
         worker_init_fn=_chain_worker_init(loader.worker_init_fn),
@@ -67,6 +95,16 @@ def _rebuild(loader: DataLoader, sampler: Sampler) -> DataLoader:
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     return DataLoader(loader.dataset, **kwargs)
+
+
+def _pinned(loader: DataLoader, pin_memory: bool) -> DataLoader:
+    """The user's loader as it is, or (``pin_memory``, unless the user chose) a shallow copy that pins:
+    the same dataset, sampler, workers and RNG draws, so the batches are the very same."""
+    if not pin_memory or loader.pin_memory or loader.__dict__.get(PIN_CHOSEN, False):
+        return loader
+    twin = copy.copy(loader)
+    twin.pin_memory = True
+    return twin
 
 
 _WARNED_ITERABLE: set[tuple[str, str]] = set()
@@ -94,18 +132,20 @@ def warn_unsplit_iterable(loader: Any, num_replicas: int, stage: str) -> None:
 
 
 def distribute_dataloader(loader: Any, num_replicas: int, rank: int, seed: int, stage: str,
-                          use_sampler: bool | str = True) -> Any:
-    """Give ``loader`` a sampler over the data-parallel group, keeping everything else the user set.
+                          use_sampler: bool | str = True, pin_memory: bool = False) -> Any:
+    """Give ``loader`` a sampler over the data-parallel group, keeping everything else the user set
+    (``pin_memory``: the result pins its batches unless the user chose; see ``_rebuild`` and ``_pinned``).
 
     On one data-parallel rank the loader is left as the user built it (a ``shuffle=True`` loader then
     draws its order from the global RNG, exactly as in the user's own loop), unless ``use_sampler`` is
     ``"always"``: then one rank reads the very order that N ranks would read together (to compare a
     strategy with one device, or to resume an N-rank run on one)."""
     warn_unsplit_iterable(loader, num_replicas, stage)
-    if not use_sampler or not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+    if not isinstance(loader, DataLoader):
         return loader
-    if num_replicas == 1 and use_sampler != "always":
-        return loader
+    if not use_sampler or isinstance(loader.dataset, IterableDataset) or (num_replicas == 1
+                                                                          and use_sampler != "always"):
+        return _pinned(loader, pin_memory)
     if not _is_default_sampling(loader):
         if num_replicas > 1:
             raise SamplerError(
@@ -113,16 +153,16 @@ def distribute_dataloader(loader: Any, num_replicas: int, rank: int, seed: int, 
                 f"{type(loader.batch_sampler).__name__}); polytrain cannot split it over {num_replicas} "
                 f"data-parallel ranks. Shard it per rank yourself and set trainer.use_distributed_sampler=false"
             )
-        return loader
+        return _pinned(loader, pin_memory)
     if stage == "train":
         sampler: Sampler = ResumableDistributedSampler(
             loader.dataset, num_replicas=num_replicas, rank=rank,
             shuffle=isinstance(loader.sampler, RandomSampler), seed=seed,
         )
-        return _rebuild(loader, sampler)
+        return _rebuild(loader, sampler, pin_memory)
     if num_replicas == 1:
         return loader
-    return _rebuild(loader, EvenlySplitSampler(len(loader.dataset), num_replicas, rank))
+    return _rebuild(loader, EvenlySplitSampler(len(loader.dataset), num_replicas, rank), pin_memory)
 
 
 def set_epoch(loader: Any, epoch: int) -> None:

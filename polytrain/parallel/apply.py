@@ -7,11 +7,13 @@ rank's layers and works inside this stage's sub-mesh). On each part, in torchtit
 1. **tensor parallel** (``tensor_parallel``): the module's plan over the ``tp`` mesh; parameters the
    plan leaves alone become replicated DTensors. First, because it rewrites layers (DTensor
    parameters, input/output hooks) that everything after must see as they finally are.
-2. **activation checkpointing**: wraps blocks (``polytrain/parallel/activation_checkpointing.py``
-   plugs in here). After TP, so a recomputed block recomputes its TP collectives too; before
-   compile, so the compiled graph holds the checkpoint boundaries.
-3. **compile** (``polytrain/parallel/compile.py`` plugs in here): per block, after the block's
-   final form is known and before FSDP (FSDP's hooks stay outside the compiled regions).
+2. **activation checkpointing** (``trainer.activation_checkpointing``; ``parallel.activation_checkpointing``):
+   the blocks of the FSDP wrap policy recompute in backward. After TP, so a recomputed block
+   recomputes its TP collectives too; before compile, so the compiled graph holds the checkpoint
+   boundaries. A pipeline chooses the blocks on the whole model before the cut (every rank alike).
+3. **compile** (``trainer.compile``; ``parallel.compile``): per block under FSDP or TP (after the
+   block's final form is known, before FSDP: FSDP's hooks stay outside the compiled regions), per
+   stage in a plain pipeline, the model's network otherwise (under DDP: split by DDPOptimizer).
 4. **data parallel**: FSDP2/HSDP over the ``fsdp`` mesh (``dp_replicate x dp_shard x cp``; on top of
    TP: 2-D DTensors), or a gradient all-reduce, or DDP's wrapper (a plain replicated module). Last,
    because it shards whatever parameters the steps above left, and wraps units in their final form.
@@ -30,6 +32,8 @@ from torch import nn
 
 from polytrain.core.errors import ConfigError
 from polytrain.parallel import tensor_parallel as tp_fn
+from polytrain.parallel.activation_checkpointing import apply_activation_checkpointing
+from polytrain.parallel.compile import apply_compile, compile_targets
 from polytrain.parallel.dims import ParallelDims
 from polytrain.parallel.fsdp import apply_fsdp
 
@@ -113,11 +117,18 @@ class Applied:
 
 
 def parallelize(part: nn.Module, roots: list[nn.Module], dims: ParallelDims, layout: Layout, mode: str,
-                plan: dict[str, Any] | None, autocast_dtype: torch.dtype | None, device_type: str) -> Applied:
+                plan: dict[str, Any] | None, autocast_dtype: torch.dtype | None, device_type: str,
+                checkpointing: dict[str, Any] | None = None, compile_options: dict[str, Any] | None = None,
+                checkpoint_blocks: list[nn.Module] | None = None) -> Applied:
     """Apply every parallelism of ``layout`` to ``part`` (the module, or a pipeline rank's pruned module)
     in ``APPLY_ORDER``. ``roots`` are what forward runs through (the step's router, or this rank's
     pipeline stages): they get the TP view hooks and are the FSDP roots. ``plan`` None with tp > 1 means
-    the module's own ``parallelize(tp_mesh)``."""
+    the module's own ``parallelize(tp_mesh)``. ``checkpointing`` and ``compile_options`` are the
+    trainer's options, resolved (None: off); ``checkpoint_blocks``: the blocks a pipeline chose before
+    the cut (``checkpoint_targets`` on the whole model)."""
+    if compile_options is not None and mode == "ddp" and layout.ddp.get("bucket_cap_mb", 25) < 1:
+        raise ConfigError(f"ddp bucket_cap_mb={layout.ddp['bucket_cap_mb']} with trainer.compile: dynamo's "
+                          f"DDPOptimizer needs buckets of at least DDP's 1 MB first bucket; use bucket_cap_mb >= 1")
     applied = Applied()
     if layout.uses_tp(dims):
         tp_mesh = dims.get_mesh("tp")
@@ -126,8 +137,14 @@ def parallelize(part: nn.Module, roots: list[nn.Module], dims: ParallelDims, lay
         for root in roots:
             tp_fn.localize_replicas(root, applied.replicas)  # before fully_shard: see localize_replicas
         applied.steps.append("tensor_parallel")
-    # activation checkpointing and compile: polytrain/parallel/activation_checkpointing.py and compile.py
-    # add their calls here, in this order (see the module docstring).
+    wrap_modules = layout.fsdp.wrap_modules  # the FSDP units are the checkpointed and compiled blocks
+    if checkpointing is not None:
+        apply_activation_checkpointing(part, checkpointing, wrap_modules, checkpoint_blocks)
+        applied.steps.append("activation_checkpointing")
+    if compile_options is not None:
+        scope = "blocks" if mode == "fsdp" or layout.uses_tp(dims) else "stages" if dims.pp > 1 else "model"
+        apply_compile(compile_targets(part, compile_options, scope, wrap_modules, roots), compile_options)
+        applied.steps.append("compile")
     if mode == "fsdp":
         apply_fsdp(part, roots, dims.get_mesh("fsdp"), autocast_dtype, layout.fsdp.wrap_modules,
                    layout.fsdp.reshard_after_forward, layout.fsdp.cpu_offload, device_type)

@@ -118,20 +118,23 @@ def _is_tp_replica(param: Any, DTensor: type) -> bool:
 class _LocalReplicas:
     """Forward hooks on one module: the listed ``(owner, name)`` parameters are local views while it runs,
     unless it is called with DTensor inputs: then they are DTensors, even where an enclosing module's
-    hook made them views."""
+    hook made them views. A hook with nothing to swap (an enclosing module's hook made the views) changes
+    no state: inside a compiled, checkpointed block dynamo refuses side effects (``torch.utils.checkpoint``
+    would replay them in the recompute)."""
 
     def __init__(self, replicas: list[tuple[nn.Module, str]]) -> None:
         self.replicas = replicas
-        self.depth = 0
+        self.depth = 0  # calls running while this hook's swaps are in place
         self.swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
 
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.depth += 1
-        if self.depth > 1:  # re-entered (a module calling itself): the outer call swapped already
+        if self.depth:  # re-entered (a module calling itself): the outer call swapped already
+            self.depth += 1
             return
         DTensor = lazy.dtensor().DTensor
         dtensor_inputs = any(isinstance(a, DTensor) for a in (*args, *kwargs.values()))
         views: dict[int, torch.Tensor] = {}
+        swapped = []
         for owner, name in self.replicas:
             current = owner._parameters.get(name)
             if dtensor_inputs:
@@ -145,14 +148,18 @@ class _LocalReplicas:
                 swap = None
             if swap is not None:
                 owner._parameters[name] = swap
-                self.swapped.append((owner, name, current))
+                swapped.append((owner, name, current))
+        if swapped:
+            self.depth, self.swapped = 1, swapped
 
     def post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not self.depth:
+            return  # this call swapped nothing
         self.depth -= 1
         if self.depth == 0:
             for owner, name, original in reversed(self.swapped):
                 owner._parameters[name] = original
-            self.swapped.clear()
+            self.swapped = []
 
 
 def localize_replicas(module: nn.Module, replicas: list[tuple[nn.Module, str]]) -> None:

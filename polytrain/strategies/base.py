@@ -105,6 +105,9 @@ class Strategy(ABC):
         self._before_backward: list[Callable[..., Any]] = []
         self._after_backward: list[Callable[..., Any]] = []
         self._training_step_fn: Callable[[Any, int], Any] | None = None
+        # trainer.compile / trainer.activation_checkpointing, resolved; set by the Trainer, applied in setup_module.
+        self.compile_options: dict[str, Any] | None = None
+        self.checkpointing_options: dict[str, Any] | None = None
 
     def bind_hooks(self, call_hook: HookCaller, module_backward: Callable[..., None] | None = None,
                    plan: Callable[[str], list[Callable[..., Any]]] | None = None) -> None:
@@ -213,7 +216,9 @@ class Strategy(ABC):
         return self.optimizers
 
     def process_dataloader(self, loader: DataLoader, stage: str, seed: int, use_sampler: bool | str) -> DataLoader:
-        return distribute_dataloader(loader, self.dp_size, self.dp_rank, seed, stage, use_sampler)
+        # On CUDA a rebuilt loader pins its batches (unless the user chose), so batch_to_device copies async.
+        return distribute_dataloader(loader, self.dp_size, self.dp_rank, seed, stage, use_sampler,
+                                     pin_memory=self.root_device.type == "cuda")
 
     def batch_to_device(self, batch: Any) -> Any:
         # Imported at module level: a function-level import costs ~2 us per call, every step.

@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from polytrain.core.errors import ConfigError
 from polytrain.core.process_group import resolve_device
+from polytrain.parallel.compile import checkpoint_and_compile
 from polytrain.strategies.base import StepRouter, Strategy
 from polytrain.strategies.registry import register
 
@@ -58,6 +60,11 @@ class DataParallelStrategy(Strategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         self.module = self.precision.convert_module(module.to(self.root_device))
+        if len(self._device_ids) > 1 and (self.compile_options, self.checkpointing_options) != (None, None):
+            raise ConfigError("strategy 'dp' copies the module to every GPU each step, which drops compiled and "
+                              "checkpointed forwards; use strategy 'ddp' with trainer.compile / "
+                              "trainer.activation_checkpointing")
+        checkpoint_and_compile(self.module, self.checkpointing_options, self.compile_options)
         router = StepRouter(self.module)
         if len(self._device_ids) > 1:
             self.model = nn.DataParallel(router, device_ids=self._device_ids,

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from polytrain.core.errors import ConfigError
 from polytrain.core.process_group import default_backend, init_process_group
 from polytrain.layers.placement import PlacedSequential, stage_bounds
+from polytrain.parallel.compile import checkpoint_and_compile
 from polytrain.parallel.pipeline_split import balance, child_costs
 from polytrain.strategies.base import StepRouter, Strategy
 
@@ -102,6 +103,7 @@ class LayerPlacementStrategy(Strategy):
             setattr(module, name, placed)
             log.info("model_parallel layers: %s.%s placed as %s", type(module).__name__, name, placed.extra_repr())
         module = self.precision.convert_module(module)
+        checkpoint_and_compile(module, self.checkpointing_options, self.compile_options, "blocks")
         router = StepRouter(module)
         if self.world_size > 1:
             # A module spanning several devices: DDP must get device_ids=None.

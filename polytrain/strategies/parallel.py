@@ -35,6 +35,7 @@ from polytrain.core.process_group import default_backend, init_process_group, re
 from polytrain.data.padding import EvalBatches, PaddingState
 from polytrain.layers.sync_batchnorm import convert_sync_batchnorm
 from polytrain.parallel import tensor_parallel as tp_fn
+from polytrain.parallel.activation_checkpointing import checkpoint_targets
 from polytrain.parallel.apply import (
     DATA_PARALLEL,
     FSDPSettings,
@@ -247,7 +248,10 @@ class ParallelStrategy(Strategy):
         on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
         if mode != "ddp" and self.world_size > 1:
             broadcast_module(module, self.collective_device)  # as DDP: every rank starts from rank 0's weights
+        chosen = None
         if self.pipeline is not None:
+            # Checkpointed blocks are chosen on the whole model: every rank chooses alike.
+            chosen = checkpoint_targets(module, self.checkpointing_options, self.layout.fsdp.wrap_modules)
             roots = self.pipeline.split(module, self.is_global_zero)  # this rank keeps its stages only
             plan = local_plan(module, plan)
         if not on_meta:
@@ -256,7 +260,7 @@ class ParallelStrategy(Strategy):
         if self.pipeline is None:
             roots = [router]
         parallelize(module, roots, dims, self.layout, mode, plan, self.precision.autocast_dtype,
-                    self.root_device.type)
+                    self.root_device.type, self.checkpointing_options, self.compile_options, chosen)
         if on_meta:
             materialize_meta(module, self._state_device, self._init_rng)
         self.module, self.model = module, router

@@ -19,7 +19,10 @@ import yaml
 
 from polytrain.core.errors import ConfigError
 from polytrain.core.options import check_choice, check_keys, validate_dataclass
+from polytrain.parallel.activation_checkpointing import resolve_checkpointing
+from polytrain.parallel.compile import resolve_compile
 from polytrain.strategies.registry import normalize_strategy, validate_strategy_spec
+from polytrain.trainer.profiler import check_profiler_options
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
 PRECISION_ALIASES = {"32-true": "32", "16": "16-mixed", "bf16": "bf16-mixed"}  # Lightning's other spellings
@@ -73,7 +76,9 @@ class TrainerConfig:
     enable_model_summary: bool = True
     logger: Any = True  # True (TensorBoard + CSV), False, "tensorboard", "csv", ..., or a list of those
     callbacks: list[Any] = field(default_factory=list)
-    profiler: Any = None  # None, "simple", "torch", or {name: torch, ...} (docs/performance.md)
+    profiler: Any = None  # None, "simple", "torch", or {name: torch, ...} (docs/profiler.md)
+    compile: Any = False  # true, or a mapping of torch.compile keywords (+ modules: [Block]) (docs/compile.md)
+    activation_checkpointing: Any = False  # true, block class name(s), or {modules: [Block], every: 1}
     launcher: str = "auto"
     max_restarts: int = 0
     timeout: float = 1800.0  # seconds a collective may wait before the job is ended
@@ -178,6 +183,8 @@ def _check_lightning_options(cfg: TrainerConfig) -> None:
         parse_max_time(cfg.max_time)
     if cfg.profiler is not None:
         check_profiler_spec(cfg.profiler)
+    resolve_compile(cfg.compile)
+    resolve_checkpointing(cfg.activation_checkpointing)
 
 
 def parse_max_time(value: Any) -> float:
@@ -199,14 +206,8 @@ def parse_max_time(value: Any) -> float:
     raise ConfigError(f"trainer.max_time={value!r}; use DD:HH:MM:SS or a mapping such as {{hours: 12}}")
 
 
-PROFILERS = ("simple", "torch")
-
-
 def check_profiler_spec(spec: Any) -> None:
-    name = spec.get("name") if isinstance(spec, dict) else spec
-    if name not in PROFILERS:
-        raise ConfigError(f"trainer.profiler={spec!r}; choose one of: {', '.join(PROFILERS)} (or null), or a mapping "
-                          f"{{name: torch, ...options}}")
+    check_profiler_options(spec)  # the names and each profiler's options (trainer/profiler.py)
 
 
 def _check_logger_and_callbacks(cfg: TrainerConfig) -> None:

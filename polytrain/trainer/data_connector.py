@@ -18,6 +18,7 @@ from polytrain.core.rng import restore_rng_state
 from polytrain.data.loaders import (
     iterator_rng_state,
     loader_length,
+    record_pin_memory_choice,
     resume_position,
     set_epoch,
     set_iterator_rng_state,
@@ -56,7 +57,11 @@ def request_loader(trainer: Trainer, stage: str) -> Any:
     """The processed loader for ``stage`` (``train``/``val``/``test``/``predict``), or None."""
     name = LOADER_METHOD[stage]
     source = loader_source(trainer, stage)
-    loader = source() if callable(source) and not isinstance(source, DataLoader) else source
+    if callable(source) and not isinstance(source, DataLoader):
+        with record_pin_memory_choice():  # an explicit pin_memory=False is kept on CUDA
+            loader = source()
+    else:
+        loader = source
     if loader is None:
         return None
     if isinstance(loader, (list, tuple)):

@@ -7,11 +7,13 @@ from typing import Any
 
 from polytrain.callbacks.base import Callback
 from polytrain.callbacks.checkpoint import ModelCheckpoint
+from polytrain.callbacks.compile_time import CompileTime
 from polytrain.callbacks.experiment_loggers import MLFlowLogger, WandbLogger
 from polytrain.callbacks.loggers import CSVLogger, TensorBoardLogger
 from polytrain.callbacks.progress import ProgressBar
 from polytrain.callbacks.summary import ModelSummary
 from polytrain.core.errors import ConfigError
+from polytrain.parallel.compile import resolve_compile
 from polytrain.trainer.config import TrainerConfig, instantiate
 
 _LOGGER_NAMES = ("tensorboard", "csv", "mlflow", "wandb")
@@ -62,6 +64,8 @@ def build_callbacks(cfg: TrainerConfig, objects: list[Callback], logger_objects:
         callbacks.extend(_loggers(cfg.logger, cfg.run_dir))
     if cfg.enable_model_summary and not any(isinstance(c, ModelSummary) for c in callbacks):
         callbacks.append(ModelSummary())
+    if resolve_compile(cfg.compile) is not None:
+        callbacks.append(CompileTime())  # one log line: how long compiling took
     if cfg.enable_progress_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(ProgressBar())
     if cfg.enable_checkpointing and not cfg.fast_dev_run and not any(isinstance(c, ModelCheckpoint) for c in callbacks):

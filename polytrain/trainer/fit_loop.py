@@ -73,6 +73,7 @@ def run_fit(trainer: Trainer) -> None:
     training_streams(cfg.seed, trainer.strategy.dp_rank, trainer.strategy.global_rank)
     trainer.train_batch_size = getattr(trainer.train_loader, "batch_size", None)
     loop = EpochLoop(trainer, agreed)
+    trainer.profiler.start(loop)  # trainer.profiler: instruments once; the default does nothing
     loop.first_iterator = epoch_iterator(trainer, trainer.train_loader, trainer.current_epoch)
     if not sanity:  # as Lightning: without a sanity check the val loader is asked for here
         _request_val(trainer)
@@ -86,6 +87,7 @@ def run_fit(trainer: Trainer) -> None:
     trainer.metrics.start_stage(None)
     hooks("on_train_end")
     hooks("on_fit_end")
+    trainer.profiler.stop()
 
 
 def _request_val(trainer: Trainer) -> None:

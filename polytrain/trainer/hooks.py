@@ -104,6 +104,8 @@ class Hooks:
         self.callbacks = callbacks
         self._module_base = TrainModule
         self._plans: dict[str, tuple[list[Callable], list[Callable], Callable | None]] = {}
+        profiler = getattr(trainer, "profiler", None)  # trainer.profiler: each planned call timed when on
+        self._profiler = profiler if getattr(profiler, "enabled", False) else None
 
     def plan(self, name: str) -> tuple[list[Callable], list[Callable], Callable | None]:
         """(callbacks before the module, callbacks after it, the module's hook or None)."""
@@ -115,7 +117,10 @@ class Hooks:
                     (after if name in _AFTER_MODULE and runs_after_module(cb) else before).append(getattr(cb, name))
             module_hook = getattr(self.module, name, None) \
                 if name in ALWAYS_CALLED or overridden(self.module, name, self._module_base) else None
-            cached = self._plans[name] = (before, after, module_hook)
+            cached = (before, after, module_hook)
+            if self._profiler is not None:
+                cached = self._profiler.wrap_plan(name, cached)
+            self._plans[name] = cached
         return cached
 
     def batch_plan(self, name: str) -> list[Callable]:

@@ -18,6 +18,8 @@ from polytrain.callbacks.progress import ProgressBar
 from polytrain.core import divergence, heartbeat
 from polytrain.core.errors import ConfigError
 from polytrain.core.rng import enable_deterministic
+from polytrain.parallel.activation_checkpointing import resolve_checkpointing
+from polytrain.parallel.compile import resolve_compile
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.launcher import LaunchPlan, plan_launch
 from polytrain.strategies.registry import build_strategy, strategy_class
@@ -37,6 +39,7 @@ from polytrain.trainer.entry_points import run_stage
 from polytrain.trainer.launch import launch_from_trainer
 from polytrain.trainer.metrics import MetricCollector
 from polytrain.trainer.module import TrainModule, overrides
+from polytrain.trainer.profiler import build_profiler
 from polytrain.trainer.steps import StepMixin
 
 log = logging.getLogger("polytrain")
@@ -73,6 +76,7 @@ class Trainer(StepMixin):
         self.module: TrainModule | None = None
         self.datamodule: DataModule | None = None
         self.metrics = MetricCollector()
+        self.profiler = build_profiler(self.config.profiler, self)  # trainer.profiler; a pass-through by default
         self.hooks: Any = None
         self.guard: Any = None
         self.optimizers: list[Any] = []
@@ -341,6 +345,8 @@ class Trainer(StepMixin):
             )
         if self.config.benchmark is not None:
             torch.backends.cudnn.benchmark = self.config.benchmark
+        self.strategy.compile_options = resolve_compile(self.config.compile)
+        self.strategy.checkpointing_options = resolve_checkpointing(self.config.activation_checkpointing)
         if self.config.deterministic:
             enable_deterministic()
         if self.config.detect_divergence:

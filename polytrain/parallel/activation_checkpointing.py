@@ -1,0 +1,174 @@
+"""Activation checkpointing as plain functions: chosen blocks keep only their inputs in forward and
+recompute the rest during backward (``torch.utils.checkpoint``, non-reentrant).
+
+The blocks are the FSDP wrap policy's (``blocks_to_wrap``: the children of the largest
+``nn.ModuleList``/``nn.Sequential``, or the classes named), so one transformer block is one
+checkpointed region and one FSDP unit. Unless classes are named, the one-off layers among them
+(embeddings, final norm, LM head: classes that occur once) are left out when some class repeats:
+checkpointing them saves no memory (their inputs are kept anyway) and the head's recompute costs
+as much as several blocks. ``parallel.apply`` applies it after tensor parallelism and before
+compile and FSDP (torchtitan's order): TP -> AC -> compile -> FSDP.
+
+A checkpointed block is not wrapped in another module: its class is swapped for a subclass of the
+same name whose ``forward`` runs the original one under ``checkpoint`` (FSDP2's ``fully_shard``
+does the same). Parameter names stay as they are, so state dicts, checkpoints, FSDP units and
+optimizer state are the same with checkpointing on or off; ``isinstance`` and class-name matching
+(``wrap_modules``) still see the user's class; a ``deepcopy`` or pickle of the block is the user's
+class again (plain, with its own weights). Non-reentrant checkpointing saves the RNG state before the forward
+and restores it for the recompute (CPU, and the CUDA devices its inputs are on), so dropout draws
+the same masks in the recompute as in the forward, and the RNG streams after the step are those of
+a run without checkpointing (tests/test_compile_ac.py checks both).
+"""
+
+from __future__ import annotations
+
+import copyreg
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from polytrain.core.errors import ConfigError
+from polytrain.parallel.fsdp import blocks_to_wrap
+
+log = logging.getLogger("polytrain")
+
+CHECKPOINTED = "_polytrain_checkpointed_from"  # on a checkpointed class: the class it was made from
+OPTION_KEYS = ("modules", "every")
+
+
+def resolve_checkpointing(spec: Any, key: str = "trainer.activation_checkpointing") -> dict[str, Any] | None:
+    """The config value as ``{"modules": [class names] | None, "every": n}``, or None when off.
+
+    ``true`` checkpoints every block; a class name or a list of them chooses the blocks; a mapping may
+    also say ``every: n`` (every n-th block: less recompute, more memory)."""
+    if spec is None or spec is False:
+        return None
+    if spec is True:
+        return {"modules": None, "every": 1}
+    if isinstance(spec, str):
+        spec = [spec]
+    if isinstance(spec, (list, tuple)):
+        spec = {"modules": list(spec)}
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{key}={spec!r} is not valid; use true, a block class name or a list of them, or a mapping "
+                          f"{{modules: [Block], every: 1}}")
+    unknown = sorted(set(spec) - set(OPTION_KEYS))
+    if unknown:
+        raise ConfigError(f"{key} has unknown key(s) {unknown}; valid: {', '.join(OPTION_KEYS)}")
+    modules, every = spec.get("modules"), spec.get("every", 1)
+    if isinstance(modules, str):
+        modules = [modules]
+    if modules is not None and not (isinstance(modules, (list, tuple)) and modules
+                                    and all(isinstance(m, str) for m in modules)):
+        raise ConfigError(f"{key}.modules={spec.get('modules')!r} must be a list of block class names")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(f"{key}.every={every!r} must be a positive integer (1: every block)")
+    return {"modules": list(modules) if modules is not None else None, "every": every}
+
+
+def swap_class(module: nn.Module, marker: str, key: Any, forward: Callable[[type], Callable[..., Any]]) -> None:
+    """Give ``module`` a subclass of its class, with the same name, whose ``forward`` is
+    ``forward(original class)``; one subclass per (class, marker, key), shared by every instance.
+    A pickle or ``deepcopy`` of the module is an instance of the original class (eager, its own
+    weights): the subclass cannot be found by name."""
+    cls = type(module)
+    cache_key = (cls, marker, key)
+    sub = _SUBCLASSES.get(cache_key)
+    if sub is None:
+        def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+            return copyreg._reconstructor, (_unswapped(type(self)), object, None), self.__getstate__()
+
+        sub = _SUBCLASSES[cache_key] = type(cls.__name__, (cls,), {
+            "forward": forward(cls), marker: cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "__reduce_ex__": __reduce_ex__})
+    module.__class__ = sub
+
+
+def _unswapped(cls: type) -> type:
+    """The user's class under any number of swaps."""
+    while any(m in cls.__dict__ for m in _MARKERS):
+        cls = cls.__bases__[0]
+    return cls
+
+
+_SUBCLASSES: dict[tuple[type, str, Any], type] = {}
+_MARKERS = ("_polytrain_checkpointed_from", "_polytrain_compiled_from")  # CHECKPOINTED, compile.COMPILED
+
+
+def checkpoint_block(block: nn.Module) -> None:
+    """Make ``block``'s forward a non-reentrant ``torch.utils.checkpoint`` region (idempotent)."""
+    if not hasattr(type(block), CHECKPOINTED):
+        swap_class(block, CHECKPOINTED, None, _checkpointed)
+
+
+def _checkpointed(cls: type) -> Callable[..., Any]:
+    inner = cls.forward
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return inner(self, *args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
+        return checkpoint(inner, self, *args, use_reentrant=False, **kwargs)
+
+    return forward
+
+
+def checkpoint_targets(module: nn.Module, options: dict[str, Any] | None,
+                       default_modules: list[str] | None = None) -> list[nn.Module]:
+    """The blocks of ``module`` that ``options`` (``resolve_checkpointing``'s result) chooses, in model
+    order. When the options name no classes: the blocks of ``default_modules`` (the fsdp settings'
+    ``wrap_modules``), else the wrap policy's repeated blocks; ``every: n`` keeps every n-th of them.
+
+    A pipeline chooses on the whole model, before cutting its stages, so every rank chooses from the
+    same blocks (``every`` counts over the whole model) and checkpoints those it keeps."""
+    if options is None:
+        return []
+    names = options["modules"] if options["modules"] is not None else default_modules
+    blocks = blocks_to_wrap(module, names)
+    if names is None:
+        blocks = repeated(blocks)
+    if not blocks:
+        raise ConfigError(f"activation checkpointing found no blocks in {type(module).__name__}: it has no "
+                          f"nn.ModuleList/nn.Sequential of layers; name the block classes with "
+                          f"activation_checkpointing: {{modules: [MyBlock]}}")
+    if names is not None:
+        blocks = outermost(list(reversed(blocks)))  # blocks_to_wrap lists named blocks innermost first
+    every = options["every"]
+    return [b for i, b in enumerate(blocks, start=1) if i % every == 0]
+
+
+def apply_activation_checkpointing(module: nn.Module, options: dict[str, Any] | None,
+                                   default_modules: list[str] | None = None,
+                                   chosen: list[nn.Module] | None = None) -> list[nn.Module]:
+    """Checkpoint the blocks ``checkpoint_targets`` chooses in ``module``, or those of ``chosen`` that
+    ``module`` still holds (a pipeline rank: chosen before the cut). Returns the checkpointed blocks."""
+    if options is None:
+        return []
+    if chosen is None:
+        chosen = checkpoint_targets(module, options, default_modules)
+    else:
+        held = {id(m) for m in module.modules()}
+        chosen = [b for b in chosen if id(b) in held]
+    for block in chosen:
+        checkpoint_block(block)
+    kinds = Counter(type(b).__name__ for b in chosen)
+    log.info("activation checkpointing: %d block(s) (%s)", len(chosen),
+             ", ".join(f"{n} x{c}" for n, c in kinds.items()))
+    return chosen
+
+
+def repeated(blocks: list[nn.Module]) -> list[nn.Module]:
+    """The blocks whose class occurs more than once (the repeated layers), or all when none repeats."""
+    counts = Counter(type(b) for b in blocks)
+    kept = [b for b in blocks if counts[type(b)] > 1]
+    return kept or blocks
+
+
+def outermost(modules: list[nn.Module]) -> list[nn.Module]:
+    """``modules`` without those nested inside another of them (a region inside a region is one region)."""
+    inside = {id(d) for m in modules for d in m.modules() if d is not m}
+    return [m for m in modules if id(m) not in inside]

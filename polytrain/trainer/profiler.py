@@ -1,0 +1,340 @@
+"""Profilers: ``trainer.profiler: simple | torch`` (or a mapping ``{name: simple|torch, ...options}``).
+
+- ``simple`` times every hook (per callback and the module) and every phase of the fit loop
+  (getting a batch, moving it, the training batch and its forward/backward/optimizer step, logging
+  steps, validation, epoch ends) and prints a table at fit end on global rank 0 (every rank times its
+  own; ``filename`` also writes each rank's table under the run directory).
+- ``torch`` runs ``torch.profiler`` on global rank 0 for a window of training batches (``wait``,
+  ``warmup``, ``active``, ``repeat``, ``skip_first``: ``torch.profiler.schedule``'s meaning) and
+  writes the trace with ``tensorboard_trace_handler`` to ``dir`` (default ``<run_dir>/profiler``):
+  open it with TensorBoard's profiler plugin, Perfetto or chrome://tracing. The loop's phases and
+  hooks appear in it as ``polytrain/...`` ranges.
+
+Without a profiler nothing is timed and nothing is checked per step: ``trainer.profiler`` is a
+``PassThroughProfiler`` whose ``start``/``stop`` run once per fit and do nothing. A profiler
+instruments once, at fit start: it wraps the hook funnel's planned callables (``Hooks.plan``) and the
+per-epoch callables the loop reads (the iterator, ``transfer_batch``, the optimisation runner, the
+strategy's step verbs), and puts them back at fit end. Times are wall-clock and inclusive: a hook
+called inside the training batch counts in both rows.
+
+``trainer.profiler.profile(name)`` is Lightning's context manager for timing your own code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from polytrain.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from polytrain.trainer.fit_loop import EpochLoop
+    from polytrain.trainer.trainer import Trainer
+
+log = logging.getLogger("polytrain")
+
+SIMPLE_OPTIONS = ("name", "filename")
+TORCH_OPTIONS = ("name", "dir", "wait", "warmup", "active", "repeat", "skip_first", "record_shapes",
+                 "profile_memory", "with_stack", "with_flops")
+
+# (row, indent): the loop's phases in the order of the table.
+PHASES = (("fit", 0), ("train epoch", 1), ("get batch", 2), ("batch to device", 2), ("training batch", 2),
+          ("forward+backward", 3), ("training_step", 4), ("backward", 4), ("optimizer update", 3),
+          ("logging step", 2), ("validation", 2), ("epoch end", 2))
+
+
+class PassThroughProfiler:
+    """The default: no timing; ``profile(name)`` is a no-op context manager (Lightning's default too)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this rank instruments the loop (read once per stage by the hook funnel)."""
+        return False
+
+    def start(self, loop: EpochLoop) -> None: ...
+    def stop(self) -> None: ...
+    def wrap_plan(self, name: str, plan: Any) -> Any:
+        return plan
+
+    def profile(self, name: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+class SimpleProfiler(PassThroughProfiler):
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    def __init__(self, trainer: Trainer, filename: str | None = None) -> None:
+        self.trainer = trainer
+        self.filename = filename
+        self.records: dict[str, list[float]] = {}  # row -> [total seconds, calls]
+        self._patched: list[tuple[Any, str, bool, Any]] = []
+        self._handles: list[Any] = []
+        self._t0 = 0.0
+        self.summary: str | None = None
+
+    # ------------------------------------------------------------------ timing
+    def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        record = self.records.setdefault(name, [0.0, 0])
+        clock = time.perf_counter
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                record[0] += clock() - t0
+                record[1] += 1
+
+        return call
+
+    @contextlib.contextmanager
+    def profile(self, name: str) -> Iterator[None]:
+        record = self.records.setdefault(name, [0.0, 0])
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            record[0] += time.perf_counter() - t0
+            record[1] += 1
+
+    def wrap_plan(self, name: str, plan: Any) -> Any:
+        """``Hooks.plan``'s (callbacks before the module, after it, the module's hook), each timed."""
+        before, after, module_hook = plan
+        module = type(self.trainer.module).__name__
+
+        def owner(fn: Any) -> str:
+            return type(getattr(fn, "__self__", fn)).__name__
+
+        return ([self.timed(f"{name}: {owner(fn)}", fn) for fn in before],
+                [self.timed(f"{name}: {owner(fn)}", fn) for fn in after],
+                self.timed(f"{name}: {module}", module_hook) if module_hook is not None else None)
+
+    # ------------------------------------------------------------------ instrumenting the loop
+    def _patch(self, obj: Any, attr: str, row: str, wrap: Callable[[str, Any], Any] | None = None) -> None:
+        had = attr in obj.__dict__
+        original = getattr(obj, attr)
+        self._patched.append((obj, attr, had, obj.__dict__.get(attr)))
+        obj.__dict__[attr] = (wrap or self.timed)(row, original)
+
+    def start(self, loop: EpochLoop) -> None:
+        t, strategy = self.trainer, self.trainer.strategy
+        self._t0 = time.perf_counter()
+        self._patch(loop, "run_epoch", "train epoch")
+        self._patch(loop, "_iterator", "get batch", self._timed_iterators)
+        self._patch(t, "transfer_batch", "batch to device")
+        self._patch(loop.optimization, "run", "training batch", self._step_wrapper)
+        self._patch(strategy, "forward_backward", "forward+backward")
+        self._patch(strategy, "training_step", "training_step")
+        self._patch(strategy, "backward", "backward")
+        self._patch(loop, "_logging_step", "logging step")
+        self._patch(loop, "validate", "validation")
+        self._patch(loop, "_end_epoch", "epoch end")
+        self._time_optimizer_steps(strategy.optimizers)
+
+    def _time_optimizer_steps(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """``optimizer.step``'s own time: the closure it runs (forward+backward) is subtracted."""
+        record, started = self.records.setdefault("optimizer update", [0.0, 0]), [0.0, 0.0]
+        inner = self.records.setdefault("forward+backward", [0.0, 0])
+
+        def pre(*_: Any) -> None:
+            started[0], started[1] = time.perf_counter(), inner[0]
+
+        def post(*_: Any) -> None:
+            record[0] += time.perf_counter() - started[0] - (inner[0] - started[1])
+            record[1] += 1
+
+        for optimizer in optimizers:
+            self._handles += [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+
+    def _timed_iterators(self, row: str, make: Callable[[], Any]) -> Callable[[], Any]:
+        record = self.records.setdefault(row, [0.0, 0])
+
+        def iterator() -> tuple[Any, int]:
+            it, start = make()
+            return _TimedIterator(it, record), start
+
+        return iterator
+
+    def _step_wrapper(self, row: str, run: Callable[..., Any]) -> Callable[..., Any]:
+        return self.timed(row, run)
+
+    def stop(self) -> None:
+        self.records["fit"] = [time.perf_counter() - self._t0, 1]
+        for obj, attr, had, old in reversed(self._patched):
+            if had:
+                obj.__dict__[attr] = old
+            else:
+                del obj.__dict__[attr]
+        self._patched.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.report()
+
+    # ------------------------------------------------------------------ report
+    def table(self) -> str:
+        fit = self.records.get("fit", [0.0, 1])[0] or 1e-12
+        rows = [("phase / hook", "calls", "total s", "mean ms", "% of fit")]
+
+        def row(label: str, record: list[float]) -> tuple[str, ...]:
+            total, calls = record
+            mean = total / calls * 1e3 if calls else 0.0
+            return label, str(int(calls)), f"{total:.4f}", f"{mean:.3f}", f"{100 * total / fit:.1f}"
+
+        for name, indent in PHASES:
+            record = self.records.get(name)
+            if record is not None and record[1]:
+                rows.append(row("  " * indent + name, record))
+        phases = {name for name, _ in PHASES}
+        others = sorted(((n, r) for n, r in self.records.items() if n not in phases and r[1]),
+                        key=lambda item: -item[1][0])
+        if others:
+            rows.append(("hooks (callback or module) and profile() blocks", "", "", "", ""))
+            rows.extend(row("  " + name, record) for name, record in others)
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = [r[0].ljust(widths[0]) + "  " + "  ".join(c.rjust(w) for c, w in zip(r[1:], widths[1:]))
+                 for r in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        return "\n".join(lines)
+
+    def report(self) -> None:
+        t = self.trainer
+        self.summary = f"simple profiler, rank {t.global_rank}: wall time, inclusive\n{self.table()}"
+        if self.filename:
+            path = os.path.join(t.run_dir, f"{self.filename}-rank{t.global_rank}.txt")
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(self.summary + "\n")
+        if t.is_global_zero:
+            print(self.summary, flush=True)
+
+
+class _TimedIterator:
+    __slots__ = ("iterator", "record")
+
+    def __init__(self, iterator: Any, record: list[float]) -> None:
+        self.iterator = iterator
+        self.record = record
+
+    def __iter__(self) -> _TimedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return next(self.iterator)
+        finally:
+            self.record[0] += time.perf_counter() - t0
+            self.record[1] += 1
+
+
+class TorchProfiler(SimpleProfiler):
+    """``torch.profiler`` over a window of training batches on global rank 0; the phases and hooks are
+    labelled ranges in the trace. Other ranks run unprofiled."""
+
+    def __init__(self, trainer: Trainer, options: dict[str, Any]) -> None:
+        super().__init__(trainer)
+        self.options = options
+        self.profiler: Any = None
+        self.trace_dir: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.trainer.is_global_zero
+
+    def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        label = f"polytrain/{name}"
+        record_function = torch.profiler.record_function
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with record_function(label):
+                return fn(*args, **kwargs)
+
+        return call
+
+    def _step_wrapper(self, row: str, run: Callable[..., Any]) -> Callable[..., Any]:
+        labelled = self.timed(row, run)
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            out = labelled(*args, **kwargs)
+            self.profiler.step()  # one profiler step per training batch
+            return out
+
+        return step
+
+    def _timed_iterators(self, row: str, make: Callable[[], Any]) -> Callable[[], Any]:
+        return make  # the data loader's own ranges show in the trace
+
+    def start(self, loop: EpochLoop) -> None:
+        o, t = self.options, self.trainer
+        if not self.enabled:
+            return
+        self.trace_dir = o.get("dir") or os.path.join(t.run_dir, "profiler")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if t.strategy.root_device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        schedule = torch.profiler.schedule(wait=o.get("wait", 1), warmup=o.get("warmup", 1),
+                                           active=o.get("active", 3), repeat=o.get("repeat", 1),
+                                           skip_first=o.get("skip_first", 0))
+        self.profiler = torch.profiler.profile(
+            activities=activities, schedule=schedule,
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(self.trace_dir, worker_name=f"rank{t.global_rank}"),
+            record_shapes=o.get("record_shapes", False), profile_memory=o.get("profile_memory", False),
+            with_stack=o.get("with_stack", False), with_flops=o.get("with_flops", False))
+        super().start(loop)
+        self.profiler.start()
+
+    def _time_optimizer_steps(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        pass  # optimizer steps show in the trace as Optimizer.step#... ranges already
+
+    def stop(self) -> None:
+        if self.profiler is None:
+            return  # not rank 0
+        self.profiler.stop()  # a window still recording is written now
+        super().stop()
+        self.profiler = None
+
+    def report(self) -> None:
+        traces = sorted(os.listdir(self.trace_dir)) if self.trace_dir and os.path.isdir(self.trace_dir) else []
+        log.info("torch profiler: %d trace file(s) in %s (TensorBoard: tensorboard --logdir %s)", len(traces),
+                 self.trace_dir, self.trace_dir)
+
+
+def check_profiler_options(spec: Any) -> tuple[str, dict[str, Any]] | None:
+    """``trainer.profiler`` as ``(name, options)``, or None; unknown options are errors."""
+    if spec is None:
+        return None
+    options = dict(spec) if isinstance(spec, dict) else {"name": spec}
+    name = options.get("name")
+    valid = {"simple": SIMPLE_OPTIONS, "torch": TORCH_OPTIONS}.get(name)
+    if valid is None:
+        raise ConfigError(f"trainer.profiler={spec!r}; choose one of: simple, torch (or null), or a mapping "
+                          f"{{name: torch, ...options}}")
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ConfigError(f"trainer.profiler ({name}) has unknown option(s) {unknown}; valid: {', '.join(valid[1:])}")
+    for key in ("wait", "warmup", "active", "repeat", "skip_first"):
+        value = options.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0
+                                  or (key == "active" and value < 1)):
+            raise ConfigError(f"trainer.profiler.{key}={value!r} must be a {'positive' if key == 'active' else 'non-negative'} integer")
+    return name, options
+
+
+def build_profiler(spec: Any, trainer: Trainer) -> PassThroughProfiler:
+    """The Trainer's profiler for ``trainer.profiler`` (checked at config validation)."""
+    checked = check_profiler_options(spec)
+    if checked is None:
+        return PassThroughProfiler()
+    name, options = checked
+    if name == "simple":
+        return SimpleProfiler(trainer, options.get("filename"))
+    return TorchProfiler(trainer, options)
