@@ -1,0 +1,190 @@
+"""The two workloads ``overhead.py`` times against each other: polytrain's ``Trainer`` with its default
+callbacks, and a hand-written PyTorch loop doing identical work (see ``overhead.py``'s docstring for
+what "identical" covers). torch and polytrain are imported inside the functions so that
+``overhead.py --help`` starts instantly and each spawned DDP worker imports them itself."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+from typing import Any
+
+
+def make_dataset(args: argparse.Namespace, world: int) -> Any:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    per_epoch = args.steps // args.epochs
+    n = per_epoch * args.batch_size * world
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, args.features, generator=g)
+    y = torch.randint(0, 10, (n,), generator=g)
+    return TensorDataset(x, y)
+
+
+def make_net(args: argparse.Namespace) -> Any:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(args.features, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden),
+                         nn.ReLU(), nn.Linear(args.hidden, 10))
+
+
+def make_optimizer(params: Any, args: argparse.Namespace) -> Any:
+    import torch
+
+    return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
+
+
+_CLASSES: tuple[type, type] | None = None
+
+
+def _classes() -> tuple[type, type]:
+    """The TrainModule and the epoch-timer callback, defined on first use (they subclass polytrain's)."""
+    global _CLASSES
+    if _CLASSES is None:
+        _CLASSES = _make_classes()
+    return _CLASSES
+
+
+def _make_classes() -> tuple[type, type]:
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    from polytrain import Callback, TrainModule
+
+    class BenchModule(TrainModule):
+        def __init__(self, args: argparse.Namespace, dataset: Any) -> None:
+            super().__init__()
+            self.args = args
+            self.dataset = dataset
+            self.net = make_net(args)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            self.log("train/loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return make_optimizer(self.parameters(), self.args)
+
+        def train_dataloader(self) -> Any:
+            return DataLoader(self.dataset, batch_size=self.args.batch_size, shuffle=True)
+
+    class EpochTimer(Callback):
+        """First in the callback list: its epoch start runs before the progress bar is created and
+        its epoch end before the loggers flush and the checkpoint is written."""
+
+        def __init__(self) -> None:
+            self.inside = 0.0
+            self._t0 = 0.0
+
+        def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+            self._t0 = time.perf_counter()
+
+        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+            self.inside += time.perf_counter() - self._t0
+
+    return BenchModule, EpochTimer
+
+
+# --------------------------------------------------------------------------- the two variants
+
+
+def run_polytrain(args: argparse.Namespace, dataset: Any, run_dir: str, strategy: str) -> dict[str, Any]:
+    from polytrain import Trainer
+
+    module_class, timer_class = _classes()
+    module = module_class(args, dataset)
+    timer = timer_class()
+    t0 = time.perf_counter()
+    trainer = Trainer(strategy=strategy, accelerator="cpu", max_epochs=args.epochs, callbacks=[timer],
+                      log_every_n_steps=args.log_every_n_steps, run_dir=run_dir, seed=0,
+                      # the hand loop's DistributedSampler order on one process too (same weights)
+                      use_distributed_sampler="always")
+    t1, c1 = time.perf_counter(), time.process_time()
+    trainer.fit(module)
+    t2, c2 = time.perf_counter(), time.process_time()
+    return {"wall": t2 - t1, "cpu": c2 - c1, "inside": timer.inside, "build": t1 - t0,
+            "state": module.net.state_dict()}
+
+
+def run_hand(args: argparse.Namespace, dataset: Any, run_dir: str, distributed: bool) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, DistributedSampler
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm.auto import tqdm
+
+    net = make_net(args)
+    t0, c0 = time.perf_counter(), time.process_time()
+    world = dist.get_world_size() if distributed else 1
+    rank = dist.get_rank() if distributed else 0
+    is_zero = rank == 0
+    model = torch.nn.parallel.DistributedDataParallel(net) if distributed else net
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+    optimizer = make_optimizer(model.parameters(), args)
+    writer = SummaryWriter(os.path.join(run_dir, "tensorboard")) if is_zero else None
+    rows: list[dict[str, Any]] = []
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    step = 0
+    inside = 0.0
+    model.train()
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        e0 = time.perf_counter()
+        bar = tqdm(file=sys.stdout, dynamic_ncols=True, smoothing=0, total=len(loader), initial=0,
+                   desc=f"Epoch {epoch}", unit="batch") if is_zero else None
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if step % args.log_every_n_steps == 0 and is_zero:
+                value = loss.item()
+                writer.add_scalar("train/loss", value, step)
+                rows.append({"step": step, "train/loss": value})
+            if bar is not None:
+                bar.update(1)
+        inside += time.perf_counter() - e0
+        if bar is not None:
+            bar.close()
+        if is_zero:
+            writer.flush()
+            path = os.path.join(run_dir, "metrics.csv")
+            with open(path + ".tmp", "w", newline="", encoding="utf-8") as fh:
+                out = csv.DictWriter(fh, fieldnames=["step", "train/loss"])
+                out.writeheader()
+                out.writerows(rows)
+            os.replace(path + ".tmp", path)
+            os.makedirs(ckpt_dir, exist_ok=True)
+            final = os.path.join(ckpt_dir, "last.ckpt")
+            with open(final + ".tmp", "wb") as fh:
+                torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1,
+                            "step": step}, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(final + ".tmp", final)
+        if distributed:
+            dist.barrier()
+    if writer is not None:
+        writer.close()
+    return {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "inside": inside, "build": 0.0,
+            "state": net.state_dict()}
+
+
+# --------------------------------------------------------------------------- rounds
+
+
+def weights_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
