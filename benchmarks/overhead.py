@@ -27,7 +27,8 @@ they must be equal (same data order, same arithmetic), which is printed as ``wei
   parameter checks on logging steps and before checkpoints, batch-count agreement across ranks,
   the heartbeat under DDP) are part of what is measured.
 * hand loop: the same tqdm bar updated every batch, and every ``log_every_n_steps`` steps
-  ``loss.item()`` written to a TensorBoard ``SummaryWriter`` and appended to a CSV row list; at
+  ``loss.item()`` and the epoch (the column polytrain's loggers add, as Lightning's do) written to a
+  TensorBoard ``SummaryWriter`` and appended to a CSV row list; at
   each epoch end the writer is flushed, ``metrics.csv`` rewritten, and ``{model, optimizer,
   epoch, step}`` saved on rank 0 with ``torch.save`` to a temporary file + fsync + rename (as
   ``ModelCheckpoint`` does), followed by a barrier under DDP. No NaN checks. Both bars write to

@@ -151,7 +151,8 @@ def run_hand(args: argparse.Namespace, dataset: Any, run_dir: str, distributed: 
             if step % args.log_every_n_steps == 0 and is_zero:
                 value = loss.item()
                 writer.add_scalar("train/loss", value, step)
-                rows.append({"step": step, "train/loss": value})
+                writer.add_scalar("epoch", float(epoch), step)  # polytrain's loggers add it, as Lightning's do
+                rows.append({"step": step, "train/loss": value, "epoch": float(epoch)})
             if bar is not None:
                 bar.update(1)
         inside += time.perf_counter() - e0
@@ -161,7 +162,7 @@ def run_hand(args: argparse.Namespace, dataset: Any, run_dir: str, distributed: 
             writer.flush()
             path = os.path.join(run_dir, "metrics.csv")
             with open(path + ".tmp", "w", newline="", encoding="utf-8") as fh:
-                out = csv.DictWriter(fh, fieldnames=["step", "train/loss"])
+                out = csv.DictWriter(fh, fieldnames=["step", "train/loss", "epoch"])
                 out.writeheader()
                 out.writerows(rows)
             os.replace(path + ".tmp", path)
