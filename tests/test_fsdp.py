@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_distributed
+from fsdp_state import fsdp_units
 from torch import nn
 from torch.testing import assert_close
 from torch.utils.data import DataLoader, TensorDataset
@@ -141,26 +142,6 @@ def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in state.items()}
 
 
-def fsdp_units(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """What ``fully_shard`` recorded on each unit (FSDP2's state, the same fields in torch 2.11-2.15):
-    gather/reduce dtypes, offload policy, whether it reshards after forward, where its shards live."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units = {}
-    for name, m in model.named_modules():
-        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
-        if group is not None:
-            params = group.fsdp_params
-            units[name or "<root>"] = {
-                "param_dtype": {str(p.mp_policy.param_dtype) for p in params},
-                "reduce_dtype": {str(p.mp_policy.reduce_dtype) for p in params},
-                "offload": (type(group.offload_policy).__name__, {p.offload_to_cpu for p in params}),
-                "reshard": group.post_forward_mesh_info is not None,
-                "devices": {p.sharded_param.device.type for p in params},
-                "grad_devices": {p.sharded_param.grad.device.type for p in params if p.sharded_param.grad is not None}}
-    return units
-
-
 def quiet(root: str, **kwargs: Any) -> dict[str, Any]:
     defaults = dict(accelerator="cpu", run_dir=root, enable_progress_bar=False, logger=False,
                     enable_checkpointing=False, log_every_n_steps=1, max_steps=STEPS, seed=0, use_distributed_sampler="always")
@@ -174,7 +155,8 @@ def fit(root: str, strategy: Any, batch_size: int, devices: Any, **settings: Any
     trainer.fit(module)
     scaler = trainer.strategy.precision.scaler
     return {"losses": [float(x) for x in module.losses], "state": full_state(module),
-            "norms": module.post_clip_norms, "weight_dtypes": sorted(module.weight_dtypes), "scale": float(scaler.get_scale()) if scaler else None,
+            "norms": module.post_clip_norms, "weight_dtypes": sorted(module.weight_dtypes),
+            "scale": float(scaler.get_scale()) if scaler else None,
             "module": module, "trainer": trainer}
 
 
