@@ -4,8 +4,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
+# The lowest supported torch (pyproject.toml: torch>=2.11,<2.16) in a venv of its own; `make test`
+# gets the newest the range allows from the registry.
+MIN_VENV := .venv-torch-min
+MIN_PY := $(MIN_VENV)/bin/python
+MIN_STAMP := $(MIN_VENV)/.installed-dev
+TORCH_MIN := 2.11.*
+TORCHVISION_MIN := 0.26.*
 
-.PHONY: install dev train test test-fast test-reliability lint bench clean
+.PHONY: install dev train test test-torch-min test-fast test-reliability lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +35,22 @@ train: $(STAMP)
 test: $(DEV_STAMP)
 	$(PY) -m pytest -q tests
 
+$(MIN_PY):
+	$(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_PY) -m pip install -q --upgrade pip
+
+# One resolver run with the pins, so nothing in the dev extras can lift torch above them.
+$(MIN_STAMP): pyproject.toml | $(MIN_PY)
+	$(MIN_PY) -m pip install -q "torch==$(TORCH_MIN)" "torchvision==$(TORCHVISION_MIN)" -e ".[vision,examples,dev]"
+	$(MIN_PY) -c "import torch, torchvision as tv; v = torch.__version__; assert v.startswith('2.11.'), \
+		f'.venv-torch-min holds torch {v}, not 2.11: rm -rf $(MIN_VENV) and run make test-torch-min again'; \
+		print('lowest supported: torch', v, 'torchvision', tv.__version__)"
+	touch $@
+
+# The suite on the lowest supported torch. MIN_PYTEST_ARGS narrows it if ever needed (.ci/run passes none).
+test-torch-min: $(MIN_STAMP)
+	$(MIN_PY) -m pytest -q tests $(MIN_PYTEST_ARGS)
+
 test-fast: $(DEV_STAMP)
 	$(PY) -m pytest -q tests -m "not slow and not reliability"
 
@@ -46,4 +69,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(MIN_VENV) runs .pytest_cache

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_distributed
+from fsdp_state import fsdp_units
 from torch import nn
 from torch.testing import assert_close
 from torch.utils.data import DataLoader, TensorDataset
@@ -77,6 +78,11 @@ class Net(TrainModule):
         self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(self.dropout), nn.Linear(16, 16),
                                  nn.Tanh(), nn.Linear(16, 4))
         self.head = nn.Linear(4, 1)  # [1, 4] weight: one row for rank 0, an empty shard for rank 1
+        # The dtype a block's weight has while its forward runs: FSDP's mixed precision gathers it
+        # in bf16/fp16 (autocast alone would leave it fp32), so this sees whether the policy applied.
+        self.weight_dtypes: set[str] = set()
+        for layer in (self.net[0], self.head):
+            layer.register_forward_pre_hook(lambda mod, args: self.weight_dtypes.add(str(mod.weight.dtype)))
 
     def configure_model(self) -> None:
         if self.net is None:
@@ -149,7 +155,8 @@ def fit(root: str, strategy: Any, batch_size: int, devices: Any, **settings: Any
     trainer.fit(module)
     scaler = trainer.strategy.precision.scaler
     return {"losses": [float(x) for x in module.losses], "state": full_state(module),
-            "norms": module.post_clip_norms, "scale": float(scaler.get_scale()) if scaler else None,
+            "norms": module.post_clip_norms, "weight_dtypes": sorted(module.weight_dtypes),
+            "scale": float(scaler.get_scale()) if scaler else None,
             "module": module, "trainer": trainer}
 
 
@@ -175,6 +182,7 @@ def _two_rank_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
             "FSDP")})
         run["dp"] = (strategy.dp_rank, strategy.dp_size)
         run["local_rows"] = module.net[0].weight.to_local().shape[0]
+        run["units"] = fsdp_units(strategy.model)
         out[name] = run
     poisoned = fit(os.path.join(root, "fp16_inf"), FSDP, PER_RANK_BATCH, world_size, precision="16-mixed",
                    poison_step=3, max_steps=6)
@@ -220,12 +228,26 @@ def test_fsdp_matches_single_device(two_ranks: dict[str, Any]) -> None:
     assert run["wrapped"] == ["FSDPLinear", "FSDPStepRouter"]
     assert [r["plain"]["dp"] for r in two_ranks["ranks"]] == [(0, 2), (1, 2)]
     assert run["local_rows"] == 8  # Linear(6, 16): 16 rows, half on each rank
+    units = run["units"]
+    assert sorted(units) == ["<root>", "module.net.0", "module.net.3", "module.net.5"]
+    for name, unit in units.items():
+        assert unit["param_dtype"] == unit["reduce_dtype"] == {"None"}, (name, unit)  # fp32: no casts
+        assert unit["offload"] == ("OffloadPolicy", {False}), (name, unit)
+        assert unit["reshard"] is (name != "<root>"), (name, unit)  # blocks free after forward; the root stays
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_fsdp_cpu_offload_and_no_reshard_match_single_device(two_ranks: dict[str, Any]) -> None:
     _check_parity(two_ranks, "options")
+    for run in two_ranks["ranks"]:
+        units = run["options"]["units"]
+        assert len(units) == 4
+        for name, unit in units.items():
+            # The options reached fully_shard on every unit, not only the config.
+            assert unit["offload"] == ("CPUOffloadPolicy", {True}), (name, unit)
+            assert unit["reshard"] is False, (name, unit)
+            assert unit["devices"] == unit["grad_devices"] == {"cpu"}, (name, unit)
 
 
 @pytest.mark.distributed
@@ -262,6 +284,16 @@ def test_fsdp_bf16_mixed_matches_single_device_bf16_mixed(two_ranks: dict[str, A
     _check_parity(two_ranks, "bf16", BF16_TOL)
     for run in two_ranks["ranks"]:
         assert all(v.dtype == torch.float32 for v in run["bf16"]["state"].values())  # fp32 master weights
+        # The tolerances alone would pass an fp32 run, so check bf16 really was used: FSDP gathers
+        # the weights in bf16 for forward (one process under autocast keeps them fp32) and reduces
+        # gradients in fp32, on every unit.
+        assert run["bf16"]["weight_dtypes"] == ["torch.bfloat16"]
+        for name, unit in run["bf16"]["units"].items():
+            assert unit["param_dtype"] == {"torch.bfloat16"} and unit["reduce_dtype"] == {"torch.float32"}, name
+    assert two_ranks["single"]["bf16"]["weight_dtypes"] == ["torch.float32"]
+    # And the arithmetic differs from fp32 by far more than fp32's own summation-order noise (1e-5).
+    bf16, fp32 = (torch.tensor(two_ranks["ranks"][0][v]["losses"]) for v in ("bf16", "plain"))
+    assert (bf16 - fp32).abs().max() > 1e-4
 
 
 @pytest.mark.distributed
@@ -269,6 +301,9 @@ def test_fsdp_bf16_mixed_matches_single_device_bf16_mixed(two_ranks: dict[str, A
 def test_fsdp_16_mixed_grad_scaler_works_with_sharded_gradients(two_ranks: dict[str, Any]) -> None:
     # torch's GradScaler unscales DTensor gradients; no overflow in this run, so same scale as one process.
     _check_parity(two_ranks, "fp16", FP16_TOL)
+    for run in two_ranks["ranks"]:
+        assert run["fp16"]["weight_dtypes"] == ["torch.float16"]
+        assert {str(u["param_dtype"]) for u in run["fp16"]["units"].values()} == {"{'torch.float16'}"}
     scales = [r["fp16"]["scale"] for r in two_ranks["ranks"]]
     assert scales == [two_ranks["single"]["fp16"]["scale"]] * 2
     # An inf planted in rank 1's shard only: found_inf is reduced over the shards, so both ranks

@@ -157,16 +157,17 @@ def test_relaunched_script_failing_on_one_rank_ends_the_job_with_its_traceback(t
     assert not read_records(tmp_path)  # nobody reached the end of fit
 
 
-# --------------------------------------------------------------------------- launcher: spawn
+# --------------------------------------------------------------------------- launcher: spawn, fork
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(RETRIED)
-def test_spawn_launcher_hands_trained_weights_back_to_the_caller(tmp_path, expected_weights):
+@pytest.mark.parametrize("launcher", ["spawn", "fork"])
+def test_spawn_launcher_hands_trained_weights_back_to_the_caller(tmp_path, expected_weights, launcher):
     import torch
 
-    result = run([sys.executable, TRAIN_SCRIPT, tmp_path, "--devices", "2", "--launcher", "spawn"], RUN_TIMEOUT)
+    result = run([sys.executable, TRAIN_SCRIPT, tmp_path, "--devices", "2", "--launcher", launcher], RUN_TIMEOUT)
     assert_ok(result)
     records = read_records(tmp_path)
     assert_two_rank_ddp(records, expected_weights, source="torchrun")

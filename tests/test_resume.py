@@ -24,7 +24,7 @@ from distributed import run_distributed
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from polytrain import Trainer, TrainModule
+from polytrain import Callback, Trainer, TrainModule
 from polytrain.callbacks.checkpoint import ModelCheckpoint
 
 TOTAL_STEPS = 15  # 3 epochs of 5 batches
@@ -68,6 +68,16 @@ class DropoutNet(TrainModule):
         return DataLoader(_dataset(), batch_size=self.batch_size, shuffle=True)
 
 
+class _Snapshots(Callback):
+    """The weights after every optimizer step, by global step."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.by_step[trainer.global_step] = _weights(module)
+
+
 def _weights(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
@@ -91,13 +101,18 @@ def _fit(run_dir: str, ddp: bool, batch_size: int, ckpt_path: str | None = None,
 def _scenario(root: str, ddp: bool, batch_size: int) -> dict[str, Any]:
     """All runs of one strategy; every rank calls it (the DDP runs' collectives stay matched)."""
     rank = int(os.environ.get("RANK", "0"))  # the process group starts with the first fit, not before
-    out: dict[str, Any] = {"uninterrupted": _fit(os.path.join(root, "C"), ddp, batch_size)}
+    snapshots = _Snapshots()
+    out: dict[str, Any] = {"uninterrupted": _fit(os.path.join(root, "C"), ddp, batch_size, callbacks=[snapshots])}
+    out["uninterrupted"]["by_step"] = snapshots.by_step
     run_a = os.path.join(root, "A")
     saver = ModelCheckpoint(every_n_train_steps=3, save_top_k=-1)
     out["interrupted"] = _fit(run_a, ddp, batch_size, max_steps=STOP_AT, enable_checkpointing=True,
                               callbacks=[saver])
     ckpts = os.path.join(run_a, "checkpoints")
     out["files"] = sorted(os.listdir(ckpts))
+    out["ckpt_models"] = {step: torch.load(os.path.join(ckpts, name), map_location="cpu", weights_only=True)["model"]
+                          for step, name in ((3, "epoch=0-step=3.ckpt"), (5, "epoch=0-step=5.ckpt"),
+                                             (6, "epoch=1-step=6.ckpt"), (7, "last.ckpt"))}
     # Fit-end checkpoint (stopped mid-epoch by max_steps), found through `last`.
     out["resume_last"] = _fit(run_a, ddp, batch_size, ckpt_path="last")
     # Epoch-boundary checkpoint and a mid-epoch every_n_train_steps one, by path.
@@ -122,6 +137,11 @@ def _check_scenario(out: dict[str, Any]) -> None:
     assert reference["global_step"] == TOTAL_STEPS and reference["steps_run"] == TOTAL_STEPS
     assert out["interrupted"]["global_step"] == STOP_AT
     assert {"epoch=0-step=3.ckpt", "epoch=0-step=5.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"} <= set(out["files"])
+    # Each checkpoint holds the model of its step, bitwise: the uninterrupted run's weights after that step.
+    for step, model in out["ckpt_models"].items():
+        assert model.keys() == reference["by_step"][step].keys()
+        for key, value in reference["by_step"][step].items():
+            assert torch.equal(model[key], value), f"checkpoint of step {step}: {key} is not the model of that step"
     # The interrupted run really differs from the finished one (else "equal after resume" is empty).
     assert not torch.equal(out["interrupted"]["weights"]["net.0.weight"], reference["weights"]["net.0.weight"])
     expected_steps = {"resume_last": TOTAL_STEPS - STOP_AT, "resume_epoch_end": TOTAL_STEPS - 5,
@@ -208,9 +228,14 @@ def test_ddp_checkpoint_loads_into_plain_module(ddp_runs: tuple[str, list[dict[s
     plain = DropoutNet()
     plain.configure_model()
     plain.load_state_dict(payload["model"])  # strict: same keys, no wrapper prefixes
-    # It is the model of that step: resuming from it reproduced the uninterrupted run.
+    # It is the model of that step: bitwise the weights the uninterrupted run had after step 6.
     assert payload["loop"]["global_step"] == 6
-    assert not torch.equal(plain.net[0].weight, ranks[0]["uninterrupted"]["weights"]["net.0.weight"])
+    at_step = ranks[0]["uninterrupted"]["by_step"]
+    assert sorted(at_step) == list(range(1, TOTAL_STEPS + 1))
+    assert payload["model"].keys() == at_step[6].keys()
+    for key, value in at_step[6].items():
+        assert torch.equal(payload["model"][key], value), f"{key}: checkpoint 'step=6' is not the model of step 6"
+    assert not torch.equal(at_step[6]["net.0.weight"], at_step[7]["net.0.weight"])  # neighbours differ
 
 
 @pytest.mark.distributed

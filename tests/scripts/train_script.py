@@ -1,6 +1,6 @@
 """Train TinyRegressor with ``Trainer(...).fit`` as a user script would.
 
-    python train_script.py OUT_DIR [--devices N|auto] [--num-nodes N] [--launcher auto|spawn|elastic]
+    python train_script.py OUT_DIR [--devices N|auto] [--num-nodes N] [--launcher auto|spawn|fork|elastic]
                                    [--fail-rank R] [--max-epochs E] [--timeout S]
 
 Runs unchanged under torchrun, under SLURM's variables, or plainly (then ``devices>1`` makes the
