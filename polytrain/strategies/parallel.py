@@ -16,6 +16,7 @@ everything else. See docs/strategies/composition.md.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -388,5 +389,7 @@ class ParallelStrategy(Strategy):
 
     def teardown(self) -> None:
         super().teardown()
+        self.dims.release_mesh()
+        gc.collect()  # the groups' C++ objects go now, while the interpreter is whole (see release_mesh)
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
