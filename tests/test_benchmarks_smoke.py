@@ -66,3 +66,9 @@ def test_activation_memory_benchmark_shows_a_saving() -> None:
                       r"last loss off ([0-9.]+) on ([0-9.]+)$", out, re.M)
     assert match, out
     assert float(match.group(1)) < 0.9 and match.group(3) == match.group(4), out
+
+
+@pytest.mark.timeout(300)
+def test_loop_cost_benchmark_prints_added_time() -> None:
+    out = _run([os.path.join(BENCH, "loop_cost.py"), "--steps", "60", "--rounds", "2"], timeout=280)
+    assert re.search(r"^CPU us/step: polytrain [0-9.]+, hand [0-9.]+, added -?[0-9.]+ ", out, re.M), out
