@@ -41,7 +41,6 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -51,6 +50,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt_model as M  # noqa: E402 - the model, shared with activation_memory.py
+from local_ranks import export_rank, free_port  # noqa: E402 - beside this script
 
 # dense peak FLOP/s per device: (name fragment, {precision: peak})
 PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
@@ -228,16 +228,9 @@ def report(args: argparse.Namespace, label: str, out: dict[str, Any], flops_per_
 # --------------------------------------------------------------------------- processes
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, plan: list[tuple[str, bool]],
             results: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
+    export_rank(rank, world, port)
     try:
         import torch
         import torch.distributed as dist
@@ -262,7 +255,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, plan: li
 def run_multi(args: argparse.Namespace, plan: list[tuple[str, bool]]) -> list[tuple[str, bool, dict[str, Any]]]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, plan, results)) for r in range(args.world)]
     for p in procs:
         p.start()

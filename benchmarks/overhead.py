@@ -59,7 +59,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -71,6 +70,7 @@ TARGET = 1.03
 
 # The workloads (make_dataset, run_polytrain, run_hand, ...) live in overhead_workloads.py.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from local_ranks import export_rank, free_port  # noqa: E402 - beside this script
 from overhead_workloads import make_dataset, run_hand, run_polytrain, weights_equal  # noqa: E402
 
 
@@ -151,15 +151,8 @@ def report(label: str, result: dict[str, Any], args: argparse.Namespace) -> str:
 # --------------------------------------------------------------------------- DDP workers
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace, results: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
+    export_rank(rank, world, port)
     try:
         import torch
         import torch.distributed as dist
@@ -182,7 +175,7 @@ def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace, resu
 def run_ddp(args: argparse.Namespace, world: int = 2) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_ddp_worker, args=(r, world, port, args, results)) for r in range(world)]
     for p in procs:
         p.start()
