@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from polytrain.core.errors import ConfigError
+
 
 def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
     if isinstance(data, torch.Tensor):
@@ -72,6 +74,22 @@ class Precision:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def check_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Refuse what a GradScaler gets wrong. torch's fused SGD on CPU (2.11 and 2.15) fills its momentum
+        buffer from the gradients of a step the scaler skips for overflow, so the first finite step after an
+        overflow adds those huge values (measured: buffer 1e10 after one skipped step; plain PyTorch with the
+        documented recipe diverges the same way). Other implementations never run a skipped step."""
+        if self.scaler is None or self.device_type != "cpu":
+            return
+        for index, optimizer in enumerate(optimizers):
+            fused_momentum = [g for g in optimizer.param_groups if g.get("fused") and g.get("momentum", 0)]
+            if isinstance(optimizer, torch.optim.SGD) and fused_momentum:
+                raise ConfigError(
+                    f"optimizer {index} is SGD(fused=True, momentum={fused_momentum[0]['momentum']}) under "
+                    f"precision '{self.name}' on CPU: torch's fused SGD fills its momentum buffer from the "
+                    f"overflowed gradients of a step the GradScaler skips, and training diverges. Use "
+                    f"SGD(foreach=True) or the default implementation, or precision 'bf16-mixed'")
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Before clipping: clip thresholds are meant for true gradients, not scaled ones. Once per

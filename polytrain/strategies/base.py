@@ -212,6 +212,7 @@ class Strategy(ABC):
         return contextlib.nullcontext()
 
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+        self.precision.check_optimizers(optimizers)
         self.optimizers = list(optimizers)
         return self.optimizers
 

@@ -19,6 +19,9 @@ FACTORS: dict[str, tuple] = {
     "workers": (0, 2),
     "resume": (False, True),
     "clip": (False, True),
+    # How SGD runs: a per-parameter loop (CPU's default), foreach (CUDA's default: one call per group, so
+    # every parameter must be of one kind, DTensor or not) or fused (one kernel; DTensor needs a rule).
+    "impl": ("for-loop", "foreach", "fused"),
 }
 NAMES = tuple(FACTORS)
 
@@ -32,6 +35,9 @@ INVALID: dict[Combo, str] = {
         "refused (ConfigError): a GradScaler over tensor-parallel sharded gradients is not supported",
     (("strategy", "pipeline"), ("precision", "16-mixed")):
         "refused (ConfigError): each pipeline stage's GradScaler would skip steps on its own",
+    (("precision", "16-mixed"), ("impl", "fused")):
+        "refused (ConfigError): torch's fused SGD on CPU fills its momentum buffer from the overflowed "
+        "gradients of a step the GradScaler skips (plain PyTorch diverges the same way)",
     (("strategy", "pipeline"), ("optimizers", 2), ("clip", True)):
         "refused (ConfigError): clipping by norm reduces optimizer k's norm over the stages, and the matrix's "
         "stages hold one optimizer each (stage 0 the first, stage 1 the second), so optimizer 0 is not one "
@@ -49,6 +55,7 @@ class Case:
     workers: int
     resume: bool
     clip: bool
+    impl: str = "for-loop"
 
     @property
     def world(self) -> int:
@@ -61,7 +68,7 @@ class Case:
     @property
     def name(self) -> str:
         return (f"{self.strategy}-p{self.precision}-acc{self.accumulate}-opt{self.optimizers}"
-                f"-drop{int(self.dropout)}-w{self.workers}-res{int(self.resume)}-clip{int(self.clip)}")
+                f"-drop{int(self.dropout)}-w{self.workers}-res{int(self.resume)}-clip{int(self.clip)}-{self.impl}")
 
     def values(self) -> dict[str, object]:
         return asdict(self)

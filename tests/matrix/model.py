@@ -72,18 +72,24 @@ def optimizer_groups(named: list[tuple[str, nn.Parameter]], count: int) -> list[
     return [first, [p for n, p in named if int(n.split(".")[0]) >= FIRST]]
 
 
-def make_optimizers(groups: list[list[nn.Parameter]]) -> list[torch.optim.Optimizer]:
-    settings = [dict(lr=0.01, momentum=0.9), dict(lr=0.02, momentum=0.5)]
+IMPLEMENTATIONS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+def make_optimizers(groups: list[list[nn.Parameter]], impl: str = "for-loop") -> list[torch.optim.Optimizer]:
     """One SGD per group this process holds parameters of (a pipeline stage may hold none of a group's: torch
-    refuses an optimizer over nothing, and an empty param group does not load from a sharded checkpoint)."""
-    return [torch.optim.SGD(params, **settings[k]) for k, params in enumerate(groups) if params]
+    refuses an optimizer over nothing, and an empty param group does not load from a sharded checkpoint),
+    each with the implementation ``impl`` asked for explicitly."""
+    settings = [dict(lr=0.01, momentum=0.9), dict(lr=0.02, momentum=0.5)]
+    return [torch.optim.SGD(params, **settings[k], **IMPLEMENTATIONS[impl]) for k, params in enumerate(groups) if params]
 
 
 class MatrixNet(TrainModule):
     """The matrix's module: training_step calls the Sequential once (pipeline: ``pipeline_loss``)."""
 
-    def __init__(self, dropout: bool, optimizers: int, batch_size: int, num_workers: int) -> None:
+    def __init__(self, dropout: bool, optimizers: int, batch_size: int, num_workers: int,
+                 impl: str = "for-loop") -> None:
         super().__init__()
+        self.impl = impl
         torch.manual_seed(SEED)
         self.net = build(dropout)
         self.n_optimizers = optimizers
@@ -103,7 +109,7 @@ class MatrixNet(TrainModule):
         return loss_of(outputs, targets)
 
     def configure_optimizers(self) -> Any:
-        return make_optimizers(optimizer_groups(list(self.net.named_parameters()), self.n_optimizers))
+        return make_optimizers(optimizer_groups(list(self.net.named_parameters()), self.n_optimizers), self.impl)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(Noisy(), batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)

@@ -141,7 +141,7 @@ def reference(case: Case) -> dict[str, torch.Tensor]:
     torch.manual_seed(SEED)
     net = build(case.dropout)
     params = list(net.parameters())
-    optimizers = make_optimizers(optimizer_groups(list(net.named_parameters()), case.optimizers))
+    optimizers = make_optimizers(optimizer_groups(list(net.named_parameters()), case.optimizers), case.impl)
     scaler = torch.amp.GradScaler("cpu") if case.precision == "16-mixed" else None
     n_stages = len(_stages(net, case))
     procs = [(r, s) for r in range(case.dp) for s in range(n_stages)]

@@ -42,7 +42,7 @@ def make_trainer(case: Case, run_dir: str, **overrides: Any) -> Trainer:
 
 
 def _module(case: Case) -> MatrixNet:
-    return MatrixNet(case.dropout, case.optimizers, GLOBAL_BATCH // case.dp, case.workers)
+    return MatrixNet(case.dropout, case.optimizers, GLOBAL_BATCH // case.dp, case.workers, case.impl)
 
 
 def _state(trainer: Trainer) -> dict[str, torch.Tensor] | None:
@@ -89,8 +89,10 @@ def run_cases(cases: list[Case], root: str) -> dict[str, Any]:
 
 
 def probe_case(combo: tuple[tuple[str, object], ...]) -> Case:
-    """The smallest case holding an invalid combination (every other factor at its first value)."""
+    """The smallest case holding an invalid combination (every other factor at its first value; the
+    strategy, when the combination leaves it open, ddp: the probes run in the two-rank spawn)."""
     values = {name: options[0] for name, options in FACTORS.items()}
+    values["strategy"] = "ddp"
     return Case(**{**values, **dict(combo)})
 
 

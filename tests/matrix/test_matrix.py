@@ -31,6 +31,8 @@ REFUSED_WITH = {  # the invalid combinations' errors, as polytrain words them
                                                            r"the pipeline strategy",
     (("strategy", "pipeline"), ("optimizers", 2), ("clip", True)):
         r"ConfigError: gradient clipping by norm under pipeline parallelism .* same optimizers in the same order",
+    (("precision", "16-mixed"), ("impl", "fused")):
+        r"ConfigError: optimizer 0 is SGD\(fused=True, momentum=0.9\) under precision '16-mixed' on CPU",
 }
 
 
