@@ -11,50 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, Dataset
 
-from polytrain.core.batch import move_to_device
+from polytrain.trainer.data_hooks import DataHooks
 from polytrain.trainer.hparams import HyperparametersMixin, load_datamodule_from_checkpoint
 
 
-class DataModule(HyperparametersMixin):
-    prepare_data_per_node: bool = True
+class DataModule(HyperparametersMixin, DataHooks):
     name: str | None = None
 
     def __init__(self) -> None:
         self.trainer: Any = None
-
-    # ------------------------------------------------------------------ lifecycle
-    def prepare_data(self) -> None:
-        """Download or write data to disk. Runs on one process per node; never assign state here."""
-
-    def setup(self, stage: str) -> None:
-        """Build datasets (every rank); ``stage`` is ``fit``, ``validate``, ``test`` or ``predict``."""
-
-    def teardown(self, stage: str) -> None: ...
-
-    def train_dataloader(self) -> Any:
-        return None
-
-    def val_dataloader(self) -> Any:
-        return None
-
-    def test_dataloader(self) -> Any:
-        return None
-
-    def predict_dataloader(self) -> Any:
-        return None
-
-    # ------------------------------------------------------------------ batches
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return batch
-
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        return move_to_device(batch, device)
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return batch
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -16,18 +16,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from polytrain.core.batch import move_to_device
 from polytrain.core.protocol import LOG_TAP, MUTED
+from polytrain.trainer.data_hooks import DataHooks
 from polytrain.trainer.hparams import HyperparametersMixin, load_module_from_checkpoint
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
 
 
-class TrainModule(HyperparametersMixin, nn.Module):
+class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
     """Subclass this; override ``training_step`` and ``configure_optimizers`` at least."""
 
-    prepare_data_per_node: bool = True  # prepare_data on local rank 0 of every node (False: global rank 0)
     example_input_array: Any = None  # Lightning's attribute; set it to describe an input (unused by polytrain)
     strict_loading: bool = True  # load_from_checkpoint's default for strict=None
 
@@ -261,32 +260,6 @@ class TrainModule(HyperparametersMixin, nn.Module):
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         return self(batch)
-
-    # ------------------------------------------------------------------ data
-    def prepare_data(self) -> None: ...
-    def setup(self, stage: str) -> None: ...
-    def teardown(self, stage: str) -> None: ...
-
-    def train_dataloader(self) -> Any:
-        return None
-
-    def val_dataloader(self) -> Any:
-        return None
-
-    def test_dataloader(self) -> Any:
-        return None
-
-    def predict_dataloader(self) -> Any:
-        return None
-
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return batch
-
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        return move_to_device(batch, device)
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return batch
 
     # ------------------------------------------------------------------ lifecycle hooks (no-ops)
     def on_fit_start(self) -> None: ...
