@@ -16,6 +16,11 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {k: move_to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
+        for x in batch:  # the common (inputs, targets) already there (CPU training): no call per element
+            if type(x) is not torch.Tensor or x.device != device:
+                break
+        else:
+            return batch
         moved = [move_to_device(x, device) for x in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
     if hasattr(batch, "to") and callable(batch.to):

@@ -113,6 +113,11 @@ def stop() -> None:
         hb.stop()
 
 
+def running() -> bool:
+    """Whether this process publishes heartbeats (a multi-process run, after ``start``)."""
+    return _current is not None
+
+
 def beat(step: int, where: str) -> None:
     """Mark this rank's position. Cheap: attribute assignments only; the thread publishes."""
     hb = _current

@@ -42,6 +42,7 @@ class Precision:
         if name == "16-mixed" and scaler is None:
             self.scaler = torch.amp.GradScaler(device_type)
         self._autocast_dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(name)
+        self.casts_input = name == "bf16-true"  # convert_input does something (read on every batch)
         self._unscaled: set[int] = set()  # optimizers unscaled since the last update()
         self._stepped = False
 

@@ -9,6 +9,7 @@ On CPU there is only one device, so it falls back to plain single-device trainin
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,11 @@ class DataParallelStrategy(Strategy):
             self.model = router
         return self.model
 
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        with self.precision.forward_context():
-            return _mean_replica_losses(self.model("training_step", batch, batch_idx))
+    def _bind_training_step(self) -> Callable[[Any, int], Any]:
+        model, context = self.model, self.precision.forward_context
+
+        def replicated_step(batch: Any, batch_idx: int) -> Any:
+            with context():
+                return _mean_replica_losses(model("training_step", batch, batch_idx))
+
+        return replicated_step

@@ -302,14 +302,23 @@ class ParallelStrategy(Strategy):
             raise ConfigError("manual optimisation (training_step driving the optimizers) is not supported under "
                               "pipeline parallelism: the schedule owns forward and backward; use automatic "
                               "optimisation")
-        if self.dims.cp > 1:
-            with context_parallel_step(self.dims.get_mesh("cp"), self.module, batch):
-                return super().training_step(batch, batch_idx)
         if self.data_parallel != "ddp" or self.module.automatic_optimization:
             return super().training_step(batch, batch_idx)
         # Manual optimisation: DDP's reducer is readied before each manual_backward, never by its forward.
         with forward_without_reducer(self.model):
             return super().training_step(batch, batch_idx)
+
+    def _bind_training_step(self) -> Callable[[Any, int], Any]:
+        step = super()._bind_training_step()
+        if self.dims.cp <= 1:
+            return step
+        mesh, module = self.dims.get_mesh("cp"), self.module
+
+        def context_parallel(batch: Any, batch_idx: int) -> Any:
+            with context_parallel_step(mesh, module, batch):
+                return step(batch, batch_idx)
+
+        return context_parallel
 
     def prepare_manual_backward(self, loss: torch.Tensor) -> None:
         if self.data_parallel == "ddp":
@@ -319,7 +328,7 @@ class ParallelStrategy(Strategy):
                          zero_grad: Callable[[], None] | None = None) -> StepResult:
         if self.pipeline is not None:
             return self.pipeline.forward_backward(batch, batch_idx, accumulate, zero_grad)
-        return super().forward_backward(batch, batch_idx, accumulate, zero_grad)
+        return Strategy.forward_backward(self, batch, batch_idx, accumulate, zero_grad)
 
     def eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
         if self.pipeline is not None:
@@ -364,7 +373,7 @@ class ParallelStrategy(Strategy):
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
                        after_closure: Callable[[], None]) -> Any:
         if not self._tp:
-            return super().optimizer_step(optimizer, closure, after_closure)
+            return self.precision.optimizer_step(optimizer, closure, after_closure)  # Strategy's, one call fewer
 
         def reduce_then_after_closure() -> None:
             # After backward, before the hooks and clipping: Partial gradients (sequence parallel) summed once.

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from polytrain.core import heartbeat
-from polytrain.core.batch import batch_size_of
 from polytrain.data.loaders import set_epoch
 from polytrain.strategies.base import PADDING_BATCH
 from polytrain.trainer.hooks import defines
@@ -81,7 +80,7 @@ def run_eval_pass(trainer: Trainer, loader: Any, stage: str, limit: int | None, 
 def _eval_batch(trainer: Trainer, stage: str, step_name: str, word: str, batch: Any, batch_idx: int) -> Any:
     hooks, metrics = trainer.hooks, trainer.metrics
     batch = trainer.transfer_batch(batch)
-    metrics.batch_size = batch_size_of(batch)
+    metrics.batch = batch  # its size is read only if a value is logged per epoch
     hooks(f"on_{word}_batch_start", batch, batch_idx)
     output = trainer.strategy.eval_step(step_name[: -len("_step")], batch, batch_idx)
     if output is PADDING_BATCH:

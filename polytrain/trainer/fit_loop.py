@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from polytrain.core import heartbeat
-from polytrain.core.batch import batch_size_of
 from polytrain.core.errors import ConfigError, EmptyDataError
 from polytrain.core.rng import isolate_rng, training_streams
 from polytrain.trainer.data_connector import (
@@ -172,10 +171,6 @@ class EpochLoop:
             self.stop_agreed = self.trainer.should_stop = self.trainer.strategy.reduce_boolean_decision(
                 self.trainer.should_stop)
 
-    def _stops_after_batch(self) -> bool:
-        requested = self.stop_agreed if self.multi_rank else self.trainer.should_stop
-        return requested and self.min_reached()
-
     def run_epoch(self) -> None:
         t = self.trainer
         iterator, start = self._iterator()
@@ -209,6 +204,7 @@ class EpochLoop:
         run, metrics = self.optimization.run, t.metrics
         start_hooks, end_hooks = t.hooks.batch_plan("on_train_batch_start"), t.hooks.batch_plan("on_train_batch_end")
         automatic, log_every, epoch = t.module.automatic_optimization, cfg.log_every_n_steps, t.current_epoch
+        multi_rank = self.multi_rank
         stepped = False
         transfer, beat = t.transfer_batch, heartbeat.beat if t.world_size > 1 else None
         metrics.defaults = PER_STEP
@@ -232,7 +228,7 @@ class EpochLoop:
                             f"data-parallel rank; an iterable dataset must yield a batch on every rank every epoch")
                     break
             batch = transfer(batch)
-            metrics.batch_size = batch_size_of(batch)
+            metrics.batch = batch  # its size is read only if a value is logged per epoch
             t.batch_in_epoch = batch_idx + 1
             end_of_window = (batch_idx + 1) % accumulate == 0 or last
             if beat is not None:
@@ -250,7 +246,10 @@ class EpochLoop:
                 if t.batches_stepped % log_every == 0:
                     self._logging_step()
             if end_hooks:
-                outputs = _batch_outputs(output, automatic)
+                if automatic and output is not None and type(output.output) is torch.Tensor:
+                    outputs = {"loss": output.loss}  # _batch_outputs' common case, without the call
+                else:
+                    outputs = _batch_outputs(output, automatic)
                 for fn in end_hooks:
                     fn(outputs, batch, batch_idx)
             validated = False
@@ -260,7 +259,7 @@ class EpochLoop:
                 validated = True
             if 0 <= cfg.max_steps <= t.global_step or self.out_of_time:
                 return last
-            if not last and self._stops_after_batch():
+            if not last and (self.stop_agreed if multi_rank else t.should_stop) and self.min_reached():
                 # As Lightning: the epoch ends here, validating first if this batch did not (and the epoch does).
                 self.validate_on_stop = not validated and self._epoch_validates()
                 return True

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from polytrain.core import collectives as C
+from polytrain.core.batch import batch_size_of
 
 REDUCE_FX = ("mean", "sum", "max", "min")
 _HERE = (os.path.dirname(os.path.abspath(__file__)),)
@@ -99,7 +100,7 @@ class Logged:
 class MetricCollector:
     def __init__(self) -> None:
         self.device = torch.device("cpu")
-        self.batch_size = 1
+        self.batch: Any = None  # the batch being stepped or evaluated: the weight of a per-epoch mean
         self.stage: str | None = None  # "train" | "val" | "test" | "sanity" | None (logging refused)
         self.defaults = (True, False)  # (on_step, on_epoch) where self.log is being called
         self.refused_in: str | None = None  # a hook where logging is an error
@@ -114,6 +115,12 @@ class MetricCollector:
         # The training epoch's last per-step values (reduce_epoch keeps them): what Lightning's
         # logged_metrics and progress_bar_metrics show after the epoch, logged or not on a logging step.
         self.last_step_values: dict[str, tuple[Logged, torch.Tensor]] = {}
+
+    @property
+    def batch_size(self) -> int:
+        """The current batch's size (its first tensor's leading dimension), read from the batch only when
+        a per-epoch mean needs it, not on every step."""
+        return batch_size_of(self.batch) if self.batch is not None else 1
 
     # ------------------------------------------------------------------ recording
     def start_stage(self, stage: str | None, defaults: tuple[bool, bool] = (True, False)) -> None:
@@ -146,7 +153,7 @@ class MetricCollector:
             if not (on_step or on_epoch):
                 raise ValueError(f"self.log({name!r}) with on_step=False and on_epoch=False records nothing")
             entry = self._current[name] = Logged(name, options)
-        if is_metric_object(value):
+        if type(value) is not torch.Tensor and is_metric_object(value):  # a tensor is not: no call per step
             entry.metric = value
             if not on_step:
                 return
@@ -154,7 +161,10 @@ class MetricCollector:
             if value is None:
                 raise ValueError(f"self.log({name!r}, <Metric>, on_step=True): call the metric on the batch "
                                  f"(metric(preds, target)) before logging it, so it has a per-step value")
-        tensor = _as_tensor(value, self.device)
+        if type(value) is torch.Tensor and value.dtype == torch.float32 and value.dim() == 0:
+            tensor = value.detach()  # _as_tensor's common case, without the call
+        else:
+            tensor = _as_tensor(value, self.device)
         if on_step:
             entry.step_value = tensor
             self._fresh[name] = entry

@@ -18,6 +18,7 @@ handful of attribute reads beyond the work itself (benchmarks/overhead.py).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -74,12 +75,12 @@ class Closure:
         self.ran = False
 
     def __call__(self) -> torch.Tensor | None:
+        # The loop's heartbeat already marked this batch "training_step"; the strategy marks "backward".
         runner = self.runner
-        heartbeat.at("training_step")
         result = self.result = runner.strategy.forward_backward(self.batch, self.batch_idx, runner.accumulate,
                                                                 self.zero_grad)
         self.ran = True
-        runner.guard.observe(result.loss, end_of_window=runner.end_of_window)
+        runner.guard.observe(result.loss, runner.end_of_window)
         return result.loss
 
 
@@ -109,8 +110,22 @@ class AutomaticOptimization:
         self.end_of_window = True
         self.epoch = 0
         self.batch_idx = 0
+        # Fixed for the fit, so the common batch calls only what it needs: the heartbeat's position mark
+        # when one runs, the skip vote under nan_policy "skip", the scaler's update under 16-mixed, and
+        # each optimizer's step bound once (strategy verb, closure, after-closure) instead of per batch.
+        self.mark_position = heartbeat.at if heartbeat.running() else None
+        self.votes_on_skip = self.guard.policy == "skip"
+        self.update_scaler = self.strategy.precision.update if self.strategy.precision.scaler is not None else None
+        self.plain_zero_grad = (not self.before_zero_grad and self.zero_grad_hook is None
+                                and len(self.optimizers) == 1)
+        self.steps = [functools.partial(self.strategy.optimizer_step, opt, self.closure if k == 0 else
+                                        _rerun_guard(self.closure), functools.partial(self.after_closure, opt))
+                      for k, opt in enumerate(self.optimizers)]
 
     def _zero_grad(self) -> None:
+        if self.plain_zero_grad:
+            self.optimizers[0].zero_grad(set_to_none=True)
+            return
         for k, opt in enumerate(self.optimizers):
             for fn in self.before_zero_grad:
                 fn(opt)
@@ -121,14 +136,15 @@ class AutomaticOptimization:
 
     def after_closure(self, optimizer: torch.optim.Optimizer) -> None:
         """Gradients are final and unscaled: hooks, clipping, and the NaN guard's skip decision."""
-        heartbeat.at("optimizer_step")
+        if self.mark_position is not None:
+            self.mark_position("optimizer_step")
         for fn in self.before_optimizer_step:
             fn(optimizer)
         if self.clip_hook is not None:
             self.clip_hook(optimizer, gradient_clip_val=self.clip_val, gradient_clip_algorithm=self.clip_algorithm)
         elif self.clip_val is not None:
             self.trainer.clip_gradients(optimizer, self.clip_val, self.clip_algorithm or "norm")
-        if optimizer is self.optimizers[0] and self.guard.should_skip_step():
+        if self.votes_on_skip and optimizer is self.optimizers[0] and self.guard.should_skip_step():
             self.trainer.skip_this_step = True
         if self.trainer.skip_this_step:
             optimizer.zero_grad(set_to_none=True)  # no gradient, no update (and no optimizer state change)
@@ -143,20 +159,20 @@ class AutomaticOptimization:
             with self.strategy.no_backward_sync(True):
                 closure()
             return closure.result
-        trainer = self.trainer
-        trainer.skip_this_step = False
-        for k, opt in enumerate(self.optimizers):
-            step_closure = closure if k == 0 else _rerun_guard(closure)
-            if self.optimizer_step_hook is not None:
-                self.optimizer_step_hook(epoch, batch_idx, self.wrapped[k], step_closure)
+        self.trainer.skip_this_step = False
+        if self.optimizer_step_hook is None:
+            for step in self.steps:
+                step()
+        else:
+            for k, step in enumerate(self.steps):
+                self.optimizer_step_hook(epoch, batch_idx, self.wrapped[k], step.args[1])
                 if not closure.ran:
                     raise RuntimeError(
                         f"{type(self.module).__name__}.optimizer_step did not run the closure it was given: call "
                         f"optimizer.step(closure=optimizer_closure) (or optimizer_closure()) in it, or training_step "
                         f"and backward never happen")
-            else:
-                trainer._optimizer_step(opt, step_closure)
-        self.strategy.precision.update()
+        if self.update_scaler is not None:
+            self.update_scaler()
         return closure.result
 
 

@@ -132,8 +132,10 @@ class SimpleProfiler(PassThroughProfiler):
         self._patch(t, "transfer_batch", "batch to device")
         self._patch(loop.optimization, "run", "training batch", self._step_wrapper)
         self._patch(strategy, "forward_backward", "forward+backward")
-        self._patch(strategy, "training_step", "training_step")
+        strategy.bound_training_step()  # what forward_backward and the training_step verb both call
+        self._patch(strategy, "_training_step_fn", "training_step")
         self._patch(strategy, "backward", "backward")
+        self._patch(strategy, "_plain_backward", "", lambda row, plain: False)  # through the timed backward
         self._patch(loop, "_logging_step", "logging step")
         self._patch(loop, "validate", "validation")
         self._patch(loop, "_end_epoch", "epoch end")
