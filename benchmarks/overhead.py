@@ -231,6 +231,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the DDP run is abandoned")
     p.add_argument("--profile", action="store_true", help="cProfile one polytrain single-device round and exit")
+    p.add_argument("--lightning-order", action="store_true",
+                   help="the hand loop steps as Lightning (and polytrain) do: optimizer.step(closure), the closure "
+                        "running forward, zero_grad, backward -- what the order itself costs, apart from the Trainer")
     p.add_argument("--verbose", action="store_true", help="print every pair")
     args = p.parse_args(argv)
     if args.steps < args.epochs or args.rounds < 1:
@@ -248,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     print(f"overhead: polytrain {polytrain.__version__} ({os.path.dirname(polytrain.__file__)}), MLP {args.features}-{args.hidden}-{args.hidden}-10, batch {args.batch_size}, "
           f"{args.steps} steps/round in {args.epochs} epochs, log every {args.log_every_n_steps} steps, "
-          f"{args.rounds} timed pairs + 1 warm-up, torch {torch.__version__}, {args.threads} thread(s)/process",
-          flush=True)
+          f"{args.rounds} timed pairs + 1 warm-up, torch {torch.__version__}, {args.threads} thread(s)/process"
+          f"{', hand loop in Lightning order' if args.lightning_order else ''}", flush=True)
     if args.profile:
         profile_single(args)
         return 0

@@ -93,6 +93,22 @@ def _make_classes() -> tuple[type, type]:
     return BenchModule, EpochTimer
 
 
+def _lightning_closure(model: Any, optimizer: Any, x: Any, y: Any) -> Any:
+    """``--lightning-order``: the step as Lightning's automatic optimisation orders it (and polytrain, for
+    the same hook order): ``optimizer.step(closure)``, the closure running forward, zero_grad, backward.
+    On CPU that order alone cost 0.6-2.6 % on the default model in four interleaved measurements: the
+    closure's grad-mode switch, and gradients zeroed right before backward instead of after the update."""
+    import torch.nn.functional as F
+
+    def closure() -> Any:
+        loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        return loss
+
+    return closure
+
+
 # --------------------------------------------------------------------------- the two variants
 
 
@@ -143,10 +159,13 @@ def run_hand(args: argparse.Namespace, dataset: Any, run_dir: str, distributed: 
         bar = tqdm(file=sys.stdout, dynamic_ncols=True, smoothing=0, total=len(loader), initial=0,
                    desc=f"Epoch {epoch}", unit="batch") if is_zero else None
         for x, y in loader:
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if getattr(args, "lightning_order", False):
+                loss = optimizer.step(_lightning_closure(model, optimizer, x, y))
+            else:
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             step += 1
             if step % args.log_every_n_steps == 0 and is_zero:
                 value = loss.item()

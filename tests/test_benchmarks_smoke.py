@@ -36,6 +36,16 @@ def test_overhead_benchmark_prints_ratios() -> None:
 
 
 @pytest.mark.timeout(300)
+def test_overhead_benchmark_in_lightning_order_ends_with_the_same_weights() -> None:
+    # The hand loop stepping through optimizer.step(closure) with zero_grad inside it, as polytrain does.
+    out = _run([os.path.join(BENCH, "overhead.py"), "--mode", "single", "--rounds", "1", "--steps", "6",
+                "--hidden", "16", "--features", "8", "--batch-size", "4", "--log-every-n-steps", "2",
+                "--lightning-order"], timeout=280)
+    assert "hand loop in Lightning order" in out, out
+    assert re.search(r"^single:\s+weights match: yes", out, re.M), out
+
+
+@pytest.mark.timeout(300)
 def test_import_time_benchmark_prints_ratio() -> None:
     out = _run([os.path.join(BENCH, "import_time.py"), "--runs", "1"], timeout=280)
     assert re.search(r"^import: polytrain over torch [0-9.]+ s, ratio [0-9.]+ \(target <= 0\.3 s extra\)", out,

@@ -28,7 +28,7 @@ from polytrain.core.errors import DivergenceError
 
 _state: dict[str, Any] = {"enabled": False, "timeout": 300.0, "seq": {}}
 _THIS_FILE_PARTS = ("polytrain/core/collectives.py", "polytrain/core/divergence.py",
-                    "polytrain/strategies/base.py")
+                    "polytrain/strategies/base.py", "polytrain/strategies/collective_verbs.py")
 
 
 def enable(timeout_s: float) -> None:

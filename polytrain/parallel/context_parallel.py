@@ -16,7 +16,7 @@ be wrong under ``cp``: pass positions in the batch so they are sharded with it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -70,3 +70,14 @@ def context_parallel_step(cp_mesh: Any, module: nn.Module, batch: Any) -> Iterat
                                                       buffer_seq_dims=[d for _, d in pairs],
                                                       no_restore_buffers=set(buffers)):
         yield
+
+
+def context_parallel_training_step(step: Callable[[Any, int], Any], cp_mesh: Any, module: nn.Module
+                                   ) -> Callable[[Any, int], Any]:
+    """``step`` (the user's training step, bound) run inside ``context_parallel_step`` for each batch."""
+
+    def context_parallel(batch: Any, batch_idx: int) -> Any:
+        with context_parallel_step(cp_mesh, module, batch):
+            return step(batch, batch_idx)
+
+    return context_parallel

@@ -19,7 +19,6 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from polytrain.checkpoint.io import CheckpointIO, ReplicatedCheckpointIO
-from polytrain.core import collectives as C
 from polytrain.core import heartbeat
 from polytrain.core.batch import move_to_device
 from polytrain.core.environment import ClusterEnvironment
@@ -27,6 +26,7 @@ from polytrain.core.precision import Precision
 from polytrain.core.process_group import destroy_process_group
 from polytrain.core.protocol import HookCaller, extract_loss, module_hook_caller
 from polytrain.data.loaders import distribute_dataloader
+from polytrain.strategies.collective_verbs import CollectiveVerbs
 
 
 class _PaddingBatch:
@@ -73,7 +73,7 @@ class StepRouter(nn.Module):
         return result
 
 
-class Strategy(ABC):
+class Strategy(CollectiveVerbs, ABC):
     """One parallelism's answer to every verb. Built by ``registry.build_strategy``, which hands it
     its collaborators: the ``Precision`` object, the ``ParallelDims`` (strategies with a device mesh)
     and, when the caller chooses one, the ``CheckpointIO``; a strategy built by hand (tests) gets the
@@ -337,60 +337,6 @@ class Strategy(ABC):
     def no_backward_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient all-reduce on non-final micro-batches of an accumulation window."""
         return contextlib.nullcontext()
-
-    # ------------------------------------------------------------------ collectives
-    def reduce(self, tensor: torch.Tensor, op: str = "mean", dst: int | None = None, group: Any = None) -> torch.Tensor:
-        """``dst=None``: every rank gets the reduced value (a copy). ``dst=r``: ``dist.reduce`` to rank r."""
-        tensor = tensor.detach().clone()
-        if dst is None:
-            return C.all_reduce(tensor, op, group)
-        return C.reduce(tensor, dst, op, group)
-
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
-        return C.all_reduce(tensor, op, group)
-
-    def all_gather(self, tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
-        return C.all_gather(tensor, group)
-
-    def all_gather_object(self, obj: Any, group: Any = None) -> list[Any]:
-        return C.all_gather_object(obj, group)
-
-    def broadcast(self, obj: Any, src: int = 0, group: Any = None) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return C.broadcast(obj, src, group)
-        return C.broadcast_object(obj, src, group)
-
-    def gather(self, tensor: torch.Tensor, dst: int = 0, group: Any = None) -> list[torch.Tensor] | None:
-        return C.gather(tensor, dst, group)
-
-    def scatter(self, tensor: torch.Tensor, chunks: list[torch.Tensor] | None, src: int = 0,
-                group: Any = None) -> torch.Tensor:
-        return C.scatter(tensor, chunks, src, group)
-
-    def send(self, tensor: torch.Tensor, dst: int, group: Any = None) -> None:
-        C.send(tensor, dst, group)
-
-    def recv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None) -> int:
-        return C.recv(tensor, src, group)
-
-    def isend(self, tensor: torch.Tensor, dst: int, group: Any = None) -> Any:
-        """Non-blocking ``send``; returns a request to ``wait()`` on."""
-        return C.isend(tensor, dst, group)
-
-    def irecv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None) -> Any:
-        """Non-blocking ``recv``; ``tensor`` is filled once the returned request's ``wait()`` returns."""
-        return C.irecv(tensor, src, group)
-
-    def barrier(self, name: str | None = None) -> None:
-        C.barrier()
-
-    def reduce_boolean_decision(self, decision: bool) -> bool:
-        """True on every rank if any rank decided so."""
-        return C.any_rank(decision, self.collective_device)
-
-    @property
-    def collective_device(self) -> torch.device:
-        return self.root_device
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, payload: dict[str, Any], path: str) -> None:

@@ -46,7 +46,7 @@ from polytrain.parallel.apply import (
     local_plan,
     parallelize,
 )
-from polytrain.parallel.context_parallel import check_context_parallel, context_parallel_step
+from polytrain.parallel.context_parallel import check_context_parallel, context_parallel_training_step
 from polytrain.parallel.ddp import ddp_kwargs, forward_without_reducer, prepare_manual_backward
 from polytrain.parallel.dtensor_optim import support_fused_sgd
 from polytrain.parallel.fsdp import (
@@ -310,15 +310,7 @@ class ParallelStrategy(Strategy):
 
     def _bind_training_step(self) -> Callable[[Any, int], Any]:
         step = super()._bind_training_step()
-        if self.dims.cp <= 1:
-            return step
-        mesh, module = self.dims.get_mesh("cp"), self.module
-
-        def context_parallel(batch: Any, batch_idx: int) -> Any:
-            with context_parallel_step(mesh, module, batch):
-                return step(batch, batch_idx)
-
-        return context_parallel
+        return step if self.dims.cp <= 1 else context_parallel_training_step(step, self.dims.get_mesh("cp"), self.module)
 
     def prepare_manual_backward(self, loss: torch.Tensor) -> None:
         if self.data_parallel == "ddp":
