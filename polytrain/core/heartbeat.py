@@ -31,6 +31,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -113,9 +114,10 @@ def stop() -> None:
         hb.stop()
 
 
-def running() -> bool:
-    """Whether this process publishes heartbeats (a multi-process run, after ``start``)."""
-    return _current is not None
+def marker() -> Callable[[str], None] | None:
+    """``at`` while this process publishes heartbeats (a multi-process run, after ``start``), else None: a
+    hot path fixes it once per run and skips the call entirely on one process."""
+    return at if _current is not None else None
 
 
 def beat(step: int, where: str) -> None:

@@ -126,7 +126,7 @@ class Strategy(CollectiveVerbs, ABC):
         # Fixed for the run so the common step calls nothing it does not need (each Python call
         # ~0.3 us on the 2-core CI machine): the heartbeat's position marks only when one runs, and
         # ``loss.backward()`` straight when neither a GradScaler nor an override sits in between.
-        self._mark_position = heartbeat.at if heartbeat.running() else None
+        self._mark_position = heartbeat.marker()
         self._plain_backward = (self.precision.scaler is None and type(self).backward is Strategy.backward
                                 and "module_backward" not in self.__dict__
                                 and type(self).module_backward is Strategy.module_backward)
@@ -237,10 +237,7 @@ class Strategy(CollectiveVerbs, ABC):
 
     # ------------------------------------------------------------------ step
     def training_step(self, batch: Any, batch_idx: int) -> Any:
-        run = self._training_step_fn
-        if run is None:
-            run = self._training_step_fn = self._bind_training_step()
-        return run(batch, batch_idx)
+        return (self._training_step_fn or self.bound_training_step())(batch, batch_idx)
 
     def bound_training_step(self) -> Callable[[Any, int], Any]:
         """The run's training step as ``forward_backward`` calls it (bound on first use, reset by
@@ -279,10 +276,7 @@ class Strategy(CollectiveVerbs, ABC):
         """One micro-batch, in Lightning's order: ``training_step``, then ``zero_grad`` (given on the
         first micro-batch of a window), then the backward hooks around ``backward`` of the loss divided
         by ``accumulate``. Pipeline overrides this to own the step."""
-        run = self._training_step_fn
-        if run is None:
-            run = self._training_step_fn = self._bind_training_step()
-        output = run(batch, batch_idx)
+        output = (self._training_step_fn or self.bound_training_step())(batch, batch_idx)
         if self._mark_position is not None:
             self._mark_position("backward")  # past the user's step: a peer stuck inside it is now behind
         loss = output if type(output) is torch.Tensor else extract_loss(output)

@@ -246,10 +246,7 @@ class EpochLoop:
                 if t.batches_stepped % log_every == 0:
                     self._logging_step()
             if end_hooks:
-                if automatic and output is not None and type(output.output) is torch.Tensor:
-                    outputs = {"loss": output.loss}  # _batch_outputs' common case, without the call
-                else:
-                    outputs = _batch_outputs(output, automatic)
+                outputs = _batch_outputs(output, automatic)
                 for fn in end_hooks:
                     fn(outputs, batch, batch_idx)
             validated = False

@@ -161,10 +161,7 @@ class MetricCollector:
             if value is None:
                 raise ValueError(f"self.log({name!r}, <Metric>, on_step=True): call the metric on the batch "
                                  f"(metric(preds, target)) before logging it, so it has a per-step value")
-        if type(value) is torch.Tensor and value.dtype == torch.float32 and value.dim() == 0:
-            tensor = value.detach()  # _as_tensor's common case, without the call
-        else:
-            tensor = _as_tensor(value, self.device)
+        tensor = _as_tensor(value, self.device)
         if on_step:
             entry.step_value = tensor
             self._fresh[name] = entry

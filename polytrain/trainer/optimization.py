@@ -113,19 +113,15 @@ class AutomaticOptimization:
         # Fixed for the fit, so the common batch calls only what it needs: the heartbeat's position mark
         # when one runs, the skip vote under nan_policy "skip", the scaler's update under 16-mixed, and
         # each optimizer's step bound once (strategy verb, closure, after-closure) instead of per batch.
-        self.mark_position = heartbeat.at if heartbeat.running() else None
+        self.mark_position = heartbeat.marker()
         self.votes_on_skip = self.guard.policy == "skip"
         self.update_scaler = self.strategy.precision.update if self.strategy.precision.scaler is not None else None
-        self.plain_zero_grad = (not self.before_zero_grad and self.zero_grad_hook is None
-                                and len(self.optimizers) == 1)
-        self.steps = [functools.partial(self.strategy.optimizer_step, opt, self.closure if k == 0 else
-                                        _rerun_guard(self.closure), functools.partial(self.after_closure, opt))
-                      for k, opt in enumerate(self.optimizers)]
+        self.step_closures = [self.closure] + [_rerun_guard(self.closure) for _ in self.optimizers[1:]]
+        self.steps = [functools.partial(self.strategy.optimizer_step, opt, closure,
+                                        functools.partial(self.after_closure, opt))
+                      for opt, closure in zip(self.optimizers, self.step_closures)]
 
     def _zero_grad(self) -> None:
-        if self.plain_zero_grad:
-            self.optimizers[0].zero_grad(set_to_none=True)
-            return
         for k, opt in enumerate(self.optimizers):
             for fn in self.before_zero_grad:
                 fn(opt)
@@ -164,8 +160,8 @@ class AutomaticOptimization:
             for step in self.steps:
                 step()
         else:
-            for k, step in enumerate(self.steps):
-                self.optimizer_step_hook(epoch, batch_idx, self.wrapped[k], step.args[1])
+            for k in range(len(self.steps)):
+                self.optimizer_step_hook(epoch, batch_idx, self.wrapped[k], self.step_closures[k])
                 if not closure.ran:
                     raise RuntimeError(
                         f"{type(self.module).__name__}.optimizer_step did not run the closure it was given: call "
