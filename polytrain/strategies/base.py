@@ -328,6 +328,13 @@ class Strategy(CollectiveVerbs, ABC):
         then the update, through the precision (see ``Precision.optimizer_step``)."""
         return self.precision.optimizer_step(optimizer, closure, after_closure)
 
+    @property
+    def steps_plainly(self) -> bool:
+        """Whether ``optimizer_step`` adds nothing to ``closure(); after_closure(); optimizer.step()`` for
+        torch's own optimizers (no GradScaler, no precision or strategy override): the Trainer may then
+        run those itself (``AutomaticOptimization._run_plain``)."""
+        return self.precision.steps_plainly and type(self).optimizer_step is Strategy.optimizer_step
+
     def no_backward_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient all-reduce on non-final micro-batches of an accumulation window."""
         return contextlib.nullcontext()

@@ -362,6 +362,11 @@ class ParallelStrategy(Strategy):
             return clip_sharded_grad_norm(optimizer, value)
         return super().clip_gradients(optimizer, value, algorithm)
 
+    @property
+    def steps_plainly(self) -> bool:
+        # Tensor parallel sums Partial gradients between backward and the hooks (optimizer_step below).
+        return not self._tp and self.precision.steps_plainly
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
                        after_closure: Callable[[], None]) -> Any:
         if not self._tp:

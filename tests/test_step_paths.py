@@ -1,0 +1,104 @@
+"""The two ways an automatic-optimisation batch runs give what plain PyTorch gives.
+
+A plain batch (one of torch's optimizers, nothing between backward and the update) runs
+training_step, zero_grad, backward and ``optimizer.step()`` without a closure; anything else hands the
+closure to ``optimizer.step`` as Lightning does. References are hand-written PyTorch loops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from conftest import TinyModule, make_dataset
+from torch.utils.data import DataLoader
+
+from polytrain import Callback
+
+
+def _hand_weights(make_optimizer: Any, closure_style: bool, batches: int = 4) -> torch.Tensor:
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    opt = make_optimizer(net.parameters())
+    for x, y in DataLoader(make_dataset(16, 4, seed=0), batch_size=4):
+        if closure_style:
+            def closure() -> torch.Tensor:
+                loss = F.mse_loss(net(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+        else:
+            loss = F.mse_loss(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return torch.cat([net.weight.detach().reshape(-1), net.bias.detach()])
+
+
+def _weights(module: TinyModule) -> torch.Tensor:
+    return torch.cat([module.net.weight.detach().reshape(-1), module.net.bias.detach()])
+
+
+class _Recorded(TinyModule):
+    def __init__(self, make_optimizer: Any) -> None:
+        torch.manual_seed(0)
+        super().__init__(val_n=None)
+        self.make_optimizer = make_optimizer
+        self.events: list[str] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.events.append("training_step")
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> Any:
+        return self.make_optimizer(self.parameters())
+
+
+def test_lbfgs_gets_the_closure_and_matches_plain_pytorch(make_trainer: Any) -> None:
+    """LBFGS calls the closure several times per step: the closure path, training_step each time."""
+    def lbfgs(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.LBFGS(params, lr=0.5, max_iter=3)
+
+    module = _Recorded(lbfgs)
+    make_trainer(max_epochs=1).fit(module)
+    assert module.events.count("training_step") > 4  # more forward passes than batches
+    torch.testing.assert_close(_weights(module), _hand_weights(lbfgs, closure_style=True), rtol=0, atol=0)
+
+
+def test_a_step_pre_hook_registered_mid_fit_sees_lightnings_order(make_trainer: Any) -> None:
+    """A step pre-hook runs before the closure in Lightning (inside optimizer.step): once one is registered,
+    batches go back to the closure path, so the hook still runs before training_step, and weights stay
+    those of plain PyTorch."""
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    class RegisterAfterFirstBatch(Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 0:
+                trainer.optimizers[0].optimizer.register_step_pre_hook(lambda *_: module.events.append("pre_hook"))
+
+    module = _Recorded(sgd)
+    make_trainer(max_epochs=1, callbacks=[RegisterAfterFirstBatch()]).fit(module)
+    assert module.events == ["training_step"] + ["pre_hook", "training_step"] * 3
+    expected = _hand_weights(sgd, closure_style=False)
+    torch.testing.assert_close(_weights(module), expected, rtol=0, atol=0)
+    torch.testing.assert_close(_hand_weights(sgd, closure_style=True), expected, rtol=0, atol=0)
+
+
+def test_a_subclassed_optimizer_keeps_the_closure(make_trainer: Any) -> None:
+    """Only torch's own optimizer classes run without a closure: a subclass may use it its own way."""
+    seen: list[bool] = []
+
+    class MySGD(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            seen.append(closure is not None)
+            return super().step(closure)
+
+    module = _Recorded(lambda params: MySGD(params, lr=0.1))
+    make_trainer(max_epochs=1).fit(module)
+    assert seen == [True] * 4
+    torch.testing.assert_close(_weights(module), _hand_weights(lambda p: torch.optim.SGD(p, lr=0.1), False),
+                               rtol=0, atol=0)
