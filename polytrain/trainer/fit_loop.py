@@ -263,15 +263,16 @@ class EpochLoop:
         return True
 
     def _logging_step(self) -> None:
-        """Every ``log_every_n_steps``: the NaN check, per-step values to the loggers, the time limit.
+        """Every ``log_every_n_steps``: per-step values to the loggers, then the NaN check, the time limit
+        and a stop request (a callback's ``on_log`` may make one) agreed in the check's one gather.
         Every rank gets here at the same step, so the collectives inside stay matched."""
         t = self.trainer
-        t.guard.check()
         t.publish(t.metrics.pop_step_values(t.strategy.dp_group), t.global_step)
-        if self.max_seconds is not None and t.strategy.reduce_boolean_decision(self.time_up()):
-            # max_time: every rank stops here; the fit-end checkpoint lets a resubmitted job continue.
+        stop, time_up = t.guard.check((t.should_stop, self.time_up()))
+        if time_up:  # max_time: every rank stops here; the fit-end checkpoint lets a resubmitted job continue
             t.should_stop = self.out_of_time = True
-        self._agree_on_stop()
+        if self.multi_rank:
+            self.stop_agreed = t.should_stop = stop or time_up
 
     def _after_optimizer_step(self, last_batch: bool) -> None:
         t = self.trainer

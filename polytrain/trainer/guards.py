@@ -34,8 +34,12 @@ def check_batches(trainer: Trainer, loader: Any, stage: str, count: int | None) 
     strategy = trainer.strategy
     dataset = getattr(loader, "dataset", None)
     samples = len(dataset) if hasattr(dataset, "__len__") else None
-    # Gathered before anyone raises: every rank must reach the same verdict, or some would wait.
-    gathered = strategy.all_gather_object((count, samples, is_iterable_style(loader)), strategy.dp_group)
+    # Gathered before anyone raises: every rank must reach the same verdict, or some would wait. A tensor
+    # gather (-1: unknown), not an object one: one collective instead of two plus pickling.
+    local = torch.tensor([-1 if count is None else count, -1 if samples is None else samples,
+                          int(is_iterable_style(loader))], dtype=torch.long, device=strategy.collective_device)
+    gathered = [(None if c < 0 else c, None if n < 0 else n, bool(i))
+                for c, n, i in strategy.all_gather(local, strategy.dp_group).tolist()]
     agreed = any(iterable for _, _, iterable in gathered)
     counts = [int(c) for c, _, _ in gathered if c is not None]
     sampler = getattr(loader, "sampler", None)
@@ -67,25 +71,25 @@ def check_batches(trainer: Trainer, loader: Any, stage: str, count: int | None) 
 class NonFiniteGuard:
     """Watches the loss for inf/NaN.
 
-    ``nan_policy: error`` keeps the first bad step on the device (no per-step sync) and checks it
-    on logging steps, before every checkpoint and at the end, so a checkpoint never holds the
-    damage. ``nan_policy: skip`` agrees on every step (one small all-reduce + host sync) and all
-    ranks skip the optimizer step together, leaving parameters unchanged.
+    ``nan_policy: error`` keeps the losses on the device (no per-step sync) and checks them on
+    logging steps, before every checkpoint and at the end, so a checkpoint never holds the damage.
+    ``nan_policy: skip`` agrees on every step (one small all-reduce + host sync) and all ranks skip
+    the optimizer step together, leaving parameters unchanged.
     """
 
-    FOLD_EVERY = 256  # pending losses (error policy) checked together at most this many at a time
+    FOLD_EVERY = 256  # pending losses (error policy) stacked into one tensor at most this many at a time
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
         self.policy = trainer.config.nan_policy
         self.device = trainer.strategy.collective_device
-        self.first_bad_step = torch.full((), -1, dtype=torch.long, device=self.device)
-        # Error policy: losses wait on the device with their step (a host int) and are checked
-        # together by _fold at the next check() or every FOLD_EVERY losses -- a few tensor ops per
-        # fold instead of five per step (measured: benchmarks/overhead.py), still no host sync.
+        # Error policy: each loss waits on the device with its step (a host int). A check tests them all
+        # in a few tensor ops and one gather; only when some rank found a bad value does it look for
+        # the first bad step (the error path: ranks agree on entering it, so its gather stays matched).
         self.step = trainer.global_step
         self._pending: list[torch.Tensor] = []
         self._pending_steps: list[int] = []
+        self._folded: list[tuple[torch.Tensor, list[int]]] = []  # (values, the step of each value)
         self._bad_now: torch.Tensor | None = None
         self._window_bad: torch.Tensor | None = None
         self.skipped_steps = 0
@@ -112,8 +116,7 @@ class NonFiniteGuard:
         self._bad_now, self._window_bad = self._window_bad, None
 
     def _fold(self) -> None:
-        """The earliest step among the pending losses with a non-finite value, into
-        ``first_bad_step``; on the device, no host sync (the step numbers go from pinned memory)."""
+        """The pending losses into one tensor (one op for scalar losses), each value with its step."""
         if not self._pending:
             return
         losses, steps = self._pending, self._pending_steps
@@ -123,12 +126,15 @@ class NonFiniteGuard:
         else:  # non-scalar losses: every element carries its step
             steps = [s for t, s in zip(losses, steps) for _ in range(t.numel())]
             values = torch.cat([t.reshape(-1) for t in losses])
-        index = torch.tensor(steps, dtype=torch.long)
-        pinned = values.device.type == "cuda"
-        index = (index.pin_memory() if pinned else index).to(values.device, non_blocking=pinned)
-        none = torch.iinfo(torch.long).max
-        first = torch.where(torch.isfinite(values), none, index).min().to(self.device)
-        self.first_bad_step = torch.where((self.first_bad_step < 0) & (first < none), first, self.first_bad_step)
+        self._folded.append((values, steps))
+
+    def _first_bad_loss_step(self) -> int:
+        """The earliest step with a non-finite loss since the last check, or -1 (a host sync: error path)."""
+        for values, steps in self._folded:
+            for finite, step in zip(torch.isfinite(values).tolist(), steps):
+                if not finite:
+                    return step
+        return -1
 
     def should_skip_step(self) -> bool:
         if self.policy != "skip":
@@ -155,29 +161,58 @@ class NonFiniteGuard:
                                                self.step - 1, self.first_bad_norm_step)
         return False
 
-    def _params_bad(self) -> torch.Tensor:
-        """1 if any parameter this rank holds is NaN/inf (a NaN gradient from a finite loss lands
-        here when no clipping norm was there to catch it). A pass over the parameters: only at checks."""
-        # Each parameter's min and max in one pass: NaN propagates into both and an inf is an
-        # extreme, so they are finite exactly when every element is (isfinite().all() makes
-        # several passes and temporaries: ~5x slower on CPU, see docs/performance.md).
-        extremes = []
+    def _param_extremes(self) -> list[torch.Tensor]:
+        """Each floating parameter's min and max on this rank, on the collective device: NaN propagates
+        into both and an inf is an extreme, so they are finite exactly when every element is (a NaN
+        gradient from a finite loss lands here when no clipping norm was there to catch it).
+        ``isfinite().all()`` makes several passes and temporaries: ~5x slower on CPU (docs/performance.md)."""
+        extremes: list[torch.Tensor] = []
+        device = self.device
         for p in self.trainer.module.parameters():
             local = (p.to_local() if hasattr(p, "to_local") else p).detach()  # a DTensor shard
             if local.is_complex():
                 local = torch.view_as_real(local)
             if local.numel() and local.is_floating_point():  # integer/bool values are always finite
-                extremes.extend(e.to(self.device) for e in torch.aminmax(local))
-        if not extremes:
-            return torch.zeros((), dtype=torch.long, device=self.device)
-        return (~torch.isfinite(torch.stack(extremes)).all()).long()
+                low, high = torch.aminmax(local)
+                if low.device != device:  # layers placed on several devices
+                    low, high = low.to(device), high.to(device)
+                extremes += (low, high)
+        return extremes
 
-    def check(self) -> None:
+    def _params_bad(self) -> bool:
+        extremes = self._param_extremes()
+        return bool(extremes) and not bool(torch.isfinite(torch.stack(extremes)).all())
+
+    def check(self, votes: tuple[bool, ...] = ()) -> list[bool]:
         """Collective: every rank calls it at the same points, whatever the policy (parameters
-        are checked under both: skipping steps cannot repair them)."""
-        if self.policy == "error":
-            self._fold()
-        local = torch.stack([self.first_bad_step, self.first_bad_norm_step, self._params_bad()])
+        are checked under both: skipping steps cannot repair them). The common case is one pass
+        over the new losses and the parameters' extremes, one gather, one host read. ``votes`` ride
+        on the same gather (a logging step's stop request and time limit): returned, each True when
+        any rank voted True."""
+        self._fold()
+        device = self.device
+        parts = [v if v.device == device else v.to(device) for v, _ in self._folded]
+        extremes = self._param_extremes()
+        if extremes:
+            parts.append(torch.stack(extremes))
+        if parts:
+            finite = torch.isfinite(parts[0] if len(parts) == 1 else torch.cat(parts)).all().long()
+        else:
+            finite = torch.ones((), dtype=torch.long, device=device)
+        local = torch.stack([finite, self.first_bad_norm_step])
+        if votes:
+            local = torch.cat([local, torch.tensor(votes, dtype=torch.long, device=device)])
+        gathered = C.all_gather(local).tolist()
+        if not all(row[0] and row[1] < 0 for row in gathered):
+            self._raise_non_finite()
+        self._folded.clear()
+        return [any(row[2 + k] for row in gathered) for k in range(len(votes))]
+
+    def _raise_non_finite(self) -> None:
+        """Some rank found a non-finite value, and every rank is here: gather who found what, and raise
+        the same error everywhere, naming the earliest step."""
+        local = torch.tensor([self._first_bad_loss_step(), int(self.first_bad_norm_step), int(self._params_bad())],
+                             dtype=torch.long, device=self.device)
         gathered = C.all_gather(local).tolist()
         bad = [(int(s), r) for r, (s, _, _) in enumerate(gathered) if s >= 0]
         bad_norm = [(int(n), r) for r, (_, n, _) in enumerate(gathered) if n >= 0]
