@@ -240,3 +240,9 @@ class NonFiniteGuard:
                 f"checked per step unless gradient clipping by norm is on (trainer.gradient_clip_val): set it to "
                 f"catch the exact step. Training stopped before any later checkpoint was written"
             )
+        # The first gather said some rank saw a non-finite value; its details must name one of the above.
+        raise NonFiniteError(
+            f"a non-finite value was found after step {self.trainer.global_step} (per-rank [first bad loss step, "
+            f"first bad gradient-norm step, parameters bad]: {gathered}); training stopped before any later "
+            f"checkpoint was written"
+        )
