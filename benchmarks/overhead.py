@@ -232,8 +232,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the DDP run is abandoned")
     p.add_argument("--profile", action="store_true", help="cProfile one polytrain single-device round and exit")
     p.add_argument("--lightning-order", action="store_true",
-                   help="the hand loop steps as Lightning (and polytrain) do: optimizer.step(closure), the closure "
-                        "running forward, zero_grad, backward -- what the order itself costs, apart from the Trainer")
+                   help="the hand loop steps as Lightning does: optimizer.step(closure), the closure running forward, "
+                        "zero_grad, backward (polytrain does so only for batches that are not plain)")
     p.add_argument("--verbose", action="store_true", help="print every pair")
     args = p.parse_args(argv)
     if args.steps < args.epochs or args.rounds < 1:

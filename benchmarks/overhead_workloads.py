@@ -94,10 +94,11 @@ def _make_classes() -> tuple[type, type]:
 
 
 def _lightning_closure(model: Any, optimizer: Any, x: Any, y: Any) -> Any:
-    """``--lightning-order``: the step as Lightning's automatic optimisation orders it (and polytrain, for
-    the same hook order): ``optimizer.step(closure)``, the closure running forward, zero_grad, backward.
-    On CPU that order alone cost 0.6-2.6 % on the default model in four interleaved measurements: the
-    closure's grad-mode switch, and gradients zeroed right before backward instead of after the update."""
+    """``--lightning-order``: the step as Lightning's automatic optimisation runs it (and polytrain when a
+    batch is not plain: a hook around zero_grad or the step, clipping, a GradScaler, LBFGS):
+    ``optimizer.step(closure)``, the closure running forward, zero_grad, backward. On CPU, stepping through
+    the closure cost 0.6-2.6 % on the default model in four interleaved measurements; polytrain's plain
+    batches keep the order without the closure."""
     import torch.nn.functional as F
 
     def closure() -> Any:
