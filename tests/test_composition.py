@@ -275,6 +275,40 @@ def test_parallel_dims_infer_one_degree_and_print_every_number() -> None:
         dims.get_mesh("tp")
 
 
+def test_a_mesh_is_reused_while_its_process_group_lives(tmp_path: Any) -> None:
+    """The next Trainer of a job (same degrees, same process group) reuses the mesh instead of creating
+    its subgroups again; once the group is destroyed and made anew, the mesh is built over the new one,
+    and teardown's release_mesh forgets every kept mesh."""
+    import torch.distributed as dist
+
+    from polytrain.parallel import dims as dims_module
+    from polytrain.parallel.dims import ParallelDims
+
+    if dist.is_initialized():
+        pytest.skip("another test left a process group initialised")
+
+    def make_group(n: int) -> None:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'store{n}'}", rank=0, world_size=1)
+
+    make_group(0)
+    try:
+        first = ParallelDims(1)
+        mesh = first.build_mesh("cpu")
+        second = ParallelDims(1)
+        assert second.build_mesh("cpu") is mesh and second.get_mesh("fsdp") is first.get_mesh("fsdp")
+    finally:
+        dist.destroy_process_group()
+    make_group(1)
+    third = ParallelDims(1)
+    try:
+        assert third.build_mesh("cpu") is not mesh
+        assert dist.get_world_size(third.get_mesh("dp").get_group()) == 1  # groups of the live process group
+    finally:
+        dist.destroy_process_group()
+        third.release_mesh()
+    assert not dims_module._BUILT
+
+
 def test_parallel_degrees_are_checked_at_config_load_and_cp_refused_on_cpu() -> None:
     from polytrain.core.errors import ConfigError
 
