@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Callable
 from fnmatch import fnmatch
 from typing import Any
 
@@ -216,6 +217,17 @@ def reduce_partial_grads(parameters: list[torch.Tensor]) -> None:
         grad = param.grad
         if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
             param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def partial_grads_reduced_first(optimizer: torch.optim.Optimizer, then: Callable[[], None]) -> Callable[[], None]:
+    """``then`` (the step's hooks and clipping), preceded by ``reduce_partial_grads`` over ``optimizer``'s
+    parameters: once per step, after backward."""
+
+    def reduce_then() -> None:
+        reduce_partial_grads([p for group in optimizer.param_groups for p in group["params"]])
+        then()
+
+    return reduce_then
 
 
 def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float, group: Any = None) -> torch.Tensor:

@@ -364,20 +364,13 @@ class ParallelStrategy(Strategy):
 
     @property
     def steps_plainly(self) -> bool:
-        # Tensor parallel sums Partial gradients between backward and the hooks (optimizer_step below).
-        return not self._tp and self.precision.steps_plainly
+        return not self._tp and self.precision.steps_plainly  # tensor parallel adds to the step (below)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
                        after_closure: Callable[[], None]) -> Any:
-        if not self._tp:
-            return self.precision.optimizer_step(optimizer, closure, after_closure)  # Strategy's, one call fewer
-
-        def reduce_then_after_closure() -> None:
-            # After backward, before the hooks and clipping: Partial gradients (sequence parallel) summed once.
-            tp_fn.reduce_partial_grads([p for group in optimizer.param_groups for p in group["params"]])
-            after_closure()
-
-        return super().optimizer_step(optimizer, closure, reduce_then_after_closure)
+        if self._tp:  # Partial gradients (sequence parallel) summed once, before the hooks and clipping
+            after_closure = tp_fn.partial_grads_reduced_first(optimizer, after_closure)
+        return self.precision.optimizer_step(optimizer, closure, after_closure)
 
     # ------------------------------------------------------------------ checkpoints and teardown
     def module_state_dict(self) -> dict[str, Any]:
