@@ -102,3 +102,31 @@ def test_a_subclassed_optimizer_keeps_the_closure(make_trainer: Any) -> None:
     assert seen == [True] * 4
     torch.testing.assert_close(_weights(module), _hand_weights(lambda p: torch.optim.SGD(p, lr=0.1), False),
                                rtol=0, atol=0)
+
+
+def test_a_plain_fit_steps_torch_optimizers_without_a_closure(make_trainer: Any, monkeypatch: Any) -> None:
+    """SGD.step gets no closure, in a plain fit and in one with clipping between backward and the update (the
+    general path, whose precision step runs torch's optimizers the same way); both end on plain PyTorch's
+    weights."""
+    closures: list[bool] = []
+    original = torch.optim.SGD.step
+
+    def recording_step(self: torch.optim.SGD, closure: Any = None) -> Any:
+        closures.append(closure is not None)
+        return original(self, closure)
+
+    monkeypatch.setattr(torch.optim.SGD, "step", recording_step)
+
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    module = _Recorded(sgd)
+    make_trainer(max_epochs=1).fit(module)
+    assert closures == [False] * 4
+    torch.testing.assert_close(_weights(module), _hand_weights(sgd, closure_style=False), rtol=0, atol=0)
+
+    closures.clear()
+    clipped = _Recorded(sgd)
+    make_trainer(max_epochs=1, gradient_clip_val=1e6).fit(clipped)  # never binds: same weights
+    assert closures == [False] * 4
+    torch.testing.assert_close(_weights(clipped), _weights(module), rtol=0, atol=0)
