@@ -23,7 +23,7 @@ def _hand_weights(make_optimizer: Any, closure_style: bool, batches: int = 4) ->
     opt = make_optimizer(net.parameters())
     for x, y in DataLoader(make_dataset(16, 4, seed=0), batch_size=4):
         if closure_style:
-            def closure() -> torch.Tensor:
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
                 loss = F.mse_loss(net(x), y)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
