@@ -406,3 +406,22 @@ def test_resumed_run_prunes_checkpoints_of_the_first_run(make_trainer: MakeTrain
     assert ckpt_files(run_dir) == ["epoch=1-step=8.ckpt"]
     make_trainer(max_epochs=3, resume="last", **kwargs).fit(TinyModule(n=16, batch_size=4, val_n=None))
     assert ckpt_files(run_dir) == ["epoch=2-step=12.ckpt"]
+
+
+def test_csv_logger_writes_only_what_changed_and_drops_rows_past_a_resume(tmp_path: Any) -> None:
+    from types import SimpleNamespace
+
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,train/loss\n" + "".join(f"{s},{s / 10}\n" for s in range(1, 7)), encoding="utf-8")
+    logger = CSVLogger(str(tmp_path))
+    logger.on_fit_start(SimpleNamespace(is_logging_rank=True, global_step=3), None)  # resumed at step 3
+    logger.flush()
+    with open(path, newline="", encoding="utf-8") as fh:
+        assert [int(r["step"]) for r in csv.DictReader(fh)] == [1, 2, 3]  # the interrupted run's 4..6 are gone
+    path.unlink()
+    logger.flush()  # nothing logged since the last write: nothing to write
+    assert not path.exists()
+    logger.log_metrics({"train/loss": 0.5}, 4)
+    logger.flush()
+    with open(path, newline="", encoding="utf-8") as fh:
+        assert [int(r["step"]) for r in csv.DictReader(fh)] == [1, 2, 3, 4]

@@ -13,6 +13,7 @@ import pytest
 from distributed import run_distributed
 
 from polytrain import Trainer
+from polytrain.core.batch import move_to_device
 from polytrain.core.errors import ConfigError
 from polytrain.trainer.profiler import PassThroughProfiler, SimpleProfiler, TorchProfiler
 
@@ -61,7 +62,8 @@ def test_simple_profiler_times_phases_and_hooks(make_trainer: Any, tiny_module: 
         assert fh.read().strip() == trainer.profiler.summary
     # Everything the profiler wrapped is back as it was.
     assert not {"forward_backward", "training_step", "backward"} & set(vars(trainer.strategy))
-    assert trainer.transfer_batch == trainer.strategy.batch_to_device
+    # the strategy's mover bound at set-up (nothing to cast: move_to_device with the device), not a wrapper
+    assert trainer.transfer_batch.func is move_to_device
     assert not trainer.strategy.optimizers[0]._optimizer_step_pre_hooks
 
 

@@ -147,6 +147,8 @@ class CSVLogger(Logger):
         self.hparams_path = os.path.join(run_dir, "hparams.yaml")
         self.rows: list[dict[str, Any]] = []
         self.columns: list[str] = ["step"]
+        self._unwritten = False  # rows changed since the file was last written (the fit's end rewrites it
+        # only then: after an epoch-end flush it would write the same bytes again)
 
     def on_fit_start(self, trainer: Any, module: Any) -> None:
         # After any resume: a resumed run continues the file instead of overwriting the rows before
@@ -160,6 +162,7 @@ class CSVLogger(Logger):
                          if int(row["step"]) <= trainer.global_step]
         for row in self.rows:
             row["step"] = int(row["step"])
+        self._unwritten = True  # rows past the checkpoint were dropped: the file must lose them too
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         write_hparams_yaml(self.hparams_path, params)
@@ -170,10 +173,12 @@ class CSVLogger(Logger):
         else:
             self.rows.append({"step": step, **metrics})
         self.columns.extend(k for k in metrics if k not in self.columns)
+        self._unwritten = True
 
     def flush(self) -> None:
-        if not self.rows:
+        if not self.rows or not self._unwritten:
             return
+        self._unwritten = False
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         tmp = self.path + ".tmp"
         with open(tmp, "w", newline="", encoding="utf-8") as fh:

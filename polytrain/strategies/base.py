@@ -235,6 +235,13 @@ class Strategy(CollectiveVerbs, ABC):
         batch = move_to_device(batch, self._device)
         return self.precision.convert_input(batch) if self.precision.casts_input else batch
 
+    def batch_mover(self) -> Callable[[Any], Any]:
+        """``batch_to_device`` as the loops call it on every batch, bound once the device is set: with no
+        input cast (and no override), ``move_to_device`` with the device bound in C, a Python call fewer."""
+        if type(self).batch_to_device is Strategy.batch_to_device and not self.precision.casts_input:
+            return functools.partial(move_to_device, device=self._device)
+        return self.batch_to_device
+
     # ------------------------------------------------------------------ step
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         return (self._training_step_fn or self.bound_training_step())(batch, batch_idx)

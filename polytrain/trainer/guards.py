@@ -95,6 +95,7 @@ class NonFiniteGuard:
         # entering it, so its gather stays matched).
         self.step = trainer.global_step
         self._slots: torch.Tensor | None = None  # FOLD_EVERY zeros, made at the first loss
+        self._views: list[torch.Tensor] = []  # each slot as a tensor of its own
         self._slot_steps: list[int] = []  # the step of each filled slot
         self._slotted = True  # False from the first loss that did not fit a slot
         self._pending: list[torch.Tensor] = []  # losses kept whole, with their steps
@@ -106,6 +107,10 @@ class NonFiniteGuard:
         # Gradient norms (only known when clipping by norm): the first step whose norm was non-finite.
         self.first_bad_norm_step = torch.full((), -1, dtype=torch.long, device=self.device)
         self._norms_seen = False
+        # (windows observed, global step) at the last check that passed with the parameters. A check with
+        # nothing new since (the fit's last one right after an epoch-end checkpoint) has nothing to test:
+        # both counts are the same on every rank, so every rank skips it together.
+        self._checked_all_at: tuple[int, int] | None = None
 
     def observe(self, loss: torch.Tensor | None, end_of_window: bool = True) -> None:
         """Called for every micro-batch: a bad loss anywhere in an accumulation window has already
@@ -113,9 +118,15 @@ class NonFiniteGuard:
         if self.policy == "error":
             if loss is not None:
                 loss = loss.detach() if loss.requires_grad else loss  # strategies pass it detached
-                if not (self._slotted and self._into_slot(loss)):
-                    self._pending.append(loss)
-                    self._pending_steps.append(self.step)
+                filled = len(self._slot_steps)
+                if filled < len(self._views):  # the common step: one in-place add into a slot made beforehand
+                    try:
+                        self._views[filled].add_(loss, alpha=0)
+                        self._slot_steps.append(self.step)
+                    except RuntimeError:
+                        self._keep(loss)
+                elif not (self._slotted and self._into_new_slot(loss)):
+                    self._keep(loss)
             if end_of_window:
                 self.step += 1  # every window, loss or not, so the step named matches trainer.global_step
                 if len(self._pending) >= self.FOLD_EVERY:
@@ -128,19 +139,25 @@ class NonFiniteGuard:
             return
         self._bad_now, self._window_bad = self._window_bad, None
 
-    def _into_slot(self, loss: torch.Tensor) -> bool:
-        """``0 * loss`` into the next free slot (no host read); False if ``loss`` cannot go there."""
-        slots, k = self._slots, len(self._slot_steps)
-        if slots is None or k == slots.numel():
-            if slots is not None:  # full (more losses than slots since the last check): set it aside
-                self._folded.append((slots, self._slot_steps))
-                self._slot_steps, k = [], 0
-            slots = self._slots = torch.zeros(self.FOLD_EVERY, dtype=torch.float32, device=loss.device)
+    def _keep(self, loss: torch.Tensor) -> None:
+        """A loss that fits no slot (not a scalar, complex, a DTensor, on another device): kept whole, and
+        from now on every loss is (one exception per step would cost more than keeping them)."""
+        self._slotted, self._views = False, []
+        self._pending.append(loss)
+        self._pending_steps.append(self.step)
+
+    def _into_new_slot(self, loss: torch.Tensor) -> bool:
+        """The first loss, or more losses than slots since the last check: a new buffer (the full one set
+        aside with its steps), and ``loss`` into its first slot. False if ``loss`` cannot go there."""
+        if self._slots is not None:
+            self._folded.append((self._slots, self._slot_steps))
+            self._slot_steps = []
+        self._slots = torch.zeros(self.FOLD_EVERY, dtype=torch.float32, device=loss.device)
         try:
-            slots[k].add_(loss, alpha=0)
+            self._slots[0].add_(loss, alpha=0)
         except RuntimeError:
-            self._slotted = False
             return False
+        self._views = list(self._slots.unbind())  # one view per slot, made once: a select per step cost 1 us
         self._slot_steps.append(self.step)
         return True
 
@@ -222,6 +239,9 @@ class NonFiniteGuard:
         logging step a parameter made non-finite shows in the next loss). Then one gather of each
         rank's verdict when there are several. ``votes`` ride on that gather (a logging step's stop
         request and time limit): returned, each True when any rank voted True."""
+        at = (self.step, self.trainer.global_step)
+        if parameters and not votes and at == self._checked_all_at:
+            return []
         finite = True
         if self._slot_steps:
             # A host read at a check, never per step. A finite loss leaves its slot exactly 0, so any
@@ -245,6 +265,8 @@ class NonFiniteGuard:
             self._raise_non_finite()
         self._folded.clear()  # every value was finite: the slots are all 0 again
         self._slot_steps = []
+        if parameters:
+            self._checked_all_at = at
         return [any(r[1 + k] for r in rows) for k in range(len(votes))]
 
     def _raise_non_finite(self) -> None:

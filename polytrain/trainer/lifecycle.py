@@ -172,7 +172,7 @@ def bind_transfer(trainer: Trainer) -> None:
         elif overridden(module, name, TrainModule):
             chosen[name] = getattr(module, name)
     if not chosen:
-        trainer.transfer_batch = strategy.batch_to_device
+        trainer.transfer_batch = strategy.batch_mover()
         return
     before, move, after = (chosen.get(n) for n in _TRANSFER_HOOKS)
     refusing = trainer.metrics.refusing("a batch-transfer hook")
