@@ -274,6 +274,12 @@ class TwoRanks(TrainModule):
         self.log("synced", value, sync_dist=True)  # per step, averaged across ranks on the logging step
         self.log("rz", float(self.global_rank), rank_zero_only=True, on_step=False, on_epoch=True,
                  reduce_fx="max")
+        # Names only one rank logs, with a reduction other than mean: the ranks must agree on the name and
+        # on its reduction (the other rank contributes nothing), or their all-reduces would not match.
+        if self.global_rank == 1:
+            self.log("only_r1", 5.0 + batch_idx, on_step=False, on_epoch=True, reduce_fx="max")
+        else:
+            self.log("only_r0", 7.0 - batch_idx, on_step=False, on_epoch=True, reduce_fx="min")
         self.seen_x.append(batch[0][:, 0])
         self.metric(batch[0][:, 0])
         self.log("m", self.metric, on_step=True, on_epoch=True)
@@ -316,6 +322,7 @@ def test_reduce_fx_across_two_ranks(two_ranks: list[dict]) -> None:
         assert cm["e_mean"] == pytest.approx((1 * 1 + 2 * 2 + 10 * 3 + 20 * 1) / 7)
         assert (cm["e_sum"], cm["e_max"], cm["e_min"]) == (33.0, 20.0, 1.0)
         assert cm["rz"] == 1.0  # rank_zero_only filters nothing: rank 1's value took part
+        assert (cm["only_r1"], cm["only_r0"]) == (6.0, 6.0)  # one rank's names, reduced as that rank asked
     rows = [[m for _, m in r["calls"] if "synced" in m] for r in two_ranks]
     for i in range(2):
         expected = (VALUES[0][i][0] + VALUES[1][i][0]) / 2
