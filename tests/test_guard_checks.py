@@ -140,3 +140,32 @@ def test_parameters_are_checked_before_every_checkpoint(make_trainer: MakeTraine
     last = torch.load(os.path.join(run_dir, "checkpoints", "last.ckpt"), weights_only=True)
     assert last["loop"]["global_step"] == 3
     assert all(torch.isfinite(t).all() for t in last["model"].values())
+
+
+def test_a_dtensor_loss_is_checked_through_its_local_part() -> None:
+    # A DTensor loss (one left distributed by tensor parallelism) can neither be added into a plain slot
+    # (torch asserts instead of raising) nor read with tolist(): its local part is checked instead.
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from distributed import free_port
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from polytrain.trainer.guards import NonFiniteGuard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        trainer = SimpleNamespace(config=SimpleNamespace(nan_policy="error"), global_step=0,
+                                  strategy=SimpleNamespace(collective_device=torch.device("cpu")),
+                                  module=torch.nn.Linear(2, 1))
+        guard = NonFiniteGuard(trainer)
+        guard.observe(torch.tensor(1.0))
+        guard.observe(torch.tensor(2.0))
+        guard.observe(distribute_tensor(torch.tensor(float("nan")), mesh, [Replicate()]))
+        assert guard._slotted and guard._slot_steps == [0, 1, 2] and not guard._pending
+        with pytest.raises(NonFiniteError, match="non-finite loss at step 2 on rank"):
+            guard.check(parameters=False)
+    finally:
+        dist.destroy_process_group()

@@ -90,7 +90,7 @@ class NonFiniteGuard:
         # the buffer once, and the losses are dropped as their step ends. Keeping the losses until the check
         # instead (stacked, reduced, then freed there, 50 tensors out of the cache by then) made a logging
         # step's check cost 500-770 us on the default benchmark; now ~40 us, plus ~0.9 us per step for the
-        # add. A loss that cannot go into a slot (not a scalar, complex, a DTensor, on another device) is
+        # add. A loss that cannot go into a slot (not a plain scalar tensor, complex, on another device) is
         # kept and stacked at the check. The steps are looked up only when some rank found a bad value
         # (the error path: ranks agree on entering it, so its gather stays matched).
         self.step = trainer.global_step
@@ -118,8 +118,14 @@ class NonFiniteGuard:
         if self.policy == "error":
             if loss is not None:
                 loss = loss.detach() if loss.requires_grad else loss  # strategies pass it detached
+                if type(loss) is not torch.Tensor and hasattr(loss, "to_local"):
+                    # A DTensor: this rank's part (every rank's verdict is gathered). torch can neither add
+                    # a DTensor into a plain slot (it asserts) nor read one with tolist().
+                    loss = loss.to_local()
                 filled = len(self._slot_steps)
-                if filled < len(self._views):  # the common step: one in-place add into a slot made beforehand
+                if type(loss) is not torch.Tensor:  # another tensor subclass: kept whole
+                    self._keep(loss)
+                elif filled < len(self._views):  # the common step: one in-place add into a slot made beforehand
                     try:
                         self._views[filled].add_(loss, alpha=0)
                         self._slot_steps.append(self.step)
@@ -140,8 +146,8 @@ class NonFiniteGuard:
         self._bad_now, self._window_bad = self._window_bad, None
 
     def _keep(self, loss: torch.Tensor) -> None:
-        """A loss that fits no slot (not a scalar, complex, a DTensor, on another device): kept whole, and
-        from now on every loss is (one exception per step would cost more than keeping them)."""
+        """A loss that fits no slot (not a plain scalar tensor, complex, on another device): kept whole,
+        and from now on every loss is (one exception per step would cost more than keeping them)."""
         self._slotted, self._views = False, []
         self._pending.append(loss)
         self._pending_steps.append(self.step)
