@@ -240,7 +240,7 @@ class NonFiniteGuard:
 
     def check(self, votes: tuple[bool, ...] = (), parameters: bool = True) -> list[bool]:
         """Collective: every rank calls it at the same points, whatever the policy. The losses since
-        the last check are tested (one value read: the running sum), and with ``parameters`` the
+        the last check are tested (one read of the slot buffer), and with ``parameters`` the
         parameters too (before a checkpoint and at the end: skipping steps cannot repair them; on a
         logging step a parameter made non-finite shows in the next loss). Then one gather of each
         rank's verdict when there are several. ``votes`` ride on that gather (a logging step's stop
