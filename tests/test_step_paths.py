@@ -1,8 +1,8 @@
 """The two ways an automatic-optimisation batch runs give what plain PyTorch gives.
 
 A plain batch (one of torch's optimizers, nothing between backward and the update) runs
-training_step, zero_grad, backward and ``optimizer.step()`` without a closure; anything else hands the
-closure to ``optimizer.step`` as Lightning does. References are hand-written PyTorch loops.
+training_step, backward and ``optimizer.step()`` without a closure and releases the gradients before the
+next fetch; anything else hands the closure to ``optimizer.step`` as Lightning does. References are hand-written PyTorch loops.
 """
 
 from __future__ import annotations
@@ -130,3 +130,74 @@ def test_a_plain_fit_steps_torch_optimizers_without_a_closure(make_trainer: Any,
     make_trainer(max_epochs=1, gradient_clip_val=1e6).fit(clipped)  # never binds: same weights
     assert closures == [False] * 4
     torch.testing.assert_close(_weights(clipped), _weights(module), rtol=0, atol=0)
+
+
+def _hand_gradients(batches_per_epoch: int = 4, epochs: int = 2) -> list[torch.Tensor]:
+    """Plain PyTorch's gradients after each step's backward, over ``epochs`` passes of the same loader."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    grads = []
+    for _ in range(epochs):
+        for x, y in DataLoader(make_dataset(16, 4, seed=0), batch_size=4):
+            loss = F.mse_loss(net(x), y)
+            loss.backward()
+            grads.append(torch.cat([net.weight.grad.reshape(-1), net.bias.grad]).clone())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert len(grads) == batches_per_epoch * epochs
+    return grads
+
+
+def test_a_plain_fit_releases_gradients_before_the_next_fetch_and_nowhere_else(make_trainer: Any) -> None:
+    """A plain batch frees the previous step's gradients just before the next batch is fetched (as a hand
+    loop's zero_grad after the step does; ~10 us a step on the overhead benchmark, docs/performance.md).
+    So every hook after the step, the epoch's end and the code after fit see the step's gradients, as in
+    Lightning; training_step of the next batch finds them released (``p.grad is None``)."""
+    seen: dict[str, list[Any]] = {"batch_end": [], "epoch_end": [], "training_step": []}
+
+    def grads(module: Any) -> torch.Tensor | None:
+        w, b = module.net.weight.grad, module.net.bias.grad
+        return None if w is None else torch.cat([w.reshape(-1), b]).clone()
+
+    class Watch(Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            seen["batch_end"].append(grads(module))
+
+        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+            seen["epoch_end"].append(grads(module))
+
+    class Module(_Recorded):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            seen["training_step"].append(grads(self))
+            return super().training_step(batch, batch_idx)
+
+    module = Module(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    make_trainer(max_epochs=2, callbacks=[Watch()]).fit(module)
+    expected = _hand_gradients()
+    assert len(seen["batch_end"]) == 8
+    for got, want in zip(seen["batch_end"], expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for got, want in zip(seen["epoch_end"], (expected[3], expected[7])):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(grads(module), expected[-1], rtol=0, atol=0)  # kept after the fit
+    assert seen["training_step"] == [None] * 8
+
+
+def test_a_hooked_zero_grad_keeps_lightnings_moment(make_trainer: Any) -> None:
+    """With a hook around zero_grad the batch is not plain: zero_grad runs inside training_step's closure,
+    after the forward, so training_step still sees the previous step's gradients (Lightning's order)."""
+    seen: list[bool] = []
+
+    class Module(_Recorded):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            seen.append(self.net.weight.grad is not None)
+            return super().training_step(batch, batch_idx)
+
+        def on_before_zero_grad(self, optimizer: Any) -> None:
+            self.events.append("before_zero_grad")
+
+    module = Module(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    make_trainer(max_epochs=1).fit(module)
+    assert seen == [False, True, True, True]
+    assert module.events == ["training_step", "before_zero_grad"] * 4

@@ -214,8 +214,11 @@ class EpochLoop:
         validates_inside = bool(self.val_every) and t.val_loader is not None and (
             num_batches is None or self.val_every < num_batches or cfg.check_val_every_n_epoch is None)
         schedulers = bool(t.lr_scheduler_configs)
+        release_gradients = self.optimization.release_gradients  # a plain plan's zero_grad, before each fetch
         batch_idx = start
         for batch_idx in range(start, stop):
+            if release_gradients is not None:
+                release_gradients()
             if agreed is None:
                 batch = next(iterator)
                 last = batch_idx + 1 == num_batches
