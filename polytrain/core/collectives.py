@@ -7,7 +7,7 @@ these are never to be called from a rank-dependent branch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -81,12 +81,53 @@ def all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
 
 
 def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` (picklable). Plain CPU tensors inside dicts, lists and tuples travel as raw
+    bytes: pickle writes a tensor's storage through ``torch.save`` and reads it back through
+    ``torch.load``, 0.26 + 0.22 ms per rank for a checkpoint's RNG states, gathered at every save."""
     if not active(group):
         return [obj]
     check_in("all_gather_object", group)
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    dist.all_gather_object(out, _pack(obj), group=group)
+    return [_unpack(item) for item in out]
+
+
+# dtypes whose tensors numpy can hold, so ``.numpy().tobytes()`` and ``torch.frombuffer`` round-trip them.
+_RAW_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
+               torch.float64, torch.bool}
+
+
+class _RawTensor(NamedTuple):
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+def _pack(obj: Any) -> Any:
+    kind = type(obj)
+    if kind is torch.Tensor:
+        if obj.device.type != "cpu" or obj.layout != torch.strided or obj.requires_grad or obj.dtype not in _RAW_DTYPES:
+            return obj
+        return _RawTensor(str(obj.dtype).removeprefix("torch."), tuple(obj.shape), obj.contiguous().numpy().tobytes())
+    if kind is dict:
+        return {k: _pack(v) for k, v in obj.items()}
+    if kind is list or kind is tuple:
+        return kind(_pack(v) for v in obj)
+    return obj
+
+
+def _unpack(obj: Any) -> Any:
+    kind = type(obj)
+    if kind is _RawTensor:
+        dtype = getattr(torch, obj.dtype)
+        if not obj.data:
+            return torch.empty(obj.shape, dtype=dtype)
+        return torch.frombuffer(bytearray(obj.data), dtype=dtype).reshape(obj.shape)
+    if kind is dict:
+        return {k: _unpack(v) for k, v in obj.items()}
+    if kind is list or kind is tuple:
+        return kind(_unpack(v) for v in obj)
+    return obj
 
 
 def gather(tensor: torch.Tensor, dst: int = 0, group: Any = None) -> list[torch.Tensor] | None:
