@@ -127,8 +127,11 @@ class ModelCheckpoint(Callback):
             # `kept` holds negated scores in max mode (best first when sorted ascending).
             or self._is_better(score, -self.kept[-1][0] if self.mode == "max" else self.kept[-1][0])
         )
-        # Every rank computed the same answer from the same reduced metrics; agree anyway.
-        keep = trainer.strategy.reduce_boolean_decision(keep)
+        if self.monitor is not None:
+            # A monitored value logged without sync_dist differs across ranks, and so may this answer:
+            # agree. Without a monitor it follows from the options and `kept` (the same bookkeeping runs
+            # on every rank, and a resume loads the same list everywhere), so the ranks already agree.
+            keep = trainer.strategy.reduce_boolean_decision(keep)
         if not keep and not self.save_last:
             return
         ext = "" if not trainer.strategy.replicated else ".ckpt"

@@ -103,15 +103,18 @@ def _merge_callbacks(base: list[Callback], extra: Any) -> list[Callback]:
 
 def _prepare_data(trainer: Trainer) -> None:
     """Downloads run on one process per node (local rank 0) or, with ``prepare_data_per_node=False``,
-    once in all (global rank 0); every rank then meets at a barrier, so no rank reads half a file."""
+    once in all (global rank 0); every rank then meets at a barrier, so no rank reads half a file.
+    Without a ``prepare_data`` (decided by the classes, the same on every rank) there is no barrier,
+    as in Lightning."""
     strategy = trainer.strategy
-    for obj, base in ((trainer.datamodule, DataModule), (trainer.module, TrainModule)):
-        if obj is None or not _overridden(obj, "prepare_data", base):
-            continue
+    preparers = [obj for obj, base in ((trainer.datamodule, DataModule), (trainer.module, TrainModule))
+                 if obj is not None and _overridden(obj, "prepare_data", base)]
+    for obj in preparers:
         per_node = getattr(obj, "prepare_data_per_node", True)
         if strategy.local_rank == 0 if per_node else strategy.is_global_zero:
             obj.prepare_data()
-    strategy.barrier("prepare_data")
+    if preparers:
+        strategy.barrier("prepare_data")
 
 
 _overridden = defines
