@@ -58,3 +58,18 @@ def test_one_process_gets_its_own_object_back() -> None:
 
     payload = _payload(0)
     assert C.all_gather_object(payload)[0] is payload
+
+
+def test_plain_cpu_tensors_leave_as_bytes_and_the_rest_as_they_are() -> None:
+    """The packing is on: what pickle would send through torch.save is bytes before the gather."""
+    import pickle
+
+    from polytrain.core import collectives as C
+
+    payload = _payload(1)
+    packed = C._pack(payload)
+    tensors = [packed["rng"], packed["ints"], *packed["floats"], *packed["small"], packed["empty"]]
+    assert not any(isinstance(t, torch.Tensor) for t in tensors)
+    assert isinstance(packed["bf16"], torch.Tensor) and isinstance(packed["grad"], torch.Tensor)
+    assert packed["other"] == payload["other"]
+    assert _same(C._unpack(pickle.loads(pickle.dumps(packed))), payload)

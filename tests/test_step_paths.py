@@ -1,8 +1,9 @@
 """The two ways an automatic-optimisation batch runs give what plain PyTorch gives.
 
 A plain batch (one of torch's optimizers, nothing between backward and the update) runs
-training_step, backward and ``optimizer.step()`` without a closure and releases the gradients before the
-next fetch; anything else hands the closure to ``optimizer.step`` as Lightning does. References are hand-written PyTorch loops.
+training_step, backward and ``optimizer.step()`` without a closure and releases the gradients before
+the next fetch; anything else hands the closure to ``optimizer.step`` as Lightning does. References are
+hand-written PyTorch loops.
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def test_a_plain_fit_releases_gradients_before_the_next_fetch_and_nowhere_else(m
     module = Module(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
     make_trainer(max_epochs=2, callbacks=[Watch()]).fit(module)
     expected = _hand_gradients()
-    assert len(seen["batch_end"]) == 8
+    assert len(seen["batch_end"]) == 8 and len(seen["epoch_end"]) == 2
     for got, want in zip(seen["batch_end"], expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     for got, want in zip(seen["epoch_end"], (expected[3], expected[7])):
