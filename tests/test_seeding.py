@@ -130,3 +130,20 @@ def test_random_split_in_setup_is_the_same_on_every_rank_and_dropout_differs(tmp
     # Training steps: each data-parallel rank draws its own dropout masks.
     assert len(ranks[0]["masks"]) == len(ranks[1]["masks"]) == 4
     assert any(not torch.equal(a, b) for a, b in zip(ranks[0]["masks"], ranks[1]["masks"]) if a.shape == b.shape)
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**40 + 3, -5])
+def test_seed_everything_draws_what_torch_manual_seed_draws(seed: int) -> None:
+    # On a machine without an accelerator only the CPU generator is seeded (torch.manual_seed's lazy
+    # per-device seeds cost a stack trace each): the CPU stream must be exactly torch's.
+    import random
+
+    from polytrain.core.rng import seed_everything
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    expected = torch.rand(5), torch.randint(0, 10**6, (3,)), random.random()
+    torch.manual_seed(seed + 1)  # something else in between
+    seed_everything(seed)
+    assert torch.equal(torch.rand(5), expected[0]) and torch.equal(torch.randint(0, 10**6, (3,)), expected[1])
+    assert random.random() == expected[2]
