@@ -13,6 +13,7 @@ import torch
 from conftest import TinyModule
 
 from polytrain.callbacks import (
+    Callback,
     CSVLogger,
     EarlyStopping,
     LearningRateMonitor,
@@ -66,6 +67,24 @@ def test_every_n_train_steps(make_trainer: MakeTrainer, run_dir: str) -> None:
     assert latest(run_dir) == "epoch=0-step=8.ckpt"
     ckpt = torch.load(os.path.join(run_dir, "checkpoints", "epoch=0-step=4.ckpt"), weights_only=True)
     assert ckpt["loop"]["global_step"] == 4 and ckpt["loop"]["batch_in_epoch"] == 4
+
+
+def test_step_saving_switched_on_between_epochs_takes_effect_in_the_next_one(make_trainer: MakeTrainer,
+                                                                            run_dir: str) -> None:
+    # Without every_n_train_steps the loop skips the callback's batch hook; it asks again each epoch.
+    saver = ModelCheckpoint(every_n_epochs=None, save_top_k=-1, save_on_fit_end=False)
+
+    called: list[list[Any]] = []
+
+    class SwitchOn(Callback):
+        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+            called.append([fn.func.__self__ for fn in trainer.hooks.batch_plan("on_train_batch_end")])
+            saver.every_n_train_steps = 3
+
+    trainer = make_trainer(max_epochs=2, callbacks=[saver, SwitchOn()])
+    trainer.fit(TinyModule(n=16, batch_size=4, lr=0.05, val_n=None))  # 4 steps per epoch
+    assert ckpt_files(run_dir) == ["epoch=1-step=6.ckpt"]
+    assert [saver in plan for plan in called] == [False, True]
 
 
 def test_every_n_epochs(make_trainer: MakeTrainer, run_dir: str) -> None:

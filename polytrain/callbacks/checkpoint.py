@@ -70,6 +70,11 @@ class ModelCheckpoint(Callback):
         self._last_saved_step = trainer.global_step if trainer.global_step > 0 else -1
 
     # ------------------------------------------------------------------ triggers
+    @property
+    def idle_batch_hooks(self) -> tuple[str, ...]:
+        """Without step-based saving the batch hook has nothing to do; the loop skips it (it asks each epoch)."""
+        return () if self.every_n_train_steps else ("on_train_batch_end",)
+
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Only right after an optimizer step: under gradient accumulation the other micro-batches end
         # with a pending gradient that no checkpoint holds, and they repeat the step number.
