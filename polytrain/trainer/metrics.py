@@ -50,6 +50,7 @@ class Refusing:
 
     def __exit__(self, *exc: Any) -> None:
         self.metrics.refused_in = self.saved
+_FLOAT32 = torch.float32
 _ALL_REDUCE_OP = {"mean": "sum", "sum": "sum", "max": "max", "min": "min"}
 
 
@@ -160,8 +161,9 @@ class MetricCollector:
         if on_step and self.epoch_level():
             raise ValueError(f"self.log({name!r}, on_step=True) in {_calling_hook()}: an epoch-level hook logs once per "
                              f"epoch; drop on_step=True (as in Lightning, where it is an error too)")
-        on_step = self.defaults[0] if on_step is None else on_step
-        on_epoch = self.defaults[1] if on_epoch is None else on_epoch
+        defaults = self.defaults
+        on_step = defaults[0] if on_step is None else on_step
+        on_epoch = defaults[1] if on_epoch is None else on_epoch
         options = (on_step, on_epoch, prog_bar, logger, reduce_fx, sync_dist)
         entry = self._current.get(name)
         if entry is None or entry.options != options:
@@ -170,15 +172,18 @@ class MetricCollector:
             if not (on_step or on_epoch):
                 raise ValueError(f"self.log({name!r}) with on_step=False and on_epoch=False records nothing")
             entry = self._current[name] = Logged(name, options)
-        if type(value) is not torch.Tensor and is_metric_object(value):  # a tensor is not: no call per step
-            entry.metric = value
-            if not on_step:
-                return
-            value = getattr(value, "_forward_cache", None)
-            if value is None:
-                raise ValueError(f"self.log({name!r}, <Metric>, on_step=True): call the metric on the batch "
-                                 f"(metric(preds, target)) before logging it, so it has a per-step value")
-        tensor = _as_tensor(value, self.device)
+        if type(value) is torch.Tensor and value.dtype is _FLOAT32 and not value.dim():
+            tensor = value.detach()  # the common case (a loss), without the calls below
+        else:
+            if is_metric_object(value):
+                entry.metric = value
+                if not on_step:
+                    return
+                value = getattr(value, "_forward_cache", None)
+                if value is None:
+                    raise ValueError(f"self.log({name!r}, <Metric>, on_step=True): call the metric on the batch "
+                                     f"(metric(preds, target)) before logging it, so it has a per-step value")
+            tensor = _as_tensor(value, self.device)
         if on_step:
             entry.step_value = tensor
             self._fresh[name] = entry
