@@ -6,6 +6,7 @@ Usage::
     python benchmarks/overhead.py --mode single --rounds 21 --steps 800
     python benchmarks/overhead.py --hidden 512          # a bigger step: the same overhead weighs less
     python benchmarks/overhead.py --profile             # cProfile of one polytrain round (single)
+    python benchmarks/overhead.py --mode single --lightning   # Lightning's Trainer as a third variant
 
 What "identical work" means here
 --------------------------------
@@ -48,6 +49,12 @@ loop's), the CPU time of the process, and every pair's ratio. Under DDP both var
 inside the same process group in the same two spawned worker processes; rank 0's timings are
 reported (every round starts behind a barrier). Every process uses ``torch.set_num_threads(1)``.
 
+``--lightning`` (one process only) adds Lightning's ``Trainer`` as a third variant of each round (P H L,
+L H P, ...): the same module as a ``LightningModule``, Lightning's defaults (progress bar, model summary,
+a checkpoint at each epoch end), its TensorBoard and CSV loggers, the hand loop's sampler. Its line gives
+its ms/step, the median of its per-round ratios over the hand loop (whole fit, and inside the epochs),
+and whether its weights equal the hand loop's.
+
 Numbers are for comparing the two variants in one run on one machine; absolute times are noise.
 On a busy machine pair ratios swing widely: raise ``--rounds``, compare the CPU-time line.
 """
@@ -71,7 +78,7 @@ TARGET = 1.03
 # The workloads (make_dataset, run_polytrain, run_hand, ...) live in overhead_workloads.py.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from local_ranks import export_rank, free_port  # noqa: E402 - beside this script
-from overhead_workloads import make_dataset, run_hand, run_polytrain, weights_equal  # noqa: E402
+from overhead_workloads import make_dataset, run_hand, run_lightning, run_polytrain, weights_equal  # noqa: E402
 
 
 def run_rounds(args: argparse.Namespace, distributed: bool) -> dict[str, Any]:
@@ -86,11 +93,12 @@ def run_rounds(args: argparse.Namespace, distributed: bool) -> dict[str, Any]:
         box = [base]
         dist.broadcast_object_list(box)
         base = box[0]
-    times: dict[str, dict[str, list[float]]] = {"poly": {}, "hand": {}}
-    match = True
+    variants = ("poly", "hand", "lightning") if args.lightning and not distributed else ("poly", "hand")
+    times: dict[str, dict[str, list[float]]] = {which: {} for which in variants}
+    match = lightning_match = True
     try:
         for pair in range(args.rounds + 1):
-            order = ("poly", "hand") if pair % 2 == 0 else ("hand", "poly")
+            order = variants if pair % 2 == 0 else variants[::-1]
             states = {}
             for which in order:
                 run_dir = os.path.join(base, f"{pair}-{which}")
@@ -99,6 +107,8 @@ def run_rounds(args: argparse.Namespace, distributed: bool) -> dict[str, Any]:
                 with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
                     if which == "poly":
                         out = run_polytrain(args, dataset, run_dir, strategy)
+                    elif which == "lightning":
+                        out = run_lightning(args, dataset, run_dir)
                     else:
                         out = run_hand(args, dataset, run_dir, distributed)
                 states[which] = out.pop("state")
@@ -107,6 +117,8 @@ def run_rounds(args: argparse.Namespace, distributed: bool) -> dict[str, Any]:
                 for key, value in out.items():
                     times[which].setdefault(key, []).append(value)
             match = match and weights_equal(states["poly"], states["hand"])
+            if "lightning" in states:
+                lightning_match = lightning_match and weights_equal(states["lightning"], states["hand"])
             if args.verbose and (not distributed or dist.get_rank() == 0) and pair:
                 print(f"  pair {pair}: polytrain {times['poly']['wall'][-1] * 1e3 / args.steps:.3f} ms/step, "
                       f"hand {times['hand']['wall'][-1] * 1e3 / args.steps:.3f} ms/step", flush=True)
@@ -115,7 +127,7 @@ def run_rounds(args: argparse.Namespace, distributed: bool) -> dict[str, Any]:
             dist.barrier()
         if base is not None and (not distributed or dist.get_rank() == 0):
             shutil.rmtree(base, ignore_errors=True)
-    return {**times, "match": match}
+    return {**times, "match": match, "lightning_match": lightning_match}
 
 
 def report(label: str, result: dict[str, Any], args: argparse.Namespace) -> str:
@@ -145,6 +157,16 @@ def report(label: str, result: dict[str, Any], args: argparse.Namespace) -> str:
         f"{label}:   weights match: {'yes' if result['match'] else 'NO'}; Trainer() construction "
         f"{statistics.median(poly['build']) * 1e3:.1f} ms (outside the timed region)",
     ]
+    light = result.get("lightning")
+    if light:
+        import lightning
+
+        def over_hand(key: str) -> float:
+            return statistics.median(x / h for x, h in zip(light[key], hand[key]))
+
+        lines.append(f"{label}:   Lightning {lightning.__version__}: {ms_per_step(light, 'wall'):.3f} ms/step, ratio "
+                     f"{over_hand('wall'):.3f} over hand (inside the epochs {over_hand('inside'):.3f}); weights match "
+                     f"hand: {'yes' if result['lightning_match'] else 'NO'}")
     return "\n".join(lines)
 
 
@@ -234,6 +256,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lightning-order", action="store_true",
                    help="the hand loop steps as Lightning does: optimizer.step(closure), the closure running forward, "
                         "zero_grad, backward (polytrain does so only for batches that are not plain)")
+    p.add_argument("--lightning", action="store_true",
+                   help="single mode: time Lightning's Trainer on the same module too, as a third variant in each "
+                        "round (needs the dev-only lightning package)")
     p.add_argument("--verbose", action="store_true", help="print every pair")
     args = p.parse_args(argv)
     if args.steps < args.epochs or args.rounds < 1:

@@ -1,6 +1,6 @@
-"""The two workloads ``overhead.py`` times against each other: polytrain's ``Trainer`` with its default
-callbacks, and a hand-written PyTorch loop doing identical work (see ``overhead.py``'s docstring for
-what "identical" covers). torch and polytrain are imported inside the functions so that
+"""The workloads ``overhead.py`` times against each other: polytrain's ``Trainer`` with its default
+callbacks, a hand-written PyTorch loop doing identical work (see ``overhead.py``'s docstring for
+what "identical" covers), and with ``--lightning`` the same module under Lightning's ``Trainer``. torch and polytrain are imported inside the functions so that
 ``overhead.py --help`` starts instantly and each spawned DDP worker imports them itself."""
 
 from __future__ import annotations
@@ -200,6 +200,71 @@ def run_hand(args: argparse.Namespace, dataset: Any, run_dir: str, distributed: 
         writer.close()
     return {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "inside": inside, "build": 0.0,
             "state": net.state_dict()}
+
+
+_LIGHTNING: type | None = None
+
+
+def _lightning_module() -> type:
+    """The benchmark module as a ``LightningModule`` (lightning is a dev-only dependency: imported here)."""
+    global _LIGHTNING
+    if _LIGHTNING is None:
+        import lightning.pytorch as pl
+        import torch.nn.functional as F
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        class BenchLightningModule(pl.LightningModule):
+            def __init__(self, args: argparse.Namespace, dataset: Any) -> None:
+                super().__init__()
+                self.args, self.dataset, self.net = args, dataset, make_net(args)
+                self.inside, self._t0 = 0.0, 0.0
+
+            def training_step(self, batch: Any, batch_idx: int) -> Any:
+                x, y = batch
+                loss = F.cross_entropy(self.net(x), y)
+                self.log("train/loss", loss)
+                return loss
+
+            def configure_optimizers(self) -> Any:
+                return make_optimizer(self.parameters(), self.args)
+
+            def train_dataloader(self) -> Any:
+                # The hand loop's order (Lightning injects no sampler on one device): same weights.
+                sampler = DistributedSampler(self.dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+                return DataLoader(self.dataset, batch_size=self.args.batch_size, sampler=sampler)
+
+            # Lightning calls the module's epoch start after the callbacks' (the progress bar is made by then)
+            # and its epoch end before the checkpoint callback's: "inside" is the step loop, as polytrain's.
+            def on_train_epoch_start(self) -> None:
+                self._t0 = time.perf_counter()
+
+            def on_train_epoch_end(self) -> None:
+                self.inside += time.perf_counter() - self._t0
+
+        _LIGHTNING = BenchLightningModule
+    return _LIGHTNING
+
+
+def run_lightning(args: argparse.Namespace, dataset: Any, run_dir: str) -> dict[str, Any]:
+    """``--lightning``, one process: Lightning's ``Trainer`` with its defaults (progress bar, model summary,
+    a checkpoint at each epoch end) and the TensorBoard + CSV loggers, on the hand loop's data order."""
+    import logging
+    import warnings
+
+    import lightning.pytorch as pl
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)  # its banner lines, once per fit
+    module = _lightning_module()(args, dataset)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. "consider num_workers", once per fit
+        trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, default_root_dir=run_dir,
+                             log_every_n_steps=args.log_every_n_steps, use_distributed_sampler=False,
+                             logger=[pl.loggers.TensorBoardLogger(run_dir), pl.loggers.CSVLogger(run_dir)])
+        t1, c1 = time.perf_counter(), time.process_time()
+        trainer.fit(module)
+        t2, c2 = time.perf_counter(), time.process_time()
+    return {"wall": t2 - t1, "cpu": c2 - c1, "inside": module.inside, "build": 0.0,
+            "state": module.net.state_dict()}
 
 
 # --------------------------------------------------------------------------- rounds
