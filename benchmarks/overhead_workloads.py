@@ -210,8 +210,9 @@ def _lightning_module() -> type:
     global _LIGHTNING
     if _LIGHTNING is None:
         import lightning.pytorch as pl
-        import torch.nn.functional as F
         from torch.utils.data import DataLoader, DistributedSampler
+
+        polytrain_module, _ = _classes()
 
         class BenchLightningModule(pl.LightningModule):
             def __init__(self, args: argparse.Namespace, dataset: Any) -> None:
@@ -219,14 +220,9 @@ def _lightning_module() -> type:
                 self.args, self.dataset, self.net = args, dataset, make_net(args)
                 self.inside, self._t0 = 0.0, 0.0
 
-            def training_step(self, batch: Any, batch_idx: int) -> Any:
-                x, y = batch
-                loss = F.cross_entropy(self.net(x), y)
-                self.log("train/loss", loss)
-                return loss
-
-            def configure_optimizers(self) -> Any:
-                return make_optimizer(self.parameters(), self.args)
+            # polytrain's benchmark module's own functions, unchanged: the same user code in both.
+            training_step = polytrain_module.training_step
+            configure_optimizers = polytrain_module.configure_optimizers
 
             def train_dataloader(self) -> Any:
                 # The hand loop's order (Lightning injects no sampler on one device): same weights.
