@@ -1,7 +1,8 @@
 """The workloads ``overhead.py`` times against each other: polytrain's ``Trainer`` with its default
 callbacks, a hand-written PyTorch loop doing identical work (see ``overhead.py``'s docstring for
-what "identical" covers), and with ``--lightning`` the same module under Lightning's ``Trainer``. torch and polytrain are imported inside the functions so that
-``overhead.py --help`` starts instantly and each spawned DDP worker imports them itself."""
+what "identical" covers), and with ``--lightning`` the same module under Lightning's ``Trainer``.
+torch, polytrain and lightning are imported inside the functions so that ``overhead.py --help`` starts
+instantly and each spawned DDP worker imports them itself."""
 
 from __future__ import annotations
 

@@ -48,9 +48,9 @@ def test_overhead_benchmark_in_lightning_order_ends_with_the_same_weights() -> N
 @pytest.mark.timeout(300)
 def test_overhead_benchmark_times_lightning_on_the_same_work() -> None:
     pytest.importorskip("lightning")  # a dev-only dependency
-    out = _run([os.path.join(BENCH, "overhead.py"), "--mode", "single", "--rounds", "1", "--steps", "6", "--epochs", "2",
-                "--hidden", "16", "--features", "8", "--batch-size", "4", "--log-every-n-steps", "2", "--lightning"],
-               timeout=280)
+    out = _run([os.path.join(BENCH, "overhead.py"), "--mode", "single", "--rounds", "1", "--steps", "6",
+                "--epochs", "2", "--hidden", "16", "--features", "8", "--batch-size", "4", "--log-every-n-steps", "2",
+                "--lightning"], timeout=280)
     # Lightning's Trainer on the hand loop's sampler and arithmetic ends with the hand loop's weights.
     assert re.search(r"^single:\s+Lightning [0-9][^:]*: [0-9.]+ ms/step, ratio [0-9.]+ over hand \(inside the epochs "
                      r"[0-9.]+\); weights match hand: yes$", out, re.M), out
