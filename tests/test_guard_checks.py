@@ -48,6 +48,7 @@ def test_an_infinite_or_nan_loss_is_named_at_the_next_logging_step(make_trainer:
 def test_more_losses_than_slots_between_checks(make_trainer: MakeTrainer, monkeypatch: Any) -> None:
     # Slot buffers of 4: by the check at step 8, two full buffers were set aside; the NaN is in the second.
     from polytrain.trainer.guards import NonFiniteGuard
+    from polytrain.trainer.progress import FitProgress
 
     monkeypatch.setattr(NonFiniteGuard, "FOLD_EVERY", 4)
     module = LossAt({6}, lambda loss: loss * float("nan"), n=40, batch_size=4, val_n=None)
@@ -153,14 +154,13 @@ def test_a_dtensor_loss_is_checked_through_its_local_part() -> None:
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     from polytrain.trainer.guards import NonFiniteGuard
+    from polytrain.trainer.progress import FitProgress
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        trainer = SimpleNamespace(config=SimpleNamespace(nan_policy="error"), global_step=0,
-                                  strategy=SimpleNamespace(collective_device=torch.device("cpu")),
-                                  module=torch.nn.Linear(2, 1))
-        guard = NonFiniteGuard(trainer)
+        strategy = SimpleNamespace(collective_device=torch.device("cpu"))
+        guard = NonFiniteGuard("error", strategy, torch.nn.Linear(2, 1), FitProgress())
         guard.observe(torch.tensor(1.0))
         guard.observe(torch.tensor(2.0))
         guard.observe(distribute_tensor(torch.tensor(float("nan")), mesh, [Replicate()]))

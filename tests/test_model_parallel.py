@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import Callback, Trainer, TrainModule
 from polytrain.core.environment import ClusterEnvironment
+from polytrain.core.precision import Precision
 from polytrain.strategies.model_parallel import ModelParallelStrategy
 from polytrain.trainer.config import ConfigError
 
@@ -322,9 +323,10 @@ def test_plan_values_must_be_parallel_styles(tmp_path: Any) -> None:
 
 
 def _strategy(world_size: int, **options: Any) -> ModelParallelStrategy:
-    return ModelParallelStrategy(ModelParallelStrategy.Options(**options), accelerator="cpu", devices=world_size,
-                                 num_nodes=1, precision="32", timeout=30.0,
-                                 env=ClusterEnvironment(world_size=world_size, local_world_size=world_size))
+    # ``build``, as the registry does: mode "layers" is LayerPlacementStrategy's.
+    return ModelParallelStrategy.build(ModelParallelStrategy.Options(**options), accelerator="cpu", devices=world_size,
+                                       num_nodes=1, precision=Precision.for_accelerator("32", "cpu"), timeout=30.0,
+                                       env=ClusterEnvironment(world_size=world_size, local_world_size=world_size))
 
 
 def test_degrees_that_do_not_multiply_to_the_world_size_print_every_number() -> None:

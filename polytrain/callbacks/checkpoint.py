@@ -17,6 +17,10 @@ log = logging.getLogger("polytrain")
 class ModelCheckpoint(Callback):
     """Save every ``every_n_train_steps`` optimizer steps and/or every ``every_n_epochs`` epochs.
 
+    A step checkpoint at a step after which a validation runs (``val_check_interval``) is written after
+    that validation, as Lightning does: the file holds its metrics (``monitor`` ranks by them) and
+    resumes with the next batch, the validation not run again.
+
     With ``monitor``, keep the ``save_top_k`` best by that (rank-reduced) metric; without it,
     keep the ``save_top_k`` newest (-1 keeps all). The newest checkpoint is never deleted, and the
     ``latest`` pointer (and ``last.ckpt`` for single-file checkpoints) names it for
@@ -49,6 +53,7 @@ class ModelCheckpoint(Callback):
         self.last_model_path: str | None = None
         self._last_saved_step = -1
         self._step_at_last_batch = 0
+        self._after_validation_step: int | None = None  # a step save waiting for the validation at its step
 
     def setup(self, trainer: Any, module: Any, stage: str) -> None:
         if self.dirpath is None:
@@ -82,11 +87,19 @@ class ModelCheckpoint(Callback):
         self._step_at_last_batch = trainer.global_step
         n = self.every_n_train_steps
         if n and stepped and trainer.global_step % n == 0 and trainer.global_step != self._last_saved_step:
+            if _progress(trainer, "validation_due", False):
+                self._after_validation_step = trainer.global_step  # saved in on_validation_end
+            else:
+                self._save(trainer)
+
+    def on_validation_end(self, trainer: Any, module: Any) -> None:
+        if self._after_validation_step is not None and self._after_validation_step == trainer.global_step:
+            self._after_validation_step = None
             self._save(trainer)
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
         n = self.every_n_epochs
-        if n and getattr(trainer, "epoch_complete", True) and (trainer.current_epoch + 1) % n == 0:
+        if n and _progress(trainer, "at_epoch_end", True) and (trainer.current_epoch + 1) % n == 0:
             self._save(trainer)
 
     def on_fit_end(self, trainer: Any, module: Any) -> None:
@@ -195,6 +208,11 @@ class ModelCheckpoint(Callback):
         self.best_model_score = state.get("best_model_score")
         self.last_model_path = state.get("last_model_path")
         self._forget_foreign_files()  # restored after setup: filter again
+
+
+def _progress(trainer: Any, name: str, default: Any) -> Any:
+    """The fit loop's state (``trainer.fit_loop.progress``; a stand-in trainer may lack it)."""
+    return getattr(getattr(getattr(trainer, "fit_loop", None), "progress", None), name, default)
 
 
 def _remove(path: str) -> None:

@@ -1,9 +1,6 @@
 """The little a strategy needs to know about the user's module, without importing ``TrainModule``.
 
 - ``extract_loss``: what ``training_step`` returned, as the loss tensor to backpropagate.
-- ``HookCaller``: how a strategy calls a lifecycle hook (``on_before_backward``, ...). The Trainer
-  hands its own funnel to the strategy (callbacks first, then the module), so hooks that fire
-  inside a strategy's step reach callbacks too.
 - ``muted_logs`` / ``captured_logs`` / ``recorded_logs``: route ``self.log`` calls made inside a block. A padding
   batch (sharded evaluation) must count in no metric; a pipeline's last stage records what the
   user's step logged so the other stages can log the same values. ``TrainModule.log`` reads the
@@ -14,27 +11,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 LOG_TAP = "_polytrain_log_tap"
 MUTED = object()  # the tap value that drops every logged value
-
-
-class HookCaller(Protocol):
-    def __call__(self, name: str, *args: Any) -> Any: ...
-
-
-def module_hook_caller(module: nn.Module) -> HookCaller:
-    """The funnel used when no Trainer is attached: the module's own hook, if it has one."""
-
-    def call(name: str, *args: Any) -> Any:
-        hook = getattr(module, name, None)
-        return hook(*args) if hook is not None else None
-
-    return call
 
 
 def extract_loss(output: Any) -> torch.Tensor | None:

@@ -24,7 +24,7 @@ from polytrain.core.batch import move_to_device
 from polytrain.core.environment import ClusterEnvironment
 from polytrain.core.precision import Precision
 from polytrain.core.process_group import destroy_process_group
-from polytrain.core.protocol import HookCaller, extract_loss, module_hook_caller
+from polytrain.core.protocol import extract_loss
 from polytrain.data.loaders import distribute_dataloader
 from polytrain.strategies.collective_verbs import CollectiveVerbs
 
@@ -39,6 +39,10 @@ class _PaddingBatch:
 
 
 PADDING_BATCH = _PaddingBatch()
+
+
+def _as_is(row: str, fn: Callable[..., Any], **_: Any) -> Callable[..., Any]:
+    return fn
 
 
 @dataclass(slots=True)
@@ -75,66 +79,90 @@ class StepRouter(nn.Module):
 
 class Strategy(CollectiveVerbs, ABC):
     """One parallelism's answer to every verb. Built by ``registry.build_strategy``, which hands it
-    its collaborators: the ``Precision`` object, the ``ParallelDims`` (strategies with a device mesh)
-    and, when the caller chooses one, the ``CheckpointIO``; a strategy built by hand (tests) gets the
-    same objects from the same two classmethods."""
+    its collaborators: the ``Precision`` object, the ``ParallelDims`` (strategies with a device mesh),
+    the resolved compile and activation-checkpointing options and, when the caller chooses one, the
+    ``CheckpointIO``; a strategy built by hand gets them the same way (``Precision.for_accelerator``,
+    ``parallel_dims``)."""
 
     name: ClassVar[str]
     Options: ClassVar[type]
     aliases: ClassVar[dict[str, dict[str, Any]]] = {}  # other names for this strategy with options (Lightning's)
 
     def __init__(self, options: Any, *, accelerator: str, devices: int, num_nodes: int,
-                 precision: Precision | str, timeout: float, env: ClusterEnvironment,
-                 dims: Any = None, checkpoint_io: CheckpointIO | None = None) -> None:
+                 precision: Precision, timeout: float, env: ClusterEnvironment,
+                 dims: Any = None, checkpoint_io: CheckpointIO | None = None,
+                 compile_options: dict[str, Any] | None = None,
+                 checkpointing_options: dict[str, Any] | None = None) -> None:
         self.options = options
         self.accelerator = accelerator
         self.devices = devices
         self.num_nodes = num_nodes
         self.timeout = timeout
         self.env = env
-        self.precision = precision if isinstance(precision, Precision) else Precision.for_accelerator(precision, accelerator)
-        self.precision_name = self.precision.name
+        self.precision = precision
         self.dims = dims if dims is not None else self.parallel_dims(options, env, num_nodes)
         self.checkpoint_io = checkpoint_io if checkpoint_io is not None else self.default_checkpoint_io()
+        # trainer.compile / trainer.activation_checkpointing, resolved (None: off); applied in setup_module.
+        self.compile_options = compile_options
+        self.checkpointing_options = checkpointing_options
         self.module: nn.Module | None = None  # the user's TrainModule, unwrapped
         self.model: nn.Module | None = None  # what forward runs through (maybe wrapped)
         self.optimizers: list[torch.optim.Optimizer] = []
         self._device = torch.device("cpu")
-        self._call_hook: HookCaller | None = None  # the Trainer's funnel; see bind_hooks
-        # Fixed per run by bind_hooks: what runs on every step (nothing for a hook no one overrides).
+        # Fixed per stage by bind_hooks: what runs on every step (nothing for a hook no one overrides).
         self._before_backward: list[Callable[..., Any]] = []
         self._after_backward: list[Callable[..., Any]] = []
+        self._module_backward: Callable[..., None] | None = None  # the module's own backward, if it overrides it
         self._training_step_fn: Callable[[Any, int], Any] | None = None
+        self._instrument: Callable[..., Callable] = _as_is
+        self._backward_fn: Callable[[torch.Tensor], None] = self.backward
         self._mark_position: Callable[[str], None] | None = None
         self._plain_backward = False
-        # trainer.compile / trainer.activation_checkpointing, resolved; set by the Trainer, applied in setup_module.
-        self.compile_options: dict[str, Any] | None = None
-        self.checkpointing_options: dict[str, Any] | None = None
 
-    def bind_hooks(self, call_hook: HookCaller, module_backward: Callable[..., None] | None = None,
-                   plan: Callable[[str], list[Callable[..., Any]]] | None = None) -> None:
-        """Hooks that fire inside the step (``on_before_backward``, ``on_after_backward``) go through
-        the Trainer's funnel, so callbacks see them too: ``call_hook(name, *args)``, and ``plan(name)``
-        the callables (callbacks', then the module's) that override a per-step hook, fixed for the run.
-        ``module_backward`` is the module's own ``backward`` when it overrides it."""
-        self._call_hook = call_hook
-        if plan is not None:
-            self._before_backward, self._after_backward = plan("on_before_backward"), plan("on_after_backward")
-        if module_backward is not None:
-            self.module_backward = module_backward  # type: ignore[method-assign]
+    @property
+    def precision_name(self) -> str:
+        return self.precision.name
+
+    def adopt_model_transforms(self, compile_options: dict[str, Any] | None,
+                               checkpointing_options: dict[str, Any] | None) -> None:
+        """A strategy built by hand and handed to a Trainer: the Trainer's ``compile`` and
+        ``activation_checkpointing`` apply unless the strategy was built with its own."""
+        if self.compile_options is None:
+            self.compile_options = compile_options
+        if self.checkpointing_options is None:
+            self.checkpointing_options = checkpointing_options
+
+    def bind_hooks(self, plan: Callable[[str], list[Callable[..., Any]]] | None = None,
+                   module_backward: Callable[..., None] | None = None,
+                   instrument: Callable[..., Callable] | None = None) -> None:
+        """The hooks that fire inside the step, from the Trainer's funnel: ``plan(name)`` gives the
+        callables (callbacks', then the module's) that override ``on_before_backward`` /
+        ``on_after_backward``; ``module_backward`` is the module's own ``backward`` when it overrides it;
+        ``instrument(row, fn)`` is the profiler's (the user's step and backward are timed through it)."""
+        self._before_backward = plan("on_before_backward") if plan is not None else []
+        self._after_backward = plan("on_after_backward") if plan is not None else []
+        self._module_backward = module_backward
+        self._instrument = instrument or _as_is
         self._training_step_fn = None
-        # Fixed for the run so the common step calls nothing it does not need (each Python call
-        # ~0.3 us on the 2-core CI machine): the heartbeat's position marks only when one runs, and
-        # ``loss.backward()`` straight when neither a GradScaler nor an override sits in between.
+        self._backward_fn = self._instrument("backward", self.backward)
+        # Fixed for the stage so the common step calls nothing it does not need: the heartbeat's position
+        # marks only when one runs, and ``loss.backward()`` straight when neither a GradScaler, an override
+        # nor a profiler sits in between.
         self._mark_position = heartbeat.marker()
         self._plain_backward = (self.precision.scaler is None and type(self).backward is Strategy.backward
-                                and "module_backward" not in self.__dict__
-                                and type(self).module_backward is Strategy.module_backward)
+                                and module_backward is None and self._backward_fn == self.backward)
 
-    def call_hook(self, name: str, *args: Any) -> Any:
-        if self._call_hook is None:
-            self._call_hook = module_hook_caller(self.module)
-        return self._call_hook(name, *args)
+    @property
+    def step_runner(self) -> Callable[..., StepResult]:
+        """What runs one micro-batch's forward and backward (``forward_backward``; a pipeline's schedule
+        replaces it): the optimisation binds it once per fit."""
+        return self.forward_backward
+
+    @classmethod
+    def build(cls, options: Any, **kwargs: Any) -> Strategy:
+        """The strategy for ``options`` (``registry.build_strategy`` calls this): an instance of this class,
+        unless a class hands some of its options to another (model_parallel's layers mode)."""
+        return cls(options, **kwargs)
 
     @classmethod
     def parallel_dims(cls, options: Any, env: ClusterEnvironment, num_nodes: int) -> Any:
@@ -250,7 +278,7 @@ class Strategy(CollectiveVerbs, ABC):
         """The run's training step as ``forward_backward`` calls it (bound on first use, reset by
         ``bind_hooks``); the profiler wraps ``_training_step_fn`` to time it."""
         if self._training_step_fn is None:
-            self._training_step_fn = self._bind_training_step()
+            self._training_step_fn = self._instrument("training_step", self._bind_training_step())
         return self._training_step_fn
 
     def _bind_training_step(self) -> Callable[[Any, int], Any]:
@@ -298,7 +326,7 @@ class Strategy(CollectiveVerbs, ABC):
         if self._plain_backward:
             loss.backward()
         else:
-            self.backward(loss)
+            self._backward_fn(loss)
         for hook in self._after_backward:
             hook()
         return StepResult(loss.detach(), output)
@@ -307,16 +335,28 @@ class Strategy(CollectiveVerbs, ABC):
         """The precision's scaling, then the module's ``backward`` (``loss.backward()`` by default)."""
         self.module_backward(self.precision.scale_loss(loss))
 
-    def module_backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def module_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if self._module_backward is not None:
+            self._module_backward(loss, *args, **kwargs)
+        else:
+            loss.backward(*args, **kwargs)
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """``on_before_backward`` of the callbacks and the module that override it."""
+        for hook in self._before_backward:
+            hook(loss)
+
+    def after_backward(self) -> None:
+        for hook in self._after_backward:
+            hook()
 
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``self.manual_backward(loss)`` under manual optimisation: hooks, the precision's scaling,
         the module's ``backward``."""
-        self.call_hook("on_before_backward", loss)
+        self.before_backward(loss)
         self.prepare_manual_backward(loss)
         self.module_backward(self.precision.scale_loss(loss), *args, **kwargs)
-        self.call_hook("on_after_backward")
+        self.after_backward()
 
     def prepare_manual_backward(self, loss: torch.Tensor) -> None:
         """What a wrapper needs before each of several backward passes of one step (DDP's reducer)."""
@@ -350,8 +390,16 @@ class Strategy(CollectiveVerbs, ABC):
     def save_checkpoint(self, payload: dict[str, Any], path: str) -> None:
         self.checkpoint_io.save(self, payload, path)
 
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
-        return self.checkpoint_io.load(self, path)
+    def load_checkpoint(self, path: str, weights_only: bool = False) -> dict[str, Any]:
+        """Restore model and optimizer state (with ``weights_only``: the model alone) from ``path``; return
+        the rest of the payload. Every rank calls it."""
+        if not weights_only:
+            return self.checkpoint_io.load(self, path)
+        saved, self.optimizers = self.optimizers, []
+        try:
+            return self.checkpoint_io.load(self, path)
+        finally:
+            self.optimizers = saved
 
     def module_state_dict(self) -> dict[str, Any]:
         return self.module.state_dict()

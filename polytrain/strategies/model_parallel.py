@@ -65,16 +65,17 @@ def _option(options: Any, name: str) -> Any:
 
 @register
 class ModelParallelStrategy(ParallelStrategy):
-    """Tensor mode (a preset of ``parallel``); ``ModelParallelStrategy(options with mode: layers, ...)``
-    builds a ``LayerPlacementStrategy`` instead, so both modes keep the one name and constructor."""
+    """Tensor mode (a preset of ``parallel``); the registry's ``build`` hands ``mode: layers`` to
+    ``LayerPlacementStrategy``, so both modes keep the one name."""
 
     name = "model_parallel"
     Options = ModelParallelOptions
 
-    def __new__(cls, options: Any = None, **kwargs: Any) -> Any:
-        if options is not None and _option(options, "mode") == "layers":
+    @classmethod
+    def build(cls, options: Any, **kwargs: Any) -> Any:
+        if options.mode == "layers":
             return LayerPlacementStrategy(options, **kwargs)
-        return super().__new__(cls)
+        return cls(options, **kwargs)
 
     @classmethod
     def processes_per_node(cls, devices: int, options: Any = None) -> int:

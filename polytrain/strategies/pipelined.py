@@ -246,8 +246,8 @@ class PipelineRunner:
             self.average_grads_over_dp()
         if user_step:
             self.share_logged(_mean_records(self._records), log_here=True)
-            s.call_hook("on_before_backward", loss)  # forward and backward interleave inside the schedule
-        s.call_hook("on_after_backward")
+            s.before_backward(loss)  # forward and backward interleave inside the schedule
+        s.after_backward()
         if not user_step and hasattr(s.module, "log"):
             s.module.log("train/loss", loss, prog_bar=True, sync_dist=True)
         return StepResult(loss / accumulate if accumulate != 1 else loss, loss)

@@ -1,9 +1,11 @@
-"""The checkpoint payload (DESIGN §4): what the Trainer adds to the model and optimizer state.
+"""The checkpoint payload (DESIGN §4): what the Trainer adds to the model and optimizer state, and how a
+fit or an evaluation picks a checkpoint and takes it back.
 
 A payload holds everything needed to continue exactly: model and optimizer state (added by the
-strategy, which knows whether they are sharded), schedulers, grad scaler, loop position
-(epoch, global step, batches consumed in the epoch), sampler seed, every rank's RNG state, the
-config and the library version. Only plain types and tensors, so ``weights_only=True`` loads it.
+strategy, which knows whether they are sharded), schedulers, grad scaler, the loop's state (its
+``state_dict``: epoch, global step, batches consumed in the epoch, whether a validation is due),
+sampler seed, every rank's RNG state, the config and the library version. Only plain types and
+tensors, so ``weights_only=True`` loads it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from polytrain.checkpoint.layout import resolve_resume
 from polytrain.checkpoint.replicated import agree_on_error
+from polytrain.core.errors import ConfigError
 from polytrain.core.rng import capture_rng_state
 from polytrain.core.version import __version__
 from polytrain.trainer.hparams import plain
@@ -25,52 +29,33 @@ log = logging.getLogger("polytrain")
 FORMAT_VERSION = 1
 
 
-def _sample_offset(trainer: Trainer, epoch_done: bool) -> int | None:
-    if epoch_done or trainer.batch_in_epoch == 0:
-        return 0
-    batch_size = getattr(trainer, "train_batch_size", None)
-    if not batch_size:
-        return None
-    base_offset, base_batch = getattr(trainer, "sample_base", (0, 0))  # set when a resume re-split the data
-    return base_offset + (trainer.batch_in_epoch - base_batch) * batch_size * trainer.strategy.dp_size
-
-
-def _rank_rng(trainer: Trainer, epoch_done: bool) -> dict[str, Any]:
+def _rank_rng(trainer: Trainer) -> dict[str, Any]:
     """This rank's RNG streams (with the sharded-region stream, ``polytrain.layers.sharded_rng``) and,
     mid-epoch, the state the epoch's DataLoader iterator drew its workers' base seed from: a resume
     recreates that iterator and replays the consumed batches through the workers."""
     state = capture_rng_state()
-    if not epoch_done and trainer.batch_in_epoch > 0 and trainer.loader_rng is not None:
-        state["loader_iter"] = trainer.loader_rng
+    loop = trainer.fit_loop
+    if not loop.progress.at_epoch_end and loop.progress.batch_in_epoch > 0 and loop.data.loader_rng is not None:
+        state["loader_iter"] = loop.data.loader_rng
     return state
 
 
-def build_payload(trainer: Trainer, epoch_done: bool) -> dict[str, Any]:
+def build_payload(trainer: Trainer) -> dict[str, Any]:
     """Called on every rank (it gathers RNG states); the strategy adds model/optimizer state. Hooks in
     Lightning's order: callbacks' and the DataModule's ``state_dict``, then ``on_save_checkpoint`` of
     the callbacks and of the module (both may add keys)."""
-    strategy, module, datamodule = trainer.strategy, trainer.module, trainer.datamodule
-    # The live model state, for hooks that read checkpoint["state_dict"] (Lightning code does); the
-    # strategy writes the model itself (under "model", gathered or sharded), so this is not saved.
-    state_dict = module.state_dict()
-    loop = {
-        "epoch": trainer.current_epoch + (1 if epoch_done else 0),
-        "global_step": trainer.global_step,
-        "batch_in_epoch": 0 if epoch_done else trainer.batch_in_epoch,
-        "batches_stepped": trainer.batches_stepped,
-        "world_size": strategy.world_size,
-        "dp_size": strategy.dp_size,
-        # Global sample positions of this epoch's permutation already consumed (any dp size resumes from it).
-        "sample_offset": _sample_offset(trainer, epoch_done),
-    }
+    strategy, module, datamodule, hooks = trainer.strategy, trainer.module, trainer.datamodule, trainer.hooks
+    loop = trainer.fit_loop.progress.state_dict()
     payload: dict[str, Any] = {
         "polytrain": {"format": FORMAT_VERSION, "version": __version__},
         "epoch": loop["epoch"],
-        "global_step": trainer.global_step,
-        "state_dict": state_dict,
+        "global_step": loop["global_step"],
+        # The live model state, for hooks that read checkpoint["state_dict"] (Lightning code does); the
+        # strategy writes the model itself (under "model", gathered or sharded), so this is not saved.
+        "state_dict": module.state_dict(),
         "loop": loop,
         "sampler": {"seed": trainer.config.seed},
-        "rng": strategy.all_gather_object(_rank_rng(trainer, epoch_done)),
+        "rng": strategy.all_gather_object(_rank_rng(trainer)),
         "schedulers": [s.scheduler.state_dict() for s in trainer.lr_scheduler_configs],
         "precision": strategy.precision.state_dict(),
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
@@ -78,27 +63,28 @@ def build_payload(trainer: Trainer, epoch_done: bool) -> dict[str, Any]:
         "hyper_parameters": plain(dict(module.hparams)),
     }
     if datamodule is not None:
-        payload["datamodule"] = {type(datamodule).__qualname__: datamodule.state_dict()}
+        payload["datamodule"] = {type(datamodule).__qualname__: hooks.datamodule("state_dict")}
         payload["datamodule_hyper_parameters"] = plain(dict(datamodule.hparams))
     with trainer.metrics.refusing("on_save_checkpoint"):
-        trainer.hooks.callbacks_only("on_save_checkpoint", payload)
-        module.on_save_checkpoint(payload)
+        hooks.callbacks("on_save_checkpoint", payload)
+        hooks.module("on_save_checkpoint", payload)
     return payload
 
 
 def restore_payload(trainer: Trainer, payload: dict[str, Any]) -> None:
-    """Everything but model/optimizer state (the strategy restored those), in Lightning's order: the
-    module's ``on_load_checkpoint``, the DataModule's state, the callbacks' ``on_load_checkpoint``
-    and ``load_state_dict``; then schedulers, grad scaler, loop position and RNG."""
+    """Everything but model/optimizer state (the strategy restored those) and the loop's position (the
+    fit loop's), in Lightning's order: the module's ``on_load_checkpoint``, the DataModule's state, the
+    callbacks' ``on_load_checkpoint`` and ``load_state_dict``; then schedulers and grad scaler."""
+    hooks = trainer.hooks
     if "state_dict" not in payload:  # what Lightning code reads: the weights just loaded
         payload["state_dict"] = payload.get("model") or trainer.module.state_dict()
-    trainer.module.on_load_checkpoint(payload)
+    hooks.module("on_load_checkpoint", payload)
     datamodule = trainer.datamodule
     if datamodule is not None:
         state = payload.get("datamodule", {}).get(type(datamodule).__qualname__)
         if state is not None:
-            datamodule.load_state_dict(state)
-    trainer.hooks.callbacks_only("on_load_checkpoint", payload)
+            hooks.datamodule("load_state_dict", state)
+    hooks.callbacks("on_load_checkpoint", payload)
     states = payload.get("callbacks", {})
     for cb in trainer.callbacks:
         if cb.state_key in states:
@@ -107,16 +93,55 @@ def restore_payload(trainer: Trainer, payload: dict[str, Any]) -> None:
         sched.scheduler.load_state_dict(state)
     if payload.get("precision"):
         trainer.strategy.precision.load_state_dict(payload["precision"])
-    loop = payload.get("loop")
-    if loop is not None:
-        trainer.restore_loop(loop)
-        rng = payload.get("rng") or []
-        if len(rng) == trainer.strategy.world_size:
-            trainer.pending_rng = rng[trainer.strategy.global_rank]
-        elif rng:
-            log.warning("checkpoint was written by %d ranks and this job has %d: RNG streams restart from "
-                        "the seed, so random ops (dropout, augmentation) will differ from the original run",
-                        len(rng), trainer.strategy.world_size)
+
+
+def rank_rng(trainer: Trainer, payload: dict[str, Any]) -> dict[str, Any] | None:
+    """This rank's saved RNG state, or None (with a warning) when the checkpoint had another world size."""
+    rng, world = payload.get("rng") or [], trainer.strategy.world_size
+    if len(rng) == world:
+        return rng[trainer.strategy.global_rank]
+    if rng:
+        log.warning("checkpoint was written by %d ranks and this job has %d: RNG streams restart from the seed, so "
+                    "random ops (dropout, augmentation) will differ from the original run", len(rng), world)
+    return None
+
+
+def load_for_fit(trainer: Trainer, ckpt_path: str | None) -> dict[str, Any] | None:
+    """Resume: rank 0 chooses the checkpoint and every rank loads the same one (file systems may differ in
+    what they see). Model, optimizers and the rest of the payload are restored; the payload is returned
+    for the fit loop's own state (None: nothing to resume)."""
+    choice = ckpt_path if ckpt_path is not None else trainer.config.resume
+    strategy = trainer.strategy
+    path = strategy.broadcast(resolve_path(trainer, choice) if strategy.is_global_zero else None)
+    if path is None:
+        return None
+    log.info("restoring from %s", path)
+    payload = strategy.load_checkpoint(path)
+    restore_payload(trainer, payload)
+    return payload
+
+
+def resolve_path(trainer: Trainer, choice: str | None) -> str | None:
+    """``None`` | ``"last"`` | ``"auto"`` | ``"best"`` | a path -> the checkpoint to load."""
+    if choice == "best":
+        callback = trainer.checkpoint_callback
+        best = getattr(callback, "best_model_path", None)
+        if not best:
+            why = "there is no ModelCheckpoint callback" if callback is None else "it has not saved a checkpoint yet"
+            raise ConfigError(f"ckpt_path='best' loads the best checkpoint of the ModelCheckpoint callback, but {why}; "
+                              f"fit with checkpointing enabled first (monitor=... ranks them), or pass a path or 'last'")
+        return best
+    return resolve_resume(choice, trainer.run_dir)
+
+
+def load_weights(trainer: Trainer, ckpt_path: str) -> None:
+    """Evaluation from a checkpoint: weights only (optimizer state is not restored)."""
+    strategy = trainer.strategy
+    path = strategy.broadcast(resolve_path(trainer, ckpt_path) if strategy.is_global_zero else None)
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint found for ckpt_path={ckpt_path!r} under {trainer.run_dir}")
+    payload = strategy.load_checkpoint(path, weights_only=True)
+    trainer.hooks.module("on_load_checkpoint", payload)
 
 
 def ensure_run_dir(trainer: Trainer) -> None:

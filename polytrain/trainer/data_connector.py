@@ -6,11 +6,13 @@ training data, the per-batch agreement that lets ranks whose streams differ in l
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
 from polytrain.core.errors import ConfigError
@@ -24,8 +26,9 @@ from polytrain.data.loaders import (
     set_iterator_rng_state,
 )
 from polytrain.trainer.datamodule import DataModule
-from polytrain.trainer.hooks import defines
+from polytrain.trainer.hooks import is_overridden
 from polytrain.trainer.module import TrainModule
+from polytrain.trainer.progress import Resumed
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
@@ -40,21 +43,22 @@ LIMIT_OPTION = {"train": "limit_train_batches", "val": "limit_val_batches", "tes
 
 def loader_source(trainer: Trainer, stage: str) -> Any:
     """Where ``stage``'s loader comes from: loaders given to the entry point, else the DataModule's
-    method, else the module's; None when nothing defines one (as Lightning, the base class's
-    ``*_dataloader`` is never called)."""
+    method, else the module's (called through the hook funnel); None when nothing defines one (as
+    Lightning, the base class's ``*_dataloader`` is never called)."""
     name = LOADER_METHOD[stage]
     if trainer.given_loaders.get(stage) is not None:
         return trainer.given_loaders[stage]
-    datamodule = trainer.datamodule
-    if datamodule is not None and defines(datamodule, name, DataModule):
-        return getattr(datamodule, name)
-    if defines(trainer.module, name, TrainModule):
-        return getattr(trainer.module, name)
+    datamodule, hooks = trainer.datamodule, trainer.hooks
+    if datamodule is not None and is_overridden(datamodule, name, DataModule):
+        return functools.partial(hooks.datamodule, name)
+    if is_overridden(trainer.module, name, TrainModule):
+        return functools.partial(hooks.module, name)
     return None
 
 
-def request_loader(trainer: Trainer, stage: str) -> Any:
-    """The processed loader for ``stage`` (``train``/``val``/``test``/``predict``), or None."""
+def request_loader(trainer: Trainer, stage: str, resumed_dp: int | None = None) -> Any:
+    """The processed loader for ``stage`` (``train``/``val``/``test``/``predict``), or None.
+    ``resumed_dp``: the data-parallel size of the checkpoint a fit resumes mid-epoch from."""
     name = LOADER_METHOD[stage]
     source = loader_source(trainer, stage)
     if callable(source) and not isinstance(source, DataLoader):
@@ -79,7 +83,6 @@ def request_loader(trainer: Trainer, stage: str) -> Any:
     strategy, cfg = trainer.strategy, trainer.config
     seed = cfg.seed if cfg.seed is not None else 0
     use_sampler = cfg.use_distributed_sampler
-    resumed_dp = (trainer.resumed_loop or {}).get("dp_size")
     if use_sampler is True and stage == "train" and resumed_dp not in (None, strategy.dp_size):
         use_sampler = "always"  # an N-rank epoch resumed on one rank continues in the N-rank order
     return strategy.process_dataloader(loader, stage, seed, use_sampler)
@@ -122,33 +125,33 @@ def batch_limit(trainer: Trainer, stage: str, loader: Any) -> int | None:
     return int(limit) if length is None else min(length, int(limit))
 
 
-def epoch_iterator(trainer: Trainer, loader: Any, epoch: int) -> tuple[Any, int]:
-    """The training iterator for ``epoch`` and the batch index it starts at (after a resume)."""
-    start = trainer.batch_in_epoch
+def epoch_iterator(loader: Any, epoch: int, start: int, num_batches: int | None, dp_size: int,
+                   resumed: Resumed) -> tuple[Any, int, tuple[int, int], torch.Tensor]:
+    """The training iterator for ``epoch``, the batch index it starts at, the ``(samples, batches)``
+    position it counts from (after a resume re-split the epoch) and the RNG state it drew its workers'
+    seed from (checkpointed: a mid-epoch resume recreates the iterator). Consumes what ``resumed`` holds."""
     set_epoch(loader, epoch)
-    saved, trainer.resumed_loop = trainer.resumed_loop, None
     # After a resume the position may come from another data-parallel size: re-split it.
-    start, manual_skip, trainer.sample_base = resume_position(loader, start, trainer.num_training_batches,
-                                                              trainer.strategy.dp_size, saved)
-    if trainer.pending_rng is not None and not trainer.resumed_mid_epoch:
+    start, manual_skip, sample_base = resume_position(loader, start, num_batches, dp_size, resumed.take_loop())
+    rng, resumed.rng = resumed.rng, None
+    if rng is not None and not resumed.mid_epoch:
         # Saved at an epoch boundary: the original run drew from the RNG when this epoch's
         # iterator was created, so restore before creating it.
-        restore_rng_state(trainer.pending_rng)
-        trainer.pending_rng = None
-    if trainer.pending_rng is not None and "loader_iter" in trainer.pending_rng:
+        restore_rng_state(rng)
+        rng = None
+    if rng is not None and "loader_iter" in rng:
         # Saved mid-epoch: the epoch's iterator drew its workers' base seed from this state; the
         # skipped batches are replayed through the workers (skip_batches), so each stream is where it was.
-        set_iterator_rng_state(loader, trainer.pending_rng["loader_iter"])
-    trainer.loader_rng = iterator_rng_state(loader)  # checkpointed: a mid-epoch resume recreates the iterator
+        set_iterator_rng_state(loader, rng["loader_iter"])
+    loader_rng = iterator_rng_state(loader)
     iterator = iter(loader)
     for _ in range(manual_skip):
         next(iterator)
-    if trainer.pending_rng is not None:
+    if rng is not None:
         # Saved mid-epoch: that run created its iterator before the checkpoint, so restore after.
-        restore_rng_state(trainer.pending_rng)
-        trainer.pending_rng = None
-    trainer.resumed_mid_epoch = False
-    return iterator, start
+        restore_rng_state(rng)
+    resumed.mid_epoch = False
+    return iterator, start, sample_base, loader_rng
 
 
 NO_BATCH = object()  # AgreedBatches.take: some rank's stream has ended

@@ -40,17 +40,20 @@ class DataModule(HyperparametersMixin, DataHooks):
                       test_dataset: Dataset | None = None, predict_dataset: Dataset | None = None,
                       batch_size: int = 1, num_workers: int = 0, **loader_kwargs: Any) -> DataModule:
         """A DataModule serving the given datasets (training shuffled)."""
-        datamodule = cls()
+        datasets = {"train": train_dataset, "val": val_dataset, "test": test_dataset, "predict": predict_dataset}
 
-        def loader(dataset: Dataset | None, shuffle: bool) -> Callable[[], Any]:
-            return lambda: None if dataset is None else DataLoader(
-                dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, **loader_kwargs)
+        def loader(stage: str) -> Callable[[DataModule], Any]:
+            def make(self: DataModule) -> Any:
+                dataset = datasets[stage]
+                return None if dataset is None else DataLoader(
+                    dataset, batch_size=batch_size, shuffle=stage == "train", num_workers=num_workers, **loader_kwargs)
 
-        datamodule.train_dataloader = loader(train_dataset, True)  # type: ignore[method-assign]
-        datamodule.val_dataloader = loader(val_dataset, False)  # type: ignore[method-assign]
-        datamodule.test_dataloader = loader(test_dataset, False)  # type: ignore[method-assign]
-        datamodule.predict_dataloader = loader(predict_dataset, False)  # type: ignore[method-assign]
-        return datamodule
+            make.__name__ = f"{stage}_dataloader"
+            return make
+
+        # A subclass of its own (not methods set on an instance): the loader methods are the class's.
+        served = type(cls.__name__, (cls,), {f"{stage}_dataloader": loader(stage) for stage in datasets})
+        return served()
 
 
 LightningDataModule = DataModule  # Lightning's name for it

@@ -17,6 +17,29 @@ from polytrain.parallel.compile import resolve_compile
 from polytrain.trainer.config import TrainerConfig, instantiate
 
 _LOGGER_NAMES = ("tensorboard", "csv", "mlflow", "wandb")
+_OBJECT_KEYS = ("callbacks", "logger", "strategy")
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str, dict))
+
+
+def split_objects(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[Callback], dict[str, Any]]:
+    """``Trainer(**kwargs)``: the config's plain values, the ``Callback`` objects given, and the other objects
+    (a ``logger`` or ``strategy`` instance) that ``callbacks``, ``logger`` and ``strategy`` also accept."""
+    kwargs = dict(kwargs)
+    objects = {k: kwargs.pop(k) for k in _OBJECT_KEYS if k in kwargs and not _is_plain(kwargs[k])}
+    callback_objects: list[Callback] = []
+    if isinstance(kwargs.get("callbacks"), (list, tuple)):
+        callback_objects = [c for c in kwargs["callbacks"] if isinstance(c, Callback)]
+        kwargs["callbacks"] = [c for c in kwargs["callbacks"] if not isinstance(c, Callback)]
+    if isinstance(objects.get("callbacks"), (list, tuple)):
+        callback_objects += list(objects.pop("callbacks"))
+    elif isinstance(objects.get("callbacks"), Callback):
+        callback_objects.append(objects.pop("callbacks"))
+    return kwargs, callback_objects, objects
 
 
 def _loggers(spec: Any, run_dir: str) -> list[Callback]:

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from polytrain.trainer import checkpoint as ckpt
 from polytrain.trainer import lifecycle
 from polytrain.trainer.data_connector import batch_limit, request_loader
 from polytrain.trainer.evaluation import run_eval_pass
-from polytrain.trainer.fit_loop import run_fit
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
@@ -19,11 +19,12 @@ _LOADER_STAGE = {"validate": "val", "test": "test", "predict": "predict"}
 
 
 def run_stage(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: bool = True) -> Any:
-    lifecycle.begin(trainer, stage)
+    """The stage's loop, after ``Trainer`` set it up (``lifecycle.begin``), then its tear-down."""
     if stage == "fit":
-        trainer.fit_ckpt_path = ckpt_path
         with torch.autograd.set_detect_anomaly(trainer.config.detect_anomaly):  # as Lightning: the fit loop only
-            run_fit(trainer)
+            trainer.profiler.start()
+            trainer.fit_loop.run(trainer, ckpt_path)
+            trainer.profiler.stop()
         result = None
     else:
         result = _evaluate(trainer, stage, ckpt_path, model_given)
@@ -40,14 +41,15 @@ def _evaluate(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: 
         ckpt_path = "best"
     trainer.metrics.reset_callback_metrics()
     if ckpt_path is not None:
-        lifecycle.load_weights(trainer, ckpt_path)
+        ckpt.load_weights(trainer, ckpt_path)
     with torch.no_grad():  # as Lightning: the loader is asked for inside the (gradient-free) evaluation
         loader = request_loader(trainer, loader_stage)
     if loader is None:
         raise ValueError(f"no {loader_stage} data: pass dataloaders to {stage}() or define {loader_stage}_dataloader() "
                          f"on {type(trainer.module).__name__} (or its DataModule)")
     limit = batch_limit(trainer, loader_stage, loader)
-    if loader_stage == "val":
-        trainer.val_loader, trainer.num_val_batches = loader, limit
+    if loader_stage == "val":  # trainer.val_dataloaders / num_val_batches show the standalone validation's
+        data = trainer.fit_loop.data
+        data.val_loader, data.num_val_batches = loader, limit
     result = run_eval_pass(trainer, loader, loader_stage, limit)
     return result if stage == "predict" else [result]

@@ -11,6 +11,7 @@ from polytrain.core.errors import EmptyDataError, NonFiniteError
 from polytrain.data.loaders import is_iterable_style
 
 if TYPE_CHECKING:
+    from polytrain.trainer.progress import FitProgress
     from polytrain.trainer.trainer import Trainer
 
 
@@ -79,10 +80,10 @@ class NonFiniteGuard:
 
     FOLD_EVERY = 256  # slots per buffer; kept losses (error policy) stacked at most this many at a time
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self.policy = trainer.config.nan_policy
-        self.device = trainer.strategy.collective_device
+    def __init__(self, policy: str, strategy: Any, module: Any, progress: FitProgress) -> None:
+        self.policy = policy
+        self.strategy, self.module, self.progress = strategy, module, progress
+        self.device = strategy.collective_device
         self._gathers = C.active()  # several processes: verdicts are gathered (asked once: ~20 us a call)
         # Error policy: no host read per step. Each scalar loss is added, as ``0 * loss``, into its own slot
         # of a zeroed buffer on its device, its step kept as a host int: a slot stays 0 while its loss is
@@ -93,7 +94,7 @@ class NonFiniteGuard:
         # add. A loss that cannot go into a slot (not a plain scalar tensor, complex, on another device) is
         # kept and stacked at the check. The steps are looked up only when some rank found a bad value
         # (the error path: ranks agree on entering it, so its gather stays matched).
-        self.step = trainer.global_step
+        self.step = progress.global_step  # this guard's own count of windows (see resume_at)
         self._slots: torch.Tensor | None = None  # FOLD_EVERY zeros, made at the first loss
         self._views: list[torch.Tensor] = []  # each slot as a tensor of its own
         self._slot_steps: list[int] = []  # the step of each filled slot
@@ -104,6 +105,7 @@ class NonFiniteGuard:
         self._bad_now: torch.Tensor | None = None
         self._window_bad: torch.Tensor | None = None
         self.skipped_steps = 0
+        self.skip_step = False  # nan_policy skip: this window's optimizer step is vetoed (reset by the loop)
         # Gradient norms (only known when clipping by norm): the first step whose norm was non-finite.
         self.first_bad_norm_step = torch.full((), -1, dtype=torch.long, device=self.device)
         self._norms_seen = False
@@ -190,31 +192,37 @@ class NonFiniteGuard:
             firsts += bad[:1]
         return min(firsts, default=-1)
 
-    def should_skip_step(self) -> bool:
-        if self.policy != "skip":
-            return False
-        bad_here = bool(self._bad_now) if self._bad_now is not None else False
-        skip = self.trainer.strategy.reduce_boolean_decision(bad_here)
-        self.skipped_steps += int(skip)
-        return skip
+    def resume_at(self, step: int) -> None:
+        """Count windows from ``step`` (the restored global step), so errors name the steps a user sees."""
+        self.step = step
 
-    def check_grad_norm(self, norm: torch.Tensor | None) -> bool:
-        """The strategy's hook after clipping by norm (the total norm is then known): a NaN/inf
-        norm marks the step bad even when the loss was finite. Returns True when the optimizer step
-        must be skipped (``nan_policy: skip``, agreed by every rank). With a GradScaler (16-mixed)
-        the scaler already skips inf/NaN gradients, so its overflow steps are not errors."""
-        if norm is None or getattr(self.trainer.strategy.precision, "scaler", None) is not None:
-            return False
+    def vote_on_skip(self) -> None:
+        """``nan_policy: skip``: the ranks agree whether this window saw a non-finite loss; if any did, the
+        window's optimizer step is vetoed (``skip_step``) on every rank."""
+        if self.policy != "skip":
+            return
+        bad_here = bool(self._bad_now) if self._bad_now is not None else False
+        skip = self.strategy.reduce_boolean_decision(bad_here)
+        self.skipped_steps += int(skip)
+        self.skip_step = self.skip_step or skip
+
+    def check_grad_norm(self, norm: torch.Tensor | None) -> None:
+        """After clipping by norm (the total norm is then known): a NaN/inf norm marks the step bad even
+        when the loss was finite. Under ``nan_policy: skip`` the ranks agree and the step is vetoed
+        (``skip_step``). With a GradScaler (16-mixed) the scaler already skips inf/NaN gradients, so its
+        overflow steps are not errors."""
+        if norm is None or getattr(self.strategy.precision, "scaler", None) is not None:
+            return
         bad = ~torch.isfinite(norm.detach()).all()
         if self.policy == "skip":
-            skip = self.trainer.strategy.reduce_boolean_decision(bool(bad))
+            skip = self.strategy.reduce_boolean_decision(bool(bad))
             self.skipped_steps += int(skip)
-            return skip
+            self.skip_step = self.skip_step or skip
+            return
         # `self.step` already counts this window (observe ran first): the step is self.step - 1.
         self._norms_seen = True
         self.first_bad_norm_step = torch.where(bad.to(self.device) & (self.first_bad_norm_step < 0),
                                                self.step - 1, self.first_bad_norm_step)
-        return False
 
     def _param_extremes(self) -> list[torch.Tensor]:
         """Each floating parameter's min and max on this rank, on the collective device: NaN propagates
@@ -223,7 +231,7 @@ class NonFiniteGuard:
         ``isfinite().all()`` makes several passes and temporaries: ~5x slower on CPU (docs/performance.md)."""
         extremes: list[torch.Tensor] = []
         device = self.device
-        for p in self.trainer.module.parameters():
+        for p in self.module.parameters():
             local = (p.to_local() if hasattr(p, "to_local") else p).detach()  # a DTensor shard
             if local.is_complex():
                 local = torch.view_as_real(local)
@@ -245,7 +253,7 @@ class NonFiniteGuard:
         logging step a parameter made non-finite shows in the next loss). Then one gather of each
         rank's verdict when there are several. ``votes`` ride on that gather (a logging step's stop
         request and time limit): returned, each True when any rank voted True."""
-        at = (self.step, self.trainer.global_step)
+        at = (self.step, self.progress.global_step)
         if parameters and not votes and at == self._checked_all_at:
             return []
         finite = True
@@ -302,14 +310,14 @@ class NonFiniteGuard:
         params = [r for r, (_, _, p) in enumerate(gathered) if p]
         if params:
             raise NonFiniteError(
-                f"non-finite parameters on rank(s) {params} after step {self.trainer.global_step} although every "
+                f"non-finite parameters on rank(s) {params} after step {self.progress.global_step} although every "
                 f"checked loss was finite: a NaN/inf gradient from a finite loss was applied. Only the loss is "
                 f"checked per step unless gradient clipping by norm is on (trainer.gradient_clip_val): set it to "
                 f"catch the exact step. Training stopped before any later checkpoint was written"
             )
         # The first gather said some rank saw a non-finite value; its details must name one of the above.
         raise NonFiniteError(
-            f"a non-finite value was found after step {self.trainer.global_step} (per-rank [first bad loss step, "
+            f"a non-finite value was found after step {self.progress.global_step} (per-rank [first bad loss step, "
             f"first bad gradient-norm step, parameters bad]: {gathered}); training stopped before any later "
             f"checkpoint was written"
         )

@@ -1,4 +1,5 @@
-"""Starting worker processes for a ``Trainer`` method called outside any launcher."""
+"""Where a ``Trainer`` runs: its strategy for this process, or worker processes started for a method
+called outside any launcher."""
 
 from __future__ import annotations
 
@@ -9,8 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from polytrain.core import divergence
+from polytrain.core.rng import enable_deterministic
+from polytrain.parallel.activation_checkpointing import resolve_checkpointing
+from polytrain.parallel.compile import resolve_compile
+from polytrain.strategies.base import Strategy
 from polytrain.strategies.launcher import LaunchPlan, launch_spawn, relaunch_script
-from polytrain.trainer.config import trainer_to_dict
+from polytrain.strategies.registry import build_strategy, strategy_class
+from polytrain.trainer.config import TrainerConfig, trainer_to_dict
 
 if TYPE_CHECKING:
     from polytrain.trainer.module import TrainModule
@@ -48,3 +55,28 @@ def launch_from_trainer(trainer: Trainer, plan: LaunchPlan, stage: str, module: 
         module.load_state_dict(out["state_dict"])
     trainer.callback_metrics = {k: torch.tensor(v) for k, v in out["callback_metrics"].items()}
     return out["result"]
+
+
+def strategy_for(config: TrainerConfig, plan: LaunchPlan) -> Strategy:
+    """The strategy this process runs (a ``Strategy`` given as ``trainer.strategy`` is used as it is), with the
+    process-wide switches the config asks for set before its process group starts."""
+    compile_options = resolve_compile(config.compile)
+    checkpointing = resolve_checkpointing(config.activation_checkpointing)
+    if isinstance(config.strategy, Strategy):
+        strategy = config.strategy
+        strategy.adopt_model_transforms(compile_options, checkpointing)
+    else:
+        spec = dict(config.strategy)
+        spec["name"] = plan.strategy_name
+        if config.sync_batchnorm and "sync_batchnorm" in strategy_class(spec["name"]).Options.__dataclass_fields__:
+            spec["sync_batchnorm"] = True  # Lightning's Trainer(sync_batchnorm=True); one process: nothing to sync
+        strategy = build_strategy(spec, accelerator=plan.accelerator, devices=plan.devices, num_nodes=plan.num_nodes,
+                                  precision=config.precision, timeout=config.timeout, env=plan.env,
+                                  compile_options=compile_options, checkpointing_options=checkpointing)
+    if config.benchmark is not None:
+        torch.backends.cudnn.benchmark = config.benchmark
+    if config.deterministic:
+        enable_deterministic()
+    if config.detect_divergence:
+        divergence.enable(config.timeout)  # before the process group starts
+    return strategy

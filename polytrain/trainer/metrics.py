@@ -18,12 +18,15 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from polytrain.core import collectives as C
 from polytrain.core.batch import batch_size_of
+
+if TYPE_CHECKING:
+    from polytrain.trainer.trainer import Trainer
 
 REDUCE_FX = ("mean", "sum", "max", "min")
 _HERE = (os.path.dirname(os.path.abspath(__file__)),)
@@ -133,6 +136,11 @@ class MetricCollector:
         # The training epoch's last per-step values (reduce_epoch keeps them): what Lightning's
         # logged_metrics and progress_bar_metrics show after the epoch, logged or not on a logging step.
         self.last_step_values: dict[str, tuple[Logged, torch.Tensor]] = {}
+        # What has been sent to the loggers and the progress bar (Lightning's logged_metrics and
+        # progress_bar_metrics), as floats.
+        self.logged: dict[str, float] = {}
+        self.progress_bar: dict[str, float] = {}
+        self._eval_step_entries: list[Logged] = []  # this evaluation's per-step names: dropped at its end
 
     @property
     def batch_size(self) -> int:
@@ -193,6 +201,10 @@ class MetricCollector:
                     self.callback[f"{name}_step"] = tensor
         if on_epoch and entry.metric is None:
             self._accumulate(entry, tensor, batch_size)
+            if not on_step and self.stage != "sanity" and self.epoch_level():
+                # Logged in an epoch-level hook: readable there at once (Lightning reduces on each read);
+                # the epoch's reduction after the hook replaces it with the value reduced across ranks.
+                self.callback[name] = tensor
 
     def epoch_level(self) -> bool:
         """In a hook that runs once per epoch or stage (on_train_start, on_*_epoch_start/end, ...)."""
@@ -240,9 +252,11 @@ class MetricCollector:
                     self.callback[e.step_name()] = v
         return values
 
-    def reduce_epoch(self, stage: str, group: Any = None) -> dict[str, tuple[Logged, torch.Tensor]]:
+    def reduce_epoch(self, stage: str, group: Any = None, more: bool = False) -> dict[str, tuple[Logged, torch.Tensor]]:
         """Epoch values of ``stage`` reduced over the epoch and the data-parallel ranks, by published
-        name; the stage's records are cleared. Called by every rank at the same point."""
+        name, and into ``callback``; the stage's records are cleared. Called by every rank at the same
+        point: before the epoch-end hooks (they read the epoch's values), then with ``more=True`` after
+        them (what they logged)."""
         results = self.results.pop(stage, {})
         if stage == self.stage:
             self._current = self.results.setdefault(stage, {})
@@ -285,16 +299,38 @@ class MetricCollector:
                 if e.forked:
                     self.callback[e.epoch_name()] = v
         if stage == "train":
-            self.last_step_values = {e.step_name(): (e, e.step_value) for e in results.values()
-                                     if e.on_step and e.step_value is not None}
+            last = {e.step_name(): (e, e.step_value) for e in results.values() if e.on_step and e.step_value is not None}
+            self.last_step_values = {**self.last_step_values, **last} if more else last
         elif stage in ("val", "test"):
-            # As Lightning: an evaluation's per-step values leave callback_metrics when it ends.
-            for e in results.values():
-                if e.on_step:
-                    self.callback.pop(e.step_name(), None)
-                    if not e.on_epoch:
-                        self.callback.pop(e.name, None)
+            stepped = [e for e in results.values() if e.on_step]
+            self._eval_step_entries = self._eval_step_entries + stepped if more else stepped
         return out
+
+    def end_eval_epoch(self) -> None:
+        """As Lightning: an evaluation's per-step values leave callback_metrics when it ends."""
+        for e in self._eval_step_entries:
+            self.callback.pop(e.step_name(), None)
+            if not e.on_epoch:
+                self.callback.pop(e.name, None)
+        self._eval_step_entries = []
+
+    def publish(self, values: dict[str, tuple[Logged, torch.Tensor]]) -> dict[str, float]:
+        """``values`` as floats into ``logged`` and ``progress_bar`` (a host read: only at logging steps and
+        epoch ends); returns what goes to the loggers. The training epoch's last per-step values come
+        along once (Lightning's logged_metrics show them after the epoch)."""
+        latest, self.last_step_values = self.last_step_values, {}
+        for name, (entry, value) in latest.items():
+            if entry.prog_bar:
+                self.progress_bar[name] = float(value)
+            if entry.logger:
+                self.logged[name] = float(value)
+        if not values:
+            return {}
+        scalars = {name: float(v) for name, (_, v) in values.items()}
+        self.progress_bar.update({n: scalars[n] for n, (e, _) in values.items() if e.prog_bar})
+        logged = {n: scalars[n] for n, (e, _) in values.items() if e.logger}
+        self.logged.update(logged)
+        return logged
 
     def discard(self, stage: str) -> None:
         """Forget ``stage``'s records (the sanity check's)."""
@@ -304,3 +340,10 @@ class MetricCollector:
     def reset_callback_metrics(self) -> None:
         """A standalone validate/test starts with no metrics of an earlier stage."""
         self.callback.clear()
+
+
+def publish(trainer: Trainer, values: dict[str, tuple[Logged, torch.Tensor]], step: int) -> None:
+    """Hand values to the loggers (``on_log``) and the progress bar: the only place metrics leave the device."""
+    logged = trainer.metrics.publish(values)
+    if values:
+        trainer.hooks.callbacks("on_log", logged, step)

@@ -1,53 +1,69 @@
-"""One training batch, automatic or manual optimisation, in Lightning's order.
+"""One training batch, automatic or manual optimisation, in Lightning's order. Which of the two runs is
+chosen once per fit; each is one ``run(batch, batch_idx, end_of_window, epoch) -> (output, stepped)``.
 
 Automatic (per micro-batch): ``training_step`` runs inside a closure that ``optimizer.step`` calls
 (so LBFGS-style optimizers work), then ``on_before_zero_grad``/``optimizer_zero_grad`` on the first
 micro-batch of a window, then the backward hooks around ``backward``; after the closure,
 ``on_before_optimizer_step`` and ``configure_gradient_clipping`` see unscaled gradients; then the
-update. Micro-batches that do not end a window run the closure directly, without the gradient sync. A
-plain batch (``_run_plain``) has no closure; its gradients are released just before the next fetch.
-Several optimizers (a polytrain extension: Lightning needs manual optimisation for that) share one
-forward/backward and step in turn. The GradScaler is updated once per iteration, after every
-optimizer stepped, as PyTorch's multi-optimizer AMP recipe does.
+update. A module's ``optimizer_step`` hook sits between the loop and the same update
+(``step_optimizer``): its ``optimizer.step(closure)`` comes back there. Micro-batches that do not end a
+window run the closure directly, without the gradient sync. Several optimizers (a polytrain extension:
+Lightning needs manual optimisation for that) share one forward/backward and step in turn; the
+GradScaler is updated once per iteration, after every optimizer stepped (PyTorch's multi-optimizer AMP
+recipe). A step the non-finite guard vetoes (``nan_policy: skip``) is not taken, and ``run`` says so.
 
-Manual: ``training_step`` alone; the module drives ``self.optimizers()`` (``StepOptimizer`` s, so
-``step()`` goes through precision, hooks and step counting) and ``self.manual_backward``.
+A *plain* fit (one of torch's optimizers stepped on every batch, nothing between backward and the
+update) needs no closure: its batch is a branch of ``run`` that calls training_step, backward and
+``optimizer.step()`` as a hand loop does, and the loop releases the gradients just before it fetches
+the next batch, where a hand loop's ``zero_grad`` lands. Whether a fit is plain is decided once; the
+branch still checks, per batch, that no step pre-hook was registered since (it would see the order).
 
-The plans (which hooks anyone overrides) are fixed when a fit starts, so the common batch costs a
-handful of attribute reads beyond the work itself (benchmarks/overhead.py).
+Manual: ``training_step`` alone; the module drives ``self.optimizers()`` (``StepOptimizer`` s, whose
+``step()`` goes through precision, ``on_before_optimizer_step`` and step counting) and
+``self.manual_backward``.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from polytrain.core import heartbeat
 from polytrain.core.precision import runs_closure_itself
+from polytrain.trainer.guards import NonFiniteGuard
+from polytrain.trainer.hooks import Hooks
+from polytrain.trainer.progress import FitProgress
 
-if TYPE_CHECKING:
-    from polytrain.trainer.trainer import Trainer
+Instrument = Callable[..., Callable]
+
+
+def _no_closure() -> None:
+    return None
+
+
+def _as_is(row: str, fn: Callable, **_: Any) -> Callable:
+    return fn
 
 
 class StepOptimizer:
-    """A torch optimizer whose ``step`` goes through the Trainer: precision (unscaling, skipped
-    overflow steps), ``on_before_optimizer_step``, step counting. It is also an instance of the wrapped
-    optimizer's class and shares its state; ``.optimizer`` is the raw one."""
+    """A torch optimizer whose ``step`` goes through the fit's optimisation (``step(optimizer, closure)``):
+    precision (unscaling, skipped overflow steps), hooks, step counting. It is also an instance of the
+    wrapped optimizer's class and shares its state; ``.optimizer`` is the raw one."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, trainer: Trainer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, step: Callable[[torch.optim.Optimizer, Any], Any]) -> None:
         self.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in ("step", "__del__")})
         self._optimizer = optimizer
-        self._trainer = trainer
+        self._step = step
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self._optimizer
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        return self._trainer._optimizer_step(self._optimizer, closure)
+        return self._step(self._optimizer, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
@@ -56,11 +72,24 @@ class StepOptimizer:
         return f"StepOptimizer({self._optimizer!r})"
 
 
-def wrap_optimizer(optimizer: torch.optim.Optimizer, trainer: Trainer) -> StepOptimizer:
+def wrap_optimizer(optimizer: torch.optim.Optimizer, step: Callable[[torch.optim.Optimizer, Any], Any]
+                   ) -> StepOptimizer:
     cls = type(f"Step{type(optimizer).__name__}", (StepOptimizer, type(optimizer)), {})
     wrapped = cls.__new__(cls)
-    StepOptimizer.__init__(wrapped, optimizer, trainer)
+    StepOptimizer.__init__(wrapped, optimizer, step)
     return wrapped
+
+
+def clip_gradients(strategy: Any, guard: NonFiniteGuard | None, optimizer: torch.optim.Optimizer, value: float,
+                   algorithm: str) -> None:
+    """Clip ``optimizer``'s gradients, unscaled first; a non-finite norm is the guard's to judge (under
+    ``nan_policy: skip`` it vetoes the step)."""
+    if algorithm not in ("norm", "value"):
+        raise ValueError(f"gradient_clip_algorithm={algorithm!r}; valid: norm, value")
+    strategy.precision.unscale_gradients(optimizer)
+    norm = strategy.clip_gradients(optimizer, value, algorithm)
+    if guard is not None:
+        guard.check_grad_norm(norm)
 
 
 class Closure:
@@ -79,55 +108,42 @@ class Closure:
     def __call__(self) -> torch.Tensor | None:
         # The loop's heartbeat already marked this batch "training_step"; the strategy marks "backward".
         runner = self.runner
-        result = self.result = runner.strategy.forward_backward(self.batch, self.batch_idx, runner.accumulate,
-                                                                self.zero_grad)
+        result = self.result = runner.forward_backward(self.batch, self.batch_idx, runner.accumulate, self.zero_grad)
         self.ran = True
         runner.guard.observe(result.loss, runner.end_of_window)
         return result.loss
 
 
 class AutomaticOptimization:
-    """Per-fit plan of a training batch under automatic optimisation."""
+    """A fit's training batch under automatic optimisation (see the module's docstring)."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self.strategy = trainer.strategy
-        self.module = trainer.module
-        self.guard = trainer.guard
-        hooks = trainer.hooks
-        self.optimizers = list(self.strategy.optimizers)
-        self.wrapped = trainer.optimizers
-        self.accumulate = trainer.config.accumulate_grad_batches
-        self.clip_val = trainer.config.gradient_clip_val
-        self.clip_algorithm = trainer.config.gradient_clip_algorithm
+    def __init__(self, strategy: Any, module: Any, hooks: Hooks, guard: NonFiniteGuard, config: Any,
+                 instrument: Instrument = _as_is) -> None:
+        self.strategy, self.module, self.guard = strategy, module, guard
+        self.optimizers = list(strategy.optimizers)
+        self._step = instrument("optimizer update", self._step_optimizer, excluding="forward+backward")
+        self.wrapped = [wrap_optimizer(opt, self._step) for opt in self.optimizers]
+        self.accumulate = config.accumulate_grad_batches
+        self.clip_val, self.clip_algorithm = config.gradient_clip_val, config.gradient_clip_algorithm
         self.before_zero_grad = hooks.batch_plan("on_before_zero_grad")
         self.before_optimizer_step = hooks.batch_plan("on_before_optimizer_step")
-        self.optimizer_step_hook = self.module.optimizer_step if hooks.module_overrides("optimizer_step") else None
-        self.zero_grad_hook = self.module.optimizer_zero_grad if hooks.module_overrides("optimizer_zero_grad") \
-            else None
-        self.clip_hook = self.module.configure_gradient_clipping \
-            if hooks.module_overrides("configure_gradient_clipping") or hooks.module_overrides("clip_gradients") \
-            else None
+        self.optimizer_step_hook = self.module.optimizer_step if hooks.overrides("optimizer_step") else None
+        self.zero_grad_hook = self.module.optimizer_zero_grad if hooks.overrides("optimizer_zero_grad") else None
+        clips = hooks.overrides("configure_gradient_clipping") or hooks.overrides("clip_gradients")
+        self.clip_hook = self.module.configure_gradient_clipping if clips else None
+        self.forward_backward = instrument("forward+backward", strategy.step_runner)
         self.closure = Closure(self)
-        self.end_of_window = True
-        self.epoch = 0
-        self.batch_idx = 0
-        # Fixed for the fit, so the common batch calls only what it needs: the heartbeat's position mark
-        # when one runs, the skip vote under nan_policy "skip", the scaler's update under 16-mixed, and
-        # each optimizer's step bound once (strategy verb, closure, after-closure) instead of per batch.
-        self.mark_position = heartbeat.marker()
-        self.votes_on_skip = self.guard.policy == "skip"
-        self.update_scaler = self.strategy.precision.update if self.strategy.precision.scaler is not None else None
         self.step_closures = [self.closure] + [_rerun_guard(self.closure) for _ in self.optimizers[1:]]
-        self.steps = [functools.partial(self.strategy.optimizer_step, opt, closure,
-                                        functools.partial(self.after_closure, opt))
-                      for opt, closure in zip(self.optimizers, self.step_closures)]
-        trainer.skip_this_step = False  # only the general path's hooks, clipping and skip vote set it
-        # Called by the loop before it fetches each batch; None unless the plan is plain (below).
-        self.release_gradients: Callable[[], None] | None = None
-        if self._is_plain():
-            self.release_gradients = functools.partial(self.optimizers[0].zero_grad, set_to_none=True)
-            self.run = self._run_plain  # type: ignore[method-assign]
+        self._after = {id(opt): functools.partial(self.after_closure, opt) for opt in self.optimizers}
+        self.end_of_window, self.epoch, self.batch_idx = True, 0, 0
+        # Fixed for the fit: the heartbeat's position mark when one runs, the scaler's update under 16-mixed.
+        self.mark_position = heartbeat.marker()
+        self.update_scaler = strategy.precision.update if strategy.precision.scaler is not None else None
+        self.plain = self._is_plain()
+        # Called by the loop before it fetches each batch (a plain fit's zero_grad); None otherwise.
+        self.release_gradients = functools.partial(self.optimizers[0].zero_grad, set_to_none=True) \
+            if self.plain else None
+        self._update = instrument("optimizer update", self.optimizers[0].step) if self.plain else None
 
     def _is_plain(self) -> bool:
         """One optimizer stepped on every batch with nothing between backward and the update: no hook
@@ -136,7 +152,44 @@ class AutomaticOptimization:
         return (len(self.optimizers) == 1 and self.accumulate == 1 and self.strategy.steps_plainly
                 and self.optimizer_step_hook is None and self.zero_grad_hook is None and self.clip_hook is None
                 and self.clip_val is None and not self.before_zero_grad and not self.before_optimizer_step
-                and not self.votes_on_skip and self.update_scaler is None)
+                and self.guard.policy != "skip" and self.update_scaler is None)
+
+    def run(self, batch: Any, batch_idx: int, end_of_window: bool, epoch: int) -> tuple[Any, bool]:
+        """Forward/backward, and at a window's end the optimizers' steps: ``(the step's result, stepped)``."""
+        if self.plain and runs_closure_itself(self.optimizers[0]):
+            result = self.forward_backward(batch, batch_idx, 1, None)  # gradients were released before the fetch
+            self.guard.observe(result.loss, True)
+            if self.mark_position is not None:
+                self.mark_position("optimizer_step")
+            self._update()
+            return result, True
+        closure = self.closure
+        closure.batch, closure.batch_idx, closure.ran = batch, batch_idx, False
+        closure.zero_grad = self._zero_grad if batch_idx % self.accumulate == 0 else None
+        self.end_of_window, self.epoch, self.batch_idx = end_of_window, epoch, batch_idx
+        if not end_of_window:
+            with self.strategy.no_backward_sync(True):
+                closure()
+            return closure.result, False
+        self.guard.skip_step = False
+        if self.optimizer_step_hook is None:
+            for optimizer, step_closure in zip(self.optimizers, self.step_closures):
+                self._step(optimizer, step_closure)
+        else:
+            for wrapped, step_closure in zip(self.wrapped, self.step_closures):
+                self.optimizer_step_hook(epoch, batch_idx, wrapped, step_closure)
+                if not closure.ran:
+                    raise RuntimeError(
+                        f"{type(self.module).__name__}.optimizer_step did not run the closure it was given: call "
+                        f"optimizer.step(closure=optimizer_closure) (or optimizer_closure()) in it, or training_step "
+                        f"and backward never happen")
+        if self.update_scaler is not None:
+            self.update_scaler()
+        return closure.result, not self.guard.skip_step
+
+    def _step_optimizer(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer's step through the strategy (precision, the after-closure hooks and clipping)."""
+        return self.strategy.optimizer_step(optimizer, closure or _no_closure, self._after[id(optimizer)])
 
     def _zero_grad(self) -> None:
         for k, opt in enumerate(self.optimizers):
@@ -148,7 +201,7 @@ class AutomaticOptimization:
                 opt.zero_grad(set_to_none=True)
 
     def after_closure(self, optimizer: torch.optim.Optimizer) -> None:
-        """Gradients are final and unscaled: hooks, clipping, and the NaN guard's skip decision."""
+        """Gradients are final and unscaled: hooks, clipping, and the non-finite guard's veto."""
         if self.mark_position is not None:
             self.mark_position("optimizer_step")
         for fn in self.before_optimizer_step:
@@ -156,55 +209,11 @@ class AutomaticOptimization:
         if self.clip_hook is not None:
             self.clip_hook(optimizer, gradient_clip_val=self.clip_val, gradient_clip_algorithm=self.clip_algorithm)
         elif self.clip_val is not None:
-            self.trainer.clip_gradients(optimizer, self.clip_val, self.clip_algorithm or "norm")
-        if self.votes_on_skip and optimizer is self.optimizers[0] and self.guard.should_skip_step():
-            self.trainer.skip_this_step = True
-        if self.trainer.skip_this_step:
+            clip_gradients(self.strategy, self.guard, optimizer, self.clip_val, self.clip_algorithm or "norm")
+        if optimizer is self.optimizers[0]:
+            self.guard.vote_on_skip()
+        if self.guard.skip_step:
             optimizer.zero_grad(set_to_none=True)  # no gradient, no update (and no optimizer state change)
-
-    def _run_plain(self, batch: Any, batch_idx: int, end_of_window: bool, epoch: int) -> Any:
-        """``run`` for a plain plan (``_is_plain``): training_step, backward, the update, with no closure and
-        no call in between that would do nothing (with the cheaper guard check of the same pass,
-        benchmarks/loop_cost.py: 39 -> 25 us added per step). The loop calls ``release_gradients`` before
-        it fetches each batch: where a hand loop's zero_grad after the step lands, so the fetch reuses
-        the freed memory while it is hot. Releasing them after the forward instead, as Lightning's
-        closure does, cost ~10 us a step on the default benchmarks/overhead.py model (old 1.064/1.062,
-        new 1.056/1.052/1.051, 21 pairs each, same hour); hooks after the step still see the gradients."""
-        optimizer = self.optimizers[0]
-        if not runs_closure_itself(optimizer):  # e.g. a step pre-hook registered mid-fit sees the old order
-            return AutomaticOptimization.run(self, batch, batch_idx, end_of_window, epoch)
-        result = self.strategy.forward_backward(batch, batch_idx, 1, None)  # released before the fetch
-        self.guard.observe(result.loss, True)
-        if self.mark_position is not None:
-            self.mark_position("optimizer_step")
-        optimizer.step()
-        return result
-
-    def run(self, batch: Any, batch_idx: int, end_of_window: bool, epoch: int) -> Any:
-        """Forward/backward (and the optimizer steps when ``end_of_window``); returns the closure's result."""
-        closure = self.closure
-        closure.batch, closure.batch_idx, closure.ran = batch, batch_idx, False
-        closure.zero_grad = self._zero_grad if batch_idx % self.accumulate == 0 else None
-        self.end_of_window, self.epoch, self.batch_idx = end_of_window, epoch, batch_idx
-        if not end_of_window:
-            with self.strategy.no_backward_sync(True):
-                closure()
-            return closure.result
-        self.trainer.skip_this_step = False
-        if self.optimizer_step_hook is None:
-            for step in self.steps:
-                step()
-        else:
-            for k in range(len(self.steps)):
-                self.optimizer_step_hook(epoch, batch_idx, self.wrapped[k], self.step_closures[k])
-                if not closure.ran:
-                    raise RuntimeError(
-                        f"{type(self.module).__name__}.optimizer_step did not run the closure it was given: call "
-                        f"optimizer.step(closure=optimizer_closure) (or optimizer_closure()) in it, or training_step "
-                        f"and backward never happen")
-        if self.update_scaler is not None:
-            self.update_scaler()
-        return closure.result
 
 
 def _rerun_guard(closure: Closure) -> Callable[[], Any]:
@@ -217,22 +226,33 @@ def _rerun_guard(closure: Closure) -> Callable[[], Any]:
 
 
 class ManualOptimization:
-    """Per-fit plan of a training batch under manual optimisation."""
+    """A fit's training batch under manual optimisation: the module steps; each step counts."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self.strategy = trainer.strategy
-        self.accumulate = trainer.config.accumulate_grad_batches
+    def __init__(self, strategy: Any, hooks: Hooks, guard: NonFiniteGuard, progress: FitProgress,
+                 instrument: Instrument = _as_is) -> None:
+        self.strategy, self.hooks, self.guard, self.progress = strategy, hooks, guard, progress
+        self.optimizers = list(strategy.optimizers)
+        self.wrapped = [wrap_optimizer(opt, instrument("optimizer update", self._step_optimizer))
+                        for opt in self.optimizers]
+        self.training_step = instrument("forward+backward", strategy.training_step)
         self.release_gradients: Callable[[], None] | None = None  # the module zeroes its gradients itself
+        self.accumulating = False  # this batch is not the last of its window (manual_backward skips the sync)
 
-    def run(self, batch: Any, batch_idx: int, end_of_window: bool, epoch: int) -> Any:
-        trainer = self.trainer
-        trainer.accumulating = not end_of_window
-        with self.strategy.no_backward_sync(not end_of_window):
-            output = self.strategy.training_step(batch, batch_idx)
+    def run(self, batch: Any, batch_idx: int, end_of_window: bool, epoch: int) -> tuple[Any, bool]:
+        self.accumulating = not end_of_window
+        try:
+            with self.strategy.no_backward_sync(not end_of_window):
+                output = self.training_step(batch, batch_idx)
+        finally:
+            self.accumulating = False
         self.strategy.precision.update()  # one scaler update per iteration, whatever the module stepped
-        trainer.accumulating = False
         # Manual optimisation may return anything; a tensor or a dict's "loss" is watched for NaN.
         loss = output.get("loss") if isinstance(output, dict) else output
-        trainer.guard.observe(loss.detach() if isinstance(loss, torch.Tensor) else None, end_of_window=True)
-        return output
+        self.guard.observe(loss.detach() if isinstance(loss, torch.Tensor) else None, end_of_window=True)
+        return output, False  # steps were counted as the module took them
+
+    def _step_optimizer(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+        result = self.strategy.optimizer_step(optimizer, closure or _no_closure,
+                                              functools.partial(self.hooks, "on_before_optimizer_step", optimizer))
+        self.progress.global_step += 1  # manual optimisation counts every optimizer.step(), as Lightning
+        return result

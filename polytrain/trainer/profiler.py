@@ -11,11 +11,12 @@
   hooks appear in it as ``polytrain/...`` ranges.
 
 Without a profiler nothing is timed and nothing is checked per step: ``trainer.profiler`` is a
-``PassThroughProfiler`` whose ``start``/``stop`` run once per fit and do nothing. A profiler
-instruments once, at fit start: it wraps the hook funnel's planned callables (``Hooks.plan``) and the
-per-epoch callables the loop reads (the iterator, ``transfer_batch``, the optimisation runner, the
-strategy's step verbs), and puts them back at fit end. Times are wall-clock and inclusive: a hook
-called inside the training batch counts in both rows.
+``PassThroughProfiler`` whose ``instrument(row, fn)`` returns ``fn`` itself. A profiler times through
+the same funnel the run uses: the hook funnel (``Hooks``) and the fit's per-batch callables (the
+iterator, the batch mover, the training batch, the strategy's step verbs) are each built once through
+``instrument``, so a profiled run takes exactly the path an unprofiled one does, and nothing is
+patched or put back. Times are wall-clock and inclusive: a hook called inside the training batch
+counts in both rows.
 
 ``trainer.profiler.profile(name)`` is Lightning's context manager for timing your own code.
 """
@@ -23,6 +24,7 @@ called inside the training batch counts in both rows.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -34,7 +36,6 @@ import torch
 from polytrain.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from polytrain.trainer.fit_loop import EpochLoop
     from polytrain.trainer.trainer import Trainer
 
 log = logging.getLogger("polytrain")
@@ -54,13 +55,19 @@ class PassThroughProfiler:
 
     @property
     def enabled(self) -> bool:
-        """Whether this rank instruments the loop (read once per stage by the hook funnel)."""
+        """Whether this rank times anything."""
         return False
 
-    def start(self, loop: EpochLoop) -> None: ...
+    def instrument(self, row: str, fn: Callable[..., Any], excluding: str | None = None) -> Callable[..., Any]:
+        """``fn`` timed under ``row`` (less the time spent in row ``excluding`` meanwhile); here ``fn`` itself."""
+        return fn
+
+    def iterator(self, row: str, iterator: Any) -> Any:
+        """``iterator`` with each ``next`` timed under ``row``; here ``iterator`` itself."""
+        return iterator
+
+    def start(self) -> None: ...
     def stop(self) -> None: ...
-    def wrap_plan(self, name: str, plan: Any) -> Any:
-        return plan
 
     def profile(self, name: str) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -75,25 +82,30 @@ class SimpleProfiler(PassThroughProfiler):
         self.trainer = trainer
         self.filename = filename
         self.records: dict[str, list[float]] = {}  # row -> [total seconds, calls]
-        self._patched: list[tuple[Any, str, bool, Any]] = []
-        self._handles: list[Any] = []
         self._t0 = 0.0
         self.summary: str | None = None
 
     # ------------------------------------------------------------------ timing
-    def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        record = self.records.setdefault(name, [0.0, 0])
+    def instrument(self, row: str, fn: Callable[..., Any], excluding: str | None = None) -> Callable[..., Any]:
+        if not self.enabled:
+            return fn
+        record = self.records.setdefault(row, [0.0, 0])
+        inner = self.records.setdefault(excluding, [0.0, 0]) if excluding is not None else None
         clock = time.perf_counter
 
+        @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            t0 = clock()
+            t0, inside = clock(), inner[0] if inner is not None else 0.0
             try:
                 return fn(*args, **kwargs)
             finally:
-                record[0] += clock() - t0
+                record[0] += clock() - t0 - ((inner[0] - inside) if inner is not None else 0.0)
                 record[1] += 1
 
         return call
+
+    def iterator(self, row: str, iterator: Any) -> Any:
+        return _TimedIterator(iterator, self.records.setdefault(row, [0.0, 0])) if self.enabled else iterator
 
     @contextlib.contextmanager
     def profile(self, name: str) -> Iterator[None]:
@@ -105,80 +117,11 @@ class SimpleProfiler(PassThroughProfiler):
             record[0] += time.perf_counter() - t0
             record[1] += 1
 
-    def wrap_plan(self, name: str, plan: Any) -> Any:
-        """``Hooks.plan``'s (callbacks before the module, after it, the module's hook), each timed."""
-        before, after, module_hook = plan
-        module = type(self.trainer.module).__name__
-
-        def owner(fn: Any) -> str:
-            return type(getattr(fn, "__self__", fn)).__name__
-
-        return ([self.timed(f"{name}: {owner(fn)}", fn) for fn in before],
-                [self.timed(f"{name}: {owner(fn)}", fn) for fn in after],
-                self.timed(f"{name}: {module}", module_hook) if module_hook is not None else None)
-
-    # ------------------------------------------------------------------ instrumenting the loop
-    def _patch(self, obj: Any, attr: str, row: str, wrap: Callable[[str, Any], Any] | None = None) -> None:
-        had = attr in obj.__dict__
-        original = getattr(obj, attr)
-        self._patched.append((obj, attr, had, obj.__dict__.get(attr)))
-        obj.__dict__[attr] = (wrap or self.timed)(row, original)
-
-    def start(self, loop: EpochLoop) -> None:
-        t, strategy = self.trainer, self.trainer.strategy
+    def start(self) -> None:
         self._t0 = time.perf_counter()
-        self._patch(loop, "run_epoch", "train epoch")
-        self._patch(loop, "_iterator", "get batch", self._timed_iterators)
-        self._patch(t, "transfer_batch", "batch to device")
-        self._patch(loop.optimization, "run", "training batch", self._step_wrapper)
-        self._patch(strategy, "forward_backward", "forward+backward")
-        strategy.bound_training_step()  # what forward_backward and the training_step verb both call
-        self._patch(strategy, "_training_step_fn", "training_step")
-        self._patch(strategy, "backward", "backward")
-        self._patch(strategy, "_plain_backward", "", lambda row, plain: False)  # through the timed backward
-        self._patch(loop, "_logging_step", "logging step")
-        self._patch(loop, "validate", "validation")
-        self._patch(loop, "_end_epoch", "epoch end")
-        self._time_optimizer_steps(strategy.optimizers)
-
-    def _time_optimizer_steps(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        """``optimizer.step``'s own time: the closure it runs (forward+backward) is subtracted."""
-        record, started = self.records.setdefault("optimizer update", [0.0, 0]), [0.0, 0.0]
-        inner = self.records.setdefault("forward+backward", [0.0, 0])
-
-        def pre(*_: Any) -> None:
-            started[0], started[1] = time.perf_counter(), inner[0]
-
-        def post(*_: Any) -> None:
-            record[0] += time.perf_counter() - started[0] - (inner[0] - started[1])
-            record[1] += 1
-
-        for optimizer in optimizers:
-            self._handles += [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
-
-    def _timed_iterators(self, row: str, make: Callable[[], Any]) -> Callable[[], Any]:
-        record = self.records.setdefault(row, [0.0, 0])
-
-        def iterator() -> tuple[Any, int]:
-            it, start = make()
-            return _TimedIterator(it, record), start
-
-        return iterator
-
-    def _step_wrapper(self, row: str, run: Callable[..., Any]) -> Callable[..., Any]:
-        return self.timed(row, run)
 
     def stop(self) -> None:
         self.records["fit"] = [time.perf_counter() - self._t0, 1]
-        for obj, attr, had, old in reversed(self._patched):
-            if had:
-                obj.__dict__[attr] = old
-            else:
-                del obj.__dict__[attr]
-        self._patched.clear()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
         self.report()
 
     # ------------------------------------------------------------------ report
@@ -252,30 +195,31 @@ class TorchProfiler(SimpleProfiler):
     def enabled(self) -> bool:
         return self.trainer.is_global_zero
 
-    def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        label = f"polytrain/{name}"
-        record_function = torch.profiler.record_function
+    def instrument(self, row: str, fn: Callable[..., Any], excluding: str | None = None) -> Callable[..., Any]:
+        if not self.enabled:
+            return fn
+        label, record_function = f"polytrain/{row}", torch.profiler.record_function
 
+        @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             with record_function(label):
                 return fn(*args, **kwargs)
 
-        return call
+        if row != "training batch":
+            return call
 
-    def _step_wrapper(self, row: str, run: Callable[..., Any]) -> Callable[..., Any]:
-        labelled = self.timed(row, run)
-
+        @functools.wraps(fn)
         def step(*args: Any, **kwargs: Any) -> Any:
-            out = labelled(*args, **kwargs)
+            out = call(*args, **kwargs)
             self.profiler.step()  # one profiler step per training batch
             return out
 
         return step
 
-    def _timed_iterators(self, row: str, make: Callable[[], Any]) -> Callable[[], Any]:
-        return make  # the data loader's own ranges show in the trace
+    def iterator(self, row: str, iterator: Any) -> Any:
+        return iterator  # the data loader's own ranges show in the trace
 
-    def start(self, loop: EpochLoop) -> None:
+    def start(self) -> None:
         o, t = self.options, self.trainer
         if not self.enabled:
             return
@@ -291,18 +235,14 @@ class TorchProfiler(SimpleProfiler):
             on_trace_ready=torch.profiler.tensorboard_trace_handler(self.trace_dir, worker_name=f"rank{t.global_rank}"),
             record_shapes=o.get("record_shapes", False), profile_memory=o.get("profile_memory", False),
             with_stack=o.get("with_stack", False), with_flops=o.get("with_flops", False))
-        super().start(loop)
         self.profiler.start()
-
-    def _time_optimizer_steps(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        pass  # optimizer steps show in the trace as Optimizer.step#... ranges already
 
     def stop(self) -> None:
         if self.profiler is None:
             return  # not rank 0
         self.profiler.stop()  # a window still recording is written now
-        super().stop()
         self.profiler = None
+        self.report()
 
     def report(self) -> None:
         traces = sorted(os.listdir(self.trace_dir)) if self.trace_dir and os.path.isdir(self.trace_dir) else []

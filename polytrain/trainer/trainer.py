@@ -1,5 +1,7 @@
-"""``Trainer``: builds the strategy, runs the loops, owns loop state. It never asks which strategy
-it has — everything that differs between parallelisms is behind the strategy's verbs."""
+"""``Trainer``: the entry points (fit, validate, test, predict, save_checkpoint) and Lightning's names
+for what a run holds. Loop state lives in ``fit_loop`` (``trainer/progress.py``), read here through
+read-only properties; every hook goes through ``hooks`` (``trainer/hooks.py``). It never asks which
+strategy it has: everything that differs between parallelisms is behind the strategy's verbs."""
 
 from __future__ import annotations
 
@@ -15,14 +17,10 @@ from polytrain.callbacks.checkpoint import ModelCheckpoint
 from polytrain.callbacks.early_stopping import EarlyStopping
 from polytrain.callbacks.loggers import Logger
 from polytrain.callbacks.progress import ProgressBar
-from polytrain.core import divergence, heartbeat
+from polytrain.core import heartbeat
 from polytrain.core.errors import ConfigError
-from polytrain.core.rng import enable_deterministic
-from polytrain.parallel.activation_checkpointing import resolve_checkpointing
-from polytrain.parallel.compile import resolve_compile
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.launcher import LaunchPlan, plan_launch
-from polytrain.strategies.registry import build_strategy, strategy_class
 from polytrain.trainer import lifecycle
 from polytrain.trainer.checkpoint import build_payload
 from polytrain.trainer.config import (
@@ -32,41 +30,28 @@ from polytrain.trainer.config import (
     trainer_to_dict,
     validate_trainer_config,
 )
-from polytrain.trainer.data_connector import batch_limit, request_loader
+from polytrain.trainer.data_connector import batch_limit
 from polytrain.trainer.datamodule import DataModule
-from polytrain.trainer.default_callbacks import build_callbacks
+from polytrain.trainer.default_callbacks import build_callbacks, split_objects
 from polytrain.trainer.entry_points import run_stage
-from polytrain.trainer.launch import launch_from_trainer
+from polytrain.trainer.fit_loop import FitLoop
+from polytrain.trainer.hooks import Hooks, is_overridden
+from polytrain.trainer.launch import launch_from_trainer, strategy_for
 from polytrain.trainer.metrics import MetricCollector
-from polytrain.trainer.module import TrainModule, overrides
+from polytrain.trainer.module import TrainModule
+from polytrain.trainer.optimization import clip_gradients
 from polytrain.trainer.profiler import build_profiler
-from polytrain.trainer.steps import StepMixin
+from polytrain.trainer.progress import EvalProgress
 
 log = logging.getLogger("polytrain")
 
-_OBJECT_KEYS = ("callbacks", "logger", "strategy")
 
-
-def _is_plain(value: Any) -> bool:
-    if isinstance(value, (list, tuple)):
-        return all(_is_plain(v) for v in value)
-    return value is None or isinstance(value, (bool, int, float, str, dict))
-
-
-class Trainer(StepMixin):
+class Trainer:
     """Keyword arguments are exactly the ``trainer:`` config section (see ``TrainerConfig``; Lightning's
     names); ``callbacks``, ``logger`` and ``strategy`` also accept objects."""
 
     def __init__(self, **kwargs: Any) -> None:
-        objects = {k: kwargs.pop(k) for k in _OBJECT_KEYS if k in kwargs and not _is_plain(kwargs[k])}
-        callback_objects = []
-        if isinstance(kwargs.get("callbacks"), (list, tuple)):
-            callback_objects = [c for c in kwargs["callbacks"] if isinstance(c, Callback)]
-            kwargs["callbacks"] = [c for c in kwargs["callbacks"] if not isinstance(c, Callback)]
-        if isinstance(objects.get("callbacks"), (list, tuple)):
-            callback_objects += list(objects.pop("callbacks"))
-        elif isinstance(objects.get("callbacks"), Callback):
-            callback_objects.append(objects.pop("callbacks"))
+        kwargs, callback_objects, objects = split_objects(kwargs)
         self.config: TrainerConfig = validate_trainer_config(kwargs)
         if "strategy" in objects:
             self.config.strategy = objects["strategy"]
@@ -77,36 +62,12 @@ class Trainer(StepMixin):
         self.datamodule: DataModule | None = None
         self.metrics = MetricCollector()
         self.profiler = build_profiler(self.config.profiler, self)  # trainer.profiler; a pass-through by default
-        self.hooks: Any = None
-        self.guard: Any = None
-        self.optimizers: list[Any] = []
-        self.lr_scheduler_configs: list[Any] = []
+        self.hooks: Hooks | None = None  # the running stage's hook funnel
+        self.transfer_batch: Any = None  # the running stage's batch mover (the batch-transfer hooks, if any)
+        self.fit_loop = FitLoop()  # loop state: trainer/progress.py
+        self.eval_progress = EvalProgress()
         self.given_loaders: dict[str, Any] = {}
-        self.train_loader: Any = None
-        self.val_loader: Any = None
-        self.current_epoch = 0
-        self.global_step = 0
-        self.batch_in_epoch = 0
-        self.batches_stepped = 0  # batches after which an optimizer stepped: the logging cadence
-        self.eval_batches_seen: dict[str, int] = {}  # per entry point: the step axis of evaluation step values
-        self.should_stop = False
-        self.sanity_checking = False
-        self.accumulating = False  # manual optimisation: this batch is not the last of its window
-        self.skip_this_step = False
         self.stage: str | None = None
-        self.logged_metrics: dict[str, float] = {}
-        self.progress_bar_metrics: dict[str, float] = {}
-        self.pending_rng: dict[str, Any] | None = None
-        self.loader_rng: torch.Tensor | None = None  # what this epoch's iterator seeded its workers from
-        self.resumed_mid_epoch = False
-        self.resumed_loop: dict[str, Any] | None = None
-        self.epoch_complete = True
-        self.at_epoch_end = False  # True while on_train_epoch_end hooks run after a complete epoch
-        self.num_training_batches: int | None = None
-        self.num_val_batches: int | None = None
-        self.train_batch_size: int | None = None
-        self.sample_base = (0, 0)
-        self.fit_ckpt_path: str | None = None
         self._run_config: dict[str, Any] | None = None
 
     @classmethod
@@ -215,11 +176,10 @@ class Trainer(StepMixin):
         """The optimizer steps ``fit`` will take (Lightning's; e.g. ``OneCycleLR(total_steps=...)`` in
         ``configure_optimizers``). As Lightning, asking before training requests the training loader
         early (this fit then uses that loader); a loader without length gives ``inf``."""
-        cfg = self.config
-        if self.train_loader is None:
-            self.train_loader = request_loader(self, "train")
-            self.__dict__["train_loader_early"] = True
-        batches = batch_limit(self, "train", self.train_loader) if self.train_loader is not None else 0
+        cfg, data = self.config, self.fit_loop.data
+        if data.train_loader is None:
+            data.train_loader, data.requested_early = self.fit_loop.request_train_loader(), True
+        batches = batch_limit(self, "train", data.train_loader) if data.train_loader is not None else 0
         epochs = 1 if cfg.fast_dev_run else cfg.max_epochs if cfg.max_epochs is not None else \
             (1000 if cfg.max_steps < 0 else float("inf"))
         steps = float("inf") if batches is None else math.ceil(batches / cfg.accumulate_grad_batches) * max(epochs, 1)
@@ -228,14 +188,6 @@ class Trainer(StepMixin):
     @property
     def progress_bar_callback(self) -> ProgressBar | None:
         return next((cb for cb in self.callbacks if isinstance(cb, ProgressBar)), None)
-
-    @property
-    def train_dataloader(self) -> Any:
-        return self.train_loader
-
-    @property
-    def val_dataloaders(self) -> Any:
-        return self.val_loader
 
     @property
     def training(self) -> bool:
@@ -252,6 +204,81 @@ class Trainer(StepMixin):
     @property
     def predicting(self) -> bool:
         return self.stage == "predict"
+
+    # ------------------------------------------------------------------ loop state (read-only; FitLoop writes it)
+    @property
+    def current_epoch(self) -> int:
+        return self.fit_loop.progress.epoch
+
+    @property
+    def global_step(self) -> int:
+        return self.fit_loop.progress.global_step
+
+    @property
+    def batch_in_epoch(self) -> int:
+        return self.fit_loop.progress.batch_in_epoch
+
+    @property
+    def batches_stepped(self) -> int:
+        return self.fit_loop.progress.batches_stepped
+
+    @property
+    def should_stop(self) -> bool:
+        return self.fit_loop.stopping.requested
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:  # a callback's request (EarlyStopping); agreed on by the ranks
+        self.fit_loop.stopping.requested = bool(value)
+
+    @property
+    def sanity_checking(self) -> bool:
+        return self.fit_loop.sanity_checking
+
+    @property
+    def num_training_batches(self) -> int | None:
+        return self.fit_loop.data.num_training_batches
+
+    @property
+    def num_val_batches(self) -> int | None:
+        return self.fit_loop.data.num_val_batches
+
+    @property
+    def train_loader(self) -> Any:
+        return self.fit_loop.data.train_loader
+
+    @property
+    def val_loader(self) -> Any:
+        return self.fit_loop.data.val_loader
+
+    train_dataloader = train_loader
+    val_dataloaders = val_loader
+
+    @property
+    def optimizers(self) -> list[Any]:
+        """The fit's optimizers, each wrapped so ``step()`` goes through the strategy (``StepOptimizer``)."""
+        optimization = self.fit_loop.optimization
+        return list(optimization.wrapped) if optimization is not None else []
+
+    @property
+    def lr_scheduler_configs(self) -> list[Any]:
+        return self.fit_loop.lr_scheduler_configs
+
+    @property
+    def guard(self) -> Any:
+        return self.fit_loop.guard
+
+    @property
+    def accumulating(self) -> bool:
+        """Manual optimisation: this batch is not the last of its accumulation window."""
+        return bool(getattr(self.fit_loop.optimization, "accumulating", False))
+
+    @property
+    def logged_metrics(self) -> dict[str, float]:
+        return self.metrics.logged
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, float]:
+        return self.metrics.progress_bar
 
     def __getattr__(self, name: str) -> Any:
         # Lightning code reads options as attributes (trainer.max_epochs, trainer.accumulate_grad_batches).
@@ -292,7 +319,7 @@ class Trainer(StepMixin):
         ``nan_policy: error`` a model that already holds NaN/inf is refused before anything is written."""
         if self.guard is not None:
             self.guard.check()
-        self.strategy.save_checkpoint(build_payload(self, epoch_done=self.at_epoch_end), filepath)
+        self.strategy.save_checkpoint(build_payload(self), filepath)
 
     # ------------------------------------------------------------------ plumbing
     def _run(self, stage: str, model: TrainModule | None, loaders: dict[str, Any], datamodule: Any,
@@ -301,7 +328,7 @@ class Trainer(StepMixin):
         model = model if model is not None else self.module
         if model is None:
             raise ValueError(f"trainer.{stage}() needs a TrainModule")
-        if stage == "fit" and not overrides(model, "training_step"):
+        if stage == "fit" and not is_overridden(model, "training_step", TrainModule):
             raise ConfigError(f"{type(model).__name__} does not define training_step(self, batch, batch_idx); "
                               f"a TrainModule must return the loss to minimise from it")
         plan = plan_launch(self.config)
@@ -316,58 +343,43 @@ class Trainer(StepMixin):
         model._attach(self)
         if self.datamodule is not None:
             self.datamodule.trainer = self
+        self.hooks = Hooks(self, model, self.callbacks, self.datamodule, self.profiler.instrument)
         try:
+            self._begin_stage()
             return run_stage(self, stage, ckpt_path, model_given)
         except BaseException as exc:
             heartbeat.failed(exc, self.global_step)  # peers waiting on this rank learn why, and where
-            for cb in self.callbacks:
-                cb.on_exception(self, model, exc)
-            if self.datamodule is not None:
-                self.datamodule.on_exception(exc)
+            self.hooks.callbacks("on_exception", exc)
+            self.hooks.datamodule("on_exception", exc)
             explained = heartbeat.explain(exc)  # a collective timeout -> which rank stopped, and where
             if explained is not None:
                 raise explained from exc
             raise
 
+    def _begin_stage(self) -> None:
+        """The stage's callbacks (the module's ``configure_callbacks`` merged in, after seeding, as
+        Lightning), its hook funnel and batch mover; then everything before its loop."""
+        lifecycle.seed(self)
+        self.callbacks = lifecycle.merge_callbacks(self.base_callbacks, self.hooks.module("configure_callbacks"))
+        self.hooks = Hooks(self, self.module, self.callbacks, self.datamodule, self.profiler.instrument)
+        lifecycle.begin(self, self.stage)
+        self.transfer_batch = lifecycle.batch_transfer(self)
+
     def _setup_strategy(self, plan: LaunchPlan) -> None:
         if self.strategy is not None:
             return
-        if isinstance(self.config.strategy, Strategy):
-            self.strategy = self.config.strategy
-        else:
-            spec = dict(self.config.strategy)
-            spec["name"] = plan.strategy_name
-            if self.config.sync_batchnorm and "sync_batchnorm" in strategy_class(spec["name"]).Options.__dataclass_fields__:
-                spec["sync_batchnorm"] = True  # Lightning's Trainer(sync_batchnorm=True); one process: nothing to sync
-            self.strategy = build_strategy(
-                spec, accelerator=plan.accelerator, devices=plan.devices, num_nodes=plan.num_nodes,
-                precision=self.config.precision, timeout=self.config.timeout, env=plan.env,
-            )
-        if self.config.benchmark is not None:
-            torch.backends.cudnn.benchmark = self.config.benchmark
-        self.strategy.compile_options = resolve_compile(self.config.compile)
-        self.strategy.checkpointing_options = resolve_checkpointing(self.config.activation_checkpointing)
-        if self.config.deterministic:
-            enable_deterministic()
-        if self.config.detect_divergence:
-            divergence.enable(self.config.timeout)  # before the process group starts
+        self.strategy = strategy_for(self.config, plan)
         self.strategy.setup_environment()
         self.metrics.device = self.strategy.collective_device
         heartbeat.start(self.strategy.global_rank, self.strategy.world_size, self.config.timeout)
 
-    def restore_loop(self, loop: dict[str, Any]) -> None:
-        self.current_epoch = int(loop["epoch"])
-        self.global_step = int(loop["global_step"])
-        self.batch_in_epoch = int(loop["batch_in_epoch"])
-        self.batches_stepped = int(loop.get("batches_stepped", self.global_step))
-        self.resumed_mid_epoch = self.batch_in_epoch > 0
-        self.resumed_loop = loop  # sample_offset + dp_size: re-split if the data-parallel size changed
+    # ------------------------------------------------------------------ what the module calls
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> None:
+        """``TrainModule.clip_gradients``: unscaled first; a non-finite norm is the non-finite guard's to judge."""
+        clip_gradients(self.strategy, self.guard, optimizer, value, algorithm)
 
-    def call_hook(self, name: str, *args: Any) -> Any:
-        """The funnel for hooks a strategy fires inside its step: callbacks first, then the module."""
-        return self.hooks(name, *args)
-
-    def bind_strategy_hooks(self) -> None:
-        backward = self.module.backward if self.hooks.module_overrides("backward") else None
-        self.strategy.bind_hooks(self.call_hook, backward, self.hooks.batch_plan)
-        lifecycle.bind_transfer(self)
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if self.module.automatic_optimization:
+            raise RuntimeError("manual_backward is for manual optimisation: set self.automatic_optimization = "
+                               "False in __init__, or return the loss from training_step")
+        self.strategy.manual_backward(loss, *args, **kwargs)

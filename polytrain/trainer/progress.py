@@ -1,0 +1,121 @@
+"""Loop state in one place: where a fit stands (``FitProgress``, saved in every checkpoint as ``loop``),
+what a resume left for the next epoch to pick up (``Resumed``), and whether the loop is to stop
+(``Stopping``). The fit loop owns them and is the only writer; the Trainer reads them through
+Lightning's names (``current_epoch``, ``global_step``, ``should_stop``, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class FitProgress:
+    """The fit's position. ``batch_in_epoch`` counts the batches consumed in the current epoch;
+    ``batches_stepped`` the batches after which an optimizer stepped (the logging cadence);
+    ``validation_due`` is True between a batch and the validation that follows it, so a checkpoint
+    taken in between resumes with that validation, and one taken after it resumes without."""
+
+    epoch: int = 0
+    global_step: int = 0
+    batch_in_epoch: int = 0
+    batches_stepped: int = 0
+    validation_due: bool | None = False  # None: a file from before this was recorded (the loop decides)
+    at_epoch_end: bool = False  # while a complete epoch's on_train_epoch_end runs: a save resumes at the next epoch
+    # The data position (for a resume at another data-parallel size), fixed when the fit starts.
+    world_size: int = 1
+    dp_size: int = 1
+    train_batch_size: int | None = None
+    sample_base: tuple[int, int] = (0, 0)  # (samples, batches) already consumed when a resume re-split the epoch
+
+    def sample_offset(self) -> int | None:
+        """Global sample positions of this epoch's permutation already consumed (None: unknown batch size)."""
+        if self.at_epoch_end or self.batch_in_epoch == 0:
+            return 0
+        if not self.train_batch_size:
+            return None
+        base_offset, base_batch = self.sample_base
+        return base_offset + (self.batch_in_epoch - base_batch) * self.train_batch_size * self.dp_size
+
+    def state_dict(self) -> dict[str, Any]:
+        done = self.at_epoch_end
+        return {
+            "epoch": self.epoch + (1 if done else 0),
+            "global_step": self.global_step,
+            "batch_in_epoch": 0 if done else self.batch_in_epoch,
+            "batches_stepped": self.batches_stepped,
+            "validation_due": False if done else bool(self.validation_due),
+            "world_size": self.world_size,
+            "dp_size": self.dp_size,
+            "sample_offset": self.sample_offset(),
+        }
+
+    def load_state_dict(self, loop: dict[str, Any]) -> None:
+        self.epoch = int(loop["epoch"])
+        self.global_step = int(loop["global_step"])
+        self.batch_in_epoch = int(loop["batch_in_epoch"])
+        self.batches_stepped = int(loop.get("batches_stepped", self.global_step))
+        # Files from before this entry did not record it: the loop then decides as it always did.
+        due = loop.get("validation_due")
+        self.validation_due = None if due is None else bool(due)
+        self.at_epoch_end = False
+
+
+@dataclass
+class Resumed:
+    """What a checkpoint left for the first epoch after a resume: the saved position (its ``sample_offset``
+    and ``dp_size`` re-split the epoch when the data-parallel size changed) and this rank's RNG state."""
+
+    loop: dict[str, Any] | None = None
+    rng: dict[str, Any] | None = None
+    mid_epoch: bool = False
+
+    def take_loop(self) -> dict[str, Any] | None:
+        loop, self.loop = self.loop, None
+        return loop
+
+
+@dataclass
+class Stopping:
+    """``trainer.should_stop`` and what the ranks last agreed on. A request waits until ``min_epochs`` and
+    ``min_steps`` are met; under several ranks the loop acts on ``agreed`` (set at points every rank
+    reaches together: logging steps, after a validation, at the epoch's end), so a request made on one
+    rank cannot split them."""
+
+    requested: bool = False
+    agreed: bool = False
+    out_of_time: bool = False
+    validate_first: bool = False  # a mid-epoch stop ends the epoch: validate then if the epoch would have
+    told_min: bool = False
+
+    def reset(self) -> None:
+        self.requested = self.agreed = self.out_of_time = self.validate_first = False
+
+
+@dataclass
+class EvalProgress:
+    """Evaluation batches run per entry point (fit's validation, validate, test): the step axis of
+    per-step evaluation values, as each of Lightning's loops counts its own."""
+
+    batches: dict[str, int] = field(default_factory=dict)
+
+    def next_step(self, stage: str) -> int:
+        step = self.batches.get(stage, 0)
+        self.batches[stage] = step + 1
+        return step
+
+
+@dataclass
+class EpochData:
+    """The loaders a fit runs and how many batches of each; the iterator's RNG state (checkpointed:
+    a mid-epoch resume recreates the epoch's iterator and replays it through the workers)."""
+
+    train_loader: Any = None
+    val_loader: Any = None
+    num_training_batches: int | None = None
+    num_val_batches: int | None = None
+    loader_rng: torch.Tensor | None = None
+    requested_early: bool = False  # estimated_stepping_batches asked for the train loader before the fit did

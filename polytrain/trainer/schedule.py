@@ -1,0 +1,62 @@
+"""When a fit validates: every ``val_check_interval`` training batches (a fraction of the epoch, or a
+count, within the epoch or across epochs with ``check_val_every_n_epoch=null``), every
+``check_val_every_n_epoch`` epochs, and at an epoch's end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polytrain.core.errors import ConfigError
+
+
+def val_check_batches(config: Any, num_batches: int | None) -> int:
+    """Validate every this many training batches (the epoch length: at its end; 0: an epoch of unknown
+    length, validated at its end only)."""
+    interval = config.val_check_interval
+    if interval is None or (isinstance(interval, float) and interval == 1.0):
+        return num_batches if num_batches is not None else 0
+    if isinstance(interval, float):
+        if num_batches is None:
+            raise ConfigError(f"trainer.val_check_interval={interval} is a fraction of an epoch, but the training "
+                              f"loader has no length; give a number of batches")
+        return max(1, int(num_batches * interval))
+    if config.check_val_every_n_epoch is None and num_batches is None:
+        raise ConfigError(f"trainer.val_check_interval={interval} with check_val_every_n_epoch=null counts batches "
+                          f"across epochs, but the training loader has no length (an IterableDataset?); set "
+                          f"check_val_every_n_epoch, or trainer.limit_train_batches to fix the epoch's length")
+    if config.check_val_every_n_epoch is not None and num_batches is not None and interval > num_batches:
+        raise ConfigError(f"trainer.val_check_interval={interval} is more than the {num_batches} training batches "
+                          f"of an epoch; lower it, or set check_val_every_n_epoch=null to count across epochs")
+    return int(interval)
+
+
+class ValidationSchedule:
+    """The fit's validation points for an epoch of ``num_batches`` training batches (None: unknown)."""
+
+    def __init__(self, config: Any, num_batches: int | None) -> None:
+        self.num_batches = num_batches
+        self.every_n_epochs: int | None = config.check_val_every_n_epoch
+        self.every = val_check_batches(config, num_batches)
+        # Whether any validation can fall inside an epoch (not at its end): fixed, so the common batch
+        # tests one flag.
+        self.inside = bool(self.every) and (num_batches is None or self.every < num_batches
+                                            or self.every_n_epochs is None)
+
+    def epoch_validates(self, epoch: int) -> bool:
+        return self.every_n_epochs is None or (epoch + 1) % self.every_n_epochs == 0
+
+    def after_batch(self, epoch: int, batch_idx: int) -> bool:
+        """A validation right after batch ``batch_idx`` inside the epoch (not at its end)."""
+        if self.every_n_epochs is None:  # an interval counted across epochs
+            return (epoch * (self.num_batches or 0) + batch_idx + 1) % self.every == 0
+        if (epoch + 1) % self.every_n_epochs:
+            return False
+        return (batch_idx + 1) % self.every == 0
+
+    def at_epoch_end(self, epoch: int) -> bool:
+        n = self.num_batches
+        if n is None:  # an epoch of unknown length: validation at its end, or by count
+            return self.every == 0 and self.every_n_epochs is not None and (epoch + 1) % self.every_n_epochs == 0
+        if self.every_n_epochs is None:
+            return (epoch + 1) * n % self.every == 0
+        return (epoch + 1) % self.every_n_epochs == 0 and n % self.every == 0
