@@ -48,7 +48,6 @@ def test_an_infinite_or_nan_loss_is_named_at_the_next_logging_step(make_trainer:
 def test_more_losses_than_slots_between_checks(make_trainer: MakeTrainer, monkeypatch: Any) -> None:
     # Slot buffers of 4: by the check at step 8, two full buffers were set aside; the NaN is in the second.
     from polytrain.trainer.guards import NonFiniteGuard
-    from polytrain.trainer.progress import FitProgress
 
     monkeypatch.setattr(NonFiniteGuard, "FOLD_EVERY", 4)
     module = LossAt({6}, lambda loss: loss * float("nan"), n=40, batch_size=4, val_n=None)
