@@ -1,5 +1,5 @@
-"""Checkpoint files for replicated strategies: rank 0 writes one file atomically, every rank reads.
-Also the two pieces every checkpoint write shares: ``atomic_save`` and ``agree_on_error``.
+"""Checkpoint files: global rank 0 writes one file atomically, every rank reads it whole. Also the two
+pieces every checkpoint write shares: ``atomic_save`` and ``agree_on_error``.
 
 A write failure on rank 0 (full disk, read-only directory) is agreed on by all ranks, so each
 one raises the same clear error instead of some waiting at a barrier forever.
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from polytrain.checkpoint.reading import read_checkpoint
-from polytrain.checkpoint.state import full_optimizer_state, load_full_state
+from polytrain.checkpoint.state import Loaded
 from polytrain.core import collectives as C
 from polytrain.core.errors import CheckpointError
 
@@ -44,38 +44,34 @@ def atomic_save(obj: Any, path: str) -> None:
         raise
 
 
-def agree_on_error(strategy: Any, error: str | None) -> None:
-    """Every rank raises if any rank failed; the first failing rank's message is shown by all."""
-    failed = C.any_rank(error is not None, strategy.collective_device)
+def agree_on_error(error: str | None, device: torch.device | None = None) -> None:
+    """Every rank raises if any rank failed; the first failing rank's message is shown by all. ``device``:
+    where the agreement's tensor lives (default: what the default group's backend takes)."""
+    failed = C.any_rank(error is not None, device if device is not None else C.default_device())
     if failed:
         messages = C.all_gather_object(error)
         first = next((i, m) for i, m in enumerate(messages) if m is not None)
         raise CheckpointError(f"checkpoint failed on rank {first[0]}: {first[1]}")
 
 
-def save_replicated(strategy: Any, payload: dict[str, Any], path: str) -> None:
-    payload = dict(payload)
-    # A payload built from the live module may carry its state_dict already (what hooks saw).
-    model = payload.pop("state_dict", None)
-    payload["model"] = model if model is not None and strategy.state_dict_is_module_state else strategy.module_state_dict()
-    payload["optimizer"] = full_optimizer_state(strategy)
+def save_file(state: dict[str, Any], path: str) -> None:
+    """Global rank 0 writes ``state`` (whole on that rank) to ``path`` atomically; every rank calls."""
     error = None
-    if strategy.is_global_zero:
+    if C.rank() == 0:
         try:
-            atomic_save(payload, path)
+            atomic_save(state, path)
         except OSError as err:
             error = (f"cannot write {path}: {err.strerror or err}. Point trainer.run_dir at a writable "
                      f"directory with free space")
-    agree_on_error(strategy, error)
+    agree_on_error(error)
 
 
-def load_replicated(strategy: Any, path: str) -> dict[str, Any]:
-    """Every rank reads the whole checkpoint (a file or a sharded directory) and loads it."""
-    error, payload = None, {}
+def load_file(path: str) -> Loaded:
+    """Every rank reads the whole checkpoint (a file, or a sharded directory read whole)."""
+    error, state = None, {}
     try:
-        payload = read_checkpoint(path)
+        state = read_checkpoint(path)
     except CheckpointError as err:
         error = str(err)
-    agree_on_error(strategy, error)  # a file one node cannot see must not leave the others waiting
-    load_full_state(strategy, payload, path)
-    return payload
+    agree_on_error(error)  # a file one node cannot see must not leave the others waiting
+    return Loaded.from_full(state)

@@ -1,45 +1,37 @@
 """Sharded checkpoints: ``torch.distributed.checkpoint`` (DCP) directories any strategy can load.
 
-Contract for strategies (``fsdp``, ``model_parallel``, ``pipeline`` and any later one)
--------------------------------------------------------------------------------------
-``save_sharded(strategy, payload, path)`` and ``load_sharded(strategy, path) -> payload`` are
-collectives: every rank calls them, in the same order, from ``save_checkpoint`` /
-``load_checkpoint``. They need from ``strategy`` only:
-
-- the model: ``strategy.state_dict_module()`` if the strategy defines it, else ``strategy.module``.
-  It returns one ``nn.Module`` or a list of them ("parts", e.g. the stages a pipeline rank
-  holds). Parameter and buffer names *relative to each part* must be the names the full,
-  unwrapped model has on one device (``TrainModule.state_dict()`` keys): that is what makes a
-  checkpoint portable. Parameters may be plain tensors or ``DTensor`` s of any mesh/placements
-  (FSDP, HSDP, tensor parallel); a rank may hold a subset of the model (pipeline) as long as
-  every key of the checkpoint is held by some rank. Parts must not share parameters.
-- ``strategy.optimizers``: each optimizer's parameters must all belong to one part.
-- ``strategy.is_global_zero`` and ``strategy.collective_device``; collectives use the world group.
+``save_sharded(state, path)`` and ``load_sharded(path, into)`` are collectives: every rank calls them,
+in the same order. ``state`` holds ``model`` and ``optimizer``: this rank's slices of the model and its
+optimizers' state (``checkpoint.state.live_state``), keyed by the names the full, unwrapped model has on
+one device (``TrainModule.state_dict()`` keys), which is what makes a checkpoint portable. Values may be
+plain tensors or ``DTensor`` s of any mesh/placements (FSDP, HSDP, tensor parallel); a rank may hold a
+subset of the model (pipeline) as long as every key of the checkpoint is held by some rank. Everything
+else in ``state`` is the payload.
 
 Layout of a checkpoint directory ``path``::
 
     path/.metadata        DCP's index (written last by DCP; read through a restricted unpickler)
     path/__<r>_<i>.distcp each rank's shards
-    path/meta.pt          everything else in the payload (loop, rng, schedulers, precision,
-                          callbacks, config, version): plain types, ``torch.load(weights_only=True)``
+    path/meta.pt          the payload (loop, rng, schedulers, precision, callbacks, config, version):
+                          plain types, ``torch.load(weights_only=True)``
 
 DCP keys are ``model.<fqn>`` and the optimizer state flattened by parameter name,
 ``optimizer.state.<fqn>.<name>`` / ``optimizer.param_groups.<fqn>.<hyperparameter>``, so any number
 of optimizers on any partition of the model can find their entries. A directory is written under a
-hidden temporary name next to ``path`` and renamed into place only once complete, so a torn save is
-never picked by ``resume: last`` (``polytrain.checkpoint.layout.is_complete`` checks both files).
+hidden temporary name next to ``path`` by global rank 0's choice and renamed into place only once
+complete, so a torn save is never picked by ``resume: last`` (``polytrain.checkpoint.layout.is_complete``
+checks both files).
 
-Loading accepts such a directory or a replicated single ``.ckpt`` file (``replicated``); a
-directory can also be read whole without any process group (``reading.read_sharded``: used by
-``load_replicated`` and ``polytrain checkpoint consolidate``). Nothing in a checkpoint is unpickled
-without restriction (``unpickler``).
+Loading reads such a directory into ``into`` (the live state, filled in place: each rank reads only its
+shards), or reads a single ``.ckpt`` file whole (``replicated``); a directory can also be read whole
+without any process group (``reading.read_sharded``: used by ``polytrain checkpoint consolidate``).
+Nothing in a checkpoint is unpickled without restriction (``unpickler``).
 """
 
 from __future__ import annotations
 
 import glob
 import os
-import pickle
 import shutil
 import uuid
 from typing import Any
@@ -52,19 +44,11 @@ from polytrain.checkpoint.reading import (
     read_meta,
 )
 from polytrain.checkpoint.replicated import agree_on_error, atomic_save
-from polytrain.checkpoint.state import (
-    agree_on_load,
-    load_full_state,
-    part_state,
-    set_part_state,
-    state_dict_parts,
-)
+from polytrain.checkpoint.state import TENSOR_KEYS, Loaded
 from polytrain.checkpoint.unpickler import safe_load_planner, safe_reader
 from polytrain.core import collectives as C
 from polytrain.core import lazy
 from polytrain.core.errors import CheckpointError
-
-TENSOR_KEYS = ("model", "optimizer", "optimizers")  # what DCP holds; everything else goes to meta.pt
 
 
 def _temporary_dir(path: str) -> str:
@@ -101,14 +85,14 @@ def _write_error(path: str, err: BaseException) -> str:
             f"with free space (every rank must see the same file system)")
 
 
-def save_sharded(strategy: Any, payload: dict[str, Any], path: str) -> None:
-    """Write ``payload`` as a DCP directory at ``path``, atomically. Every rank calls it."""
+def save_sharded(state: dict[str, Any], path: str) -> None:
+    """Write ``state`` as a DCP directory at ``path``, atomically. Every rank calls it."""
     dcp = lazy.dcp()
 
     path = os.path.abspath(path)
-    payload = {k: v for k, v in payload.items() if k != "state_dict"}  # the hooks' view of the live model
+    writer = C.rank() == 0
     tmp, error = None, None
-    if strategy.is_global_zero:
+    if writer:
         try:
             tmp = _temporary_dir(path)
         except OSError as err:
@@ -117,70 +101,53 @@ def save_sharded(strategy: Any, payload: dict[str, Any], path: str) -> None:
     if error is not None:
         raise CheckpointError(f"checkpoint failed on rank 0: {error}")
     try:
-        parts = [part_state(part, optimizers) for part, optimizers in state_dict_parts(strategy)]
-        state = {"model": {k: v for m, _ in parts for k, v in m.items()},
-                 "optimizer": {k: v for _, o in parts for k, v in o.items()}}
+        tensors = {k: state.get(k, {}) for k in ("model", "optimizer")}
         try:
             with quiet_single_process():
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not C.active())
-            if strategy.is_global_zero:
-                atomic_save({k: v for k, v in payload.items() if k not in TENSOR_KEYS}, os.path.join(tmp, META_FILE))
+                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not C.active())
+            if writer:
+                atomic_save({k: v for k, v in state.items() if k not in TENSOR_KEYS}, os.path.join(tmp, META_FILE))
         except Exception as err:  # noqa: BLE001 - agreed on below, so every rank raises it
             error = _write_error(path, err)
-        agree_on_error(strategy, error)  # also: every rank's shards are on disk before the rename
-        if strategy.is_global_zero:
+        agree_on_error(error)  # also: every rank's shards are on disk before the rename
+        if writer:
             try:
                 _commit(tmp, path)
             except OSError as err:
                 error = _write_error(path, err)
-        agree_on_error(strategy, error)
+        agree_on_error(error)
     finally:
-        if strategy.is_global_zero and os.path.isdir(tmp):
+        if writer and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)  # only left behind when something failed
 
 
-def load_sharded(strategy: Any, path: str) -> dict[str, Any]:
-    """Restore model and optimizer state from a DCP directory or a replicated file; return the rest
-    of the payload. Every rank calls it; a failure on any rank raises on all of them."""
-    error, payload = None, {}
+def load_sharded(path: str, into: dict[str, Any] | None) -> Loaded:
+    """A DCP directory read into ``into`` (the live state: each rank reads its shards), or a file read
+    whole. Every rank calls it; a failure on any rank raises on all of them."""
+    error, state = None, {}
     try:
         if os.path.isdir(path):
             check_complete(path)
-            payload = read_meta(path)
+            state = read_meta(path)
         else:
-            payload = read_checkpoint(path)
+            state = read_checkpoint(path)
     except CheckpointError as err:
         error = str(err)
-    agree_on_error(strategy, error)
-    if os.path.isdir(path):
-        _load_dcp_into(strategy, path)
-    else:
-        load_full_state(strategy, payload, path)
-    return {k: v for k, v in payload.items() if k not in TENSOR_KEYS}
+    agree_on_error(error)
+    if not os.path.isdir(path):
+        return Loaded.from_full(state)
+    if into is None:
+        raise CheckpointError(f"{path} is a sharded checkpoint: reading it in place needs the live state to read into")
+    return _read_dcp_into(path, into, {k: v for k, v in state.items() if k not in TENSOR_KEYS})
 
 
-def _load_dcp_into(strategy: Any, path: str) -> None:
+def _read_dcp_into(path: str, into: dict[str, Any], payload: dict[str, Any]) -> Loaded:
     dcp = lazy.dcp()
-
-    parts = [(part, optimizers, *part_state(part, optimizers)) for part, optimizers in state_dict_parts(strategy)]
-    state = {"model": {k: v for p in parts for k, v in p[2].items()},
-             "optimizer": {k: v for p in parts for k, v in p[3].items()}}
-    if not state["optimizer"]:
-        del state["optimizer"]  # evaluation: weights only
     try:
         # Tensors are filled in place (each rank reads only its shards); other values are replaced.
         with quiet_single_process():
-            dcp.load(state, storage_reader=safe_reader(path), planner=safe_load_planner(empty=False), no_dist=not C.active())
+            dcp.load(into, storage_reader=safe_reader(path), planner=safe_load_planner(empty=False), no_dist=not C.active())
     except Exception as err:  # noqa: BLE001 - DCP raises the same aggregated error on every rank
         raise CheckpointError(f"sharded checkpoint {path} cannot be loaded: {err}") from None
-    error = None
-    try:
-        loaded_optim = state.get("optimizer", {})
-        for part, optimizers, model, optim in parts:
-            set_part_state(part, optimizers, {k: state["model"][k] for k in model},
-                           {k: loaded_optim[k] for k in optim})
-        saved = {k[len("model."):] for k in safe_reader(path).read_metadata().state_dict_metadata
-                 if k.startswith("model.")}
-    except (KeyError, RuntimeError, ValueError, OSError, pickle.UnpicklingError) as err:
-        error, saved = f"{path} does not fit this model: {err!r}", set()
-    agree_on_load(strategy, error, saved, set(state["model"]), path)
+    saved = {k[len("model."):] for k in safe_reader(path).read_metadata().state_dict_metadata if k.startswith("model.")}
+    return Loaded(payload, into["model"], into.get("optimizer"), None, saved, in_place=True)

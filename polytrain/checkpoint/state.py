@@ -1,11 +1,11 @@
 """Model and optimizer state of a live (possibly sharded) model, keyed as on one device.
 
-A strategy's model may be plain, ``DTensor``-sharded (FSDP, HSDP, tensor parallel) or split in
-parts (the stages a pipeline rank holds: ``strategy.state_dict_module()``). Every function here
-reads or writes such state under the names the full, unwrapped model has on one device, with the
-optimizer state flattened by parameter name (``state.<fqn>.<name>``,
-``param_groups.<fqn>.<hyperparameter>``): that is what makes every checkpoint portable between
-strategies and world sizes.
+A strategy's model may be plain or ``DTensor``-sharded (FSDP, HSDP, tensor parallel), and a pipeline
+rank holds only its stages; a strategy hands these functions its ``parts``: ``(module, its optimizers)``
+pairs (``Strategy.state_parts``). Every function here reads or writes such state under the names the
+full, unwrapped model has on one device, with the optimizer state flattened by parameter name
+(``state.<fqn>.<name>``, ``param_groups.<fqn>.<hyperparameter>``): that is what makes every
+checkpoint portable between strategies and world sizes.
 
 torch's ``distributed.checkpoint`` and ``distributed.tensor`` come through ``polytrain.core.lazy``:
 a single-device run that never saves does not pay for importing them.
@@ -14,6 +14,8 @@ a single-device run that never saves does not pay for importing them.
 from __future__ import annotations
 
 import logging
+import pickle
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,23 +26,30 @@ from polytrain.core import collectives as C
 from polytrain.core import lazy
 from polytrain.core.errors import CheckpointError
 
+Parts = list[tuple[nn.Module, list[torch.optim.Optimizer]]]
+TENSOR_KEYS = ("model", "optimizer", "optimizers")  # model and optimizer state; the rest is the payload
 
-def state_dict_parts(strategy: Any) -> list[tuple[nn.Module, list[torch.optim.Optimizer]]]:
-    """``(module, its optimizers)`` for each part of the model this rank holds (see the contract)."""
-    hook = getattr(strategy, "state_dict_module", None)
-    modules = hook() if callable(hook) else strategy.module
-    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
-    if len(modules) == 1:
-        return [(modules[0], list(strategy.optimizers))]
-    owner = {id(p): i for i, m in enumerate(modules) for p in m.parameters()}
-    groups: list[list[torch.optim.Optimizer]] = [[] for _ in modules]
-    for n, opt in enumerate(strategy.optimizers):
-        parts = {owner.get(id(p)) for g in opt.param_groups for p in g["params"]}
-        if len(parts) != 1 or None in parts:
-            raise CheckpointError(f"optimizer {n} holds parameters of parts {sorted(map(str, parts))} of the "
-                                  f"{len(modules)} returned by state_dict_module(); give each part its own optimizer")
-        groups[parts.pop()].append(opt)
-    return list(zip(modules, groups))
+
+@dataclass
+class Loaded:
+    """A checkpoint as a ``CheckpointIO`` read it: ``payload`` is everything but model and optimizer state;
+    ``model`` and ``optimizer`` (flattened by parameter name; None when the file holds none) are full
+    tensors, or with ``in_place`` the live state a sharded directory was read into; ``legacy_optimizers``:
+    an older file's index-keyed ``Optimizer.state_dict()`` s; ``saved_model_keys``: every model entry the
+    checkpoint holds (a rank may hold only some of them)."""
+
+    payload: dict[str, Any]
+    model: dict[str, Any]
+    optimizer: dict[str, Any] | None = None
+    legacy_optimizers: list[dict[str, Any]] | None = None
+    saved_model_keys: set[str] = field(default_factory=set)
+    in_place: bool = False
+
+    @classmethod
+    def from_full(cls, state: dict[str, Any]) -> Loaded:
+        model = strip_wrapper_prefix(state.get("model", {}))
+        return cls({k: v for k, v in state.items() if k not in TENSOR_KEYS}, model, state.get("optimizer"),
+                   state.get("optimizers"), set(model))
 
 
 def full_model_state(module: nn.Module) -> dict[str, Any]:
@@ -79,6 +88,17 @@ def part_state(part: nn.Module, optimizers: list[torch.optim.Optimizer]) -> tupl
     return lazy.dcp().state_dict.get_model_state_dict(part, options=_options()), optimizer_state(part, optimizers)
 
 
+def live_state(parts: Parts) -> dict[str, Any]:
+    """Each rank's own slices of the model and optimizer state (no communication), keyed as on one device:
+    what a sharded directory holds, and what it is read back into."""
+    states = [part_state(part, optimizers) for part, optimizers in parts]
+    state = {"model": {k: v for m, _ in states for k, v in m.items()}}
+    optim = {k: v for _, o in states for k, v in o.items()}
+    if optim:
+        state["optimizer"] = optim
+    return state
+
+
 def optimizer_state(part: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
     """``optimizers``' state, flattened and keyed by parameter name within ``part``."""
     if not optimizers:
@@ -99,13 +119,13 @@ def set_part_state(part: nn.Module, optimizers: list[torch.optim.Optimizer], mod
         sd.set_optimizer_state_dict(part, optimizers, optim, options=_options())
 
 
-def full_optimizer_state(strategy: Any) -> dict[str, Any]:
+def full_optimizer_state(parts: Parts) -> dict[str, Any]:
     """Every optimizer's state as one flat, name-keyed dict of full tensors (replicated files).
 
     A collective when parameters are ``DTensor`` s (they are gathered); plain tensors are copied."""
     DTensor = lazy.dtensor().DTensor
     merged: dict[str, Any] = {}
-    for part, optimizers in state_dict_parts(strategy):
+    for part, optimizers in parts:
         if optimizers:
             optim = optimizer_state(part, optimizers)
             merged.update({k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in optim.items()})
@@ -117,6 +137,8 @@ def _like(live: Any, saved: Any, key: str) -> Any:
     DTensor, Replicate = lazy.dtensor().DTensor, lazy.dtensor().Replicate
     if not isinstance(live, torch.Tensor):
         return saved
+    if isinstance(saved, DTensor):
+        return saved  # read in place into the live layout (a sharded directory)
     if not isinstance(saved, torch.Tensor) or tuple(saved.shape) != tuple(live.shape):
         got = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
         raise CheckpointError(f"checkpoint entry {key} has shape {got} but the model expects {tuple(live.shape)}; "
@@ -153,7 +175,7 @@ def _legacy_optimizer(part: nn.Module, optimizers: list, states: list[dict]) -> 
     return flat
 
 
-def agree_on_load(strategy: Any, error: str | None, saved_keys: set[str], used: set[str], path: str) -> None:
+def agree_on_load(error: str | None, saved_keys: set[str], used: set[str], path: str) -> None:
     """One collective after all local work: any rank's error, or a model entry of the checkpoint
     that no rank holds (a pipeline rank holds only its part), raises the same error everywhere."""
     if C.active():
@@ -168,18 +190,17 @@ def agree_on_load(strategy: Any, error: str | None, saved_keys: set[str], used: 
                               f"it was written for a different model")
 
 
-def _load_full_local(strategy: Any, payload: dict[str, Any], path: str) -> set[str]:
-    saved_model = strip_wrapper_prefix(payload["model"])
+def _apply_local(parts: Parts, loaded: Loaded, path: str) -> set[str]:
     used: set[str] = set()
-    for part, optimizers in state_dict_parts(strategy):
+    for part, optimizers in parts:
         live_model, live_optim = part_state(part, optimizers)
         used.update(live_model)
-        model = _fill(live_model, saved_model, "model", path)
+        model = _fill(live_model, loaded.model, "model", path)
         optim: dict[str, Any] = {}
-        if optimizers and ("optimizer" in payload or "optimizers" in payload):
-            saved_optim = payload.get("optimizer")
+        if optimizers and (loaded.optimizer is not None or loaded.legacy_optimizers is not None):
+            saved_optim = loaded.optimizer
             if saved_optim is None:
-                saved_optim = _legacy_optimizer(part, optimizers, payload["optimizers"])
+                saved_optim = _legacy_optimizer(part, optimizers, loaded.legacy_optimizers)
             optim = _fill(live_optim, saved_optim, "optimizer", path)
         elif optimizers:
             optimizers = []  # weights only (a bare state_dict): optimizers keep their fresh state
@@ -187,12 +208,12 @@ def _load_full_local(strategy: Any, payload: dict[str, Any], path: str) -> set[s
     return used
 
 
-def load_full_state(strategy: Any, payload: dict[str, Any], path: str) -> None:
-    """Load full (unsharded) model/optimizer state, e.g. from a replicated file, into ``strategy``:
-    each rank keeps its shard of every tensor. Every rank calls it; errors are agreed on."""
+def apply_loaded(parts: Parts, loaded: Loaded, path: str) -> None:
+    """Load a checkpoint's model and optimizer state into ``parts``: full values are cut to each rank's
+    shard, values read in place are set as they are. Every rank calls it; errors are agreed on."""
     error, used = None, set()
     try:
-        used = _load_full_local(strategy, payload, path)
-    except (CheckpointError, KeyError, RuntimeError, ValueError) as err:
+        used = _apply_local(parts, loaded, path)
+    except (CheckpointError, KeyError, RuntimeError, ValueError, OSError, pickle.UnpicklingError) as err:
         error = str(err) if isinstance(err, CheckpointError) else f"{path} does not fit this model: {err!r}"
-    agree_on_load(strategy, error, set(strip_wrapper_prefix(payload.get("model", {}))), used, path)
+    agree_on_load(error, loaded.saved_model_keys, used, path)

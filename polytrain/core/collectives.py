@@ -27,6 +27,18 @@ def active(group: Any = None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
+def rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def default_device() -> torch.device:
+    """Where the default group's small control tensors live: the current GPU under NCCL, else the CPU."""
+    if active() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _op(name: str) -> dist.ReduceOp:
     try:
         return _OPS[name]

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from polytrain.checkpoint.io import CheckpointIO, ReplicatedCheckpointIO
+from polytrain.checkpoint.checkpoint_io import CheckpointIO, ReplicatedCheckpointIO
+from polytrain.checkpoint.state import Parts, apply_loaded, full_optimizer_state, live_state
 from polytrain.core import heartbeat
 from polytrain.core.batch import move_to_device
 from polytrain.core.environment import ClusterEnvironment
@@ -160,9 +161,11 @@ class Strategy(CollectiveVerbs, ABC):
 
     @classmethod
     def build(cls, options: Any, **kwargs: Any) -> Strategy:
-        """The strategy for ``options`` (``registry.build_strategy`` calls this): an instance of this class,
-        unless a class hands some of its options to another (model_parallel's layers mode)."""
-        return cls(options, **kwargs)
+        """The strategy for ``options`` (``registry.build_strategy`` calls this) with the job's
+        ``ParallelDims``: an instance of this class, unless a class hands some of its options to another
+        (model_parallel's layers mode)."""
+        dims = cls.parallel_dims(options, kwargs["env"], kwargs["num_nodes"])
+        return cls(options, dims=dims, **kwargs)
 
     @classmethod
     def parallel_dims(cls, options: Any, env: ClusterEnvironment, num_nodes: int) -> Any:
@@ -387,28 +390,44 @@ class Strategy(CollectiveVerbs, ABC):
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, payload: dict[str, Any], path: str) -> None:
-        self.checkpoint_io.save(self, payload, path)
-
-    def load_checkpoint(self, path: str, weights_only: bool = False) -> dict[str, Any]:
-        """Restore model and optimizer state (with ``weights_only``: the model alone) from ``path``; return
-        the rest of the payload. Every rank calls it."""
-        if not weights_only:
-            return self.checkpoint_io.load(self, path)
-        saved, self.optimizers = self.optimizers, []
-        try:
-            return self.checkpoint_io.load(self, path)
-        finally:
-            self.optimizers = saved
-
-    def module_state_dict(self) -> dict[str, Any]:
-        return self.module.state_dict()
+    def state_parts(self) -> Parts:
+        """The model this rank holds and its optimizers, as checkpoints read and write them."""
+        return [(self.module, list(self.optimizers))]
 
     @property
-    def state_dict_is_module_state(self) -> bool:
-        """Whether ``module_state_dict()`` is just ``module.state_dict()`` (a checkpoint may reuse one
-        taken already); False where it gathers shards."""
-        return type(self).module_state_dict is Strategy.module_state_dict
+    def gathers_state(self) -> bool:
+        """Whether the whole model must be gathered from several ranks (sharded or pipelined): then
+        ``module_state_dict`` is a collective, and the checkpoint I/O is the sharded one."""
+        return False
+
+    def module_state_dict(self) -> dict[str, Any]:
+        """The whole model's state dict under single-device names (on global rank 0 at least)."""
+        return self.module.state_dict()
+
+    def checkpoint_state(self, module_state: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Model and optimizer state as this strategy's checkpoint I/O writes it: whole (on global rank 0;
+        a collective where parameters are sharded) for a file, each rank's own slices for a sharded
+        directory. ``module_state``: the module's ``state_dict()``, reused when it is the whole model."""
+        parts = self.state_parts()
+        if not self.checkpoint_io.replicated:
+            return live_state(parts)
+        model = module_state if module_state is not None and not self.gathers_state else self.module_state_dict()
+        return {"model": model, "optimizer": full_optimizer_state(parts)}
+
+    def save_checkpoint(self, payload: dict[str, Any], path: str) -> None:
+        """Every rank calls it. ``payload``'s ``state_dict`` (the live state hooks read) is not written: the
+        model goes under ``model``, as the checkpoint I/O's format holds it."""
+        state = {k: v for k, v in payload.items() if k != "state_dict"}
+        state.update(self.checkpoint_state(payload.get("state_dict")))
+        self.checkpoint_io.save(state, path)
+
+    def load_checkpoint(self, path: str, weights_only: bool = False) -> dict[str, Any]:
+        """Restore model and optimizer state (with ``weights_only``: the model alone) from any checkpoint;
+        return the rest of the payload. Every rank calls it."""
+        parts = [(module, [] if weights_only else optimizers) for module, optimizers in self.state_parts()]
+        loaded = self.checkpoint_io.load(path, into=None if self.checkpoint_io.replicated else live_state(parts))
+        apply_loaded(parts, loaded, path)
+        return loaded.payload
 
     def teardown(self) -> None:
         heartbeat.stop()  # before the store it writes to goes away

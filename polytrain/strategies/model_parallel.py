@@ -74,8 +74,8 @@ class ModelParallelStrategy(ParallelStrategy):
     @classmethod
     def build(cls, options: Any, **kwargs: Any) -> Any:
         if options.mode == "layers":
-            return LayerPlacementStrategy(options, **kwargs)
-        return cls(options, **kwargs)
+            return LayerPlacementStrategy.build(options, **kwargs)
+        return super().build(options, **kwargs)
 
     @classmethod
     def processes_per_node(cls, devices: int, options: Any = None) -> int:

@@ -16,6 +16,7 @@ everything else. See docs/strategies/composition.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 from collections.abc import Callable
@@ -24,16 +25,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from polytrain.checkpoint.io import CheckpointIO, ReplicatedCheckpointIO, ShardedCheckpointIO
+from polytrain.checkpoint.checkpoint_io import CheckpointIO, ReplicatedCheckpointIO, ShardedCheckpointIO
 from polytrain.checkpoint.state import full_model_state, gathered_stage_state
 from polytrain.core.environment import ClusterEnvironment
 from polytrain.core.errors import ConfigError
 from polytrain.core.options import check_choice
 from polytrain.core.process_group import default_backend, init_process_group, resolve_device
-from polytrain.data.padding import EvalBatches, PaddingState
+from polytrain.data.padding import EvalBatches
 from polytrain.layers.sync_batchnorm import convert_sync_batchnorm
 from polytrain.parallel import tensor_parallel as tp_fn
 from polytrain.parallel.activation_checkpointing import checkpoint_targets
@@ -47,21 +47,17 @@ from polytrain.parallel.apply import (
     parallelize,
 )
 from polytrain.parallel.context_parallel import check_context_parallel, context_parallel_training_step
-from polytrain.parallel.ddp import ddp_kwargs, forward_without_reducer, prepare_manual_backward
+from polytrain.parallel.dims import ParallelDims
 from polytrain.parallel.dtensor_optim import support_fused_sgd
-from polytrain.parallel.fsdp import (
-    broadcast_module,
-    clip_sharded_grad_norm,
-    materialize_meta,
-    no_gradient_sync,
-)
+from polytrain.parallel.fsdp import broadcast_module, materialize_meta
 from polytrain.parallel.pipeline_stage import (
     SCHEDULES,
     check_schedule_options,
     check_schedule_with_fsdp,
     schedule_class,
 )
-from polytrain.strategies.base import StepRouter, Strategy
+from polytrain.strategies.base import StepResult, StepRouter, Strategy
+from polytrain.strategies.data_parallel import backend_for
 from polytrain.strategies.pipelined import PipelineRunner
 from polytrain.strategies.registry import register
 from polytrain.strategies.sharded_eval import padded_eval_step
@@ -97,22 +93,38 @@ class ParallelOptions:
 
 @register
 class ParallelStrategy(Strategy):
+    """The composed strategy. What differs between layouts is resolved once: the data-parallel backend
+    (``strategies.data_parallel``), the pipeline runner (``strategies.pipelined``) when ``pp > 1``, whether
+    tensor parallelism applies the module's plan, and (at ``setup_module``) the evaluation step, the
+    no-sync context and the clipping by norm the step uses."""
+
     name = "parallel"
     Options = ParallelOptions
 
-    def __init__(self, options: Any, *, dims: Any = None, checkpoint_io: CheckpointIO | None = None,
-                 **kwargs: Any) -> None:
-        self.layout: Layout = self.compose(options, kwargs["num_nodes"])
+    def __init__(self, options: Any, *, layout: Layout | None = None, dims: ParallelDims | None = None,
+                 checkpoint_io: CheckpointIO | None = None, **kwargs: Any) -> None:
+        self.layout = layout if layout is not None else self.compose(options, kwargs["num_nodes"])
         env: ClusterEnvironment = kwargs["env"]
         dims = dims if dims is not None else self.layout.dims(env.world_size, env.global_rank)
-        self.data_parallel = data_parallel_mode(self.layout, dims)  # fsdp | ddp | all_reduce | none
-        self._tp = self.layout.uses_tp(dims)  # the module's plan is applied
-        if dims.pp > 1 and self.data_parallel == "fsdp":
+        self.backend = backend_for(data_parallel_mode(self.layout, dims), self.layout.ddp)
+        self.tensor_parallel = self.layout.uses_tp(dims)  # the module's plan is applied
+        if dims.pp > 1 and self.backend.shards:
             check_schedule_with_fsdp(self.layout.pipeline.schedule)
+        # The one place deciding whether the model is spread over ranks: parameters are DTensors (FSDP,
+        # tensor parallel), and with a pipeline each rank holds some stages only.
+        self.dtensor_parameters = self.backend.shards or self.tensor_parallel
+        self._gathers = self.dtensor_parameters or dims.pp > 1
         super().__init__(options, dims=dims, checkpoint_io=checkpoint_io, **kwargs)
         self.pipeline: PipelineRunner | None = None
-        self._padding = PaddingState()
         self._init_rng: torch.Tensor | None = None
+        self._eval_step: Callable[..., Any] = super().eval_step
+        self._no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        self._clip_norm: Callable[[torch.optim.Optimizer, float], torch.Tensor | None] | None = None
+
+    @classmethod
+    def build(cls, options: Any, **kwargs: Any) -> ParallelStrategy:
+        layout = cls.compose(options, kwargs["num_nodes"])  # once per build
+        return cls(options, layout=layout, **kwargs)
 
     @classmethod
     def compose(cls, options: Any, num_nodes: int) -> Layout:
@@ -137,8 +149,12 @@ class ParallelStrategy(Strategy):
             check_schedule_with_fsdp(layout.pipeline.schedule)  # the rest is known with the world size
 
     def default_checkpoint_io(self) -> CheckpointIO:
-        sharded = self.data_parallel == "fsdp" or self._tp or self.dims.pp > 1
-        return ShardedCheckpointIO() if sharded else ReplicatedCheckpointIO()
+        return ShardedCheckpointIO() if self._gathers else ReplicatedCheckpointIO()
+
+    @property
+    def data_parallel(self) -> str:
+        """How gradients meet across data-parallel ranks: ``fsdp`` | ``ddp`` | ``all_reduce`` | ``none``."""
+        return self.backend.name
 
     # ------------------------------------------------------------------ topology (all from self.dims)
     @property
@@ -200,7 +216,7 @@ class ParallelStrategy(Strategy):
                               f"{SCHEDULES[layout.pipeline.schedule][0]}, which torch {torch.__version__} lacks")
         index = layout.device_index if layout.device_index is not None else self.local_rank
         self._device = resolve_device(self.accelerator, index)
-        if self.precision.name == "16-mixed" and (dims.pp > 1 or self._tp):
+        if self.precision.name == "16-mixed" and (dims.pp > 1 or self.tensor_parallel):
             what = "the pipeline strategy (each stage's GradScaler would skip steps on its own)" if dims.pp > 1 else \
                 "tensor parallelism (a GradScaler over sharded gradients)"
             raise ConfigError(f"precision '16-mixed' is not supported by {what}; use precision 'bf16-mixed' or '32'")
@@ -209,10 +225,13 @@ class ParallelStrategy(Strategy):
         if self.world_size > 1:
             self.join_process_group()
         if dims.pp > 1:
-            self.pipeline = PipelineRunner(self, layout.pipeline, dims)
-            # The pipeline owns the step. Bound here, not branched on in an override: a frame fewer on
-            # every other strategy's batch.
-            self.forward_backward = self.pipeline.forward_backward  # type: ignore[method-assign]
+            self.pipeline = PipelineRunner(self, layout.pipeline, dims, averages_grads=self.backend.name == "all_reduce",
+                                           padding=self.backend.padding)
+
+    @property
+    def step_runner(self) -> Callable[..., StepResult]:
+        """The pipeline's schedule owns the step when there is one."""
+        return self.pipeline.forward_backward if self.pipeline is not None else self.forward_backward
 
     def join_process_group(self) -> None:
         """Join the job's process group and build the mesh (idempotent). Several processes join in
@@ -234,23 +253,23 @@ class ParallelStrategy(Strategy):
     def _meta_init(self) -> bool:
         if self.layout.meta_init is not None:
             return self.layout.meta_init
-        return self.data_parallel == "fsdp" and not self._tp and self.dims.pp == self.dims.cp == 1
+        return self.backend.shards and not self.tensor_parallel and self.dims.pp == self.dims.cp == 1
 
     @property
     def _state_device(self) -> torch.device:
         return torch.device("cpu") if self.layout.fsdp.cpu_offload else self.root_device
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        dims, mode = self.dims, self.data_parallel
-        plan = tp_fn.module_plan(module) if self._tp else None  # read before any rendezvous
+        dims, backend = self.dims, self.backend
+        plan = tp_fn.module_plan(module) if self.tensor_parallel else None  # read before any rendezvous
         if self.pipeline is not None:
             self.pipeline.check_module(module)
         self.join_process_group()
         module = self.precision.convert_module(module)
         if self.layout.sync_batchnorm:
-            module = convert_sync_batchnorm(module, self.dp_group if mode == "fsdp" else None)
+            module = convert_sync_batchnorm(module, self.dp_group if backend.shards else None)
         on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
-        if mode != "ddp" and self.world_size > 1:
+        if backend.broadcasts_weights and self.world_size > 1:
             broadcast_module(module, self.collective_device)  # as DDP: every rank starts from rank 0's weights
         chosen = None
         if self.pipeline is not None:
@@ -263,39 +282,49 @@ class ParallelStrategy(Strategy):
         router = StepRouter(module)
         if self.pipeline is None:
             roots = [router]
-        parallelize(module, roots, dims, self.layout, mode, plan, self.precision.autocast_dtype,
+        parallelize(module, roots, dims, self.layout, backend.name, plan, self.precision.autocast_dtype,
                     self.root_device.type, self.checkpointing_options, self.compile_options, chosen)
         if on_meta:
             materialize_meta(module, self._state_device, self._init_rng)
-        self.module, self.model = module, router
-        if mode == "ddp":
-            self.model = DistributedDataParallel(router, **ddp_kwargs(self.layout.ddp, self.root_device))
+        self.module, self.model = module, backend.wrap(router, self.root_device)
         if self.pipeline is not None:
             self.pipeline.build(module, self.root_device)
+        self._resolve_step_verbs()
         return self.model
 
+    def _resolve_step_verbs(self) -> None:
+        """What evaluation, a no-sync micro-batch and clipping by norm run, fixed once the model is wrapped."""
+        backend, pipeline = self.backend, self.pipeline
+        if pipeline is not None:
+            self._eval_step, self._no_sync = pipeline.eval_step, pipeline.no_sync
+        else:
+            self._no_sync = functools.partial(backend.no_sync, self.model)
+            if backend.padding is not None:
+                # Through the sharded root (its forward gathers parameters): every rank runs as many
+                # evaluation forwards as the others (process_dataloader's EvalBatches).
+                self._eval_step = functools.partial(padded_eval_step, self, backend.padding)
+            elif self.tensor_parallel:
+                self._eval_step = self._routed_eval_step
+        if self.tensor_parallel or pipeline is not None:
+            self._clip_norm = self._clip_over_stages_and_tp
+        elif backend.shards:
+            self._clip_norm = backend.clip_norm
+
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
-        if self.data_parallel == "fsdp" or self._tp:
+        if self.dtensor_parameters:
             support_fused_sgd(optimizers)  # every parameter is a DTensor
         if self.pipeline is not None:
             self.pipeline.optimizers_checked = False
         return super().setup_optimizers(optimizers)
 
     # ------------------------------------------------------------------ data
-    @property
-    def _eval_padding(self) -> PaddingState | None:
-        """Set when every evaluation forward gathers over the data-parallel group (FSDP)."""
-        if self.data_parallel != "fsdp":
-            return None
-        return self.pipeline.padding if self.pipeline is not None else self._padding
-
     def process_dataloader(self, loader: DataLoader, stage: str, seed: int, use_sampler: bool | str) -> Any:
         loader = super().process_dataloader(loader, stage, seed, use_sampler)  # split over dp only
         if stage == "train":
             if self.pipeline is not None:
                 self.pipeline.check_train_loader(loader)
             return loader
-        padding = self._eval_padding
+        padding = self.backend.padding
         # FSDP gathers in every forward: data ranks must run as many evaluation batches as each other.
         return loader if padding is None else EvalBatches(loader, padding, self.collective_device)
 
@@ -305,10 +334,9 @@ class ParallelStrategy(Strategy):
             raise ConfigError("manual optimisation (training_step driving the optimizers) is not supported under "
                               "pipeline parallelism: the schedule owns forward and backward; use automatic "
                               "optimisation")
-        if self.data_parallel != "ddp" or self.module.automatic_optimization:
+        if self.module.automatic_optimization:
             return super().training_step(batch, batch_idx)
-        # Manual optimisation: DDP's reducer is readied before each manual_backward, never by its forward.
-        with forward_without_reducer(self.model):
+        with self.backend.manual_step(self.model):
             return super().training_step(batch, batch_idx)
 
     def _bind_training_step(self) -> Callable[[Any, int], Any]:
@@ -316,72 +344,53 @@ class ParallelStrategy(Strategy):
         return step if self.dims.cp <= 1 else context_parallel_training_step(step, self.dims.get_mesh("cp"), self.module)
 
     def prepare_manual_backward(self, loss: torch.Tensor) -> None:
-        if self.data_parallel == "ddp":
-            prepare_manual_backward(self.model, loss)
+        self.backend.prepare_manual_backward(self.model, loss)
 
     def eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
-        if self.pipeline is not None:
-            return self.pipeline.eval_step(stage, batch, batch_idx)
-        if self.data_parallel == "fsdp":
-            # Through the sharded root (its forward gathers parameters): every rank runs as many
-            # evaluation forwards as the others (process_dataloader's EvalBatches).
-            return padded_eval_step(self, self._padding, stage, batch, batch_idx)
-        if self._tp:
-            # Through the router (no collectives of its own): its hook makes the replicated parameters
-            # local views for the whole step, as in training.
-            with self.precision.forward_context():
-                return self.model(f"{stage}_step", batch, batch_idx)
-        return super().eval_step(stage, batch, batch_idx)
+        return self._eval_step(stage, batch, batch_idx)
+
+    def _routed_eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
+        # Tensor parallel: through the router (no collectives of its own): its hook makes the replicated
+        # parameters local views for the whole step, as in training.
+        with self.precision.forward_context():
+            return self.model(f"{stage}_step", batch, batch_idx)
 
     def no_backward_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
-        if not enabled:
-            return contextlib.nullcontext()
-        if self.pipeline is not None:
-            # With FSDP in the stages torch's stage defers the reduction to the schedule's last
-            # micro-batch by itself (and each step's reduce-scatter adds to the sharded gradients).
-            return self.pipeline.no_sync() if self.data_parallel == "all_reduce" else contextlib.nullcontext()
-        if self.data_parallel == "ddp":
-            return self.model.no_sync()
-        if self.data_parallel == "fsdp":
-            return no_gradient_sync(self.model)
-        return contextlib.nullcontext()
+        return self._no_sync() if enabled else contextlib.nullcontext()
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> torch.Tensor | None:
-        if algorithm == "value":
+        if algorithm == "value" or self._clip_norm is None:
             return super().clip_gradients(optimizer, value, algorithm)  # elementwise: shards are fine
+        return self._clip_norm(optimizer, value)
+
+    def _clip_over_stages_and_tp(self, optimizer: torch.optim.Optimizer, value: float) -> torch.Tensor:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if self.pipeline is not None:
             self.pipeline.check_optimizers_line_up(self.optimizers)
-        if self._tp or self.pipeline is not None:
-            tp_fn.reduce_partial_grads(params)  # idempotent: clipping by hand under manual optimisation
-            return tp_fn.clip_grad_norm(params, value, self.pp_group if self.pipeline is not None else None)
-        if self.data_parallel == "fsdp":
-            return clip_sharded_grad_norm(optimizer, value)
-        return super().clip_gradients(optimizer, value, algorithm)
+        tp_fn.reduce_partial_grads(params)  # idempotent: clipping by hand under manual optimisation
+        return tp_fn.clip_grad_norm(params, value, self.pp_group if self.pipeline is not None else None)
 
     @property
     def steps_plainly(self) -> bool:
-        return not self._tp and self.precision.steps_plainly  # tensor parallel adds to the step (below)
+        return not self.tensor_parallel and self.precision.steps_plainly  # tensor parallel adds to the step (below)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
                        after_closure: Callable[[], None]) -> Any:
-        if self._tp:  # Partial gradients (sequence parallel) summed once, before the hooks and clipping
+        if self.tensor_parallel:  # Partial gradients (sequence parallel) summed once, before the hooks and clipping
             after_closure = tp_fn.partial_grads_reduced_first(optimizer, after_closure)
         return self.precision.optimizer_step(optimizer, closure, after_closure)
 
     # ------------------------------------------------------------------ checkpoints and teardown
+    @property
+    def gathers_state(self) -> bool:
+        return self._gathers
+
     def module_state_dict(self) -> dict[str, Any]:
-        """The full model as CPU tensors on rank 0 (others: ``{}``) when sharded or pipelined (a
-        collective: every rank calls it); the module's own state dict when replicated."""
+        """The full model as CPU tensors on rank 0 (others: ``{}``) when spread over ranks (a collective:
+        every rank calls it); the module's own state dict when every rank holds all of it."""
         if self.pipeline is not None:
             return gathered_stage_state(self.module, self.is_global_zero)
-        if self.data_parallel == "fsdp" or self._tp:
-            return full_model_state(self.module)
-        return self.module.state_dict()
-
-    @property
-    def state_dict_is_module_state(self) -> bool:
-        return self.pipeline is None and self.data_parallel != "fsdp" and not self._tp
+        return full_model_state(self.module) if self._gathers else self.module.state_dict()
 
     def teardown(self) -> None:
         super().teardown()

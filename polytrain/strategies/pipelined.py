@@ -122,8 +122,12 @@ def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
 class PipelineRunner:
     """The pipeline half of a composed strategy: the cut, the schedules, the step and evaluation."""
 
-    def __init__(self, strategy: Strategy, settings: PipelineSettings, dims: ParallelDims) -> None:
+    def __init__(self, strategy: Strategy, settings: PipelineSettings, dims: ParallelDims,
+                 averages_grads: bool, padding: PaddingState | None) -> None:
         self.strategy, self.settings, self.dims = strategy, settings, dims
+        # No wrapper around the stages (data_parallel all_reduce): this runner averages the gradients over
+        # the stage's replicas after each step. With FSDP in the stages, torch's stage reduces them itself.
+        self.averages_grads = averages_grads
         self.n_stages = dims.pp * settings.stages_per_rank
         self.n_microbatches = settings.n_microbatches or self.n_stages
         self.owner = stage_owners(dims.pp, self.n_stages, settings.schedule)
@@ -132,7 +136,7 @@ class PipelineRunner:
         self.pp_ranks = dims.group_ranks("pp")  # global rank of each stage rank
         self.last_rank = self.pp_ranks[self.owner[self.n_stages - 1]]
         self.sync_grads = True
-        self.padding = PaddingState()
+        self.padding = padding if padding is not None else PaddingState()  # the FSDP backend's, when sharded
         self.optimizers_checked = False  # reset by each fit's setup_optimizers
 
     @property
@@ -242,7 +246,7 @@ class PipelineRunner:
         else:
             local = torch.zeros((), device=s.root_device)
         loss = C.broadcast(local.float(), self.last_rank, self.pp_group)
-        if self.sync_grads and s.data_parallel == "all_reduce":
+        if self.sync_grads and self.averages_grads:
             self.average_grads_over_dp()
         if user_step:
             self.share_logged(_mean_records(self._records), log_here=True)
@@ -309,8 +313,13 @@ class PipelineRunner:
                 f"{listed}. Keep an optimizer whose parameters a stage does not hold as an empty group, e.g. "
                 f"torch.optim.SGD([{{'params': []}}], lr=...), or clip by value")
 
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """A micro-batch that does not end its window: gradients stay local (with FSDP in the stages torch's
+        stage defers the reduction to the schedule's last micro-batch by itself)."""
+        return self._held_back() if self.averages_grads else contextlib.nullcontext()
+
     @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def _held_back(self) -> Iterator[None]:
         self.sync_grads = False
         try:
             yield

@@ -168,10 +168,11 @@ def resolve_strategy_name(name: str, processes: int) -> str:
 
 
 def build_strategy(spec: dict[str, Any], *, precision: str | Precision, **kwargs: Any) -> Any:
-    """The strategy ``spec`` names, with its collaborators built here, once: the ``Precision`` object
-    and (strategies with a device mesh) the ``ParallelDims`` of the job; ``kwargs`` are the rest of the
+    """The strategy ``spec`` names, with its collaborators built once: the ``Precision`` object here, and
+    (strategies with a device mesh) the ``ParallelDims`` of the job in the class's ``build``, which makes
+    the instance (a class may hand some options to another one); ``kwargs`` are the rest of the
     constructor's keywords (accelerator, devices, num_nodes, timeout, env, compile and checkpointing
-    options). The class's ``build`` makes the instance (a class may hand some options to another one).
+    options).
 
     ``spec`` is what ``validate_strategy_spec`` returned (the Trainer's config holds it): its values were
     type-checked there, so here they only fill the options dataclass (its ``__post_init__`` checks run
@@ -183,5 +184,4 @@ def build_strategy(spec: dict[str, Any], *, precision: str | Precision, **kwargs
         validate_dataclass(cls.Options, options, f"trainer.strategy ({cls.name})")  # names the valid keys
     if not isinstance(precision, Precision):
         precision = Precision.for_accelerator(precision, kwargs["accelerator"])
-    dims = cls.parallel_dims(parsed, kwargs["env"], kwargs["num_nodes"])
-    return cls.build(parsed, precision=precision, dims=dims, **kwargs)
+    return cls.build(parsed, precision=precision, **kwargs)

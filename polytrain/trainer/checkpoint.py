@@ -158,4 +158,4 @@ def ensure_run_dir(trainer: Trainer) -> None:
         except OSError as err:
             error = (f"cannot write trainer.run_dir={trainer.run_dir}: {err.strerror or err}. Point "
                      f"trainer.run_dir at a writable directory")
-    agree_on_error(trainer.strategy, error)
+    agree_on_error(error, trainer.strategy.collective_device)

@@ -33,7 +33,7 @@ def _full_state(trainer: Any) -> dict[str, torch.Tensor]:
     from polytrain.checkpoint.state import full_optimizer_state
 
     state = {f"model.{k}": v.detach().clone() for k, v in trainer.strategy.module_state_dict().items()}
-    optim = full_optimizer_state(trainer.strategy)  # a collective under fsdp
+    optim = full_optimizer_state(trainer.strategy.state_parts())  # a collective under fsdp
     state.update({f"optimizer.{k}": v.detach().clone() if isinstance(v, torch.Tensor) else v
                   for k, v in optim.items()})
     return state
