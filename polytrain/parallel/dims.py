@@ -109,14 +109,6 @@ class ParallelDims:
         return self.dp_shard * self.cp
 
     @property
-    def dp_enabled(self) -> bool:
-        return self.dp_size > 1
-
-    @property
-    def dp_replicate_enabled(self) -> bool:
-        return self.dp_replicate > 1
-
-    @property
     def dp_shard_enabled(self) -> bool:
         return self.dp_shard > 1
 
@@ -135,9 +127,6 @@ class ParallelDims:
     def degrees(self) -> list[tuple[str, int]]:
         """Named dimensions of the mesh, outermost first; degree-1 dims are kept (cheap, uniform)."""
         return [(n, getattr(self, n)) for n in DEGREES]
-
-    def dims(self) -> list[tuple[str, int]]:  # the name this had before cp joined
-        return self.degrees()
 
     # ------------------------------------------------------------------ this rank
     def coordinates(self, rank: int | None = None) -> dict[str, int]:
@@ -211,10 +200,6 @@ class ParallelDims:
         self.mesh, self.meshes = None, {}
         _BUILT.clear()
 
-    @property
-    def dp_mesh(self) -> Any:
-        return self.get_mesh("dp")
-
     def get_mesh(self, name: str) -> Any:
         """The (sub-)mesh called ``name``; raises if the mesh is not built or the name is unknown."""
         if self.mesh is None:
@@ -223,8 +208,3 @@ class ParallelDims:
         if name not in self.meshes:
             raise KeyError(f"no mesh named '{name}'; known: {', '.join(self.meshes)}")
         return self.meshes[name]
-
-    def get_optional_mesh(self, name: str) -> Any | None:
-        """``get_mesh(name)``, or None when that dimension has size 1 (the parallelism is off)."""
-        mesh = self.get_mesh(name)
-        return mesh if mesh.size() > 1 else None

@@ -20,7 +20,6 @@ from torch import nn
 from polytrain.core import collectives as C
 from polytrain.core import lazy
 from polytrain.core.errors import ConfigError
-from polytrain.parallel.fsdp import blocks_to_wrap
 
 
 class TensorParallelPlanError(ConfigError):
@@ -194,16 +193,6 @@ def replicate_unplanned(module: nn.Module, tp_mesh: Any) -> list[tuple[nn.Module
     for path, replicas in below.items():
         localize_replicas(module.get_submodule(path), replicas)
     return below.get("", [])
-
-
-def shard_data_parallel(module: nn.Module, root: nn.Module, dp_mesh: Any) -> None:
-    """FSDP2 over the data-parallel mesh after tensor parallelism (2D). The units are the ``fsdp``
-    strategy's (each block of the largest ``nn.Sequential``/``nn.ModuleList``); ``root``, the router
-    the step runs through, owns whatever no block took."""
-    fully_shard = lazy.fsdp().fully_shard
-    for block in blocks_to_wrap(module, None):
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(root, mesh=dp_mesh, reshard_after_forward=False)  # backward needs the root first
 
 
 def reduce_partial_grads(parameters: list[torch.Tensor]) -> None:
