@@ -48,7 +48,7 @@ class DropoutModule(TinyModule):
         self.log("val/loss", loss, sync_dist=True)
         return loss
 
-    def on_validation_epoch_end(self) -> None:
+    def on_validation_end(self) -> None:
         if not self.trainer.sanity_checking:
             self.validations.append((self.trainer.global_step, float(self.trainer.callback_metrics["val/loss"])))
 

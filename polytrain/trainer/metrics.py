@@ -131,7 +131,7 @@ class MetricCollector:
         self._fresh: dict[str, Logged] = {}  # this stage's values logged per step since its last logging step
         self._fresh_by_stage: dict[str, dict[str, Logged]] = {}
         # What callbacks see: tensors, the latest of every name (per step values are local until
-        # a logging step syncs them). Dropped values of the sanity check never land here.
+        # a logging step syncs them). The sanity check's values are dropped when it ends.
         self.callback: dict[str, torch.Tensor] = {}
         # The training epoch's last per-step values (reduce_epoch keeps them): what Lightning's
         # logged_metrics and progress_bar_metrics show after the epoch, logged or not on a logging step.
@@ -195,13 +195,12 @@ class MetricCollector:
         if on_step:
             entry.step_value = tensor
             self._fresh[name] = entry
-            if self.stage != "sanity":
-                self.callback[name] = tensor
-                if on_epoch:
-                    self.callback[f"{name}_step"] = tensor
+            self.callback[name] = tensor
+            if on_epoch:
+                self.callback[f"{name}_step"] = tensor
         if on_epoch and entry.metric is None:
             self._accumulate(entry, tensor, batch_size)
-            if not on_step and self.stage != "sanity" and self.epoch_level():
+            if not on_step and self.epoch_level():
                 # Logged in an epoch-level hook: readable there at once (Lightning reduces on each read);
                 # the epoch's reduction after the hook replaces it with the value reduced across ranks.
                 self.callback[name] = tensor
@@ -246,10 +245,9 @@ class MetricCollector:
                 for e, v in zip(entries, packed.unbind(0)):
                     values[e.step_name()] = (e, v)
         for e, v in values.values():
-            if self.stage != "sanity":
-                self.callback[e.name] = v
-                if e.forked:
-                    self.callback[e.step_name()] = v
+            self.callback[e.name] = v
+            if e.forked:
+                self.callback[e.step_name()] = v
         return values
 
     def reduce_epoch(self, stage: str, group: Any = None, more: bool = False) -> dict[str, tuple[Logged, torch.Tensor]]:
@@ -293,11 +291,10 @@ class MetricCollector:
             if e.metric is not None and e.on_epoch:
                 out[e.epoch_name()] = (e, _as_tensor(e.metric.compute(), self.device))
                 e.metric.reset()
-        if stage != "sanity":
-            for e, v in out.values():
-                self.callback[e.name] = v
-                if e.forked:
-                    self.callback[e.epoch_name()] = v
+        for e, v in out.values():
+            self.callback[e.name] = v
+            if e.forked:
+                self.callback[e.epoch_name()] = v
         if stage == "train":
             last = {e.step_name(): (e, e.step_value) for e in results.values() if e.on_step and e.step_value is not None}
             self.last_step_values = {**self.last_step_values, **last} if more else last
@@ -340,6 +337,13 @@ class MetricCollector:
     def reset_callback_metrics(self) -> None:
         """A standalone validate/test starts with no metrics of an earlier stage."""
         self.callback.clear()
+
+    def reset_after_sanity_check(self) -> None:
+        """As Lightning: what the sanity check logged was readable in its hooks (``callback_metrics``), and
+        is gone once it ends, with everything logged before it."""
+        self.callback.clear()
+        self.logged.clear()
+        self.progress_bar.clear()
 
 
 def publish(trainer: Trainer, values: dict[str, tuple[Logged, torch.Tensor]], step: int) -> None:

@@ -91,6 +91,10 @@ MODULE_HOOKS = (
     "lr_scheduler_step", "manual_backward", "toggle_optimizer", "untoggle_optimizer",
     "on_save_checkpoint", "on_load_checkpoint", "state_dict", "load_state_dict",
 )
+# Inside these, the recorder notes what trainer.callback_metrics holds (a callback's at entry, the module's
+# at exit, after what the hook itself logged).
+EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
+
 DATAMODULE_HOOKS = (
     "prepare_data", "setup", "teardown", "train_dataloader", "val_dataloader", "test_dataloader",
     "predict_dataloader", "on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer",
@@ -236,6 +240,8 @@ class Recorder:
                 result = bound(*args, **kwargs)
             finally:
                 recorder.exit(event)
+            if name in EPOCH_END_HOOKS and recorder.trainer is not None:
+                event["callback_metrics"] = _floats(recorder.trainer.callback_metrics)
             if name == "training_step":
                 recorder.losses.append(_detached(result))
             return result
@@ -249,7 +255,10 @@ class Recorder:
         def hook(name: str) -> Callable:
             def method(self: Any, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
                 recorder.trainer = trainer
-                recorder.exit(recorder.enter("callback", name, args, kwargs, module=pl_module))
+                event = recorder.enter("callback", name, args, kwargs, module=pl_module)
+                if name in EPOCH_END_HOOKS:
+                    event["callback_metrics"] = _floats(trainer.callback_metrics)
+                recorder.exit(event)
 
             method.__name__ = name
             return method
@@ -278,7 +287,7 @@ def _detached(value: Any) -> Any:
 
 
 _EVENT_KEYS = {"who", "hook", "args", "kwargs", "depth", "epoch", "step", "training", "grad", "rng_in", "rng_out",
-               "rng_before"}
+               "rng_before", "callback_metrics"}
 
 
 def events_text(events: Iterable[Mapping[str, Any]], rng: bool = False) -> str:
@@ -330,6 +339,12 @@ def comparable(events: Iterable[Mapping[str, Any]], rng: bool = True) -> list[tu
             item += (e.get("rng_in"), e.get("rng_out"))
         out.append(item)
     return out
+
+
+def epoch_end_metrics(events: Iterable[Mapping[str, Any]]) -> list[tuple[Any, ...]]:
+    """``(who, hook, epoch, step, callback_metrics)`` for every epoch-end hook call the recorder noted."""
+    return [(e["who"], e["hook"], e.get("epoch"), e.get("step"), e["callback_metrics"]) for e in events
+            if "callback_metrics" in e]
 
 
 def first_difference(a: Sequence[Any], b: Sequence[Any], context: int = 3) -> str | None:
@@ -541,7 +556,8 @@ def run_case(framework: str, case: str, *, case_kwargs: Mapping[str, Any] | None
         if tracer is not None:
             tracer.__exit__(None, None, None)
 
-    extra: dict[str, Any] = {"train_sampler": describe_sampler(getattr(trainer, "train_dataloader", None))}
+    extra: dict[str, Any] = {"train_sampler": describe_sampler(getattr(trainer, "train_dataloader", None)),
+                             "seen_in_hooks": list(getattr(model, "seen_in_hooks", []))}
     for cb in user_callbacks:
         if hasattr(cb, "images"):
             extra["images"] = [img.clone() for img in cb.images]

@@ -1,4 +1,4 @@
-"""Four modules written the way PyTorch Lightning's own demos write them, for the compatibility tests.
+"""Five modules written the way PyTorch Lightning's own demos write them, for the compatibility tests.
 
 The framework comes in through exactly one line, the import marked ``# <framework>`` below. The
 compatibility harness (``harness.py``) loads this file's text with that line swapped for polytrain's
@@ -184,6 +184,39 @@ class HookedBoringModel(BoringModel):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.loaded_note = checkpoint.get("boring_note")
+
+
+class EpochMetricsModel(BoringModel):
+    """``BoringModel`` logging in every kind of place a real project does: per step, per epoch from the
+    steps (reduced across ranks), and inside the epoch-end hooks themselves (a value that hook then reads
+    back, as Lightning code does), so a recorded run shows what ``trainer.callback_metrics`` holds inside
+    every epoch-end hook."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(self(batch))
+        self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(self(batch)), sync_dist=True)
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("test_loss", self.loss(self(batch)), sync_dist=True)
+
+    def on_train_epoch_end(self) -> None:
+        self.log("train_note", 10.0 * (self.current_epoch + 1), sync_dist=True)
+        self.seen_in_hooks.append(("on_train_epoch_end", float(self.trainer.callback_metrics["train_note"])))
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("val_note", 10.0 * (self.current_epoch + 1), sync_dist=True)
+        self.seen_in_hooks.append(("on_validation_epoch_end", float(self.trainer.callback_metrics["val_note"])))
+
+    def on_test_epoch_end(self) -> None:
+        self.log("test_note", 5.0, sync_dist=True)
+
+    @property
+    def seen_in_hooks(self) -> list[tuple[str, float]]:
+        return self.__dict__.setdefault("_seen_in_hooks", [])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -518,6 +551,10 @@ def boring_case(hooked: bool = False, **kwargs: Any) -> dict[str, Any]:
     return {"model": model}
 
 
+def epoch_metrics_case(**kwargs: Any) -> dict[str, Any]:
+    return {"model": EpochMetricsModel(**kwargs)}
+
+
 def transformer_case(**kwargs: Any) -> dict[str, Any]:
     return {"model": TransformerLM(**kwargs), "trainer": {"gradient_clip_val": 1.0}}
 
@@ -532,4 +569,5 @@ def gan_case(**kwargs: Any) -> dict[str, Any]:
     return {"model": GAN(**kwargs), "ddp_strategy": "ddp_find_unused_parameters_true"}
 
 
-CASES = {"boring": boring_case, "transformer": transformer_case, "autoencoder": autoencoder_case, "gan": gan_case}
+CASES = {"boring": boring_case, "transformer": transformer_case, "autoencoder": autoencoder_case, "gan": gan_case,
+         "epoch_metrics": epoch_metrics_case}

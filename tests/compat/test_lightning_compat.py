@@ -176,6 +176,34 @@ def test_ddp_parity(name: str) -> None:
         assert_same_run(a, b, rng=False)
 
 
+# Logs per step, per epoch from the steps, and inside the epoch-end hooks (which read them back); every
+# value is synced, so ranks agree under both frameworks (Lightning leaves unsynced values per rank).
+EPOCH_METRICS = ("epoch_metrics", dict(n_train=24, n_val=12), dict(max_epochs=2), ["fit", "validate", "test"])
+
+
+def _assert_same_epoch_end_metrics(a: harness.RunResult, b: harness.RunResult) -> None:
+    seen_a, seen_b = harness.epoch_end_metrics(a.events), harness.epoch_end_metrics(b.events)
+    assert len(seen_a) >= 10, seen_a  # sanity check, 2 epochs of validation and training, validate, test
+    diff = first_difference(seen_a, seen_b)
+    assert diff is None, f"callback_metrics inside the epoch-end hooks differ ({a.framework} vs {b.framework}): {diff}"
+    assert a.extra["seen_in_hooks"] == b.extra["seen_in_hooks"]
+
+
+def test_callback_metrics_inside_every_epoch_end_hook_match_lightning() -> None:
+    """Hook by hook (the recording callback's at entry, the module's at exit): this epoch's reduced values,
+    what the hook itself logged (read back inside it), the sanity check's values during it only."""
+    lightning, polytrain = _run("lightning", EPOCH_METRICS), _run("polytrain", EPOCH_METRICS)
+    _assert_same_epoch_end_metrics(lightning, polytrain)
+    assert [v for _, v in polytrain.extra["seen_in_hooks"]] == [10.0, 10.0, 10.0, 20.0, 20.0, 30.0]
+
+
+@pytest.mark.distributed
+def test_callback_metrics_inside_every_epoch_end_hook_match_lightning_under_ddp() -> None:
+    lightning, polytrain = _run_ddp("lightning", EPOCH_METRICS), _run_ddp("polytrain", EPOCH_METRICS)
+    for a, b in zip(lightning, polytrain):
+        _assert_same_epoch_end_metrics(a, b)
+
+
 def test_polytrain_never_imports_lightning() -> None:
     """Running polytrain's side loads no Lightning module of its own accord (the harness imports it
     for the reference runs, so check in a fresh interpreter)."""
