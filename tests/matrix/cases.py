@@ -17,11 +17,16 @@ FACTORS: dict[str, tuple] = {
     "optimizers": (1, 2),
     "dropout": (False, True),
     "workers": (0, 2),
-    "resume": (False, True),
+    # Where an interrupted run picks up (mid-epoch, at batch 3 of the second epoch): from a checkpoint saved
+    # when a max_steps fit ended there, or from the step checkpoint ModelCheckpoint wrote there.
+    "resume": ("none", "fit-end", "step-checkpoint"),
     "clip": (False, True),
     # How SGD runs: a per-parameter loop (CPU's default), foreach (CUDA's default: one call per group, so
     # every parameter must be of one kind, DTensor or not) or fused (one kernel; DTensor needs a rule).
     "impl": ("for-loop", "foreach", "fused"),
+    # Validation every half epoch (val_check_interval=0.5): its loader draws from each process's stream, and
+    # one falls on the resume point, so a resume that skips or repeats it changes the weights.
+    "validation": ("none", "mid-epoch"),
 }
 NAMES = tuple(FACTORS)
 
@@ -53,9 +58,10 @@ class Case:
     optimizers: int
     dropout: bool
     workers: int
-    resume: bool
+    resume: str
     clip: bool
     impl: str = "for-loop"
+    validation: str = "none"
 
     @property
     def world(self) -> int:
@@ -68,7 +74,8 @@ class Case:
     @property
     def name(self) -> str:
         return (f"{self.strategy}-p{self.precision}-acc{self.accumulate}-opt{self.optimizers}"
-                f"-drop{int(self.dropout)}-w{self.workers}-res{int(self.resume)}-clip{int(self.clip)}-{self.impl}")
+                f"-drop{int(self.dropout)}-w{self.workers}-res_{self.resume}-clip{int(self.clip)}-{self.impl}"
+                f"-val_{self.validation}")
 
     def values(self) -> dict[str, object]:
         return asdict(self)

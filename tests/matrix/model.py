@@ -31,6 +31,7 @@ GLOBAL_BATCH = 8
 BATCHES_PER_EPOCH = 6  # per rank; a multiple of every accumulation factor (no partial window)
 EPOCHS = 2
 N = GLOBAL_BATCH * BATCHES_PER_EPOCH
+N_VAL = 2 * GLOBAL_BATCH  # validation samples (two batches per data-parallel rank)
 SPLIT = 3  # first child of pipeline stage 1
 FIRST = 3  # children [0, FIRST) belong to optimizer 0 when there are two
 CLIP = 0.3  # small enough that most steps clip
@@ -39,18 +40,24 @@ CLIP = 0.3  # small enough that most steps clip
 class Noisy(Dataset):
     """A fixed regression problem; each access adds noise to ``x`` from the loading process's RNG."""
 
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(7)
-        self.x = torch.randn(N, FEATURES, generator=g)
+    def __init__(self, n: int = N, seed: int = 7) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, FEATURES, generator=g)
         # Targets of ~10: the first 16-mixed steps overflow at the initial scale (2**16), so the scaler skips
         # steps and backs off, once per iteration.
         self.y = 10 * torch.sin(self.x @ torch.randn(FEATURES, 1, generator=g))
 
     def __len__(self) -> int:
-        return N
+        return len(self.x)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.x[i] + 0.1 * torch.randn(FEATURES), self.y[i]
+
+
+def validation_set() -> Noisy:
+    """Its own fixed problem; loaded in the main process, so every sample draws its noise from that
+    process's stream (the validation's place in the stream shows in the weights)."""
+    return Noisy(N_VAL, seed=11)
 
 
 def build(dropout: bool) -> nn.Sequential:
@@ -87,9 +94,10 @@ class MatrixNet(TrainModule):
     """The matrix's module: training_step calls the Sequential once (pipeline: ``pipeline_loss``)."""
 
     def __init__(self, dropout: bool, optimizers: int, batch_size: int, num_workers: int,
-                 impl: str = "for-loop") -> None:
+                 impl: str = "for-loop", validation: bool = False) -> None:
         super().__init__()
         self.impl = impl
+        self.validation = validation
         torch.manual_seed(SEED)
         self.net = build(dropout)
         self.n_optimizers = optimizers
@@ -113,3 +121,10 @@ class MatrixNet(TrainModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(Noisy(), batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val/loss", loss_of(self.net(x), y), sync_dist=True)
+
+    def val_dataloader(self) -> DataLoader | None:
+        return DataLoader(validation_set(), batch_size=self.batch_size) if self.validation else None

@@ -19,6 +19,10 @@
   loss under ``torch.autocast``; ``16-mixed``: ``scaler.scale(loss).backward()``, per optimizer
   ``scaler.unscale_`` (before clipping) and ``scaler.step``, one ``scaler.update()`` per iteration.
 - clipping: ``clip_grad_norm_`` over each optimizer's own parameters, before its step.
+- validation (``mid-epoch``: after every third batch, the epoch's last included): each process iterates
+  its validation loader (data-parallel rank ``r`` of ``dp``: samples ``r, r+dp, ...``; every pipeline stage
+  and tensor-parallel peer: all of them) in its own stream, so the iterator's base seed and each sample's
+  noise are drawn where polytrain draws them. Evaluation changes no weight: only the streams move.
 - resume: the reference is the uninterrupted run.
 """
 
@@ -30,7 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from .cases import Case
 from .model import (
@@ -45,6 +49,7 @@ from .model import (
     loss_of,
     make_optimizers,
     optimizer_groups,
+    validation_set,
 )
 
 MICROBATCHES = 2  # the pipeline's default: one per stage
@@ -77,6 +82,16 @@ def _loader(dp: int, rank: int, workers: int) -> DataLoader:
     ds = Noisy()
     sampler = DistributedSampler(ds, num_replicas=dp, rank=rank, shuffle=True, seed=SEED)
     return DataLoader(ds, batch_size=GLOBAL_BATCH // dp, sampler=sampler, num_workers=workers)
+
+
+def _validate(case: Case, streams: Streams, procs: list[tuple[int, int]]) -> None:
+    """What a validation draws, per process: its loader's iterator and its samples' noise."""
+    val = validation_set()
+    for r, s in procs:
+        share = Subset(val, range(r, len(val), case.dp))
+        with streams.on((r, s)):
+            for _ in DataLoader(share, batch_size=GLOBAL_BATCH // case.dp):
+                pass
 
 
 def _autocast(case: Case) -> contextlib.AbstractContextManager:
@@ -171,5 +186,7 @@ def reference(case: Case) -> dict[str, torch.Tensor]:
             if (i + 1) % case.accumulate == 0:
                 _put_grads(params, _average(local))
                 _step(case, optimizers, scaler)
+            if case.validation == "mid-epoch" and (i + 1) % (BATCHES_PER_EPOCH // 2) == 0:
+                _validate(case, streams, procs)
         del iterators  # workers end with their iterator
     return {f"net.{k}": v.detach().clone() for k, v in net.state_dict().items()}

@@ -16,6 +16,7 @@ class Row:
     whole: float | None = None  # max |weight difference| of the uninterrupted run (None: did not run)
     resumed: float | None = None
     passed: bool = False
+    skipped: bool = False
 
 
 ROWS = pytest.StashKey[dict[str, Row]]()
@@ -31,7 +32,7 @@ def format_table(rows: list[Row]) -> list[str]:
     headers = [*NAMES, "tolerance", "max diff", "resumed", "ok"]
     body = [[str(v) for v in r.case.values().values()]
             + ["bitwise" if r.tolerance == 0 else f"{r.tolerance:.0e}", _num(r.whole), _num(r.resumed),
-               "yes" if r.passed else "NO"] for r in rows]
+               "yes" if r.passed else "skipped" if r.skipped else "NO"] for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return [line(headers), line(["-" * w for w in widths]), *(line(b) for b in body)]

@@ -1,5 +1,7 @@
-"""polytrain's side of the matrix: one case = one uninterrupted fit, and with ``resume`` a fit stopped
-mid-epoch (batch ``STOP_BATCH`` of the second epoch), saved, and continued by a fresh Trainer.
+"""polytrain's side of the matrix: one case = one uninterrupted fit, and with ``resume`` a fresh Trainer
+continuing from batch ``STOP_BATCH`` of the second epoch: from the checkpoint saved after a fit stopped
+there by ``max_steps`` (``fit-end``), or from the file ``ModelCheckpoint(every_n_train_steps)`` wrote there
+during the uninterrupted fit (``step-checkpoint``). With ``validation`` a validation falls on that batch.
 
 Every rank of a spawn runs every multi-rank case in turn (one process group for all of them: a spawn
 per case would cost more than the cases); ``single`` cases run in the calling process.
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from polytrain import Trainer
+from polytrain.callbacks import ModelCheckpoint
 
 from .cases import FACTORS, INVALID, Case
 from .model import BATCHES_PER_EPOCH, CLIP, EPOCHS, GLOBAL_BATCH, SEED, SPLIT, MatrixNet
@@ -38,11 +41,13 @@ def make_trainer(case: Case, run_dir: str, **overrides: Any) -> Trainer:
                    gradient_clip_val=CLIP if case.clip else None, max_epochs=EPOCHS, seed=SEED,
                    use_distributed_sampler="always", logger=False, enable_progress_bar=False,
                    enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
+                   val_check_interval=0.5 if case.validation == "mid-epoch" else None,
                    run_dir=run_dir, timeout=TIMEOUT, **overrides)
 
 
 def _module(case: Case) -> MatrixNet:
-    return MatrixNet(case.dropout, case.optimizers, GLOBAL_BATCH // case.dp, case.workers, case.impl)
+    return MatrixNet(case.dropout, case.optimizers, GLOBAL_BATCH // case.dp, case.workers, case.impl,
+                     validation=case.validation != "none")
 
 
 def _state(trainer: Trainer) -> dict[str, torch.Tensor] | None:
@@ -57,17 +62,25 @@ def run_case(case: Case, root: str) -> dict[str, Any]:
     """Fit ``case`` (and its resumed twin); rank 0 gets the final weights of each."""
     root = os.path.join(root, case.name)
     total = EPOCHS * BATCHES_PER_EPOCH // case.accumulate
-    trainer = make_trainer(case, os.path.join(root, "whole"))
+    stop = (BATCHES_PER_EPOCH + STOP_BATCH) // case.accumulate
+    saver = ModelCheckpoint(every_n_train_steps=stop, every_n_epochs=None, save_top_k=-1, save_last=False,
+                            save_on_fit_end=False)
+    trainer = make_trainer(case, os.path.join(root, "whole"),
+                           callbacks=[saver] if case.resume == "step-checkpoint" else [])
     trainer.fit(_module(case))
     assert trainer.global_step == total, (case.name, trainer.global_step, total)
     out: dict[str, Any] = {"whole": _state(trainer), "resumed": None}
-    if case.resume:
-        stop = (BATCHES_PER_EPOCH + STOP_BATCH) // case.accumulate
-        trainer = make_trainer(case, os.path.join(root, "first"), max_steps=stop)
-        trainer.fit(_module(case))
-        assert (trainer.current_epoch, trainer.batch_in_epoch) == (1, STOP_BATCH), case.name
-        path = os.path.join(root, "mid-epoch.ckpt")
-        trainer.save_checkpoint(path)
+    if case.resume != "none":
+        if case.resume == "fit-end":
+            trainer = make_trainer(case, os.path.join(root, "first"), max_steps=stop)
+            trainer.fit(_module(case))
+            assert (trainer.current_epoch, trainer.batch_in_epoch) == (1, STOP_BATCH), case.name
+            path = os.path.join(root, "mid-epoch.ckpt")
+            trainer.save_checkpoint(path)
+        else:
+            path = os.path.join(root, "whole", "checkpoints", f"epoch=1-step={stop}")
+            path += ".ckpt" if trainer.strategy.replicated else ""
+            assert os.path.exists(path), (case.name, sorted(os.listdir(os.path.dirname(path))))
         trainer = make_trainer(case, os.path.join(root, "resumed"))
         trainer.fit(_module(case), ckpt_path=path)
         assert trainer.global_step == total, (case.name, trainer.global_step, total)
