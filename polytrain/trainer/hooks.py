@@ -204,6 +204,11 @@ class Hooks:
         """Whether the module overrides ``name`` (a hook with a default body the loop may skip)."""
         return is_overridden(self._module, name, TrainModule, patched=True)
 
+    def module_hook(self, name: str) -> Callable | None:
+        """The module's ``name`` as the funnel calls it, when the module overrides it (else None: the loop
+        does what the default would, without the call)."""
+        return self.plan(name)[2] if self.overrides(name) else None
+
     def batch_plan(self, name: str) -> list[Callable]:
         """One list of callables taking the hook's own arguments, for hooks called every batch."""
         before, after, module_hook = self.plan(name)

@@ -85,8 +85,7 @@ def begin(trainer: Trainer, stage: str) -> None:
                 f"e.g. start it with `if hasattr(self, 'net'): return`")
     if first:
         strategy.setup_module(module)
-    module_backward = hooks.plan("backward")[2] if hooks.overrides("backward") else None
-    strategy.bind_hooks(hooks.batch_plan, module_backward, hooks.instrument)
+    strategy.bind_hooks(hooks.batch_plan, hooks.module_hook("backward"), hooks.instrument)
 
 
 def end(trainer: Trainer, stage: str) -> None:

@@ -127,10 +127,11 @@ class AutomaticOptimization:
         self.clip_val, self.clip_algorithm = config.gradient_clip_val, config.gradient_clip_algorithm
         self.before_zero_grad = hooks.batch_plan("on_before_zero_grad")
         self.before_optimizer_step = hooks.batch_plan("on_before_optimizer_step")
-        self.optimizer_step_hook = self.module.optimizer_step if hooks.overrides("optimizer_step") else None
-        self.zero_grad_hook = self.module.optimizer_zero_grad if hooks.overrides("optimizer_zero_grad") else None
-        clips = hooks.overrides("configure_gradient_clipping") or hooks.overrides("clip_gradients")
-        self.clip_hook = self.module.configure_gradient_clipping if clips else None
+        self.optimizer_step_hook = hooks.module_hook("optimizer_step")
+        self.zero_grad_hook = hooks.module_hook("optimizer_zero_grad")
+        self.clip_hook = hooks.module_hook("configure_gradient_clipping")
+        if self.clip_hook is None and hooks.overrides("clip_gradients"):  # the default calls the override
+            self.clip_hook = hooks.plan("configure_gradient_clipping")[2]
         self.forward_backward = instrument("forward+backward", strategy.step_runner)
         self.closure = Closure(self)
         self.step_closures = [self.closure] + [_rerun_guard(self.closure) for _ in self.optimizers[1:]]
