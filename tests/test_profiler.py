@@ -131,3 +131,26 @@ def test_torch_profiler_runs_on_rank_zero_only(tmp_path: Any) -> None:
     listings = run_distributed(_torch_profiled_ddp, 2, str(tmp_path), timeout=120)
     assert listings[0] == listings[1] and len(listings[0]) == 1 and listings[0][0].startswith("rank0.")
     _check_trace(str(tmp_path / "profiler" / listings[0][0]), active=1)
+
+
+def test_a_profiled_fit_takes_the_path_an_unprofiled_one_takes(make_trainer: Any, tiny_module: Any,
+                                                              monkeypatch: Any) -> None:
+    """The profiler times through the funnel and registers no optimizer step hook: a plain fit stays plain
+    (torch's step gets no closure) with the profiler on, and the hooks run in the same order."""
+    import torch
+
+    closures: list[bool] = []
+    original = torch.optim.SGD.step
+
+    def recording_step(self: torch.optim.SGD, closure: Any = None) -> Any:
+        closures.append(closure is not None)
+        return original(self, closure)
+
+    monkeypatch.setattr(torch.optim.SGD, "step", recording_step)
+    for profiler in (None, "simple"):
+        trainer = make_trainer(max_epochs=1, profiler=profiler)
+        trainer.fit(tiny_module(n=32))
+        assert trainer.fit_loop.optimization.plain, profiler
+        assert closures == [False] * STEPS, (profiler, closures)
+        closures.clear()
+    assert trainer.profiler.records["optimizer update"][1] == STEPS

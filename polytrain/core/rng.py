@@ -44,7 +44,7 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
 def seed_torch(seed: int) -> None:
     """``torch.manual_seed``: the CPU generator and every accelerator's. Where no accelerator is available
     only the CPU generator is seeded: torch would also queue a seed, with the caller's stack trace, for each
-    device kind that cannot start (75 us warm, 0.2-1 ms cold, at least twice per fit on a CPU machine)."""
+    device kind that cannot start, at least twice per fit."""
     if torch.accelerator.is_available():
         torch.manual_seed(seed)
     else:

@@ -37,8 +37,7 @@ FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp
 
 # Meshes built in this process, by device type and degrees, with the default process group they were built
 # over: the next Trainer of the job (a sweep, fit after fit in a notebook) reuses one instead of every rank
-# creating the subgroups again (11 ms a fit for plain ddp x2 on gloo: each size-1 dimension still gets its
-# groups). Every rank builds the same Trainers in the same order, so every rank hits or misses together.
+# creating the subgroups again (each size-1 dimension still gets its groups). Every rank builds the same Trainers in the same order, so every rank hits or misses together.
 # Forgotten by release_mesh (teardown) and before the interpreter exits (see release_mesh for why).
 _BUILT: dict[tuple[Any, ...], tuple[Any, Any, dict[str, Any]]] = {}
 

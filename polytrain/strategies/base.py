@@ -70,7 +70,7 @@ class StepRouter(nn.Module):
 
     def forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
         # _modules directly: `self.module` goes through nn.Module.__getattr__ after a failed normal
-        # lookup (an AttributeError built and dropped), ~2 us on every step.
+        # lookup (an AttributeError built and dropped) on every step.
         result = getattr(self._modules["module"], method)(*args, **kwargs)
         after = self.__dict__["after_method"]
         if after is not None:
@@ -286,7 +286,7 @@ class Strategy(CollectiveVerbs, ABC):
 
     def _bind_training_step(self) -> Callable[[Any, int], Any]:
         """The user's step through the wrapper (DDP, DataParallel: see StepRouter), or straight on the
-        module when nothing wraps or hooks the router (its nn.Module call costs ~3 us a step); under autocast
+        module when nothing wraps or hooks the router (an nn.Module call fewer per step); under autocast
         when the precision asks for it."""
         model = self.model
         # The router must run when it wraps or carries hooks (tensor parallel swaps replicated DTensor

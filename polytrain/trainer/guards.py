@@ -84,14 +84,13 @@ class NonFiniteGuard:
         self.policy = policy
         self.strategy, self.module, self.progress = strategy, module, progress
         self.device = strategy.collective_device
-        self._gathers = C.active()  # several processes: verdicts are gathered (asked once: ~20 us a call)
+        self._gathers = C.active()  # several processes: verdicts are gathered (asked once per fit)
         # Error policy: no host read per step. Each scalar loss is added, as ``0 * loss``, into its own slot
         # of a zeroed buffer on its device, its step kept as a host int: a slot stays 0 while its loss is
         # finite and turns NaN for an inf or NaN one, exactly (never for a large finite value). A check reads
-        # the buffer once, and the losses are dropped as their step ends. Keeping the losses until the check
-        # instead (stacked, reduced, then freed there, 50 tensors out of the cache by then) made a logging
-        # step's check cost 500-770 us on the default benchmark; now ~40 us, plus ~0.9 us per step for the
-        # add. A loss that cannot go into a slot (not a plain scalar tensor, complex, on another device) is
+        # the buffer once, and the losses are dropped as their step ends: keeping them until the check instead
+        # (stacked, reduced, then freed there, out of the cache by then) costs a logging step many times more
+        # than one in-place add per step (docs/performance.md). A loss that cannot go into a slot (not a plain scalar tensor, complex, on another device) is
         # kept and stacked at the check. The steps are looked up only when some rank found a bad value
         # (the error path: ranks agree on entering it, so its gather stays matched).
         self.step = progress.global_step  # this guard's own count of windows (see resume_at)
@@ -165,7 +164,7 @@ class NonFiniteGuard:
             self._slots[0].add_(loss, alpha=0)
         except RuntimeError:
             return False
-        self._views = list(self._slots.unbind())  # one view per slot, made once: a select per step cost 1 us
+        self._views = list(self._slots.unbind())  # one view per slot, made once: no select per step
         self._slot_steps.append(self.step)
         return True
 
@@ -228,7 +227,7 @@ class NonFiniteGuard:
         """Each floating parameter's min and max on this rank, on the collective device: NaN propagates
         into both and an inf is an extreme, so they are finite exactly when every element is (a NaN
         gradient from a finite loss lands here when no clipping norm was there to catch it).
-        ``isfinite().all()`` makes several passes and temporaries: ~5x slower on CPU (docs/performance.md)."""
+        ``isfinite().all()`` makes several passes and temporaries (slower: docs/performance.md)."""
         extremes: list[torch.Tensor] = []
         device = self.device
         for p in self.module.parameters():
@@ -260,7 +259,7 @@ class NonFiniteGuard:
         if self._slot_steps:
             # A host read at a check, never per step. A finite loss leaves its slot exactly 0, so any
             # nonzero slot (NaN is truthy) is a bad one. Read as a list, not reduced on the device: a
-            # reduction run once per logging step found its code out of the cache, 170 us against 10.
+            # reduction run once per logging step finds its code out of the cache.
             finite = not any(self._slots.tolist())
         self._fold()
         verdicts = [torch.isfinite(v.to(self.device)).all() for v, _ in self._folded]  # device booleans

@@ -92,7 +92,7 @@ def is_overridden(obj: Any, name: str, base: type, *, patched: bool = False) -> 
     return getattr(attr, "__func__", attr) is not getattr(base, name, None)
 
 
-_read: set[tuple[type, type]] = set()  # classes already read: dir() of a module class is ~30 us, 7 per fit
+_read: set[tuple[type, type]] = set()  # classes already read: dir() of a module class is slow, and asked often
 
 
 def warn_unknown_hooks(obj: Any, known: frozenset[str], base: type) -> None:
