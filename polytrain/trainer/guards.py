@@ -90,8 +90,8 @@ class NonFiniteGuard:
         # finite and turns NaN for an inf or NaN one, exactly (never for a large finite value). A check reads
         # the buffer once, and the losses are dropped as their step ends: keeping them until the check instead
         # (stacked, reduced, then freed there, out of the cache by then) costs a logging step many times more
-        # than one in-place add per step (docs/performance.md). A loss that cannot go into a slot (not a plain scalar tensor, complex, on another device) is
-        # kept and stacked at the check. The steps are looked up only when some rank found a bad value
+        # than one in-place add per step (docs/performance.md). A loss that cannot go into a slot (not a plain
+        # scalar tensor, complex, on another device) is kept and stacked at the check. The steps are looked up only when some rank found a bad value
         # (the error path: ranks agree on entering it, so its gather stays matched).
         self.step = progress.global_step  # this guard's own count of windows (see resume_at)
         self._slots: torch.Tensor | None = None  # FOLD_EVERY zeros, made at the first loss
