@@ -11,7 +11,6 @@ import contextlib
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -28,54 +27,11 @@ from polytrain.core.process_group import destroy_process_group
 from polytrain.core.protocol import extract_loss
 from polytrain.data.loaders import distribute_dataloader
 from polytrain.strategies.collective_verbs import CollectiveVerbs
-
-
-class _PaddingBatch:
-    """What ``eval_step`` returns for a padding batch: one a rank ran only so that collectives in
-    the forward stay matched (sharded strategies). The loops drop it: no callback sees it, no
-    prediction holds it."""
-
-    def __repr__(self) -> str:
-        return "PADDING_BATCH"
-
-
-PADDING_BATCH = _PaddingBatch()
+from polytrain.strategies.router import StepResult, StepRouter
 
 
 def _as_is(row: str, fn: Callable[..., Any], **_: Any) -> Callable[..., Any]:
     return fn
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What one micro-batch's forward/backward produced: the detached loss and the user's output."""
-
-    loss: torch.Tensor | None
-    output: Any
-
-
-class StepRouter(nn.Module):
-    """Lets a wrapper (DDP, DataParallel) call ``training_step`` as its forward.
-
-    DDP only sees gradients of the forward it ran, so the user's step must go through the
-    wrapper's ``forward``; this module routes ``forward(name, *args)`` to ``module.<name>(*args)``.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-        # Called after the routed method returns, still inside the wrapper's forward (DDP under
-        # manual optimisation: see parallel.ddp.forward_without_reducer).
-        self.__dict__["after_method"] = None
-
-    def forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        # _modules directly: `self.module` goes through nn.Module.__getattr__ after a failed normal
-        # lookup (an AttributeError built and dropped) on every step.
-        result = getattr(self._modules["module"], method)(*args, **kwargs)
-        after = self.__dict__["after_method"]
-        if after is not None:
-            after()
-        return result
 
 
 class Strategy(CollectiveVerbs, ABC):

@@ -19,8 +19,9 @@ from torch import nn
 from polytrain.core.errors import ConfigError
 from polytrain.core.process_group import resolve_device
 from polytrain.parallel.compile import checkpoint_and_compile
-from polytrain.strategies.base import StepRouter, Strategy
+from polytrain.strategies.base import Strategy
 from polytrain.strategies.registry import register
+from polytrain.strategies.router import StepRouter
 
 
 @dataclass

@@ -23,7 +23,8 @@ from polytrain.core.process_group import default_backend, init_process_group
 from polytrain.layers.placement import PlacedSequential, stage_bounds
 from polytrain.parallel.compile import checkpoint_and_compile
 from polytrain.parallel.pipeline_split import balance, child_costs
-from polytrain.strategies.base import StepRouter, Strategy
+from polytrain.strategies.base import Strategy
+from polytrain.strategies.router import StepRouter
 
 log = logging.getLogger("polytrain")
 

@@ -56,10 +56,11 @@ from polytrain.parallel.pipeline_stage import (
     check_schedule_with_fsdp,
     schedule_class,
 )
-from polytrain.strategies.base import StepResult, StepRouter, Strategy
+from polytrain.strategies.base import Strategy
 from polytrain.strategies.data_parallel import backend_for
 from polytrain.strategies.pipelined import PipelineRunner
 from polytrain.strategies.registry import register
+from polytrain.strategies.router import StepResult, StepRouter
 from polytrain.strategies.sharded_eval import padded_eval_step
 
 
@@ -93,10 +94,9 @@ class ParallelOptions:
 
 @register
 class ParallelStrategy(Strategy):
-    """The composed strategy. What differs between layouts is resolved once: the data-parallel backend
-    (``strategies.data_parallel``), the pipeline runner (``strategies.pipelined``) when ``pp > 1``, whether
-    tensor parallelism applies the module's plan, and (at ``setup_module``) the evaluation step, the
-    no-sync context and the clipping by norm the step uses."""
+    """What differs between layouts is resolved once: the data-parallel backend, the pipeline runner when
+    ``pp > 1``, whether the module's tensor-parallel plan applies, and at ``setup_module`` the evaluation
+    step, the no-sync context and the clipping by norm."""
 
     name = "parallel"
     Options = ParallelOptions

@@ -46,7 +46,8 @@ from polytrain.parallel.pipeline_stage import (
     stage_class,
     stage_owners,
 )
-from polytrain.strategies.base import PADDING_BATCH, StepResult, Strategy
+from polytrain.strategies.base import Strategy
+from polytrain.strategies.router import PADDING_BATCH, StepResult
 
 log = logging.getLogger("polytrain")
 
@@ -314,8 +315,7 @@ class PipelineRunner:
                 f"torch.optim.SGD([{{'params': []}}], lr=...), or clip by value")
 
     def no_sync(self) -> contextlib.AbstractContextManager:
-        """A micro-batch that does not end its window: gradients stay local (with FSDP in the stages torch's
-        stage defers the reduction to the schedule's last micro-batch by itself)."""
+        """Gradients stay local (with FSDP in the stages, torch's stage defers its reduction by itself)."""
         return self._held_back() if self.averages_grads else contextlib.nullcontext()
 
     @contextlib.contextmanager
@@ -374,8 +374,7 @@ class PipelineRunner:
         return x if self.is_last_stage else None
 
     def share_logged(self, records: list[tuple[str, torch.Tensor, dict[str, Any]]], log_here: bool) -> None:
-        """Copy what the last stage logged to the other stages (and log it there too when ``log_here``),
-        so every rank holds the same metrics."""
+        """Copy what the last stage logged to every stage (logged there too with ``log_here``)."""
         device = self.strategy.root_device
         if C.active(self.pp_group):
             described = C.broadcast_object([(name, kwargs) for name, _, kwargs in records], self.last_rank,

@@ -7,7 +7,8 @@ from typing import Any
 
 from polytrain.core.protocol import muted_logs
 from polytrain.data.padding import PaddingState
-from polytrain.strategies.base import PADDING_BATCH, Strategy
+from polytrain.strategies.base import Strategy
+from polytrain.strategies.router import PADDING_BATCH
 
 
 def padded_eval_step(strategy: Strategy, padding: PaddingState, stage: str, batch: Any, batch_idx: int) -> Any:

@@ -19,7 +19,7 @@ import torch
 
 from polytrain.core import heartbeat
 from polytrain.data.loaders import set_epoch
-from polytrain.strategies.base import PADDING_BATCH
+from polytrain.strategies.router import PADDING_BATCH
 from polytrain.trainer.hooks import is_overridden
 from polytrain.trainer.metrics import publish
 from polytrain.trainer.module import TrainModule
