@@ -30,7 +30,7 @@ def test_overhead_benchmark_prints_ratios() -> None:
                 "--hidden", "16", "--features", "8", "--batch-size", "4", "--log-every-n-steps", "2"], timeout=280)
     for label in ("single", r"ddp x2 \(gloo\)"):
         assert re.search(rf"^{label}: polytrain [0-9.]+ ms/step, hand [0-9.]+ ms/step, ratio [0-9.]+ "
-                         rf"\(target <= 1\.03\)", out, re.M), out
+                         rf"\(target <= 1\.0[36]\)", out, re.M), out
         # Same data order and arithmetic: the two variants end with identical weights.
         assert re.search(rf"^{label}:\s+weights match: yes", out, re.M), out
 

@@ -152,7 +152,7 @@ def _hand_gradients(batches_per_epoch: int = 4, epochs: int = 2) -> list[torch.T
 
 def test_a_plain_fit_releases_gradients_before_the_next_fetch_and_nowhere_else(make_trainer: Any) -> None:
     """A plain batch frees the previous step's gradients just before the next batch is fetched (as a hand
-    loop's zero_grad after the step does; ~10 us a step on the overhead benchmark, docs/performance.md).
+    loop's zero_grad after the step does).
     So every hook after the step, the epoch's end and the code after fit see the step's gradients, as in
     Lightning; training_step of the next batch finds them released (``p.grad is None``)."""
     seen: dict[str, list[Any]] = {"batch_end": [], "epoch_end": [], "training_step": []}
