@@ -107,7 +107,7 @@ def test_checkpoint_contents_load_with_weights_only(make_trainer: MakeTrainer, r
     path = os.path.join(run_dir, "checkpoints", latest(run_dir))
     ckpt = torch.load(path, weights_only=True)
     # Optimizer state is stored under "optimizer", flattened and keyed by parameter name (the
-    # format sharded checkpoints share; see strategies/checkpoint_io.py).
+    # format sharded checkpoints share; see checkpoint/checkpoint_io.py).
     assert {"model", "optimizer", "loop", "rng", "config", "polytrain"} <= set(ckpt)
     for k, v in module.state_dict().items():
         assert torch.equal(ckpt["model"][k], v)

@@ -60,6 +60,8 @@ def record_pin_memory_choice() -> Iterator[None]:
         if "pin_memory" in kwargs or len(args) > 7:
             self.__dict__[PIN_CHOSEN] = True
 
+    # The one method polytrain swaps, and only while the user's *_dataloader() runs: a DataLoader keeps no
+    # record of which arguments it was given, and this is where the choice can still be seen.
     DataLoader.__init__ = init  # type: ignore[method-assign]
     try:
         yield

@@ -327,8 +327,3 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
 
 LightningModule = TrainModule  # Lightning's name for it
 
-
-def overrides(module: nn.Module, name: str) -> bool:
-    """True if ``module``'s class defines ``name`` itself rather than inheriting TrainModule's."""
-    method = getattr(type(module), name, None)
-    return method is not None and method is not getattr(TrainModule, name, None)
