@@ -134,6 +134,20 @@ def tiny_module() -> type[TinyModule]:
     return TinyModule
 
 
+@pytest.fixture
+def sgd_closures(monkeypatch: Any) -> list[bool]:
+    """Whether each ``torch.optim.SGD.step`` call got a closure, in call order (the step itself runs as usual)."""
+    closures: list[bool] = []
+    original = torch.optim.SGD.step
+
+    def recording_step(self: torch.optim.SGD, closure: Any = None) -> Any:
+        closures.append(closure is not None)
+        return original(self, closure)
+
+    monkeypatch.setattr(torch.optim.SGD, "step", recording_step)
+    return closures
+
+
 def pytest_addoption(parser: Any) -> None:
     # Here, not in tests/matrix/conftest.py: options must be known before that folder is collected.
     parser.addoption("--matrix-full", action="store_true", default=False,

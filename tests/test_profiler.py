@@ -134,19 +134,10 @@ def test_torch_profiler_runs_on_rank_zero_only(tmp_path: Any) -> None:
 
 
 def test_a_profiled_fit_takes_the_path_an_unprofiled_one_takes(make_trainer: Any, tiny_module: Any,
-                                                              monkeypatch: Any) -> None:
+                                                              sgd_closures: list[bool]) -> None:
     """The profiler times through the funnel and registers no optimizer step hook: a plain fit stays plain
-    (torch's step gets no closure) with the profiler on, and the hooks run in the same order."""
-    import torch
-
-    closures: list[bool] = []
-    original = torch.optim.SGD.step
-
-    def recording_step(self: torch.optim.SGD, closure: Any = None) -> Any:
-        closures.append(closure is not None)
-        return original(self, closure)
-
-    monkeypatch.setattr(torch.optim.SGD, "step", recording_step)
+    (torch's step gets no closure) with the profiler on."""
+    closures = sgd_closures
     for profiler in (None, "simple"):
         trainer = make_trainer(max_epochs=1, profiler=profiler)
         trainer.fit(tiny_module(n=32))

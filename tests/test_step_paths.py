@@ -105,18 +105,11 @@ def test_a_subclassed_optimizer_keeps_the_closure(make_trainer: Any) -> None:
                                rtol=0, atol=0)
 
 
-def test_a_plain_fit_steps_torch_optimizers_without_a_closure(make_trainer: Any, monkeypatch: Any) -> None:
+def test_a_plain_fit_steps_torch_optimizers_without_a_closure(make_trainer: Any, sgd_closures: list[bool]) -> None:
     """SGD.step gets no closure, in a plain fit and in one with clipping between backward and the update (the
     general path, whose precision step runs torch's optimizers the same way); both end on plain PyTorch's
     weights."""
-    closures: list[bool] = []
-    original = torch.optim.SGD.step
-
-    def recording_step(self: torch.optim.SGD, closure: Any = None) -> Any:
-        closures.append(closure is not None)
-        return original(self, closure)
-
-    monkeypatch.setattr(torch.optim.SGD, "step", recording_step)
+    closures = sgd_closures
 
     def sgd(params: Any) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
