@@ -60,20 +60,18 @@ def run_worker(config: dict[str, Any], command: str, ckpt: str | None) -> Any:
             result = trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
         else:
             result = getattr(trainer, command)(module, datamodule=datamodule, ckpt_path=ckpt)
-        if trainer.is_logging_rank and command != "predict":
-            _print_metrics(trainer, command)
+        if trainer.is_logging_rank and command == "fit":  # validate and test print their table themselves
+            _print_metrics(trainer)
         return result
     finally:
         if trainer.strategy is not None:
             trainer.strategy.teardown()
 
 
-def _print_metrics(trainer: Any, command: str) -> None:
-    prefixes = {"fit": ("val", "train"), "validate": ("val",), "test": ("test",)}[command]
-    shown = {k: float(v) for k, v in trainer.callback_metrics.items() if k.split("/")[0] in prefixes}
+def _print_metrics(trainer: Any) -> None:
+    shown = {k: float(v) for k, v in trainer.callback_metrics.items() if k.split("/")[0].startswith(("val", "train"))}
     if shown:
-        label = "final metrics" if command == "fit" else f"{command} metrics"
-        print(f"{label}: " + "  ".join(f"{k}={v:.4f}" for k, v in sorted(shown.items())), flush=True)
+        print("final metrics: " + "  ".join(f"{k}={v:.4f}" for k, v in sorted(shown.items())), flush=True)
 
 
 def _elastic_entry(config: dict[str, Any], command: str, ckpt: str | None) -> None:

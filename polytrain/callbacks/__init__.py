@@ -8,6 +8,7 @@ from typing import Any
 _EXPORTS = {
     "Callback": "polytrain.callbacks.base",
     "ProgressBar": "polytrain.callbacks.progress",
+    "TQDMProgressBar": "polytrain.callbacks.progress",
     "TensorBoardLogger": "polytrain.callbacks.loggers",
     "CSVLogger": "polytrain.callbacks.loggers",
     "Logger": "polytrain.callbacks.loggers",

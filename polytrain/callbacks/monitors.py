@@ -5,10 +5,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from polytrain.callbacks.base import Callback
 
 
 def _log(trainer: Any, metrics: dict[str, float]) -> None:
+    # In callback_metrics on every rank (as Lightning's LearningRateMonitor puts its rates there), to the
+    # loggers from the logging rank.
+    trainer.callback_metrics.update({name: torch.tensor(value) for name, value in metrics.items()})
     if trainer.is_logging_rank:
         for logger in trainer.loggers:
             logger.log_metrics(metrics, trainer.global_step)

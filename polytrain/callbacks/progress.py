@@ -11,16 +11,22 @@ from polytrain.callbacks.base import Callback
 
 
 class ProgressBar(Callback):
-    def __init__(self, leave_validation: bool = False) -> None:
+    """A training bar per epoch and a validation bar, redrawn every ``refresh_rate`` batches (0: no bars)."""
+
+    def __init__(self, leave_validation: bool = False, refresh_rate: int = 1) -> None:
+        if refresh_rate < 0:
+            raise ValueError(f"refresh_rate={refresh_rate}: give 0 (no bars) or a positive number of batches")
         self.leave_validation = leave_validation
+        self.refresh_rate = refresh_rate
         self._train: Any = None
         self._eval: Any = None
+        self._pending = 0  # training batches done since the bar was last moved
 
     def _tqdm(self, **kwargs: Any) -> Any:
         return tqdm(file=sys.stdout, dynamic_ncols=True, smoothing=0, **kwargs)
 
     def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
-        if not trainer.is_logging_rank:
+        if not trainer.is_logging_rank or not self.refresh_rate:
             return
         self._close()
         self._train = self._tqdm(total=trainer.num_training_batches, initial=trainer.batch_in_epoch,
@@ -30,7 +36,10 @@ class ProgressBar(Callback):
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._train is not None:
-            self._train.update(1)
+            self._pending += 1
+            if self._pending >= self.refresh_rate or batch_idx + 1 == trainer.num_training_batches:
+                self._train.update(self._pending)
+                self._pending = 0
 
     def on_log(self, trainer: Any, metrics: dict[str, float], step: int) -> None:
         if self._train is not None and trainer.progress_bar_metrics:
@@ -42,7 +51,7 @@ class ProgressBar(Callback):
                 for k, v in trainer.progress_bar_metrics.items()}
 
     def on_validation_start(self, trainer: Any, module: Any) -> None:
-        if trainer.is_logging_rank and trainer.num_val_batches:
+        if trainer.is_logging_rank and trainer.num_val_batches and self.refresh_rate:
             self._eval = self._tqdm(total=trainer.num_val_batches, desc="Validation", leave=self.leave_validation,
                                     position=1 if self._train is not None else 0, unit="batch")
 
@@ -67,7 +76,20 @@ class ProgressBar(Callback):
         self._close()
 
     def _close(self) -> None:
+        if self._train is not None and self._pending:
+            self._train.update(self._pending)  # an epoch that stopped between two redraws
+        self._pending = 0
         for bar in (self._eval, self._train):
             if bar is not None:
                 bar.close()
         self._train = self._eval = None
+
+
+class TQDMProgressBar(ProgressBar):
+    """Lightning's name and arguments: ``TQDMProgressBar(refresh_rate=1, process_position=0, leave=False)``
+    (``leave`` keeps each finished validation bar on screen; ``process_position`` is accepted, one bar stack
+    is drawn by the logging rank only)."""
+
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
+        super().__init__(leave_validation=leave, refresh_rate=refresh_rate)
+        self.process_position = process_position

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 _LOADER_STAGE = {"validate": "val", "test": "test", "predict": "predict"}
 
 
-def run_stage(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: bool = True) -> Any:
+def run_stage(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: bool = True,
+              verbose: bool = False) -> Any:
     """The stage's loop, after ``Trainer`` set it up (``lifecycle.begin``), then its tear-down."""
     if stage == "fit":
         with torch.autograd.set_detect_anomaly(trainer.config.detect_anomaly):  # as Lightning: the fit loop only
@@ -28,8 +29,22 @@ def run_stage(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: 
         result = None
     else:
         result = _evaluate(trainer, stage, ckpt_path, model_given)
+        if verbose and stage != "predict" and trainer.is_global_zero:
+            print(results_table(stage, result[0]), flush=True)
     lifecycle.end(trainer, stage)
     return result
+
+
+def results_table(stage: str, metrics: dict[str, float]) -> str:
+    """Lightning's table of an evaluation's epoch metrics: one row per name, sorted, the value in full."""
+    header = (f"{stage.capitalize()} metric", "DataLoader 0")
+    rows = [(name, str(value)) for name, value in sorted(metrics.items())] or [("(nothing was logged)", "")]
+    left = max(len(header[0]), *(len(r[0]) for r in rows)) + 4
+    right = max(len(header[1]), *(len(r[1]) for r in rows)) + 4
+    rule = "─" * (left + right)
+    lines = [rule, header[0].center(left) + header[1].center(right), rule]
+    lines += [name.center(left) + value.center(right) for name, value in rows]
+    return "\n".join([*lines, rule])
 
 
 def _evaluate(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: bool) -> Any:

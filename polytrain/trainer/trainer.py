@@ -19,6 +19,7 @@ from polytrain.callbacks.loggers import Logger
 from polytrain.callbacks.progress import ProgressBar
 from polytrain.core import heartbeat
 from polytrain.core.errors import ConfigError
+from polytrain.core.rank_zero import rank_zero_only
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.launcher import LaunchPlan, plan_launch
 from polytrain.trainer import lifecycle
@@ -302,11 +303,13 @@ class Trainer:
 
     def validate(self, model: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
                  verbose: bool = True, datamodule: DataModule | None = None) -> list[dict[str, float]]:
-        return self._run("validate", model, dict(val=dataloaders), datamodule, ckpt_path)
+        """The epoch metrics of one pass over the validation data; ``verbose`` prints them as a table on
+        global rank 0, as Lightning does."""
+        return self._run("validate", model, dict(val=dataloaders), datamodule, ckpt_path, verbose)
 
     def test(self, model: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
              verbose: bool = True, datamodule: DataModule | None = None) -> list[dict[str, float]]:
-        return self._run("test", model, dict(test=dataloaders), datamodule, ckpt_path)
+        return self._run("test", model, dict(test=dataloaders), datamodule, ckpt_path, verbose)
 
     def predict(self, model: TrainModule | None = None, dataloaders: Any = None,
                 datamodule: DataModule | None = None, return_predictions: bool | None = None,
@@ -323,7 +326,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ plumbing
     def _run(self, stage: str, model: TrainModule | None, loaders: dict[str, Any], datamodule: Any,
-             ckpt_path: str | None) -> Any:
+             ckpt_path: str | None, verbose: bool = False) -> Any:
         model_given = model is not None
         model = model if model is not None else self.module
         if model is None:
@@ -346,7 +349,7 @@ class Trainer:
         self.hooks = Hooks(self, model, self.callbacks, self.datamodule, self.profiler.instrument)
         try:
             self._begin_stage()
-            return run_stage(self, stage, ckpt_path, model_given)
+            return run_stage(self, stage, ckpt_path, model_given, verbose)
         except BaseException as exc:
             heartbeat.failed(exc, self.global_step)  # peers waiting on this rank learn why, and where
             self.hooks.callbacks("on_exception", exc)
@@ -370,6 +373,7 @@ class Trainer:
             return
         self.strategy = strategy_for(self.config, plan)
         self.strategy.setup_environment()
+        rank_zero_only.rank = self.strategy.global_rank  # what @rank_zero_only in user code reads
         self.metrics.device = self.strategy.collective_device
         heartbeat.start(self.strategy.global_rank, self.strategy.world_size, self.config.timeout)
 

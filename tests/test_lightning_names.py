@@ -1,0 +1,118 @@
+"""Lightning names real projects use every day: ``rank_zero_only`` and friends (``polytrain.utilities``),
+``TQDMProgressBar(refresh_rate=...)``, the learning rates ``LearningRateMonitor`` puts in
+``callback_metrics``, and the results table ``validate``/``test`` print."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from conftest import TinyModule
+from distributed import run_distributed
+
+import polytrain as pl
+from polytrain import Trainer
+from polytrain.callbacks import LearningRateMonitor, TQDMProgressBar
+
+
+def test_utilities_are_where_lightning_code_imports_them() -> None:
+    from polytrain.utilities import rank_zero_info, rank_zero_only, rank_zero_warn, seed_everything
+    from polytrain.utilities.rank_zero import rank_zero_debug
+
+    assert pl.utilities.rank_zero_only is rank_zero_only
+    assert callable(rank_zero_info) and callable(rank_zero_warn) and callable(rank_zero_debug)
+    assert seed_everything(3) == 3
+
+
+class _RankZeroModule(TinyModule):
+    def on_fit_start(self) -> None:
+        from polytrain.utilities import rank_zero_only, rank_zero_warn
+
+        @rank_zero_only
+        def note() -> str:
+            return "ran"
+
+        self.noted = note()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rank_zero_warn("only once per job")
+        self.warned = [str(w.message) for w in caught]
+
+
+def _rank_zero_worker(rank: int, world_size: int, run_dir: str) -> tuple[Any, list[str]]:
+    module = _RankZeroModule(n=16)
+    Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, run_dir=run_dir, logger=False,
+            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+            num_sanity_val_steps=0, timeout=60).fit(module)
+    return module.noted, module.warned
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_rank_zero_only_runs_on_global_rank_zero_under_ddp(tmp_path: Any) -> None:
+    """The Trainer tells ``rank_zero_only`` its rank: the decorated function runs on rank 0 and returns
+    its default (None) on rank 1; ``rank_zero_warn`` warns on rank 0 only."""
+    (noted0, warned0), (noted1, warned1) = run_distributed(_rank_zero_worker, 2, str(tmp_path), timeout=200)
+    assert (noted0, noted1) == ("ran", None)
+    assert warned0 == ["only once per job"] and warned1 == []
+
+
+def test_rank_zero_only_takes_a_default() -> None:
+    from polytrain.utilities import rank_zero_only
+
+    saved = rank_zero_only.rank
+    try:
+        rank_zero_only.rank = 1
+        assert rank_zero_only(lambda: "ran", default="skipped")() == "skipped"
+        rank_zero_only.rank = 0
+        assert rank_zero_only(default="skipped")(lambda: "ran")() == "ran"
+    finally:
+        rank_zero_only.rank = saved
+
+
+@pytest.mark.parametrize("refresh_rate", [1, 3, 0])
+def test_tqdm_progress_bar_redraws_every_refresh_rate_batches(make_trainer: Any, monkeypatch: Any,
+                                                              refresh_rate: int) -> None:
+    from tqdm.auto import tqdm
+
+    moves: list[int] = []
+    original = tqdm.update
+
+    def counted(self: Any, n: float = 1) -> Any:
+        moves.append(int(n))
+        return original(self, n)
+
+    monkeypatch.setattr(tqdm, "update", counted)
+    bar = TQDMProgressBar(refresh_rate=refresh_rate)
+    trainer = make_trainer(max_epochs=1, enable_progress_bar=True, callbacks=[bar], limit_val_batches=0)
+    trainer.fit(TinyModule(n=32))  # 8 batches
+    assert [cb for cb in trainer.callbacks if isinstance(cb, pl.callbacks.ProgressBar)] == [bar]
+    expected = {1: [1] * 8, 3: [3, 3, 2], 0: []}[refresh_rate]
+    assert moves == expected
+
+
+def test_learning_rates_are_in_callback_metrics(make_trainer: Any) -> None:
+    class Adam(TinyModule):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    trainer = make_trainer(max_epochs=1, callbacks=[LearningRateMonitor(logging_interval="epoch")])
+    trainer.fit(Adam(n=16))
+    assert float(trainer.callback_metrics["lr-Adam"]) == pytest.approx(0.01)
+
+
+def test_validate_and_test_print_their_results_table(make_trainer: Any, capsys: Any) -> None:
+    trainer = make_trainer(max_epochs=1)
+    module = TinyModule(n=16)
+    trainer.fit(module)
+    capsys.readouterr()
+    [result] = trainer.validate(module)
+    out = capsys.readouterr().out
+    assert "Validate metric" in out and "DataLoader 0" in out
+    assert "val/loss" in out and str(result["val/loss"]) in out
+    trainer.test(module)
+    assert "Test metric" in capsys.readouterr().out
+    trainer.validate(module, verbose=False)
+    assert "metric" not in capsys.readouterr().out
