@@ -74,8 +74,24 @@ def _get_context() -> Any:
     return _context
 
 
+PORT_ATTEMPTS = 3
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return results by rank."""
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return results by rank. A port
+    free when chosen may be taken by another job before rank 0 binds it (a busy machine): then the run
+    starts again on another port."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _run_once(fn, world_size, args, timeout)
+        except DistributedRunError as err:
+            text = str(err).lower()
+            if attempt == PORT_ATTEMPTS or not ("eaddrinuse" in text or "address already in use" in text):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
     ctx = _get_context()
     results = ctx.Queue()
     port = free_port()

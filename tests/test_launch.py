@@ -305,3 +305,43 @@ def test_two_nodes_on_loopback(tmp_path, expected_weights):
         assert (rec["node_rank"], rec["local_rank"]) == (rank, 0), rec  # one process on each "node"
         assert rec["env"]["LOCAL_WORLD_SIZE"] == "1"
     assert records[0]["ppid"] != records[1]["ppid"]  # two agents, one per node
+
+
+def _join_and_sum(path: str) -> None:
+    import torch
+
+    from polytrain import connect
+
+    strategy = connect("ddp", accelerator="cpu", timeout=30)
+    total = strategy.all_reduce(torch.ones(1), "sum")
+    if strategy.is_global_zero:
+        Path(path).write_text(str(float(total)))
+    strategy.teardown()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_spawn_starts_again_on_another_port_when_its_port_was_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    """The port chosen for the rendezvous is free when chosen; another program may bind it before rank 0
+    does (a busy machine). The spawn launcher then starts the job again on another port."""
+    import socket
+
+    from polytrain.core.environment import ClusterEnvironment
+    from polytrain.strategies import launcher
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("", 0))
+        held.listen()
+        taken = iter([held.getsockname()[1]])
+        chosen: list[int] = []
+
+        def first_the_taken_one() -> int:
+            port = next(taken, None) or free_port()
+            chosen.append(port)
+            return port
+
+        monkeypatch.setattr(launcher, "free_port", first_the_taken_one)
+        plan = launcher.LaunchPlan("cpu", 2, 1, "ddp", 2, ClusterEnvironment(), "fork")
+        launcher.launch_spawn(plan, _join_and_sum, (str(tmp_path / "sum"),))
+    assert len(chosen) == 2 and (tmp_path / "sum").read_text() == "2.0"

@@ -8,6 +8,7 @@ notebooks, via ``torch.multiprocessing``.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -25,6 +26,8 @@ from polytrain.core.environment import ClusterEnvironment, detect_environment
 from polytrain.core.errors import ConfigError
 from polytrain.core.process_group import select_cuda_devices
 from polytrain.strategies.registry import resolve_strategy_name, strategy_class
+
+log = logging.getLogger("polytrain")
 
 SINGLE_PROCESS_STRATEGIES = ("single", "dp")  # strategies that cannot use a second process
 
@@ -191,11 +194,32 @@ def _spawned_worker(local_rank: int, world_size: int, port: int, fn: Callable, a
     fn(*args)
 
 
+SPAWN_ATTEMPTS = 3  # a rendezvous port taken by another job between choosing and binding it: try another
+
+
+def port_taken(error: BaseException | str) -> bool:
+    """Whether a worker failed because the rendezvous port was already in use (rank 0's store could not
+    bind it): the job never got past joining its process group."""
+    text = str(error).lower()
+    return "eaddrinuse" in text or "address already in use" in text
+
+
 def launch_spawn(plan: LaunchPlan, fn: Callable, args: tuple) -> None:
     """``torch.multiprocessing`` start (spawn or fork); an exception in any worker is re-raised here
-    with that worker's traceback after the others are terminated."""
+    with that worker's traceback after the others are terminated. The rendezvous port is free when
+    chosen, but another program may take it before rank 0 binds it: then the job starts again on
+    another port (nothing of it ran past joining the process group)."""
     if plan.num_nodes > 1:
         raise ConfigError("launcher 'spawn'/'fork' starts processes on this machine only; use torchrun or "
                           "the elastic launcher for num_nodes > 1")
-    mp.start_processes(_spawned_worker, args=(plan.world_size, free_port(), fn, args),
-                       nprocs=plan.world_size, join=True, start_method=plan.method)
+    for attempt in range(1, SPAWN_ATTEMPTS + 1):
+        port = free_port()
+        try:
+            mp.start_processes(_spawned_worker, args=(plan.world_size, port, fn, args),
+                               nprocs=plan.world_size, join=True, start_method=plan.method)
+            return
+        except mp.ProcessRaisedException as err:
+            if attempt == SPAWN_ATTEMPTS or not port_taken(err):
+                raise
+            log.warning("rendezvous port %d was taken before the workers bound it; starting again on another "
+                        "(attempt %d of %d)", port, attempt + 1, SPAWN_ATTEMPTS)
