@@ -88,6 +88,9 @@ def materialize_meta(module: nn.Module, device: torch.device, rng_state: torch.T
     ``configure_model``, and each module's ``reset_parameters()`` runs on full-size CPU tensors
     (one module at a time); this rank keeps its shard. Standard layers draw the same numbers in
     ``reset_parameters`` as in their constructor, so the weights equal a CPU build with the seed.
+    A tensor shared by several modules (a head tied to its embedding) keeps what the first of them
+    drew, as a CPU build that ties after constructing does; the later ones still draw, so the
+    modules after them draw what they would have.
     """
     targets = [m for m in module.modules() if any(t.is_meta for _, _, t in _direct_tensors(m))]
     for m in targets:
@@ -99,13 +102,25 @@ def materialize_meta(module: nn.Module, device: torch.device, rng_state: torch.T
     with torch.random.fork_rng(devices=[]):
         if rng_state is not None:
             torch.set_rng_state(rng_state)
+        initialised: set[int] = set()
         for m in targets:
-            m.to_empty(device=device, recurse=False)
-            _reset_full(m)
+            # to_empty reallocates every direct tensor, a shared one already initialised too: keep its values.
+            with torch.no_grad():
+                kept = [(t, _local(t).clone()) for _, _, t in _direct_tensors(m) if id(t) in initialised]
+                m.to_empty(device=device, recurse=False)
+                for t, values in kept:
+                    _local(t).copy_(values)
+            _reset_full(m, initialised)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @torch.no_grad()
-def _reset_full(module: nn.Module) -> None:
+def _reset_full(module: nn.Module, initialised: set[int]) -> None:
+    """``module.reset_parameters()`` on full-size stand-ins; each live tensor not initialised yet (by an
+    earlier module sharing it) takes its shard of what was drawn."""
     live = _direct_tensors(module)
     for reg, name, t in live:
         full = torch.empty(t.shape, dtype=t.dtype)  # t.shape is the global shape for a DTensor
@@ -113,7 +128,9 @@ def _reset_full(module: nn.Module) -> None:
     try:
         module.reset_parameters()
         for reg, name, t in live:
-            _copy_shard(t, reg[name])
+            if id(t) not in initialised:
+                _copy_shard(t, reg[name])
+                initialised.add(id(t))
     finally:
         for reg, name, t in live:
             reg[name] = t
