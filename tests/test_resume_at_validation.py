@@ -131,6 +131,41 @@ def test_a_save_before_the_validation_resumes_with_that_validation_first(tmp_pat
     _check(out, 12 - 1)  # the resumed run runs the validation at step 12 itself
 
 
+def _plain_pytorch() -> tuple[torch.Tensor, list[tuple[int, float]]]:
+    """The uninterrupted run written by hand: the same module, loaders and SGD; a validation (the whole
+    validation loader, without gradients, its sample-weighted mean loss) after every fourth batch."""
+    torch.manual_seed(0)
+    module = DropoutModule()
+    optimizer = torch.optim.SGD(module.parameters(), lr=module.lr)
+    train, val = module.train_dataloader(), module.val_dataloader()
+    validations, step = [], 0
+    for _ in range(EPOCHS):
+        module.train()
+        for i, (x, y) in enumerate(train):
+            F.mse_loss(module.net(module.drop(x)), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if (i + 1) % (BATCHES // 2) == 0:
+                module.eval()
+                with torch.no_grad():
+                    total = sum(F.mse_loss(module.net(xv), yv) * float(len(xv)) for xv, yv in val)
+                validations.append((step, float(total / torch.tensor(float(len(val.dataset))))))
+                module.train()
+    return _weights(module), validations
+
+
+def test_the_uninterrupted_run_is_a_plain_pytorch_loop(tmp_path: Any) -> None:
+    """The reference of the resume tests is itself checked against plain PyTorch: same weights bitwise,
+    the same validations at the same steps (every validation's loader draws from the one stream)."""
+    out = _whole_and_resumed(str(tmp_path), 1, 12, user_save=False)
+    weights, validations = _plain_pytorch()
+    assert torch.equal(out["whole"][0], weights), (out["whole"][0] - weights).abs().max()
+    assert [s for s, _ in out["whole"][1]] == [s for s, _ in validations]
+    torch.testing.assert_close(torch.tensor([v for _, v in out["whole"][1]]), torch.tensor([v for _, v in validations]),
+                               rtol=1e-6, atol=0)
+
+
 def _ddp_worker(rank: int, world_size: int, root: str, resume_step: int) -> Any:
     out = _whole_and_resumed(root, world_size, resume_step, user_save=False)
     return out
