@@ -88,10 +88,11 @@ def part_state(part: nn.Module, optimizers: list[torch.optim.Optimizer]) -> tupl
     return lazy.dcp().state_dict.get_model_state_dict(part, options=_options()), optimizer_state(part, optimizers)
 
 
-def live_state(parts: Parts) -> dict[str, Any]:
+def live_state(parts: Parts, states: list[tuple[dict, dict]] | None = None) -> dict[str, Any]:
     """Each rank's own slices of the model and optimizer state (no communication), keyed as on one device:
-    what a sharded directory holds, and what it is read back into."""
-    states = [part_state(part, optimizers) for part, optimizers in parts]
+    what a sharded directory holds, and what it is read back into. ``states``: the parts' ``part_state``
+    when the caller has them already."""
+    states = states if states is not None else [part_state(part, optimizers) for part, optimizers in parts]
     state = {"model": {k: v for m, _ in states for k, v in m.items()}}
     optim = {k: v for _, o in states for k, v in o.items()}
     if optim:
@@ -190,10 +191,9 @@ def agree_on_load(error: str | None, saved_keys: set[str], used: set[str], path:
                               f"it was written for a different model")
 
 
-def _apply_local(parts: Parts, loaded: Loaded, path: str) -> set[str]:
+def _apply_local(parts: Parts, loaded: Loaded, path: str, states: list[tuple[dict, dict]]) -> set[str]:
     used: set[str] = set()
-    for part, optimizers in parts:
-        live_model, live_optim = part_state(part, optimizers)
+    for (part, optimizers), (live_model, live_optim) in zip(parts, states):
         used.update(live_model)
         model = _fill(live_model, loaded.model, "model", path)
         optim: dict[str, Any] = {}
@@ -208,12 +208,14 @@ def _apply_local(parts: Parts, loaded: Loaded, path: str) -> set[str]:
     return used
 
 
-def apply_loaded(parts: Parts, loaded: Loaded, path: str) -> None:
+def apply_loaded(parts: Parts, loaded: Loaded, path: str, states: list[tuple[dict, dict]] | None = None) -> None:
     """Load a checkpoint's model and optimizer state into ``parts``: full values are cut to each rank's
-    shard, values read in place are set as they are. Every rank calls it; errors are agreed on."""
+    shard, values read in place are set as they are. Every rank calls it; errors are agreed on.
+    ``states``: the parts' ``part_state`` when the caller has them already (the live state read into)."""
     error, used = None, set()
     try:
-        used = _apply_local(parts, loaded, path)
+        states = states if states is not None else [part_state(part, optimizers) for part, optimizers in parts]
+        used = _apply_local(parts, loaded, path, states)
     except (CheckpointError, KeyError, RuntimeError, ValueError, OSError, pickle.UnpicklingError) as err:
         error = str(err) if isinstance(err, CheckpointError) else f"{path} does not fit this model: {err!r}"
     agree_on_load(error, loaded.saved_model_keys, used, path)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from polytrain.checkpoint.checkpoint_io import CheckpointIO, ReplicatedCheckpointIO
-from polytrain.checkpoint.state import Parts, apply_loaded, full_optimizer_state, live_state
+from polytrain.checkpoint.state import Parts, apply_loaded, full_optimizer_state, live_state, part_state
 from polytrain.core import heartbeat
 from polytrain.core.batch import move_to_device
 from polytrain.core.environment import ClusterEnvironment
@@ -381,8 +381,9 @@ class Strategy(CollectiveVerbs, ABC):
         """Restore model and optimizer state (with ``weights_only``: the model alone) from any checkpoint;
         return the rest of the payload. Every rank calls it."""
         parts = [(module, [] if weights_only else optimizers) for module, optimizers in self.state_parts()]
-        loaded = self.checkpoint_io.load(path, into=None if self.checkpoint_io.replicated else live_state(parts))
-        apply_loaded(parts, loaded, path)
+        states = [part_state(module, optimizers) for module, optimizers in parts]  # the live state, once
+        loaded = self.checkpoint_io.load(path, into=None if self.checkpoint_io.replicated else live_state(parts, states))
+        apply_loaded(parts, loaded, path, states)
         return loaded.payload
 
     def teardown(self) -> None:

@@ -140,6 +140,7 @@ class AutomaticOptimization:
         # Fixed for the fit: the heartbeat's position mark when one runs, the scaler's update under 16-mixed.
         self.mark_position = heartbeat.marker()
         self.update_scaler = strategy.precision.update if strategy.precision.scaler is not None else None
+        self.votes_on_skip = guard.policy == "skip"  # nan_policy skip: the ranks agree on every window
         self.plain = self._is_plain()
         # Called by the loop before it fetches each batch (a plain fit's zero_grad); None otherwise.
         self.release_gradients = functools.partial(self.optimizers[0].zero_grad, set_to_none=True) \
@@ -153,7 +154,7 @@ class AutomaticOptimization:
         return (len(self.optimizers) == 1 and self.accumulate == 1 and self.strategy.steps_plainly
                 and self.optimizer_step_hook is None and self.zero_grad_hook is None and self.clip_hook is None
                 and self.clip_val is None and not self.before_zero_grad and not self.before_optimizer_step
-                and self.guard.policy != "skip" and self.update_scaler is None)
+                and not self.votes_on_skip and self.update_scaler is None)
 
     def run(self, batch: Any, batch_idx: int, end_of_window: bool, epoch: int) -> tuple[Any, bool]:
         """Forward/backward, and at a window's end the optimizers' steps: ``(the step's result, stepped)``."""
@@ -211,7 +212,7 @@ class AutomaticOptimization:
             self.clip_hook(optimizer, gradient_clip_val=self.clip_val, gradient_clip_algorithm=self.clip_algorithm)
         elif self.clip_val is not None:
             clip_gradients(self.strategy, self.guard, optimizer, self.clip_val, self.clip_algorithm or "norm")
-        if optimizer is self.optimizers[0]:
+        if self.votes_on_skip and optimizer is self.optimizers[0]:
             self.guard.vote_on_skip()
         if self.guard.skip_step:
             optimizer.zero_grad(set_to_none=True)  # no gradient, no update (and no optimizer state change)
