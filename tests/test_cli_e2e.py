@@ -48,6 +48,13 @@ def test_help():
     ("trainer.strategy=dpp", ["unknown strategy 'dpp'", "ddp"]),
     ("trainer.strategy.find_unused=true", ["strategy 'ddp' has no option 'find_unused'", "find_unused_parameters"]),
     ("modle.lr=0.1", ["config has no key 'modle'", "did you mean 'module'"]),
+    # The module's own keywords, checked against TinyRegressor.__init__ in the launching process.
+    ("module.lrr=0.1", ["module: tiny_module.TinyRegressor() got an unexpected keyword 'lrr'", "did you mean 'lr'?",
+                        "Valid: n, batch_size, lr"]),
+    ("module._target_=tiny_modul.TinyRegressor", ["cannot import module 'tiny_modul'", "did you mean 'tiny_module'"]),
+    ("trainer.callbacks=[{_target_: polytrain.callbacks.EarlyStopping, monitr: val/loss}]",
+     ["trainer.callbacks[0]: polytrain.callbacks.EarlyStopping() got an unexpected keyword 'monitr'",
+      "did you mean 'monitor'?"]),
 ])
 def test_config_typo_exits_2_before_starting_any_process(tmp_path, override, named):
     run_dir = tmp_path / "run"

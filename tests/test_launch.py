@@ -117,6 +117,21 @@ def test_launcher_agreement_runs_here(monkeypatch):
         assert (plan.method, plan.strategy_name, plan.env.global_rank, plan.env.node_rank) == ("here", "ddp", 1, 1)
 
 
+def test_more_cpu_processes_than_cores_is_refused_with_the_way_to_ask_for_it(monkeypatch):
+    _clear_launcher_env(monkeypatch)
+    monkeypatch.delenv("POLYTRAIN_OVERSUBSCRIBE", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    cfg = validate_trainer_config({"accelerator": "cpu", "devices": 3, "launcher": "spawn"})
+    with pytest.raises(ConfigError) as info:
+        plan_launch(cfg)
+    message = str(info.value)
+    assert "trainer.devices=3 CPU processes but only 2 CPU cores" in message
+    assert "at most 2" in message and "POLYTRAIN_OVERSUBSCRIBE=1" in message  # both ways out, with the numbers
+    monkeypatch.setenv("POLYTRAIN_OVERSUBSCRIBE", "1")  # asked for on purpose: planned as given
+    plan = plan_launch(cfg)
+    assert (plan.devices, plan.world_size, plan.method) == (3, 3, "spawn")
+
+
 # --------------------------------------------------------------------------- Trainer(devices=2) from a script
 
 

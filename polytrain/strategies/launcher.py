@@ -30,6 +30,7 @@ from polytrain.strategies.registry import resolve_strategy_name, strategy_class
 log = logging.getLogger("polytrain")
 
 SINGLE_PROCESS_STRATEGIES = ("single", "dp")  # strategies that cannot use a second process
+OVERSUBSCRIBE_ENV = "POLYTRAIN_OVERSUBSCRIBE"  # =1: allow more CPU processes than cores
 
 
 class LaunchRequest(Protocol):
@@ -91,9 +92,14 @@ def _resolve_devices(devices: Any, accelerator: str, env: ClusterEnvironment) ->
         return max(1, torch.cuda.device_count()) if accelerator == "cuda" else 1
     # Under a launcher the processes exist already: plan_launch names a disagreement with them as such.
     if devices > available and not env.is_distributed:
-        what = "GPU(s) are visible" if accelerator == "cuda" else "CPU cores are available"
-        raise ConfigError(f"trainer.devices={devices} but only {available} {what}; set trainer.devices to at "
-                          f"most {available}")
+        if accelerator == "cuda":
+            raise ConfigError(f"trainer.devices={devices} but only {available} GPU(s) are visible; set "
+                              f"trainer.devices to at most {available}")
+        if os.environ.get(OVERSUBSCRIBE_ENV, "") not in ("", "0"):
+            return devices  # asked for on purpose: the processes share the cores
+        raise ConfigError(f"trainer.devices={devices} CPU processes but only {available} CPU cores are available; "
+                          f"set trainer.devices to at most {available}, or set {OVERSUBSCRIBE_ENV}=1 in the "
+                          f"environment to start {devices} processes on {available} cores anyway (each slower)")
     return devices
 
 

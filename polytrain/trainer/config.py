@@ -2,14 +2,14 @@
 
 Every section is a dataclass. Unknown keys, wrong types and missing values are rejected before
 any process group starts, naming the key and the valid choices. ``_target_`` entries import and
-call arbitrary code: a config is code, treat it like a script you would run.
+call arbitrary code: a config is code, treat it like a script you would run. Loading a config
+imports every ``_target_`` and matches its arguments against the signature (trainer/targets.py);
+the objects are built only where they run (in the workers).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import inspect
 import os
 import sys
 from dataclasses import dataclass, field
@@ -23,6 +23,7 @@ from polytrain.parallel.activation_checkpointing import resolve_checkpointing
 from polytrain.parallel.compile import resolve_compile
 from polytrain.strategies.registry import normalize_strategy, validate_strategy_spec
 from polytrain.trainer.profiler import check_profiler_options
+from polytrain.trainer.targets import check_arguments, check_run_targets, import_target
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
 PRECISION_ALIASES = {"32-true": "32", "16": "16-mixed", "bf16": "bf16-mixed"}  # Lightning's other spellings
@@ -321,6 +322,7 @@ def validate_run_config(data: dict[str, Any]) -> dict[str, Any]:
     out = {"module": data["module"], "data": data.get("data"), "trainer": trainer_to_dict(trainer)}
     if config_dir:
         out["config_dir"] = config_dir
+    check_run_targets(out)  # imported and matched against their signatures here, built only in the workers
     return out
 
 
@@ -329,20 +331,6 @@ def trainer_to_dict(cfg: TrainerConfig) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- _target_
-
-
-def import_target(target: str) -> Any:
-    module_name, _, attr = target.rpartition(".")
-    if not module_name:
-        raise ConfigError(f"_target_ '{target}' must be a dotted path like package.module.Class")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"_target_ '{target}': cannot import module '{module_name}': {err}") from None
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ConfigError(f"_target_ '{target}': module '{module_name}' has no attribute '{attr}'") from None
 
 
 def instantiate(spec: dict[str, Any], where: str, config_dir: str | None = None) -> Any:
@@ -355,11 +343,6 @@ def instantiate(spec: dict[str, Any], where: str, config_dir: str | None = None)
         raise ConfigError(f"{where} needs a _target_: package.Class entry")
     kwargs = {k: instantiate(v, f"{where}.{k}", config_dir) if isinstance(v, dict) and "_target_" in v else v
               for k, v in spec.items()}
-    factory = import_target(target)
-    try:
-        inspect.signature(factory).bind(**kwargs)
-    except TypeError as err:
-        raise ConfigError(f"{where}: {target} does not accept {sorted(kwargs)}: {err}") from None
-    except ValueError:
-        pass  # no introspectable signature (some builtins): let the call itself decide
+    factory = import_target(target, where)
+    check_arguments(factory, kwargs, where, target)
     return factory(**kwargs)

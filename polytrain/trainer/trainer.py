@@ -43,6 +43,7 @@ from polytrain.trainer.module import TrainModule
 from polytrain.trainer.optimization import clip_gradients
 from polytrain.trainer.profiler import build_profiler
 from polytrain.trainer.progress import EvalProgress
+from polytrain.trainer.targets import check_run_targets
 
 log = logging.getLogger("polytrain")
 
@@ -80,7 +81,8 @@ class Trainer:
             config = OmegaConf.to_container(config, resolve=True)
         section = config.get("trainer", config) if "module" in config or "trainer" in config else config
         trainer = cls(**section)
-        trainer._run_config = config if "module" in config else None
+        # Every _target_ imported and its keywords checked (nothing built): a typo fails before any worker starts.
+        trainer._run_config = check_run_targets(config) if "module" in config else None
         return trainer
 
     # ------------------------------------------------------------------ properties
