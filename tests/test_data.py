@@ -18,7 +18,6 @@ from distributed import run_distributed
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from polytrain import Trainer, TrainModule
-from polytrain.core.errors import SamplerError
 from polytrain.trainer.guards import EmptyDataError
 
 SEED = 7
@@ -169,10 +168,11 @@ def _data_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out["validate"] = _trainer(os.path.join(root, "val")).validate(module, dataloaders=_val_loader())
     out["val_seen"] = module.val_seen
 
-    # 4. A custom sampler cannot be split: a clear error on every rank, not silent duplication.
+    # 4. A custom sampler is split over the ranks, draw by draw (tests/test_user_samplers.py for the rest).
     custom = DataLoader(IndexDataset(8), batch_size=2, sampler=ReverseSampler(8), collate_fn=tagged_collate)
-    out["sampler_error"] = _expect_error(
-        lambda: _trainer(os.path.join(root, "custom"), max_epochs=1).fit(Recorder(custom)), SamplerError)
+    custom_module = Recorder(custom)
+    _trainer(os.path.join(root, "custom"), max_epochs=1).fit(custom_module)
+    out["custom_seen"] = custom_module.seen[0]
 
     # 5. Data that leaves ranks with no batch: every rank raises, none waits in a gradient all-reduce.
     tiny = DataLoader(IndexDataset(2), batch_size=2, drop_last=True, collate_fn=tagged_collate)
@@ -257,11 +257,10 @@ def test_validation_metric_on_two_ranks_equals_one_process(ranks: list[dict[str,
 
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
-def test_custom_sampler_under_ddp_raises_sampler_error(ranks: list[dict[str, Any]]) -> None:
-    for out in ranks:
-        message = out["sampler_error"]
-        assert "ReverseSampler" in message
-        assert "use_distributed_sampler" in message
+def test_custom_sampler_under_ddp_is_split_between_ranks(ranks: list[dict[str, Any]]) -> None:
+    # The sampler yields 7, 6, ..., 0; rank r takes draws r, r + 2, ... (DistributedSampler's interleaving).
+    assert ranks[0]["custom_seen"] == [[7, 5], [3, 1]]
+    assert ranks[1]["custom_seen"] == [[6, 4], [2, 0]]
 
 
 @pytest.mark.distributed

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
+    DistributedSampler,
     IterableDataset,
     RandomSampler,
     Sampler,
@@ -22,6 +23,7 @@ from torch.utils.data import (
 from polytrain.core.errors import SamplerError
 from polytrain.core.rng import np
 from polytrain.data.samplers import EvenlySplitSampler, ResumableDistributedSampler
+from polytrain.data.user_samplers import SplitSampler
 
 
 def seed_worker(worker_id: int) -> None:
@@ -69,21 +71,32 @@ def record_pin_memory_choice() -> Iterator[None]:
         DataLoader.__init__ = original  # type: ignore[method-assign]
 
 
+def _drawing_sampler(loader: DataLoader) -> Any:
+    """The sampler that draws the indices: a BatchSampler the user passed holds it (``loader.sampler`` is
+    then a placeholder ``SequentialSampler``)."""
+    batch_sampler = loader.batch_sampler
+    return loader.sampler if batch_sampler is None else getattr(batch_sampler, "sampler", None)
+
+
 def _is_default_sampling(loader: DataLoader) -> bool:
-    return (type(loader.sampler) in (SequentialSampler, RandomSampler)
+    return (type(_drawing_sampler(loader)) in (SequentialSampler, RandomSampler)
             and type(loader.batch_sampler) in (BatchSampler, type(None)))
 
 
-def _rebuild(loader: DataLoader, sampler: Sampler, pin_memory: bool = False) -> DataLoader:
-    """``loader`` with ``sampler``; ``pin_memory=True`` (the strategy computes on CUDA) pins unless the
-    user chose ``pin_memory`` explicitly when building it."""
+def _rebuild(loader: DataLoader, sampler: Sampler | None, pin_memory: bool = False,
+             batch_sampler: Sampler | None = None) -> DataLoader:
+    """``loader`` with ``sampler`` (or ``batch_sampler``); ``pin_memory=True`` (the strategy computes on
+    CUDA) pins unless the user chose ``pin_memory`` explicitly when building it."""
     batch_size = loader.batch_size
     drop_last = loader.drop_last
-    if batch_size is None and loader.batch_sampler is not None:
+    if batch_sampler is not None:
+        batch_size, drop_last = 1, False  # DataLoader's defaults: batch_sampler excludes both
+    elif batch_size is None and loader.batch_sampler is not None:
         batch_size, drop_last = loader.batch_sampler.batch_size, loader.batch_sampler.drop_last
     kwargs: dict[str, Any] = dict(
         batch_size=batch_size,
         sampler=sampler,
+        batch_sampler=batch_sampler,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory or (pin_memory and not loader.__dict__.get(PIN_CHOSEN, False)),
@@ -149,17 +162,11 @@ def distribute_dataloader(loader: Any, num_replicas: int, rank: int, seed: int, 
                                                                           and use_sampler != "always"):
         return _pinned(loader, pin_memory)
     if not _is_default_sampling(loader):
-        if num_replicas > 1:
-            raise SamplerError(
-                f"the {stage} DataLoader uses a custom sampler ({type(loader.sampler).__name__}/"
-                f"{type(loader.batch_sampler).__name__}); polytrain cannot split it over {num_replicas} "
-                f"data-parallel ranks. Shard it per rank yourself and set trainer.use_distributed_sampler=false"
-            )
-        return _pinned(loader, pin_memory)
+        return _split_user_sampling(loader, num_replicas, rank, seed, stage, pin_memory)
     if stage == "train":
         sampler: Sampler = ResumableDistributedSampler(
             loader.dataset, num_replicas=num_replicas, rank=rank,
-            shuffle=isinstance(loader.sampler, RandomSampler), seed=seed,
+            shuffle=isinstance(_drawing_sampler(loader), RandomSampler), seed=seed,
         )
         return _rebuild(loader, sampler, pin_memory)
     if num_replicas == 1:
@@ -167,11 +174,35 @@ def distribute_dataloader(loader: Any, num_replicas: int, rank: int, seed: int, 
     return _rebuild(loader, EvenlySplitSampler(len(loader.dataset), num_replicas, rank), pin_memory)
 
 
+def _split_user_sampling(loader: DataLoader, num_replicas: int, rank: int, seed: int, stage: str,
+                         pin_memory: bool) -> DataLoader:
+    """The user's own sampler (or batch sampler) split over the ranks by ``SplitSampler``: a sampler of
+    indices (also inside torch's ``BatchSampler``) index by index, the loader's batch size kept; another
+    batch sampler whole batch by whole batch (rank r takes batches r, r+N, ...). Training pads to equal
+    counts from the epoch's start (a batch sampler with ``drop_last=True`` drops the tail batches instead);
+    evaluation repeats nothing. A ``DistributedSampler`` the user built is already split: left alone."""
+    batch_sampler = loader.batch_sampler
+    by_index = batch_sampler is None or type(batch_sampler) is BatchSampler
+    user = _drawing_sampler(loader) if by_index else batch_sampler
+    if isinstance(user, DistributedSampler) or isinstance(getattr(user, "sampler", None), DistributedSampler):
+        return _pinned(loader, pin_memory)
+    train = stage == "train"
+    if by_index:
+        return _rebuild(loader, SplitSampler(user, num_replicas, rank, seed, pad=train), pin_memory)
+    split = SplitSampler(user, num_replicas, rank, seed, pad=train,
+                         drop_tail=train and getattr(user, "drop_last", False) is True)
+    return _rebuild(loader, None, pin_memory, batch_sampler=split)
+
+
 def set_epoch(loader: Any, epoch: int) -> None:
-    for obj in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
-        if obj is not None and hasattr(obj, "set_epoch"):
+    """``set_epoch(epoch)`` on the loader's sampler, batch sampler and the batch sampler's sampler, each
+    that has one (once each): polytrain's samplers and the user's own (Lightning's rule)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    seen: set[int] = set()
+    for obj in (getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
+        if obj is not None and id(obj) not in seen and callable(getattr(obj, "set_epoch", None)):
+            seen.add(id(obj))
             obj.set_epoch(epoch)
-            return
 
 
 def skip_batches(loader: Any, num_batches: int) -> int:
@@ -181,10 +212,17 @@ def skip_batches(loader: Any, num_batches: int) -> int:
     RNG stream (random augmentations) advances with every sample it loads and batches go to workers
     round-robin, so only loading them again, from the same base seed (``iterator_rng_state``), puts
     every worker's stream where it was. That costs a partial epoch of loading, without compute."""
-    sampler = getattr(loader, "sampler", None)
-    if num_batches and isinstance(sampler, ResumableDistributedSampler) and loader.batch_size \
-            and not getattr(loader, "num_workers", 0):
+    if not num_batches or getattr(loader, "num_workers", 0):
+        return num_batches
+    sampler, batch_sampler = getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)
+    if isinstance(batch_sampler, SplitSampler):  # the user's batch sampler: one draw per batch
+        batch_sampler.skip(num_batches)
+        return 0
+    if isinstance(sampler, ResumableDistributedSampler) and loader.batch_size:
         sampler.skip(num_batches * loader.batch_size)
+        return 0
+    if isinstance(sampler, SplitSampler):
+        sampler.skip(num_batches * (loader.batch_size or 1))  # batch_size None: a draw is a batch
         return 0
     return num_batches
 
@@ -215,11 +253,16 @@ def resume_position(loader: Any, start: int, num_batches: int, dp_size: int, sav
         batches = left // batch_size if loader.drop_last else -(-left // batch_size)
         first = max(0, num_batches - batches)
         return first, 0, (offset, first)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    named = batch_sampler if isinstance(batch_sampler, SplitSampler) else sampler
+    if isinstance(named, SplitSampler):
+        named = named.sampler  # the user's, split per rank: its draws are not re-split on resume
     raise SamplerError(
         f"the checkpoint was taken {start} batches into an epoch with {old_dp} data-parallel rank(s) and this run "
-        f"has {dp_size}; the training DataLoader ({type(sampler).__name__}, batch_size={batch_size}) does not use "
-        f"polytrain's sampler, so its position cannot be re-split over the new ranks. Resume with {old_dp} "
-        f"data-parallel ranks, or from a checkpoint taken at an epoch boundary"
+        f"has {dp_size}; the training DataLoader ({type(named).__name__}, batch_size={batch_size}) is not sampled "
+        f"by polytrain's own sampler (a user sampler or batch sampler, or the user's own sharding), so its "
+        f"position cannot be re-split over the new ranks. Resume with {old_dp} data-parallel ranks, or from a "
+        f"checkpoint taken at an epoch boundary"
     )
 
 
