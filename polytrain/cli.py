@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.multiprocessing import ProcessRaisedException
 
 from polytrain.checkpoint.consolidate import consolidate
 from polytrain.core.errors import ConfigError
@@ -102,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(config, args.command, args.ckpt)
         return 0
     if plan.method in ("spawn", "fork"):
-        launch_spawn(plan, run_worker, (config, args.command, args.ckpt))
+        try:
+            launch_spawn(plan, run_worker, (config, args.command, args.ckpt))
+        except ProcessRaisedException as err:  # the first failing worker's traceback; the others were stopped
+            print(f"polytrain: a worker failed and the job was ended.{str(err).rstrip()}", file=sys.stderr)
+            return 1
         return 0
     try:
         launch_elastic(plan, _elastic_entry, (config, args.command, args.ckpt), trainer_cfg.max_restarts)

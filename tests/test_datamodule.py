@@ -238,16 +238,22 @@ class Numbers(LightningDataModule):
 
 
 def test_a_datamodule_section_is_accepted_like_data(tmp_path: Any) -> None:
+    (tmp_path / "lightning_style.py").write_text(MODULE_FILE)  # loading imports the targets (building nothing)
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("module: {_target_: m.Net}\ndatamodule: {_target_: m.Numbers, n: 8}\n")
-    loaded = load_config(str(cfg), ["datamodule.batch_size=2"])
-    assert loaded["data"] == {"_target_": "m.Numbers", "n": 8, "batch_size": 2}
-    cfg.write_text("module: {_target_: m.Net}\ndata: {_target_: m.Numbers}\ndatamodule: {_target_: m.Numbers}\n")
-    with pytest.raises(ConfigError, match="both data: and datamodule:"):
-        load_config(str(cfg))
-    cfg.write_text("module: {_target_: m.Net}\ndatamodule: {n: 8}\n")
-    with pytest.raises(ConfigError, match="_target_"):
-        load_config(str(cfg))
+    try:
+        cfg.write_text("module: {_target_: lightning_style.Net}\ndatamodule: {_target_: lightning_style.Numbers, "
+                       "n: 8}\n")
+        loaded = load_config(str(cfg), ["datamodule.batch_size=2"])
+        assert loaded["data"] == {"_target_": "lightning_style.Numbers", "n": 8, "batch_size": 2}
+        cfg.write_text("module: {_target_: lightning_style.Net}\ndata: {_target_: lightning_style.Numbers}\n"
+                       "datamodule: {_target_: lightning_style.Numbers}\n")
+        with pytest.raises(ConfigError, match="both data: and datamodule:"):
+            load_config(str(cfg))
+        cfg.write_text("module: {_target_: lightning_style.Net}\ndatamodule: {n: 8}\n")
+        with pytest.raises(ConfigError, match="_target_"):
+            load_config(str(cfg))
+    finally:
+        sys.modules.pop("lightning_style", None)
 
 
 @pytest.mark.parametrize("section", ["datamodule", "data"])

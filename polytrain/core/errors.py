@@ -33,3 +33,9 @@ class DivergenceError(RuntimeError):
 
 class RankUnresponsiveError(RuntimeError):
     """A collective failed because one or more ranks stopped making progress."""
+
+
+class RankFailedError(Exception):
+    """Another rank raised in a step every rank takes together (``prepare_data``); the message carries that
+    rank's traceback, so whichever rank's error a launcher reports first shows the real one. Not a
+    ``RuntimeError``: the text of the original error must never pass for a failed collective."""

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from polytrain.callbacks.base import Callback
 from polytrain.callbacks.checkpoint import ModelCheckpoint
-from polytrain.core.errors import ConfigError
+from polytrain.core.errors import ConfigError, RankFailedError
 from polytrain.core.rng import capture_rng_state, restore_rng_state, seed_everything
 from polytrain.trainer import checkpoint as ckpt
 from polytrain.trainer.datamodule import DataModule
@@ -97,19 +98,37 @@ def end(trainer: Trainer, stage: str) -> None:
 
 def _prepare_data(trainer: Trainer) -> None:
     """Downloads run on one process per node (local rank 0) or, with ``prepare_data_per_node=False``,
-    once in all (global rank 0); every rank then meets at a barrier, so no rank reads half a file.
-    Without a ``prepare_data`` (decided by the classes, the same on every rank) there is no barrier,
-    as in Lightning."""
+    once in all (global rank 0); every rank then meets at a barrier, so no rank reads half a file. If
+    it raises, every rank stops with that rank's traceback (``_raise_first_failure``). Without a
+    ``prepare_data`` (decided by the classes, the same on every rank) there is no barrier, as in Lightning."""
     strategy, hooks = trainer.strategy, trainer.hooks
     preparers = [(obj, call) for obj, base, call in ((trainer.datamodule, DataModule, hooks.datamodule),
                                                      (trainer.module, TrainModule, hooks.module))
                  if obj is not None and is_overridden(obj, "prepare_data", base)]
-    for obj, call in preparers:
-        per_node = getattr(obj, "prepare_data_per_node", True)
-        if strategy.local_rank == 0 if per_node else strategy.is_global_zero:
-            call("prepare_data")
-    if preparers:
-        strategy.barrier("prepare_data")
+    if not preparers:
+        return
+    error: Exception | None = None
+    try:
+        for obj, call in preparers:
+            per_node = getattr(obj, "prepare_data_per_node", True)
+            if strategy.local_rank == 0 if per_node else strategy.is_global_zero:
+                call("prepare_data")
+    except Exception as err:  # noqa: BLE001 - re-raised below, once every rank knows
+        error = err
+    # The barrier: every rank meets here, and learns whether a preparing rank failed.
+    if strategy.reduce_boolean_decision(error is not None):
+        _raise_first_failure(strategy, error, "prepare_data")
+
+
+def _raise_first_failure(strategy: Any, error: Exception | None, step: str) -> None:
+    """Every rank calls this once a rank failed in ``step``: the failing ranks raise their own error, the
+    others an error holding the first failing rank's traceback (whichever a launcher shows first is real)."""
+    reports = strategy.all_gather_object(None if error is None else "".join(traceback.format_exception(error)))
+    if error is not None:
+        raise error
+    rank = next(r for r, report in enumerate(reports) if report is not None)
+    raise RankFailedError(f"{step} raised on rank {rank}, so every rank stops (this is rank {strategy.global_rank}). "
+                          f"Rank {rank}'s error:\n{reports[rank].rstrip()}")
 
 
 def batch_transfer(trainer: Trainer) -> Callable[[Any], Any]:
