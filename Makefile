@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $@
 
 $(DEV_STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e ".[vision,examples,dev]"
+	$(PY) -m pip install -q -e ".[vision,examples,dev,data]"
 	touch $(STAMP) $@
 
 install: $(STAMP)
@@ -41,7 +41,7 @@ $(MIN_PY):
 
 # One resolver run with the pins, so nothing in the dev extras can lift torch above them.
 $(MIN_STAMP): pyproject.toml | $(MIN_PY)
-	$(MIN_PY) -m pip install -q "torch==$(TORCH_MIN)" "torchvision==$(TORCHVISION_MIN)" -e ".[vision,examples,dev]"
+	$(MIN_PY) -m pip install -q "torch==$(TORCH_MIN)" "torchvision==$(TORCHVISION_MIN)" -e ".[vision,examples,dev,data]"
 	$(MIN_PY) -c "import torch, torchvision as tv; v = torch.__version__; assert v.startswith('2.11.'), \
 		f'.venv-torch-min holds torch {v}, not 2.11: rm -rf $(MIN_VENV) and run make test-torch-min again'; \
 		print('lowest supported: torch', v, 'torchvision', tv.__version__)"

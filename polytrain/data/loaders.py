@@ -23,6 +23,7 @@ from torch.utils.data import (
 from polytrain.core.errors import SamplerError
 from polytrain.core.rng import np
 from polytrain.data.samplers import EvenlySplitSampler, ResumableDistributedSampler
+from polytrain.data.stateful import has_state
 from polytrain.data.user_samplers import SplitSampler
 
 
@@ -78,9 +79,19 @@ def _drawing_sampler(loader: DataLoader) -> Any:
     return loader.sampler if batch_sampler is None else getattr(batch_sampler, "sampler", None)
 
 
+# torchdata's StatefulDataLoader builds its own (stateful) twins of torch's default samplers.
+_DEFAULT_SAMPLERS = {(c.__module__, c.__name__) for c in (SequentialSampler, RandomSampler, BatchSampler)} | {
+    ("torchdata.stateful_dataloader.sampler", name) for name in ("SequentialSampler", "RandomSampler", "BatchSampler")}
+
+
+def _is_default(obj: Any, name: str) -> bool:
+    return (type(obj).__module__, type(obj).__name__) in _DEFAULT_SAMPLERS and type(obj).__name__ == name
+
+
 def _is_default_sampling(loader: DataLoader) -> bool:
-    return (type(_drawing_sampler(loader)) in (SequentialSampler, RandomSampler)
-            and type(loader.batch_sampler) in (BatchSampler, type(None)))
+    sampler, batch_sampler = _drawing_sampler(loader), loader.batch_sampler
+    return ((_is_default(sampler, "SequentialSampler") or _is_default(sampler, "RandomSampler"))
+            and (batch_sampler is None or _is_default(batch_sampler, "BatchSampler")))
 
 
 def _rebuild(loader: DataLoader, sampler: Sampler | None, pin_memory: bool = False,
@@ -109,7 +120,12 @@ def _rebuild(loader: DataLoader, sampler: Sampler | None, pin_memory: bool = Fal
     )
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
-    return DataLoader(loader.dataset, **kwargs)
+    # A stateful loader (torchdata's StatefulDataLoader, same constructor) stays one: it holds the data
+    # position checkpoints save. Any other subclass becomes a plain DataLoader, as before.
+    cls = type(loader) if has_state(loader) else DataLoader
+    if cls is not DataLoader and hasattr(loader, "snapshot_every_n_steps"):
+        kwargs["snapshot_every_n_steps"] = loader.snapshot_every_n_steps
+    return cls(loader.dataset, **kwargs)
 
 
 def _pinned(loader: DataLoader, pin_memory: bool) -> DataLoader:
@@ -166,7 +182,7 @@ def distribute_dataloader(loader: Any, num_replicas: int, rank: int, seed: int, 
     if stage == "train":
         sampler: Sampler = ResumableDistributedSampler(
             loader.dataset, num_replicas=num_replicas, rank=rank,
-            shuffle=isinstance(_drawing_sampler(loader), RandomSampler), seed=seed,
+            shuffle=_is_default(_drawing_sampler(loader), "RandomSampler"), seed=seed,
         )
         return _rebuild(loader, sampler, pin_memory)
     if num_replicas == 1:
@@ -182,7 +198,7 @@ def _split_user_sampling(loader: DataLoader, num_replicas: int, rank: int, seed:
     counts from the epoch's start (a batch sampler with ``drop_last=True`` drops the tail batches instead);
     evaluation repeats nothing. A ``DistributedSampler`` the user built is already split: left alone."""
     batch_sampler = loader.batch_sampler
-    by_index = batch_sampler is None or type(batch_sampler) is BatchSampler
+    by_index = batch_sampler is None or _is_default(batch_sampler, "BatchSampler")
     user = _drawing_sampler(loader) if by_index else batch_sampler
     if isinstance(user, DistributedSampler) or isinstance(getattr(user, "sampler", None), DistributedSampler):
         return _pinned(loader, pin_memory)

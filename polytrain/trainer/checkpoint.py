@@ -4,8 +4,8 @@ fit or an evaluation picks a checkpoint and takes it back.
 A payload holds everything needed to continue exactly: model and optimizer state (added by the
 strategy, which knows whether they are sharded), schedulers, grad scaler, the loop's state (its
 ``state_dict``: epoch, global step, batches consumed in the epoch, whether a validation is due),
-sampler seed, every rank's RNG state, the config and the library version. Only plain types and
-tensors, so ``weights_only=True`` loads it.
+sampler seed, every rank's RNG state, every rank's state of stateful training data (``data``), the
+config and the library version. Only plain types and tensors, so ``weights_only=True`` loads it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from polytrain.checkpoint.replicated import agree_on_error
 from polytrain.core.errors import ConfigError
 from polytrain.core.rng import capture_rng_state
 from polytrain.core.version import __version__
+from polytrain.data.stateful import rank_entry
 from polytrain.trainer.hparams import plain
 
 if TYPE_CHECKING:
@@ -40,12 +41,30 @@ def _rank_rng(trainer: Trainer) -> dict[str, Any]:
     return state
 
 
+def _rank_data(trainer: Trainer) -> dict[str, Any] | None:
+    """This rank's stateful training data (``data/stateful.py``), or None. Mid-epoch from iterable-style
+    data: the snapshot taken after the last consumed batch (the loop has fetched one batch ahead)."""
+    loop, strategy = trainer.fit_loop, trainer.strategy
+    stream, progress = loop.data.stream, loop.progress
+    mid_epoch = not progress.at_epoch_end and progress.batch_in_epoch > 0
+    snapshot = stream.state if mid_epoch and stream is not None and stream.snapshot is not None else None
+    return rank_entry(loop.data.train_loader, strategy.dp_rank, strategy.dp_size, snapshot)
+
+
+def _rank_states(trainer: Trainer) -> tuple[list[Any], list[Any] | None]:
+    """Every rank's RNG state and data state, in one gather (a checkpoint adds no collective for data)."""
+    gathered = trainer.strategy.all_gather_object((_rank_rng(trainer), _rank_data(trainer)))
+    data = [d for _, d in gathered]
+    return [r for r, _ in gathered], (data if any(d is not None for d in data) else None)
+
+
 def build_payload(trainer: Trainer) -> dict[str, Any]:
     """Called on every rank (it gathers RNG states); the strategy adds model/optimizer state. Hooks in
     Lightning's order: callbacks' and the DataModule's ``state_dict``, then ``on_save_checkpoint`` of
     the callbacks and of the module (both may add keys)."""
     strategy, module, datamodule, hooks = trainer.strategy, trainer.module, trainer.datamodule, trainer.hooks
     loop = trainer.fit_loop.progress.state_dict()
+    rng, data = _rank_states(trainer)
     payload: dict[str, Any] = {
         "polytrain": {"format": FORMAT_VERSION, "version": __version__},
         "epoch": loop["epoch"],
@@ -55,13 +74,15 @@ def build_payload(trainer: Trainer) -> dict[str, Any]:
         "state_dict": module.state_dict(),
         "loop": loop,
         "sampler": {"seed": trainer.config.seed},
-        "rng": strategy.all_gather_object(_rank_rng(trainer)),
+        "rng": rng,
         "schedulers": [s.scheduler.state_dict() for s in trainer.lr_scheduler_configs],
         "precision": strategy.precision.state_dict(),
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
         "config": plain(trainer.config_dict()),
         "hyper_parameters": plain(dict(module.hparams)),
     }
+    if data is not None:
+        payload["data"] = data  # per rank: {"dp_rank", "dp_size", "state"}
     if datamodule is not None:
         payload["datamodule"] = {type(datamodule).__qualname__: hooks.datamodule("state_dict")}
         payload["datamodule_hyper_parameters"] = plain(dict(datamodule.hparams))

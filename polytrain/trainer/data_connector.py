@@ -25,6 +25,7 @@ from polytrain.data.loaders import (
     set_epoch,
     set_iterator_rng_state,
 )
+from polytrain.data.stateful import restore_state, state_source
 from polytrain.trainer.datamodule import DataModule
 from polytrain.trainer.hooks import is_overridden
 from polytrain.trainer.module import TrainModule
@@ -131,8 +132,12 @@ def epoch_iterator(loader: Any, epoch: int, start: int, num_batches: int | None,
     position it counts from (after a resume re-split the epoch) and the RNG state it drew its workers'
     seed from (checkpointed: a mid-epoch resume recreates the iterator). Consumes what ``resumed`` holds."""
     set_epoch(loader, epoch)
-    # After a resume the position may come from another data-parallel size: re-split it.
-    start, manual_skip, sample_base = resume_position(loader, start, num_batches, dp_size, resumed.take_loop())
+    saved_loop, saved_data, resumed.data = resumed.take_loop(), resumed.data, None
+    if restore_state(loader, saved_data, dp_size):
+        manual_skip, sample_base = 0, (0, 0)  # stateful data continues where it was: nothing is replayed
+    else:
+        # After a resume the position may come from another data-parallel size: re-split it.
+        start, manual_skip, sample_base = resume_position(loader, start, num_batches, dp_size, saved_loop)
     rng, resumed.rng = resumed.rng, None
     if rng is not None and not resumed.mid_epoch:
         # Saved at an epoch boundary: the original run drew from the RNG when this epoch's
@@ -165,14 +170,21 @@ class AgreedBatches:
     the same batch, the shortest rank's end, and the loop knows which batch is the last (it closes
     its accumulation window)."""
 
-    __slots__ = ("iterator", "any_missing", "_next")
+    __slots__ = ("iterator", "any_missing", "_next", "snapshot", "state")
 
-    def __init__(self, iterator: Iterator[Any], any_missing: Callable[[bool], bool]) -> None:
+    def __init__(self, iterator: Iterator[Any], any_missing: Callable[[bool], bool],
+                 snapshot: Callable[[], Any] | None = None) -> None:
         self.iterator = iterator
         self.any_missing = any_missing
+        # Stateful data (``snapshot``: its state_dict): the batch fetched ahead moved the source past the
+        # batches consumed, so its state is read before each fetch; a checkpoint saves that one.
+        self.snapshot = snapshot
+        self.state: Any = None
         self._next = self._fetch()
 
     def _fetch(self) -> Any:
+        if self.snapshot is not None:
+            self.state = self.snapshot()
         item = next(self.iterator, NO_BATCH)
         return NO_BATCH if self.any_missing(item is NO_BATCH) else item
 
@@ -182,5 +194,16 @@ class AgreedBatches:
         batch = self._next
         if batch is NO_BATCH:
             return NO_BATCH, True
-        self._next = self._fetch() if more_wanted else NO_BATCH
+        if more_wanted:
+            self._next = self._fetch()
+        else:
+            self._next = NO_BATCH
+            if self.snapshot is not None:
+                self.state = self.snapshot()
         return batch, self._next is NO_BATCH
+
+
+def agreed_batches(iterator: Iterator[Any], any_missing: Callable[[bool], bool], loader: Any) -> AgreedBatches:
+    """``AgreedBatches`` over ``loader``'s iterator, snapshotting its data state when it keeps one."""
+    found = state_source(loader)
+    return AgreedBatches(iterator, any_missing, found[0].state_dict if found is not None else None)

@@ -23,10 +23,11 @@ import torch
 from polytrain.core import heartbeat
 from polytrain.core.errors import ConfigError, EmptyDataError
 from polytrain.core.rng import isolate_rng, training_streams
+from polytrain.data.stateful import select_rank_state
 from polytrain.trainer import checkpoint as ckpt
 from polytrain.trainer.data_connector import (
     NO_BATCH,
-    AgreedBatches,
+    agreed_batches,
     batch_limit,
     disabled,
     epoch_iterator,
@@ -142,7 +143,8 @@ class FitLoop:
         loop = payload.get("loop") if payload is not None else None
         if loop is not None:
             self.progress.load_state_dict(loop)
-            self.resumed = Resumed(loop, ckpt.rank_rng(self.t, payload), self.progress.batch_in_epoch > 0)
+            self.resumed = Resumed(loop, ckpt.rank_rng(self.t, payload), self.progress.batch_in_epoch > 0,
+                                   select_rank_state(payload.get("data"), self.t.strategy.dp_rank))
         self.guard.resume_at(self.progress.global_step)  # errors name steps from the resumed count
 
     def _bind_phases(self) -> None:
@@ -231,7 +233,8 @@ class FitLoop:
         beat = heartbeat.beat if self._multi_rank else None
         metrics.defaults = PER_STEP
         stop = num_batches if num_batches is not None else 2**62
-        agreed = AgreedBatches(iterator, t.strategy.reduce_boolean_decision) if self.agreed else None
+        agreed = self.data.stream = agreed_batches(iterator, t.strategy.reduce_boolean_decision,
+                                                   self.data.train_loader) if self.agreed else None
         has_val = self.data.val_loader is not None and self.data.num_val_batches != 0
         inside, end_due = has_val and schedule.inside, self._end_due()
         schedulers = bool(t.lr_scheduler_configs)

@@ -67,11 +67,13 @@ class FitProgress:
 @dataclass
 class Resumed:
     """What a checkpoint left for the first epoch after a resume: the saved position (its ``sample_offset``
-    and ``dp_size`` re-split the epoch when the data-parallel size changed) and this rank's RNG state."""
+    and ``dp_size`` re-split the epoch when the data-parallel size changed), this rank's RNG state and
+    the state of stateful training data (``data.stateful.select_rank_state``)."""
 
     loop: dict[str, Any] | None = None
     rng: dict[str, Any] | None = None
     mid_epoch: bool = False
+    data: dict[str, Any] | None = None
 
     def take_loop(self) -> dict[str, Any] | None:
         loop, self.loop = self.loop, None
@@ -118,4 +120,5 @@ class EpochData:
     num_training_batches: int | None = None
     num_val_batches: int | None = None
     loader_rng: torch.Tensor | None = None
+    stream: Any = None  # the epoch's AgreedBatches (iterable-style data): its snapshot of stateful data
     requested_early: bool = False  # estimated_stepping_batches asked for the train loader before the fit did
