@@ -65,6 +65,12 @@ def weighted(n: int = N) -> WeightedRandomSampler:
     return WeightedRandomSampler(torch.linspace(0.1, 1.0, n).tolist(), num_samples=n, replacement=True)
 
 
+def seeded(n: int = N) -> WeightedRandomSampler:
+    """Its own generator: the draws go on from epoch to epoch, as in one process."""
+    return WeightedRandomSampler(torch.linspace(0.1, 1.0, n).tolist(), num_samples=n, replacement=True,
+                                 generator=torch.Generator().manual_seed(5))
+
+
 class PyShuffle(Sampler[int]):
     """A custom sampler drawing from Python's global ``random``; records the epochs it was told."""
 
@@ -181,6 +187,12 @@ def _ddp_worker(rank: int, world: int, root: str) -> dict[str, Any]:
                            callbacks=[SaveAt(SAVE_AT, ckpt)])
     resumed_loader = DataLoader(Indexed(), BATCH, sampler=weighted())
     out["resumed"] = _fit(os.path.join(root, "r"), world, resumed_loader, ckpt_path=ckpt)
+    # A sampler with its own generator: a resume in epoch 1 must continue from that epoch's generator state.
+    ckpt_gen = os.path.join(root, "gen.ckpt")
+    out["generator"] = _fit(os.path.join(root, "g"), world, DataLoader(Indexed(), BATCH, sampler=seeded()),
+                            callbacks=[SaveAt(SAVE_AT, ckpt_gen)])
+    out["generator_resumed"] = _fit(os.path.join(root, "gr"), world, DataLoader(Indexed(), BATCH, sampler=seeded()),
+                                    ckpt_path=ckpt_gen)
     py = PyShuffle(N)
     out["python"] = _fit(os.path.join(root, "p"), world, DataLoader(Indexed(), BATCH, sampler=py))
     out["python_epochs"] = py.epochs
@@ -257,6 +269,11 @@ def test_evaluation_split_counts_every_sample_once(ranks: list[dict[str, Any]]) 
 @pytest.mark.timeout(300)
 def test_mid_epoch_resume_continues_the_same_draws(ranks: list[dict[str, Any]]) -> None:
     for out in ranks:
+        full, resumed = out["generator"], out["generator_resumed"]
+        assert resumed["seen"] == full["seen"][SAVE_AT:]
+        assert all(torch.equal(a, b) for a, b in zip(resumed["weights"], full["weights"]))
+        epochs = [sorted(i for e, b in full["seen"] if e == epoch for i in b) for epoch in range(EPOCHS)]
+        assert epochs[0] != epochs[1]  # the generator went on: epoch 1 drew anew
         full, resumed = out["weighted"], out["resumed"]
         assert resumed["seen"] == full["seen"][SAVE_AT:]
         for a, b in zip(resumed["weights"], full["weights"]):

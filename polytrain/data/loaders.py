@@ -282,6 +282,29 @@ def resume_position(loader: Any, start: int, num_batches: int, dp_size: int, sav
     )
 
 
+def _split_sampler(loader: Any) -> SplitSampler | None:
+    for obj in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+        if isinstance(obj, SplitSampler):
+            return obj
+    return None
+
+
+def user_sampler_state(loader: Any, mid_epoch: bool) -> torch.Tensor | None:
+    """The state of the generator a split user sampler draws from, for a checkpoint: mid-epoch the one
+    this epoch was drawn from, else the current one (the next epoch draws from it). None: no generator."""
+    split = _split_sampler(loader)
+    gen = split.generator if split is not None else None
+    if gen is None:
+        return None
+    return split.drawn_from if mid_epoch and split.drawn_from is not None else gen.get_state()
+
+
+def set_user_sampler_state(loader: Any, state: torch.Tensor) -> None:
+    split = _split_sampler(loader)
+    if split is not None and split.generator is not None:
+        split.generator.set_state(state)
+
+
 def iterator_rng_state(loader: Any) -> torch.Tensor:
     """The RNG state a new iterator of ``loader`` draws its workers' base seed from: the loader's own
     generator, else the main process's default one."""

@@ -47,6 +47,7 @@ class SplitSampler(Sampler):
         self.drop_tail = drop_tail
         self.epoch = 0
         self._skip = 0
+        self.drawn_from: torch.Tensor | None = None  # the user's generator's state when this epoch was drawn
 
     def set_epoch(self, epoch: int) -> None:
         """Reseeds the draws and is forwarded to the user's sampler when it has ``set_epoch``."""
@@ -58,8 +59,17 @@ class SplitSampler(Sampler):
         """Next pass only: leave out this rank's first ``num_draws`` draws (a resumed epoch)."""
         self._skip = num_draws
 
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The user's sampler's own generator, if any: its state goes on from epoch to epoch, so a
+        checkpoint saves it (``drawn_from`` mid-epoch) and a resume restores it before drawing."""
+        gen = getattr(self.sampler, "generator", None)
+        return gen if isinstance(gen, torch.Generator) else None
+
     def draws(self) -> list[Any]:
         """The user's sampler's whole epoch, drawn the same way on every rank."""
+        gen = self.generator
+        self.drawn_from = gen.get_state() if gen is not None else None
         seed = self.seed + self.epoch
         with isolate_rng():
             torch.default_generator.manual_seed(seed)  # CPU only: a queued CUDA reseed would outlive the block

@@ -19,6 +19,7 @@ from polytrain.checkpoint.replicated import agree_on_error
 from polytrain.core.errors import ConfigError
 from polytrain.core.rng import capture_rng_state
 from polytrain.core.version import __version__
+from polytrain.data.loaders import user_sampler_state
 from polytrain.data.stateful import rank_entry
 from polytrain.trainer.hparams import plain
 
@@ -31,13 +32,18 @@ FORMAT_VERSION = 1
 
 
 def _rank_rng(trainer: Trainer) -> dict[str, Any]:
-    """This rank's RNG streams (with the sharded-region stream, ``polytrain.layers.sharded_rng``) and,
+    """This rank's RNG streams (with the sharded-region stream, ``polytrain.layers.sharded_rng``);
     mid-epoch, the state the epoch's DataLoader iterator drew its workers' base seed from: a resume
-    recreates that iterator and replays the consumed batches through the workers."""
+    recreates that iterator and replays the consumed batches through the workers; and the generator of
+    a split user sampler (``user_sampler``), which a resume sets before the epoch draws again."""
     state = capture_rng_state()
     loop = trainer.fit_loop
-    if not loop.progress.at_epoch_end and loop.progress.batch_in_epoch > 0 and loop.data.loader_rng is not None:
+    mid_epoch = not loop.progress.at_epoch_end and loop.progress.batch_in_epoch > 0
+    if mid_epoch and loop.data.loader_rng is not None:
         state["loader_iter"] = loop.data.loader_rng
+    sampler = user_sampler_state(loop.data.train_loader, mid_epoch)
+    if sampler is not None:
+        state["user_sampler"] = sampler
     return state
 
 

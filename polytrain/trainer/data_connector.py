@@ -24,6 +24,7 @@ from polytrain.data.loaders import (
     resume_position,
     set_epoch,
     set_iterator_rng_state,
+    set_user_sampler_state,
 )
 from polytrain.data.stateful import restore_state, state_source
 from polytrain.trainer.datamodule import DataModule
@@ -139,6 +140,8 @@ def epoch_iterator(loader: Any, epoch: int, start: int, num_batches: int | None,
         # After a resume the position may come from another data-parallel size: re-split it.
         start, manual_skip, sample_base = resume_position(loader, start, num_batches, dp_size, saved_loop)
     rng, resumed.rng = resumed.rng, None
+    if rng is not None and "user_sampler" in rng:  # a split user sampler's own generator, as the epoch drew
+        set_user_sampler_state(loader, rng["user_sampler"])
     if rng is not None and not resumed.mid_epoch:
         # Saved at an epoch boundary: the original run drew from the RNG when this epoch's
         # iterator was created, so restore before creating it.
