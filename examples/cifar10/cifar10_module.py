@@ -1,9 +1,10 @@
 """ResNet-18 on CIFAR-10: DDP + mixed precision + synchronised BatchNorm, all chosen in config.yaml.
 
 The module owns its data. With ``fake: false`` it reads torchvision's CIFAR-10, downloading it
-once per node: local rank 0 fetches while the other ranks wait at a collective every rank
-reaches (DESIGN rule 5). With ``fake: true`` it trains on ``torchvision.datasets.FakeData``
-pictures of the same shape, which needs no network (smoke tests, offline machines).
+once per node in ``prepare_data`` (Lightning's hook: the Trainer calls it on local rank 0 while the
+other ranks wait at a barrier, DESIGN rule 5; if the download fails, every rank stops with its
+traceback). With ``fake: true`` it trains on ``torchvision.datasets.FakeData`` pictures of the same
+shape, which needs no network (smoke tests, offline machines).
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ class CIFAR10ResNet(TrainModule):
             schedule over ``trainer.max_epochs``.
         batch_size: per process; the global batch is ``batch_size x world size``.
         data_root: where CIFAR-10 lives (or is downloaded to).
-        fake: train on ``FakeData`` instead (no download); ``fake_size`` pictures for training and
-            a quarter of that (at least one batch) for validation.
+        fake: train on ``FakeData`` instead (no download): ``fake_size`` random pictures for training
+            and a quarter of that (at least one batch) for validation, each drawn from its index,
+            so the same on every run and rank.
         num_workers: DataLoader worker processes per rank.
         dataset_class: the dataset to read when ``fake`` is false; anything with torchvision's
             ``CIFAR10(root, train, transform, download)`` signature (CIFAR-10 unless you change it).
@@ -112,38 +114,17 @@ class CIFAR10ResNet(TrainModule):
         return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
 
     # ------------------------------------------------------------------ data
-    def download_data(self) -> None:
-        """Download CIFAR-10 once per node, before any rank reads it. Every rank must call this.
-
-        (Not named ``prepare_data``: in Lightning that hook runs on local rank 0 alone, and a
-        method with a collective inside must never run on one rank only.)
-
-        Only local rank 0 downloads. Every rank, whatever its rank, then meets the others in one
-        collective: nobody reads the files before local rank 0 has finished writing them, and if
-        its download failed every rank learns so at once instead of waiting for the timeout.
-        """
-        if self.fake:
-            return  # the same on every rank (it comes from the config), so no collective is skipped unevenly
-        strategy = self.trainer.strategy
-        error: BaseException | None = None
-        if strategy.local_rank == 0:
-            try:
-                dataset_cls = _import(self.dataset_class)
-                for train in (True, False):
-                    dataset_cls(self.data_root, train=train, download=True)
-            except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks are told
-                error = err
-        # The barrier of DESIGN rule 5: an all-reduce of "did anyone fail?" that every rank calls.
-        failed = strategy.reduce_boolean_decision(error is not None)
-        if error is not None:
-            raise error
-        if failed:
-            raise RuntimeError(f"preparing {self.dataset_class} under {self.data_root!r} failed on a local "
-                               f"rank 0; its traceback is in that rank's output")
+    def prepare_data(self) -> None:
+        """Download CIFAR-10 (nothing to do with ``fake``). The Trainer runs this on local rank 0 of each
+        node while the other ranks wait at a barrier, so no rank reads half-written files; if it raises
+        (no network), every rank stops and the error shown is this one, with its traceback."""
+        if not self.fake:
+            dataset_cls = _import(self.dataset_class)
+            for train in (True, False):
+                dataset_cls(self.data_root, train=train, download=True)
 
     def _datasets(self) -> tuple[Dataset, Dataset]:
         if self._data is None:
-            self.download_data()
             if self.fake:
                 from torchvision.datasets import FakeData
 

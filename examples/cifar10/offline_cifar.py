@@ -11,6 +11,9 @@ which process downloaded. The pictures are noise: a model trained on them learns
 
     polytrain fit -c examples/cifar10/config.yaml module.dataset_class=offline_cifar.RehearsalCIFAR10 \
         module.data_root=/tmp/cifar-rehearsal
+
+``UnreachableCIFAR10`` is the other rehearsal: its ``download()`` fails the way torchvision's does on a
+machine without network, to show what a failed download looks like on several processes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import hashlib
 import os
 import pickle
 import time
+import urllib.error
 
 import numpy as np
 from torchvision.datasets import CIFAR10
@@ -80,3 +84,12 @@ class RehearsalCIFAR10(CIFAR10):
             fh.write(f"LOCAL_RANK={os.environ.get('LOCAL_RANK', '0')}\n")
         time.sleep(DOWNLOAD_SECONDS)
         write_synthetic_cifar10(str(self.root))
+
+
+class UnreachableCIFAR10(CIFAR10):
+    """``torchvision.datasets.CIFAR10`` on a machine without network: the download raises what urllib does."""
+
+    def download(self) -> None:
+        if self._check_integrity():
+            return
+        raise urllib.error.URLError(f"[Errno -3] Temporary failure in name resolution (fetching {self.url})")
