@@ -179,6 +179,43 @@ def test_cifar10_failed_download_shows_the_download_error_on_two_processes(tmp_p
     assert "in download" in proc.stderr and "in prepare_data" in proc.stderr, proc.stderr
 
 
+# --------------------------------------------------------------------------- README: resuming the default job
+
+
+def _logged_learning_rates(run_dir: Any) -> list[tuple[int, float]]:
+    """(step, lr) from every metrics.csv under ``run_dir`` (a resumed run may write a file of its own)."""
+    import csv
+
+    rates = {}
+    for path in sorted(run_dir.rglob("metrics.csv")):
+        with open(path, encoding="utf-8") as fh:
+            for row in csv.DictReader(fh):
+                lr = next((v for k, v in row.items() if k.startswith("lr-") and v), None)
+                if lr is not None:
+                    rates[int(float(row["step"]))] = float(lr)
+    return sorted(rates.items())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_readme_resume_commands_finish_the_schedule_without_the_lr_climbing(tmp_path: Any) -> None:
+    """README.md's two resume commands as printed (run directory moved to a temporary one): a run cut short,
+    then ``trainer.resume=last``. The learning rate logged over both never rises, and the job reaches the
+    config's last epoch (12) and the cosine's floor."""
+    readme = os.path.join(ROOT, "README.md")
+    run_dir = tmp_path / "run"
+    quiet = [f"trainer.run_dir={run_dir}", "trainer.enable_progress_bar=false"]
+    _polytrain(*documented_command(readme, "trainer.max_steps=100"), *quiet, cwd=ROOT, timeout=180)
+    cut_short = _logged_learning_rates(run_dir)
+    assert cut_short[-1][0] == 100, cut_short
+    _polytrain(*documented_command(readme, "trainer.resume=last"), *quiet, cwd=ROOT, timeout=180)
+    rates = _logged_learning_rates(run_dir)
+    assert rates[-1][0] > 200, rates  # the resumed run logged its own steps
+    assert all(later <= earlier for (_, earlier), (_, later) in zip(rates, rates[1:])), rates
+    assert rates[-1][1] < 0.001 * 1.01, rates  # epoch 11 of cosine(T_max=12) from lr 0.05: 0.00085
+
+
 # --------------------------------------------------------------------------- toy_spawn
 
 
