@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
 
 
-_SUBPACKAGES = ("callbacks", "utilities")  # `pl.callbacks.ModelCheckpoint`, as Lightning code writes it
+_SUBPACKAGES = ("callbacks", "loggers", "utilities")  # `pl.callbacks.ModelCheckpoint`, as Lightning code writes it
 
 
 def __getattr__(name: str) -> Any:

@@ -28,12 +28,12 @@ MakeTrainer = Callable[..., Any]
 
 def ckpt_files(run_dir: str) -> list[str]:
     """The named checkpoints (not last.ckpt), sorted."""
-    d = os.path.join(run_dir, "checkpoints")
+    d = os.path.join(run_dir, "version_0", "checkpoints")
     return sorted(n for n in os.listdir(d) if n.endswith(".ckpt") and n != "last.ckpt")
 
 
 def latest(run_dir: str) -> str:
-    with open(os.path.join(run_dir, "checkpoints", "latest"), encoding="utf-8") as fh:
+    with open(os.path.join(run_dir, "version_0", "checkpoints", "latest"), encoding="utf-8") as fh:
         return fh.read().strip()
 
 
@@ -65,7 +65,7 @@ def test_every_n_train_steps(make_trainer: MakeTrainer, run_dir: str) -> None:
     trainer.fit(TinyModule(n=32, batch_size=4, lr=0.05, val_n=None))  # 8 steps
     assert ckpt_files(run_dir) == [f"epoch=0-step={s}.ckpt" for s in (2, 4, 6, 8)]
     assert latest(run_dir) == "epoch=0-step=8.ckpt"
-    ckpt = torch.load(os.path.join(run_dir, "checkpoints", "epoch=0-step=4.ckpt"), weights_only=True)
+    ckpt = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "epoch=0-step=4.ckpt"), weights_only=True)
     assert ckpt["loop"]["global_step"] == 4 and ckpt["loop"]["batch_in_epoch"] == 4
 
 
@@ -91,7 +91,7 @@ def test_every_n_epochs(make_trainer: MakeTrainer, run_dir: str) -> None:
     trainer = make_trainer(max_epochs=4, callbacks=[ModelCheckpoint(every_n_epochs=2, save_top_k=-1)])
     trainer.fit(TinyModule(n=8, batch_size=4, lr=0.05, val_n=None))  # 2 steps per epoch
     assert ckpt_files(run_dir) == ["epoch=1-step=4.ckpt", "epoch=3-step=8.ckpt"]
-    ckpt = torch.load(os.path.join(run_dir, "checkpoints", "epoch=1-step=4.ckpt"), weights_only=True)
+    ckpt = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "epoch=1-step=4.ckpt"), weights_only=True)
     assert ckpt["loop"]["epoch"] == 2 and ckpt["loop"]["batch_in_epoch"] == 0  # resumes at epoch 2
 
 
@@ -104,7 +104,7 @@ def test_checkpoint_contents_load_with_weights_only(make_trainer: MakeTrainer, r
     module = MomentumModule(n=8, lr=0.05, val_n=None)
     trainer = make_trainer(max_epochs=1, enable_checkpointing=True, seed=7)
     trainer.fit(module)
-    path = os.path.join(run_dir, "checkpoints", latest(run_dir))
+    path = os.path.join(run_dir, "version_0", "checkpoints", latest(run_dir))
     ckpt = torch.load(path, weights_only=True)
     # Optimizer state is stored under "optimizer", flattened and keyed by parameter name (the
     # format sharded checkpoints share; see checkpoint/checkpoint_io.py).
@@ -124,7 +124,7 @@ def test_checkpoint_contents_load_with_weights_only(make_trainer: MakeTrainer, r
 def test_last_ckpt_is_the_newest_checkpoint(make_trainer: MakeTrainer, run_dir: str) -> None:
     trainer = make_trainer(max_epochs=3, callbacks=[ModelCheckpoint(save_top_k=1)])
     trainer.fit(TinyModule(n=8, lr=0.05, val_n=None))
-    d = os.path.join(run_dir, "checkpoints")
+    d = os.path.join(run_dir, "version_0", "checkpoints")
     # Without a monitor, top-k keeps the newest; last.ckpt and the `latest` pointer name it.
     assert ckpt_files(run_dir) == ["epoch=2-step=6.ckpt"]
     assert latest(run_dir) == "epoch=2-step=6.ckpt"
@@ -148,7 +148,7 @@ def test_top_k_with_monitor(make_trainer: MakeTrainer, run_dir: str, mode: str,
     best = torch.load(cb.best_model_path, weights_only=True)
     for k, v in module.weights_at[best_epoch].items():
         assert torch.equal(best["model"][k], v)
-    last = torch.load(os.path.join(run_dir, "checkpoints", "last.ckpt"), weights_only=True)
+    last = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt"), weights_only=True)
     assert last["loop"]["global_step"] == 10
     for k, v in module.state_dict().items():
         assert torch.equal(last["model"][k], v)
@@ -165,7 +165,7 @@ def test_save_top_k_zero_keeps_only_last(make_trainer: MakeTrainer, run_dir: str
     make_trainer(max_epochs=2, callbacks=[ModelCheckpoint(save_top_k=0)]).fit(TinyModule(n=8, val_n=None))
     assert ckpt_files(run_dir) == []
     assert latest(run_dir) == "last.ckpt"
-    ckpt = torch.load(os.path.join(run_dir, "checkpoints", "last.ckpt"), weights_only=True)
+    ckpt = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt"), weights_only=True)
     assert ckpt["loop"]["global_step"] == 4
 
 
@@ -192,7 +192,7 @@ def test_checkpointing_disabled_writes_nothing(make_trainer: MakeTrainer, run_di
     trainer = make_trainer(max_epochs=1)
     trainer.fit(TinyModule(n=8, val_n=None))
     assert trainer.checkpoint_callback is None
-    assert not os.path.exists(os.path.join(run_dir, "checkpoints"))
+    assert not os.path.exists(os.path.join(run_dir, "version_0", "checkpoints"))
 
 
 @pytest.mark.parametrize("logger", [False, True])
@@ -278,7 +278,7 @@ def test_csv_logger_rows(make_trainer: MakeTrainer, run_dir: str) -> None:
     trainer = make_trainer(max_epochs=2, logger="csv")
     trainer.fit(TinyModule(n=8, batch_size=4, val_n=4, lr=0.05))
     assert any(isinstance(cb, CSVLogger) for cb in trainer.callbacks)
-    rows = read_csv(os.path.join(run_dir, "metrics.csv"))
+    rows = read_csv(os.path.join(run_dir, "version_0", "metrics.csv"))
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
     assert all(r["train/loss"] for r in rows)
     # Validation's epoch value lands on the row of the step it was computed at.
@@ -291,12 +291,12 @@ def test_csv_logger_resume_keeps_earlier_rows(quiet_kwargs: dict[str, Any], run_
 
     kwargs = {**quiet_kwargs, "logger": "csv", "enable_checkpointing": True}
     Trainer(**kwargs, max_epochs=1).fit(TinyModule(n=8, val_n=None, lr=0.05))
-    first = read_csv(os.path.join(run_dir, "metrics.csv"))
+    first = read_csv(os.path.join(run_dir, "version_0", "metrics.csv"))
     assert [int(r["step"]) for r in first] == [1, 2]
 
     resumed = Trainer(**kwargs, max_epochs=2)
     resumed.fit(TinyModule(n=8, val_n=None, lr=0.05), ckpt_path="last")
-    rows = read_csv(os.path.join(run_dir, "metrics.csv"))
+    rows = read_csv(os.path.join(run_dir, "version_0", "metrics.csv"))
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
     assert rows[:2] == first  # the resumed run did not overwrite what came before the checkpoint
 
@@ -307,7 +307,7 @@ def test_tensorboard_logger_writes_scalars(make_trainer: MakeTrainer, run_dir: s
     trainer = make_trainer(max_epochs=1, logger="tensorboard")
     trainer.fit(TinyModule(n=12, batch_size=4, val_n=4, lr=0.05))
     assert any(isinstance(cb, TensorBoardLogger) for cb in trainer.callbacks)
-    log_dir = os.path.join(run_dir, "tensorboard")
+    log_dir = os.path.join(run_dir, "version_0")
     assert any(n.startswith("events.out.tfevents") for n in os.listdir(log_dir))
     acc = EventAccumulator(log_dir)
     acc.Reload()
@@ -348,7 +348,7 @@ class StepLRModule(TinyModule):
 def test_learning_rate_monitor_logs_lr(make_trainer: MakeTrainer, run_dir: str) -> None:
     trainer = make_trainer(max_epochs=1, logger="csv", callbacks=[LearningRateMonitor()])
     trainer.fit(StepLRModule(n=12, batch_size=4, val_n=None))
-    rows = read_csv(os.path.join(run_dir, "metrics.csv"))
+    rows = read_csv(os.path.join(run_dir, "version_0", "metrics.csv"))
     assert [int(r["step"]) for r in rows] == [1, 2, 3]
     # Logged after the optimizer and scheduler stepped: lr after `step` scheduler steps.
     for r in rows:
@@ -359,7 +359,7 @@ def test_learning_rate_monitor_epoch_interval(make_trainer: MakeTrainer, run_dir
     trainer = make_trainer(max_epochs=2, logger="csv", log_every_n_steps=50,
                            callbacks=[LearningRateMonitor(logging_interval="epoch")])
     trainer.fit(StepLRModule(n=8, batch_size=4, val_n=None))
-    rows = read_csv(os.path.join(run_dir, "metrics.csv"))
+    rows = read_csv(os.path.join(run_dir, "version_0", "metrics.csv"))
     lrs = {int(r["step"]): float(r["lr-SGD"]) for r in rows if r.get("lr-SGD")}
     assert lrs == {0: pytest.approx(0.1), 2: pytest.approx(0.1 * 0.5**2)}
 
@@ -394,7 +394,7 @@ def test_monitored_checkpoint_before_any_validation_saves_last_only(make_trainer
     trainer.fit(ScoredModule([0.1, 0.2, 0.3], n=32, batch_size=4))  # 8 steps per epoch
     assert ckpt_files(run_dir) == []
     assert latest(run_dir) == "last.ckpt"
-    loop = torch.load(os.path.join(run_dir, "checkpoints", "last.ckpt"), weights_only=True)["loop"]
+    loop = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt"), weights_only=True)["loop"]
     assert loop["global_step"] == 2
 
 
@@ -430,9 +430,10 @@ def test_resumed_run_prunes_checkpoints_of_the_first_run(make_trainer: MakeTrain
 def test_csv_logger_writes_only_what_changed_and_drops_rows_past_a_resume(tmp_path: Any) -> None:
     from types import SimpleNamespace
 
-    path = tmp_path / "metrics.csv"
+    path = tmp_path / "version_0" / "metrics.csv"
+    path.parent.mkdir()
     path.write_text("step,train/loss\n" + "".join(f"{s},{s / 10}\n" for s in range(1, 7)), encoding="utf-8")
-    logger = CSVLogger(str(tmp_path))
+    logger = CSVLogger(str(tmp_path), name="", version=0)
     logger.on_fit_start(SimpleNamespace(is_logging_rank=True, global_step=3), None)  # resumed at step 3
     logger.flush()
     with open(path, newline="", encoding="utf-8") as fh:

@@ -141,7 +141,7 @@ def test_consolidate_writes_a_plain_state_dict(saved: dict[str, Any], tmp_path: 
 def test_torn_sharded_directory_is_never_resumed(saved: dict[str, Any], tmp_path: Any) -> None:
     import shutil
 
-    ckpt_dir = tmp_path / "checkpoints"
+    ckpt_dir = tmp_path / "version_0" / "checkpoints"
     shutil.copytree(saved["dir"], ckpt_dir / "epoch=0-step=12")
     torn = ckpt_dir / "epoch=0-step=13"
     shutil.copytree(saved["dir"], torn)

@@ -21,7 +21,7 @@ CONSOLE_SCRIPT = Path(sys.executable).parent / "polytrain"
 def _last_checkpoint(run_dir: Path) -> dict:
     import torch
 
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    return torch.load(run_dir / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
 
 
 def _flat(state: dict) -> list[float]:

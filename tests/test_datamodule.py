@@ -125,7 +125,7 @@ def test_datamodule_state_and_hparams_round_trip_through_a_checkpoint(tmp_path: 
     trainer = Trainer(**QUIET, devices=1, default_root_dir=root, max_epochs=1, num_sanity_val_steps=0)
     trainer.fit(Model(), datamodule=dm)
     assert dm.batches_served == 8  # 4 training + 4 validation batches
-    path = os.path.join(root, "checkpoints", "last.ckpt")
+    path = os.path.join(root, "version_0", "checkpoints", "last.ckpt")
     checkpoint = read_checkpoint(path)
     assert checkpoint["datamodule"] == {"Data": {"batches_served": 8}}  # under its class name
     assert checkpoint["datamodule_hyper_parameters"] == {"n": 16, "batch_size": 4}
@@ -274,7 +274,7 @@ def test_polytrain_fit_config_with_a_datamodule_section(tmp_path: Any, capsys: A
     finally:
         sys.modules.pop("lightning_style", None)
     assert "final metrics: train/loss=" in capsys.readouterr().out
-    checkpoint = read_checkpoint(str(tmp_path / "run" / "checkpoints" / "last.ckpt"))
+    checkpoint = read_checkpoint(str(tmp_path / "run" / "version_0" / "checkpoints" / "last.ckpt"))
     assert checkpoint["global_step"] == 6  # 2 epochs of the DataModule's 3 batches
     assert checkpoint["datamodule_hyper_parameters"] == {"n": 12, "batch_size": 4}
     assert checkpoint["hyper_parameters"] == {"lr": 0.05}

@@ -117,7 +117,7 @@ def _callbacks_run(root: str) -> dict[str, Any]:
     trainer.fit(Branchy(val_values=values))
     return {"epoch": trainer.current_epoch, "step": trainer.global_step, "best": saver.best_model_path,
             "best_score": float(saver.best_model_score),
-            "files": sorted(os.listdir(os.path.join(root, "checkpoints")))}
+            "files": sorted(os.listdir(os.path.join(root, "version_0", "checkpoints")))}
 
 
 def _eval_run(root: str) -> dict[str, Any]:
@@ -247,9 +247,9 @@ def test_loggers_write_on_rank_zero_only_and_throughput_is_global(ranks: Any) ->
     root, results = ranks
     assert [r["logging"]["logging_rank"] for r in results] == [True, False]
     run_dir = os.path.join(root, "logging")
-    events = [n for n in os.listdir(os.path.join(run_dir, "tensorboard")) if n.startswith("events.out.tfevents")]
+    events = [n for n in os.listdir(os.path.join(run_dir, "version_0")) if n.startswith("events.out.tfevents")]
     assert len(events) == 1, events  # a second writer (rank 1) would add its own file
-    with open(os.path.join(run_dir, "metrics.csv"), newline="", encoding="utf-8") as fh:
+    with open(os.path.join(run_dir, "version_0", "metrics.csv"), newline="", encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
     steps = EPOCHS * NUM_SAMPLES // (2 * PER_RANK_BATCH)
     assert [int(r["step"]) for r in rows] == list(range(1, steps + 1))  # one row per step: one writer

@@ -111,7 +111,7 @@ def test_cifar10_cli_ddp_16_mixed_sync_batchnorm_fake_data(tmp_path: Any) -> Non
     _polytrain("fit", "-c", os.path.join(CIFAR_DIR, "config.yaml"), *_quiet(run_dir),
                "module.fake=true", "module.fake_size=16", "module.batch_size=2", "module.num_workers=0",
                "trainer.limit_train_batches=2", cwd=str(tmp_path))
-    ckpt = os.path.join(run_dir, "checkpoints", "last.ckpt")
+    ckpt = os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt")
     assert os.path.isfile(ckpt)
     payload = torch.load(ckpt, map_location="cpu", weights_only=True)
     assert payload["loop"]["global_step"] == 2
@@ -149,7 +149,7 @@ def test_cifar10_cli_download_path_offline(tmp_path: Any) -> None:
         assert fh.read().strip() == "LOCAL_RANK=0"
     files = set(os.listdir(os.path.join(data_root, "cifar-10-batches-py")))
     assert {"batches.meta", "test_batch", *(f"data_batch_{i}" for i in range(1, 6))} <= files
-    assert os.path.isfile(os.path.join(run_dir, "checkpoints", "last.ckpt"))
+    assert os.path.isfile(os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt"))
 
 
 @pytest.mark.distributed
@@ -242,7 +242,7 @@ def test_toy_spawn_cli_config(tmp_path: Any) -> None:
                       f"trainer.run_dir={run_dir}", "trainer.max_epochs=1", "trainer.enable_progress_bar=false",
                       "trainer.logger=false", cwd=str(tmp_path), timeout=180)
     assert "final metrics: train/loss=" in proc.stdout
-    assert os.path.isfile(os.path.join(run_dir, "checkpoints", "last.ckpt"))
+    assert os.path.isfile(os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt"))
 
 
 # --------------------------------------------------------------------------- collectives

@@ -63,13 +63,13 @@ class Tracked(LightningModule):
 
 def csv_points(run_dir: str) -> set[tuple[int, str, float]]:
     """Every (step, name, value) the CSV logger wrote."""
-    with open(os.path.join(run_dir, "metrics.csv"), newline="", encoding="utf-8") as fh:
+    with open(os.path.join(run_dir, "version_0", "metrics.csv"), newline="", encoding="utf-8") as fh:
         return {(int(row["step"]), k, float(v)) for row in csv.DictReader(fh) for k, v in row.items()
                 if k != "step" and v != ""}
 
 
 def csv_hparams(run_dir: str) -> dict[str, Any]:
-    with open(os.path.join(run_dir, "hparams.yaml"), encoding="utf-8") as fh:
+    with open(os.path.join(run_dir, "version_0", "hparams.yaml"), encoding="utf-8") as fh:
         return yaml.safe_load(fh)
 
 
@@ -115,7 +115,7 @@ def test_mlflow_as_an_object_with_a_file_uri(tmp_path: Any, monkeypatch: Any) ->
     store = "file:" + str(tmp_path / "store")
     run_dir = str(tmp_path / "run")
     logger = MLFlowLogger(experiment_name="exp", run_name="first", tracking_uri=store, tags={"team": "a"})
-    trainer = fit(run_dir, [CSVLogger(run_dir), logger])
+    trainer = fit(run_dir, [CSVLogger(run_dir, name=""), logger])
     assert trainer.loggers[1] is logger
     client = logger.experiment
     run = client.get_run(logger.run_id)
@@ -192,7 +192,7 @@ def test_wandb_offline_writes_what_the_csv_logger_writes(tmp_path: Any, monkeypa
         logger = trainer.loggers[1]
     else:
         logger = WandbLogger(name="first", save_dir=str(tmp_path / "wb"), project="proj", offline=True)
-        trainer = fit(run_dir, [CSVLogger(run_dir), logger])
+        trainer = fit(run_dir, [CSVLogger(run_dir, name=""), logger])
     assert isinstance(logger, WandbLogger) and logger.id
     points, config = wandb_run(logger.save_dir)
     assert points == csv_points(run_dir)

@@ -384,7 +384,7 @@ def _resume_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return {"whole": whole["state"], "whole_losses": whole["losses"], "first_losses": first["losses"],
             "resumed": full_state(module), "resumed_losses": [float(x) for x in module.losses],
             "steps": trainer.global_step, "error": error,
-            "checkpoints": sorted(os.listdir(os.path.join(part, "checkpoints")))}
+            "checkpoints": sorted(os.listdir(os.path.join(part, "version_0", "checkpoints")))}
 
 
 @pytest.mark.distributed
@@ -403,7 +403,7 @@ def test_fsdp_resume_mid_epoch_is_bitwise_equal_to_an_uninterrupted_run(tmp_path
         # An unwritable destination: every rank raises the same error instead of some hanging.
         assert run["error"] is not None and "plain-file" in run["error"]
     assert ranks[0]["error"] == ranks[1]["error"]
-    ckpt = tmp_path / "part" / "checkpoints" / "epoch=1-step=18"
+    ckpt = tmp_path / "part" / "version_0" / "checkpoints" / "epoch=1-step=18"
     assert sorted(os.listdir(ckpt)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     meta = torch.load(ckpt / "meta.pt", weights_only=True)
     assert meta["loop"]["global_step"] == 18 and meta["loop"]["batch_in_epoch"] == 6 and "model" not in meta

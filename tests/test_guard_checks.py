@@ -137,7 +137,7 @@ def test_parameters_are_checked_before_every_checkpoint(make_trainer: MakeTraine
     # Batch 2 is step 3: its checkpoint was written (callbacks' batch-end hooks run before the module's,
     # which then made the parameter NaN); step 4's was refused.
     assert saves.steps == [1, 2, 3]
-    last = torch.load(os.path.join(run_dir, "checkpoints", "last.ckpt"), weights_only=True)
+    last = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt"), weights_only=True)
     assert last["loop"]["global_step"] == 3
     assert all(torch.isfinite(t).all() for t in last["model"].values())
 

@@ -150,16 +150,15 @@ def test_hparams_in_the_checkpoint_and_in_the_loggers_files(tmp_path: Any) -> No
     root = str(tmp_path / "run")
     module = Regressor(hidden=8, lr=0.05, optim={"momentum": 0.9, "nesterov": True})
     Trainer(**QUIET, devices=1, default_root_dir=root, max_epochs=1).fit(module, datamodule=Data(batch_size=4))
-    checkpoint = read_checkpoint(os.path.join(root, "checkpoints", "last.ckpt"))
+    checkpoint = read_checkpoint(os.path.join(root, "version_0", "checkpoints", "last.ckpt"))
     assert checkpoint["hyper_parameters"] == {"hidden": 8, "lr": 0.05, "optim": {"momentum": 0.9, "nesterov": True}}
     assert checkpoint["datamodule_hyper_parameters"] == {"batch_size": 4, "augment": False}
     expected = {"batch_size": 4, "augment": False, "hidden": 8, "lr": 0.05, "optim": {"momentum": 0.9, "nesterov": True}}
-    with open(os.path.join(root, "hparams.yaml"), encoding="utf-8") as fh:  # the CSV logger's, as Lightning's
-        assert yaml.safe_load(fh) == expected
-    with open(os.path.join(root, "tensorboard", "hparams.yaml"), encoding="utf-8") as fh:
+    # Both default loggers write hparams.yaml into the run's directory (as Lightning's, in theirs).
+    with open(os.path.join(root, "version_0", "hparams.yaml"), encoding="utf-8") as fh:
         assert yaml.safe_load(fh) == expected
     # The HParams tab, flattened (torch's hparams summary stores booleans as numbers, as under Lightning).
-    assert _tensorboard_hparams(os.path.join(root, "tensorboard")) == pytest.approx(
+    assert _tensorboard_hparams(os.path.join(root, "version_0")) == pytest.approx(
         {"batch_size": 4.0, "augment": 0.0, "hidden": 8.0, "lr": 0.05, "optim/momentum": 0.9, "optim/nesterov": 1.0})
 
 
@@ -171,8 +170,8 @@ def test_save_hyperparameters_logger_false_keeps_them_out_of_the_loggers(tmp_pat
 
     root = str(tmp_path / "run")
     Trainer(**QUIET, devices=1, default_root_dir=root, max_epochs=1, logger="csv").fit(Quiet())
-    assert not os.path.exists(os.path.join(root, "hparams.yaml"))
-    assert read_checkpoint(os.path.join(root, "checkpoints", "last.ckpt"))["hyper_parameters"]["hidden"] == 8
+    assert not os.path.exists(os.path.join(root, "version_0", "hparams.yaml"))
+    assert read_checkpoint(os.path.join(root, "version_0", "checkpoints", "last.ckpt"))["hyper_parameters"]["hidden"] == 8
 
 
 # --------------------------------------------------------------------------- load_from_checkpoint
@@ -200,9 +199,9 @@ def test_load_from_checkpoint_of_a_single_process_run(tmp_path: Any) -> None:
     root = str(tmp_path / "run")
     module = Regressor(hidden=16)
     Trainer(**QUIET, devices=1, default_root_dir=root, max_epochs=2, logger=False).fit(module)
-    _check_loaded(os.path.join(root, "checkpoints", "last.ckpt"), module.state_dict())
+    _check_loaded(os.path.join(root, "version_0", "checkpoints", "last.ckpt"), module.state_dict())
     with pytest.raises(TypeError, match="cannot build Regressor"):
-        Regressor.load_from_checkpoint(os.path.join(root, "checkpoints", "last.ckpt"), unknown=1)
+        Regressor.load_from_checkpoint(os.path.join(root, "version_0", "checkpoints", "last.ckpt"), unknown=1)
 
 
 def _distributed_fit(rank: int, world_size: int, root: str, strategy: str) -> dict[str, Any]:

@@ -192,7 +192,7 @@ def test_spawn_launcher_hands_trained_weights_back_to_the_caller(tmp_path, expec
     assert parent["pid"] not in {r["pid"] for r in records.values()}
     assert parent["weights"] != parent["initial"]
     assert parent["weights"] == records[0]["weights"]
-    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    ckpt = torch.load(tmp_path / "run" / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert ckpt["loop"]["global_step"] == STEPS and ckpt["loop"]["world_size"] == 2
     saved = [float(v) for t in ckpt["model"].values() for v in t.flatten().tolist()]
     assert parent["weights"] == saved

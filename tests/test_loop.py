@@ -282,7 +282,7 @@ def test_max_steps_stops_mid_epoch_and_checkpoint_keeps_position(make_trainer: M
     assert module.val_batches == 0  # the epoch never finished, so no end-of-epoch validation
     assert (trainer.current_epoch, trainer.batch_in_epoch) == (0, 3)
     # `resume: last` must continue at batch 3 of epoch 0, not skip the rest of the epoch.
-    ckpt = torch.load(os.path.join(run_dir, "checkpoints", "last.ckpt"), weights_only=True)
+    ckpt = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt"), weights_only=True)
     assert ckpt["loop"]["epoch"] == 0
     assert ckpt["loop"]["batch_in_epoch"] == 3
     assert ckpt["loop"]["global_step"] == 3
@@ -302,7 +302,7 @@ def test_full_epochs_checkpoint_counts_epochs_once(make_trainer: MakeTrainer, ru
     trainer = make_trainer(max_epochs=2, callbacks=[ModelCheckpoint(every_n_epochs=None)])
     trainer.fit(TinyModule(lr=0.05))
     assert trainer.current_epoch == 2
-    ckpt = torch.load(os.path.join(run_dir, "checkpoints", "last.ckpt"), weights_only=True)
+    ckpt = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt"), weights_only=True)
     assert (ckpt["loop"]["epoch"], ckpt["loop"]["batch_in_epoch"]) == (2, 0)
 
 
@@ -726,7 +726,7 @@ def test_16_mixed_on_cpu_trains_and_checkpoints_scaler(make_trainer: MakeTrainer
     assert val == val and val < before  # finite (not NaN) and learned something
     scaler = trainer.strategy.precision.scaler
     assert scaler is not None
-    ckpt = torch.load(os.path.join(run_dir, "checkpoints", "last.ckpt"), weights_only=True)
+    ckpt = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt"), weights_only=True)
     assert ckpt["precision"]["scale"] == pytest.approx(scaler.get_scale())
     assert "_growth_tracker" in ckpt["precision"]
 
@@ -767,7 +767,7 @@ def test_nan_error_writes_no_checkpoint_after_bad_step(make_trainer: MakeTrainer
                            callbacks=[ModelCheckpoint(every_n_train_steps=1, save_top_k=-1)])
     with pytest.raises(NonFiniteError, match="step 2"):
         trainer.fit(module)
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    ckpt_dir = os.path.join(run_dir, "version_0", "checkpoints")
     names = sorted(n for n in os.listdir(ckpt_dir) if n.endswith(".ckpt"))
     assert names == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "last.ckpt"]
     last = torch.load(os.path.join(ckpt_dir, "last.ckpt"), weights_only=True)

@@ -131,7 +131,7 @@ def test_grad_scaler_scale_and_growth_tracker_are_restored_on_resume(quiet_kwarg
     first, _ = _scaler_fit(quiet_kwargs, 6)
     saved = first._state()
     assert saved == (8192.0, 2)
-    assert torch.load(os.path.join(quiet_kwargs["run_dir"], "checkpoints", "last.ckpt"),
+    assert torch.load(os.path.join(quiet_kwargs["run_dir"], "version_0", "checkpoints", "last.ckpt"),
                       weights_only=True)["loop"]["global_step"] == 6
     resumed, resumed_trainer = _scaler_fit(quiet_kwargs, 10, ckpt_path="last")
     assert resumed.at_start == saved, f"resumed with scaler state {resumed.at_start}, saved {saved}"

@@ -58,7 +58,7 @@ def test_simple_profiler_times_phases_and_hooks(make_trainer: Any, tiny_module: 
     assert "simple profiler, rank 0" in out and "  on_train_batch_end: ProgressBar" in out
     for row in ("get batch", "training batch", "forward+backward", "optimizer update", "validation"):
         assert row in out
-    with open(os.path.join(trainer.run_dir, "profile-rank0.txt"), encoding="utf-8") as fh:
+    with open(os.path.join(trainer.log_dir, "profile-rank0.txt"), encoding="utf-8") as fh:
         assert fh.read().strip() == trainer.profiler.summary
     # Everything the profiler wrapped is back as it was.
     assert not {"forward_backward", "training_step", "backward"} & set(vars(trainer.strategy))
@@ -108,7 +108,7 @@ def test_torch_profiler_writes_a_trace_of_the_window(make_trainer: Any, tiny_mod
     trainer = make_trainer(max_epochs=1, profiler={"name": "torch", "wait": 1, "warmup": 1, "active": 2})
     assert isinstance(trainer.profiler, TorchProfiler)
     trainer.fit(tiny_module(n=32))
-    traces = glob.glob(os.path.join(run_dir, "profiler", "rank0.*.pt.trace.json"))
+    traces = glob.glob(os.path.join(run_dir, "version_0", "profiler", "rank0.*.pt.trace.json"))
     assert len(traces) == 1, traces
     names = _check_trace(traces[0], active=2)
     for label in ("polytrain/training batch", "polytrain/forward+backward", "polytrain/batch to device"):
@@ -124,13 +124,13 @@ def _torch_profiled_ddp(rank: int, world: int, run_dir: str) -> list[str]:
                       profiler={"name": "torch", "wait": 0, "warmup": 1, "active": 1})
     trainer.fit(TinyModule(n=32))
     trainer.strategy.barrier()
-    return sorted(os.listdir(os.path.join(run_dir, "profiler")))
+    return sorted(os.listdir(os.path.join(trainer.log_dir, "profiler")))
 
 
 def test_torch_profiler_runs_on_rank_zero_only(tmp_path: Any) -> None:
     listings = run_distributed(_torch_profiled_ddp, 2, str(tmp_path), timeout=120)
     assert listings[0] == listings[1] and len(listings[0]) == 1 and listings[0][0].startswith("rank0.")
-    _check_trace(str(tmp_path / "profiler" / listings[0][0]), active=1)
+    _check_trace(str(tmp_path / "version_0" / "profiler" / listings[0][0]), active=1)
 
 
 def test_a_profiled_fit_takes_the_path_an_unprofiled_one_takes(make_trainer: Any, tiny_module: Any,

@@ -108,7 +108,7 @@ def _scenario(root: str, ddp: bool, batch_size: int) -> dict[str, Any]:
     saver = ModelCheckpoint(every_n_train_steps=3, save_top_k=-1)
     out["interrupted"] = _fit(run_a, ddp, batch_size, max_steps=STOP_AT, enable_checkpointing=True,
                               callbacks=[saver])
-    ckpts = os.path.join(run_a, "checkpoints")
+    ckpts = os.path.join(run_a, "version_0", "checkpoints")
     out["files"] = sorted(os.listdir(ckpts))
     out["ckpt_models"] = {step: torch.load(os.path.join(ckpts, name), map_location="cpu", weights_only=True)["model"]
                           for step, name in ((3, "epoch=0-step=3.ckpt"), (5, "epoch=0-step=5.ckpt"),
@@ -222,7 +222,7 @@ def test_resume_ddp_is_bitwise_identical(ddp_runs: tuple[str, list[dict[str, Any
 @pytest.mark.timeout(200)
 def test_ddp_checkpoint_loads_into_plain_module(ddp_runs: tuple[str, list[dict[str, Any]]]) -> None:
     root, ranks = ddp_runs
-    payload = torch.load(os.path.join(root, "scenario", "A", "checkpoints", "epoch=1-step=6.ckpt"),
+    payload = torch.load(os.path.join(root, "scenario", "A", "version_0", "checkpoints", "epoch=1-step=6.ckpt"),
                          map_location="cpu", weights_only=True)
     assert not any(k.startswith("module.") for k in payload["model"])
     plain = DropoutNet()

@@ -88,7 +88,7 @@ def _whole_and_resumed(root: str, devices: int, resume_step: int, user_save: boo
     module = DropoutModule(devices)
     _trainer(whole_dir, devices, callbacks).fit(module)
     whole = (_weights(module), module.validations)
-    ckpt_dir = os.path.join(whole_dir, "checkpoints")
+    ckpt_dir = os.path.join(whole_dir, "version_0", "checkpoints")
     files = sorted(f for f in os.listdir(ckpt_dir) if f.startswith("epoch="))
     path = saved if user_save else os.path.join(ckpt_dir, next(f for f in files if f.endswith(f"step={resume_step}.ckpt")))
     meta = torch.load(path, weights_only=True)

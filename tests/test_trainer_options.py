@@ -131,17 +131,17 @@ def test_default_root_dir_holds_every_file_the_run_writes(tmp_path: Any, monkeyp
     root = tmp_path / "root"
     trainer = Trainer(default_root_dir=str(root), max_epochs=2, **QUIET)  # default loggers and checkpointing
     trainer.fit(Recorder())
-    assert trainer.default_root_dir == str(root) and trainer.log_dir == str(root)
+    assert trainer.default_root_dir == str(root) and trainer.log_dir == str(root / "version_0")
     written = files_under(root)
-    # polytrain's layout (docs/migrating-from-lightning.md): no lightning_logs/version_N level.
-    assert "checkpoints/epoch=1-step=18.ckpt" in written and "metrics.csv" in written
-    assert any(f.startswith("tensorboard/events.out.tfevents") for f in written)
+    # polytrain's layout (docs/migrating-from-lightning.md): <root>/version_N, no lightning_logs level.
+    assert "version_0/checkpoints/epoch=1-step=18.ckpt" in written and "version_0/metrics.csv" in written
+    assert any(f.startswith("version_0/events.out.tfevents") for f in written)
     assert files_under(cwd) == []  # nothing lands in the working directory
-    # As Lightning with logger=False: checkpoints still go to <root>/checkpoints.
+    # With logger=False checkpoints still go to the run's own directory (Lightning: <root>/checkpoints).
     root2 = tmp_path / "root2"
     Trainer(default_root_dir=str(root2), max_epochs=1, logger=False, **QUIET).fit(Recorder())
-    assert [f for f in files_under(root2) if f.endswith(".ckpt")] == ["checkpoints/epoch=0-step=9.ckpt",
-                                                                       "checkpoints/last.ckpt"]
+    assert [f for f in files_under(root2) if f.endswith(".ckpt")] == ["version_0/checkpoints/epoch=0-step=9.ckpt",
+                                                                       "version_0/checkpoints/last.ckpt"]
 
 
 # --------------------------------------------------------------------------- fast_dev_run
@@ -338,7 +338,7 @@ def test_max_time_stops_cleanly_and_a_resubmitted_job_continues_exactly(tmp_path
     stopped_at = first.global_step
     assert 0 < stopped_at < 18  # 18 batches at >= 0.12 s each cannot fit in one second
     assert ends.calls == ["on_train_end", "on_fit_end", "teardown"]
-    assert torch.load(os.path.join(root, "checkpoints", "last.ckpt"), weights_only=True)["global_step"] == stopped_at
+    assert torch.load(os.path.join(root, "version_0", "checkpoints", "last.ckpt"), weights_only=True)["global_step"] == stopped_at
 
     # The resubmitted job (same config, no time pressure this time) resumes from the fit-end checkpoint ...
     torch.manual_seed(123)  # a different fresh-process state: the checkpoint's RNG states must win
@@ -623,10 +623,10 @@ def test_lightning_module_extras(tmp_path: Any) -> None:
             super().__init__()
             self.head = torch.nn.Linear(1, 1)
 
-    loaded = Bigger.load_from_checkpoint(str(root / "checkpoints" / "last.ckpt"))
+    loaded = Bigger.load_from_checkpoint(str(root / "version_0" / "checkpoints" / "last.ckpt"))
     assert torch.equal(loaded.net.weight, trainer.lightning_module.net.weight)
     with pytest.raises(RuntimeError, match="Missing key"):
-        Bigger.load_from_checkpoint(str(root / "checkpoints" / "last.ckpt"), strict=True)
+        Bigger.load_from_checkpoint(str(root / "version_0" / "checkpoints" / "last.ckpt"), strict=True)
 
 
 def test_lightnings_precision_spellings() -> None:

@@ -9,8 +9,8 @@ _EXPORTS = {
     "Callback": "polytrain.callbacks.base",
     "ProgressBar": "polytrain.callbacks.progress",
     "TQDMProgressBar": "polytrain.callbacks.progress",
-    "TensorBoardLogger": "polytrain.callbacks.loggers",
-    "CSVLogger": "polytrain.callbacks.loggers",
+    "TensorBoardLogger": "polytrain.callbacks.tensorboard_logger",
+    "CSVLogger": "polytrain.callbacks.csv_logger",
     "Logger": "polytrain.callbacks.loggers",
     "MLFlowLogger": "polytrain.callbacks.experiment_loggers",
     "WandbLogger": "polytrain.callbacks.experiment_loggers",
@@ -19,6 +19,7 @@ _EXPORTS = {
     "LearningRateMonitor": "polytrain.callbacks.monitors",
     "ThroughputMonitor": "polytrain.callbacks.monitors",
     "ModelSummary": "polytrain.callbacks.summary",
+    "BasePredictionWriter": "polytrain.callbacks.prediction_writer",
     "CompileTime": "polytrain.callbacks.compile_time",
 }
 __all__ = sorted(_EXPORTS)

@@ -39,6 +39,8 @@ class ModelCheckpoint(Callback):
         if save_top_k < -1:
             raise ValueError(f"ModelCheckpoint save_top_k={save_top_k}; use -1 (all), 0 (only last) or k > 0")
         self.dirpath = dirpath
+        self._dirpath_given = dirpath is not None
+        self._written: set[str] = set()  # files this callback wrote (in this process or before a resume)
         self.filename = filename
         self.monitor = monitor
         self.mode = mode
@@ -56,8 +58,8 @@ class ModelCheckpoint(Callback):
         self._after_validation_step: int | None = None  # a step save waiting for the validation at its step
 
     def setup(self, trainer: Any, module: Any, stage: str) -> None:
-        if self.dirpath is None:
-            self.dirpath = checkpoint_dir(trainer.run_dir)
+        if not self._dirpath_given:  # the run's own directory (trainer.log_dir: <run_dir>/version_<n>)
+            self.dirpath = checkpoint_dir(trainer.log_dir)
         self._forget_foreign_files()
 
     def _forget_foreign_files(self) -> None:
@@ -153,8 +155,7 @@ class ModelCheckpoint(Callback):
         if not keep and not self.save_last:
             return
         ext = "" if not trainer.strategy.replicated else ".ckpt"
-        path = os.path.join(self.dirpath, self._format_name(trainer) + ext) if keep else \
-            os.path.join(self.dirpath, "last" + ext)
+        path = self._unclaimed(trainer, (self._format_name(trainer) if keep else "last"), ext)
         # Bookkeeping runs on every rank (so the next decision is the same everywhere) and before
         # the payload is built (so a resumed run knows this file and can prune it later).
         previous = list(self.kept)
@@ -166,9 +167,28 @@ class ModelCheckpoint(Callback):
             raise
         self._last_saved_step = trainer.global_step
         self.last_model_path = path
+        self._written.add(path)
         if trainer.strategy.is_global_zero:
             self._update_disk(trainer, path, doomed)
         trainer.strategy.barrier("checkpoint-retention")
+        if trainer.is_logging_rank:
+            for logger in trainer.loggers:  # loggers that upload checkpoints (log_model=...)
+                logger.after_save_checkpoint(self)
+
+    def _unclaimed(self, trainer: Any, stem: str, ext: str) -> str:
+        """``<dirpath>/<stem><ext>``, or in a directory the user named, where another run's file may have
+        that name, ``<stem>-v1<ext>``, ``-v2``, ... (Lightning's version counter): a file this callback
+        did not write is never written over. Global rank 0 looks; every rank gets its answer."""
+        path = os.path.join(self.dirpath, stem + ext)
+        if not self._dirpath_given:
+            return path  # the run's own directory: every file in it is this run's
+        ours = self._written | {p for _, p in self.kept} | {self.last_model_path}
+        if trainer.strategy.is_global_zero:
+            n = 0
+            while os.path.exists(path) and path not in ours:
+                n += 1
+                path = os.path.join(self.dirpath, f"{stem}-v{n}{ext}")
+        return trainer.strategy.broadcast(path)
 
     def _record(self, trainer: Any, path: str, score: float | None) -> list[str]:
         """Add ``path`` to the kept list; return the paths that fall out of the top k."""
@@ -185,11 +205,23 @@ class ModelCheckpoint(Callback):
                 self.best_model_score = -best_key if self.mode == "max" else best_key
         return doomed
 
+    @property
+    def _last_link(self) -> str:
+        """Where ``last.ckpt`` goes (rank 0 only): as ``_unclaimed``, never over another run's file."""
+        if self.__dict__.get("_last_link_path") is None:
+            path, n = os.path.join(self.dirpath, "last.ckpt"), 0
+            # After a resume the directory's last.ckpt is this run's own.
+            while self._dirpath_given and not self.__dict__.get("_resumed") and os.path.exists(path):
+                n += 1
+                path = os.path.join(self.dirpath, f"last-v{n}.ckpt")
+            self.__dict__["_last_link_path"] = path
+        return self.__dict__["_last_link_path"]
+
     def _update_disk(self, trainer: Any, path: str, doomed: list[str]) -> None:
         """Rank 0 only: pointer, ``last.ckpt`` link, pruning. No collectives in here."""
         write_latest_pointer(self.dirpath, path)
-        if self.save_last and trainer.strategy.replicated and os.path.basename(path) != "last.ckpt":
-            last = os.path.join(self.dirpath, "last.ckpt")
+        if self.save_last and trainer.strategy.replicated and not os.path.basename(path).startswith("last"):
+            last = self._last_link
             tmp = last + ".tmp"
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -207,6 +239,7 @@ class ModelCheckpoint(Callback):
         self.best_model_path = state.get("best_model_path")
         self.best_model_score = state.get("best_model_score")
         self.last_model_path = state.get("last_model_path")
+        self.__dict__["_resumed"] = True
         self._forget_foreign_files()  # restored after setup: filter again
 
 

@@ -1,17 +1,25 @@
-"""Metric loggers. They are callbacks that receive every published metric and, when a stage starts,
-the module's and DataModule's hyperparameters (``save_hyperparameters``); only the logging rank
-creates files, so other ranks never touch the run directory. MLflow and W&B: ``experiment_loggers``."""
+"""Metric loggers, with Lightning's names and constructor arguments.
+
+A logger is a callback that receives every published metric and, when a stage starts, the module's and
+DataModule's hyperparameters (``save_hyperparameters``); only the logging rank writes, so other ranks
+never touch the run directory, and on them ``logger.experiment`` is a stand-in that accepts any call and
+does nothing (user code calling ``self.logger.experiment.add_image`` runs on every rank). File loggers
+(``TensorBoardLogger``, ``CSVLogger``) write into a version directory of their own, as Lightning's do:
+``<save_dir>/<name>/version_<n>``, the next free number unless ``version`` is given.
+"""
 
 from __future__ import annotations
 
-import csv
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import yaml
 
 from polytrain.callbacks.base import Callback
+from polytrain.checkpoint.layout import next_version, version_name
+from polytrain.core.rank_zero import rank_zero_only
 
 
 def plain_hparams(value: Any) -> Any:
@@ -20,6 +28,8 @@ def plain_hparams(value: Any) -> Any:
         return value
     if isinstance(value, Mapping):
         return {str(k): plain_hparams(v) for k, v in value.items()}
+    if hasattr(value, "__dict__") and type(value).__name__ == "Namespace":  # argparse, as Lightning accepts
+        return plain_hparams(vars(value))
     if isinstance(value, (list, tuple)):
         return [plain_hparams(v) for v in value]
     return repr(value)
@@ -47,19 +57,98 @@ def hyperparameters(trainer: Any, module: Any) -> dict[str, Any]:
     return plain_hparams(params)
 
 
-class Logger(Callback):
-    watches_metrics = True  # flushes after the epoch's metrics are published
+def prefixed(metrics: Mapping[str, float], prefix: str, separator: str = "-") -> dict[str, float]:
+    """Lightning's ``prefix`` argument: ``{"loss": 1}`` with prefix ``train`` -> ``{"train-loss": 1}``."""
+    return {f"{prefix}{separator}{k}": v for k, v in metrics.items()} if prefix else dict(metrics)
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+
+class DummyExperiment:
+    """What ``logger.experiment`` is on a rank that does not log: any attribute, any call, does nothing."""
+
+    def nop(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def __getattr__(self, _: str) -> Callable[..., None]:
+        return self.nop
+
+    def __getitem__(self, _: Any) -> DummyExperiment:
+        return self
+
+    def __setitem__(self, *_: Any) -> None: ...
+
+
+def rank_zero_experiment(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Lightning's decorator for a logger's ``experiment`` property: the real object on rank 0, a
+    ``DummyExperiment`` on the other ranks."""
+
+    @functools.wraps(fn)
+    def experiment(self: Any) -> Any:
+        return fn(self) if rank_zero_only.rank == 0 else DummyExperiment()  # type: ignore[attr-defined]
+
+    return experiment
+
+
+class Logger(Callback):
+    """The base of every logger; subclass it as Lightning's ``Logger`` (``name``, ``version``,
+    ``log_metrics``, ``log_hyperparams``; ``experiment``, ``save``, ``finalize`` optional)."""
+
+    watches_metrics = True  # saves after the epoch's metrics are published
+
+    @property
+    def name(self) -> str | None:
+        return None
+
+    @property
+    def version(self) -> int | str | None:
+        return None
+
+    @property
+    def save_dir(self) -> str | None:
+        return None
+
+    @property
+    def root_dir(self) -> str | None:
+        return None
+
+    @property
+    def log_dir(self) -> str | None:
+        return None
+
+    @property
+    def group_separator(self) -> str:
+        return "/"
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         raise NotImplementedError
 
-    def log_hyperparams(self, params: dict[str, Any]) -> None:
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         """The run's hyperparameters (plain values, possibly nested); called once per distinct set."""
 
-    def flush(self) -> None: ...
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        """The model's graph, for loggers that draw one (TensorBoard with ``log_graph=True``)."""
+
+    def save(self) -> None:
+        """Write what is buffered (called after each epoch and at the end of each stage)."""
+
+    def finalize(self, status: str) -> None:
+        """The stage ended (``status``: ``success`` or ``failed``): write everything."""
+        self.save()
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        """A ``ModelCheckpoint`` wrote a file (loggers that upload checkpoints act here)."""
+
+    def flush(self) -> None:
+        self.save()
+
+    # ------------------------------------------------------------------ as a callback
+    @property
+    def writes_here(self) -> bool:
+        """Whether this process is the one that logs (known once a stage starts; before, global rank 0)."""
+        logging_rank = self.__dict__.get("_logging_rank")
+        return logging_rank if logging_rank is not None else rank_zero_only.rank == 0  # type: ignore[attr-defined]
 
     def setup(self, trainer: Any, module: Any, stage: str) -> None:
         # Every stage, as Lightning; a logger writes a given set of hyperparameters once.
+        self.__dict__["_logging_rank"] = trainer.is_logging_rank
         if not trainer.is_logging_rank:
             return
         params = hyperparameters(trainer, module)
@@ -69,27 +158,77 @@ class Logger(Callback):
 
     def on_log(self, trainer: Any, metrics: dict[str, float], step: int) -> None:
         if trainer.is_logging_rank and metrics:
-            self.log_metrics({**metrics, "epoch": float(trainer.current_epoch)}, step)  # Lightning's epoch column
+            self.log_metrics({**metrics, "epoch": int(trainer.current_epoch)}, step)  # Lightning's epoch column
+
+    def _save_if_logging(self, trainer: Any) -> None:
+        if trainer.is_logging_rank:
+            self.save()
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
-        if trainer.is_logging_rank:
-            self.flush()
+        self._save_if_logging(trainer)
+
+    def on_validation_end(self, trainer: Any, module: Any) -> None:
+        if trainer.stage != "fit":  # a standalone validate()
+            self._save_if_logging(trainer)
+
+    def on_test_end(self, trainer: Any, module: Any) -> None:
+        self._save_if_logging(trainer)
 
     def on_fit_end(self, trainer: Any, module: Any) -> None:
+        self._save_if_logging(trainer)
+
+    def teardown(self, trainer: Any, module: Any, stage: str) -> None:
         if trainer.is_logging_rank:
-            self.flush()
+            self.finalize("success")
 
     def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
         if trainer.is_logging_rank:
-            self.flush()
+            self.finalize("failed")
 
-    def on_validation_end(self, trainer: Any, module: Any) -> None:
-        if trainer.is_logging_rank and trainer.stage != "fit":  # a standalone validate()
-            self.flush()
 
-    def on_test_end(self, trainer: Any, module: Any) -> None:
-        if trainer.is_logging_rank:
-            self.flush()
+class DirectoryLogger(Logger):
+    """A logger that writes files under ``<save_dir>/<name>/<version>`` (``name`` empty or None: straight
+    under ``save_dir``). The version is the next free ``version_<n>`` when first needed; in a job the
+    Trainer settles it on global rank 0 and gives every rank the same one (``pin_version``)."""
+
+    def __init__(self, save_dir: str | os.PathLike, name: str | None, version: int | str | None,
+                 sub_dir: str | os.PathLike | None = None, prefix: str = "") -> None:
+        self._save_dir = os.fspath(save_dir)
+        self._name = name or ""
+        self._asked_version = version  # what the user asked for (None: the next free one, each run)
+        self._version = version
+        self._sub_dir = os.fspath(sub_dir) if sub_dir is not None else None
+        self._prefix = prefix
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
+
+    @property
+    def root_dir(self) -> str:
+        return os.path.join(self._save_dir, self._name) if self._name else self._save_dir
+
+    @property
+    def version(self) -> int | str:
+        if self._version is None:
+            self._version = next_version(self.root_dir)
+        return self._version
+
+    @property
+    def asked_version(self) -> int | str | None:
+        return self._asked_version
+
+    def pin_version(self, version: int | str) -> None:
+        self._version = version
+
+    @property
+    def log_dir(self) -> str:
+        path = os.path.join(self.root_dir, version_name(self.version))
+        return os.path.join(path, self._sub_dir) if self._sub_dir else path
 
 
 def write_hparams_yaml(path: str, params: dict[str, Any]) -> None:
@@ -98,91 +237,3 @@ def write_hparams_yaml(path: str, params: dict[str, Any]) -> None:
     with open(tmp, "w", encoding="utf-8") as fh:
         yaml.safe_dump(params, fh, sort_keys=False)
     os.replace(tmp, path)
-
-
-class TensorBoardLogger(Logger):
-    """Scalars under ``<run_dir>/tensorboard``; view with ``tensorboard --logdir <run_dir>``. The
-    hyperparameters go to the HParams tab (in the same event file, as Lightning) and to ``hparams.yaml``."""
-
-    def __init__(self, run_dir: str, subdir: str = "tensorboard") -> None:
-        self.log_dir = os.path.join(run_dir, subdir)
-        self._writer: Any = None
-        self._summary: Any = None
-
-    @property
-    def writer(self) -> Any:
-        if self._writer is None:
-            from torch.utils import tensorboard  # late: 0.1 s; only a run that logs pays it
-
-            self._writer, self._summary = tensorboard.SummaryWriter(self.log_dir), tensorboard.summary
-        return self._writer
-
-    def log_hyperparams(self, params: dict[str, Any]) -> None:
-        writer = self.writer
-        flat = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in flatten_hparams(params).items()}
-        for event in self._summary.hparams(flat, {}):  # what SummaryWriter.add_hparams writes, minus its subfolder
-            writer.file_writer.add_summary(event)
-        write_hparams_yaml(os.path.join(self.log_dir, "hparams.yaml"), params)
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        for name, value in metrics.items():
-            self.writer.add_scalar(name, value, step)
-
-    def flush(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-
-    def teardown(self, trainer: Any, module: Any, stage: str) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
-
-class CSVLogger(Logger):
-    """One row per logging step in ``<run_dir>/metrics.csv``; columns grow as new names appear. The
-    hyperparameters go to ``<run_dir>/hparams.yaml``."""
-
-    def __init__(self, run_dir: str, filename: str = "metrics.csv") -> None:
-        self.path = os.path.join(run_dir, filename)
-        self.hparams_path = os.path.join(run_dir, "hparams.yaml")
-        self.rows: list[dict[str, Any]] = []
-        self.columns: list[str] = ["step"]
-        self._unwritten = False  # rows changed since the file was last written (the fit's end rewrites it
-        # only then: after an epoch-end flush it would write the same bytes again)
-
-    def on_fit_start(self, trainer: Any, module: Any) -> None:
-        # After any resume: a resumed run continues the file instead of overwriting the rows before
-        # the checkpoint (and drops rows past it, written by the run that was interrupted).
-        if not trainer.is_logging_rank or self.rows or not os.path.exists(self.path):
-            return
-        with open(self.path, newline="", encoding="utf-8") as fh:
-            reader = csv.DictReader(fh)
-            self.columns = list(reader.fieldnames or ["step"])
-            self.rows = [{k: v for k, v in row.items() if v != ""} for row in reader
-                         if int(row["step"]) <= trainer.global_step]
-        for row in self.rows:
-            row["step"] = int(row["step"])
-        self._unwritten = True  # rows past the checkpoint were dropped: the file must lose them too
-
-    def log_hyperparams(self, params: dict[str, Any]) -> None:
-        write_hparams_yaml(self.hparams_path, params)
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        if self.rows and self.rows[-1]["step"] == step:
-            self.rows[-1].update(metrics)
-        else:
-            self.rows.append({"step": step, **metrics})
-        self.columns.extend(k for k in metrics if k not in self.columns)
-        self._unwritten = True
-
-    def flush(self) -> None:
-        if not self.rows or not self._unwritten:
-            return
-        self._unwritten = False
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", newline="", encoding="utf-8") as fh:
-            writer = csv.DictWriter(fh, fieldnames=self.columns)
-            writer.writeheader()
-            writer.writerows(self.rows)
-        os.replace(tmp, self.path)

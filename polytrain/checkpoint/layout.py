@@ -1,15 +1,19 @@
-"""Where checkpoints live and which one a run resumes from.
+"""Where runs and their checkpoints live, and which checkpoint a run resumes from.
 
-``<run_dir>/checkpoints/`` holds ``.ckpt`` files (replicated strategies) and DCP directories
-(sharded ones); a ``latest`` file names the newest one written. ``resume: last`` takes the newest
-*complete* checkpoint: a file that loads, or a directory whose metadata was committed last. A
-torn newer one is skipped with a warning, never loaded.
+Each run writes into its own version directory under the root (``<run_dir>/version_N``, or the name
+the user gave), as Lightning's loggers do, so a new run never writes over an earlier one's files.
+``<version>/checkpoints/`` holds ``.ckpt`` files (replicated strategies) and DCP directories (sharded
+ones); a ``latest`` file names the newest one written. ``resume: last`` takes the run written most
+recently that holds a complete checkpoint, and in it the newest *complete* one: a file that loads,
+or a directory whose metadata was committed last. A torn newer one is skipped with a warning, never
+loaded. A root that holds ``checkpoints/`` itself (written before runs were versioned) is a run too.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 
 import torch
 
@@ -21,8 +25,48 @@ log = logging.getLogger("polytrain")
 LATEST_POINTER = "latest"
 
 
+_VERSION = re.compile(r"^version_(\d+)$")
+
+
 def checkpoint_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "checkpoints")
+
+
+def version_name(version: int | str) -> str:
+    """Lightning's rule: a number is ``version_<n>``, a string is the directory's name as given."""
+    return version if isinstance(version, str) else f"version_{version}"
+
+
+def next_version(root: str) -> int:
+    """One more than the highest ``version_<n>`` under ``root`` (0 for none): never an existing one."""
+    if not os.path.isdir(root):
+        return 0
+    taken = [int(m.group(1)) for m in map(_VERSION.match, os.listdir(root)) if m is not None]
+    return max(taken) + 1 if taken else 0
+
+
+def version_of(name: str) -> int | str:
+    """``version_3`` -> 3; any other directory name as it is."""
+    match = _VERSION.match(name)
+    return int(match.group(1)) if match else name
+
+
+def run_of_checkpoint(path: str, root: str) -> str | None:
+    """The run directory under ``root`` that ``path`` (``<run>/checkpoints/<name>``) belongs to: a
+    version directory's name, ``""`` for the root's own ``checkpoints/``, None for elsewhere."""
+    run = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    if os.path.basename(os.path.dirname(os.path.abspath(path))) != "checkpoints":
+        return None
+    if run == os.path.abspath(root):
+        return ""
+    return os.path.basename(run) if os.path.dirname(run) == os.path.abspath(root) else None
+
+
+def holds_files(path: str) -> list[str]:
+    """What a run directory holds (hidden files aside): empty for a fresh or absent one."""
+    if not os.path.isdir(path):
+        return []
+    return sorted(n for n in os.listdir(path) if not n.startswith("."))
 
 
 def is_complete(path: str) -> bool:
@@ -73,16 +117,36 @@ def write_latest_pointer(ckpt_dir: str, path: str) -> None:
     os.replace(tmp, os.path.join(ckpt_dir, LATEST_POINTER))
 
 
-def resolve_resume(resume: str | None, run_dir: str) -> str | None:
-    """``None`` | ``"last"`` | ``"auto"`` | a path -> the checkpoint to load (or None)."""
+def runs_newest_first(root: str) -> list[str]:
+    """The run directories under ``root`` that hold checkpoints, the most recently written first."""
+    runs = [os.path.join(root, n) for n in holds_files(root) if os.path.isdir(checkpoint_dir(os.path.join(root, n)))]
+    if os.path.isdir(checkpoint_dir(root)):
+        runs.append(root)
+
+    def written(run: str) -> float:
+        found = candidates(checkpoint_dir(run))
+        return os.path.getmtime(found[0]) if found else 0.0
+
+    return sorted(runs, key=written, reverse=True)
+
+
+def resolve_resume(resume: str | None, root: str, version: int | str | None = None) -> str | None:
+    """``None`` | ``"last"`` | ``"auto"`` | a path -> the checkpoint to load (or None). ``last``/``auto``
+    look in one run: ``version`` when given, else the run under ``root`` written most recently that
+    holds a complete checkpoint; the log says which run and which file."""
     if resume is None:
         return None
     if resume in ("last", "auto"):
-        path = find_resumable(checkpoint_dir(run_dir))
-        if path is None and resume == "last":
-            log.warning("resume='last' but %s holds no complete checkpoint; starting from scratch",
-                        checkpoint_dir(run_dir))
-        return path
+        runs = [os.path.join(root, version_name(version))] if version is not None else runs_newest_first(root)
+        for run in runs:
+            path = find_resumable(checkpoint_dir(run))
+            if path is not None:
+                log.warning("resume=%r: continuing the run in %s from %s", resume, run, os.path.basename(path))
+                return path
+        if resume == "last":
+            where = runs[0] if version is not None else root
+            log.warning("resume='last' but %s holds no complete checkpoint; starting from scratch", where)
+        return None
     if not os.path.exists(resume):
         raise FileNotFoundError(f"checkpoint to resume from does not exist: {resume}")
     return resume

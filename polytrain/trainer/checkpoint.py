@@ -11,17 +11,14 @@ config and the library version. Only plain types and tensors, so ``weights_only=
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
-from polytrain.checkpoint.layout import resolve_resume
-from polytrain.checkpoint.replicated import agree_on_error
-from polytrain.core.errors import ConfigError
 from polytrain.core.rng import capture_rng_state
 from polytrain.core.version import __version__
 from polytrain.data.loaders import user_sampler_state
 from polytrain.data.stateful import rank_entry
 from polytrain.trainer.hparams import plain
+from polytrain.trainer.run_directory import resolve_path
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
@@ -133,56 +130,31 @@ def rank_rng(trainer: Trainer, payload: dict[str, Any]) -> dict[str, Any] | None
     return None
 
 
-def load_for_fit(trainer: Trainer, ckpt_path: str | None) -> dict[str, Any] | None:
-    """Resume: rank 0 chooses the checkpoint and every rank loads the same one (file systems may differ in
-    what they see). Model, optimizers and the rest of the payload are restored; the payload is returned
-    for the fit loop's own state (None: nothing to resume)."""
-    choice = ckpt_path if ckpt_path is not None else trainer.config.resume
-    strategy = trainer.strategy
-    path = strategy.broadcast(resolve_path(trainer, choice) if strategy.is_global_zero else None)
+def load_for_fit(trainer: Trainer, path: str | None) -> dict[str, Any] | None:
+    """Resume from ``path`` (settled with the run's directory, the same on every rank): model,
+    optimizers and the rest of the payload are restored; the payload is returned for the fit loop's
+    own state (None: nothing to resume)."""
     if path is None:
         return None
     log.info("restoring from %s", path)
-    payload = strategy.load_checkpoint(path)
+    payload = trainer.strategy.load_checkpoint(path)
     restore_payload(trainer, payload)
     return payload
-
-
-def resolve_path(trainer: Trainer, choice: str | None) -> str | None:
-    """``None`` | ``"last"`` | ``"auto"`` | ``"best"`` | a path -> the checkpoint to load."""
-    if choice == "best":
-        callback = trainer.checkpoint_callback
-        best = getattr(callback, "best_model_path", None)
-        if not best:
-            why = "there is no ModelCheckpoint callback" if callback is None else "it has not saved a checkpoint yet"
-            raise ConfigError(f"ckpt_path='best' loads the best checkpoint of the ModelCheckpoint callback, but {why}; "
-                              f"fit with checkpointing enabled first (monitor=... ranks them), or pass a path or 'last'")
-        return best
-    return resolve_resume(choice, trainer.run_dir)
 
 
 def load_weights(trainer: Trainer, ckpt_path: str) -> None:
     """Evaluation from a checkpoint: weights only (optimizer state is not restored)."""
     strategy = trainer.strategy
-    path = strategy.broadcast(resolve_path(trainer, ckpt_path) if strategy.is_global_zero else None)
+    path: Any = None
+    if strategy.is_global_zero:
+        try:
+            path = resolve_path(trainer, ckpt_path)
+        except Exception as err:  # noqa: BLE001 - every rank raises it, after the broadcast below
+            path = err
+    path = strategy.broadcast(path)
+    if isinstance(path, BaseException):
+        raise path
     if path is None:
         raise FileNotFoundError(f"no checkpoint found for ckpt_path={ckpt_path!r} under {trainer.run_dir}")
     payload = strategy.load_checkpoint(path, weights_only=True)
     trainer.hooks.module("on_load_checkpoint", payload)
-
-
-def ensure_run_dir(trainer: Trainer) -> None:
-    """Create ``run_dir`` before the first step: an unwritable path then fails at once, with one
-    clear error on every rank, instead of after an epoch inside a logger on one rank only."""
-    if (not trainer.loggers and trainer.checkpoint_callback is None) or trainer.config.fast_dev_run:
-        return  # nothing will write there
-    error = None
-    if trainer.is_global_zero or trainer.is_logging_rank:
-        try:
-            os.makedirs(trainer.run_dir, exist_ok=True)
-            if not os.access(trainer.run_dir, os.W_OK | os.X_OK):
-                raise PermissionError(13, "Permission denied")
-        except OSError as err:
-            error = (f"cannot write trainer.run_dir={trainer.run_dir}: {err.strerror or err}. Point "
-                     f"trainer.run_dir at a writable directory")
-    agree_on_error(error, trainer.strategy.collective_device)

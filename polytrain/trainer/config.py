@@ -72,6 +72,8 @@ class TrainerConfig:
     sync_batchnorm: bool = False  # cross-process BatchNorm, for strategies that have the option
     run_dir: str = "runs/default"
     default_root_dir: str | None = None  # Lightning's name for run_dir
+    # Each run writes into <run_dir>/version_<n> (the next free n); a number or a name picks the directory
+    version: Any = None
     enable_progress_bar: bool = True
     enable_checkpointing: bool = True
     enable_model_summary: bool = True
@@ -167,6 +169,11 @@ def _check_batches_option(name: str, value: Any, allow_none: bool = True) -> Non
 
 
 def _check_lightning_options(cfg: TrainerConfig) -> None:
+    version = cfg.version
+    if not (version is None or (_is_int(version) and version >= 0)
+            or (isinstance(version, str) and version and os.sep not in version and version not in (".", ".."))):
+        raise ConfigError(f"trainer.version={version!r}; give a number n (the directory version_<n>) or a directory "
+                          f"name without '{os.sep}', or leave it unset for the next free version_<n>")
     for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
         _check_batches_option(name, getattr(cfg, name))
     _check_batches_option("overfit_batches", cfg.overfit_batches, allow_none=False)

@@ -8,10 +8,11 @@ from typing import Any
 from polytrain.callbacks.base import Callback
 from polytrain.callbacks.checkpoint import ModelCheckpoint
 from polytrain.callbacks.compile_time import CompileTime
+from polytrain.callbacks.csv_logger import CSVLogger
 from polytrain.callbacks.experiment_loggers import MLFlowLogger, WandbLogger
-from polytrain.callbacks.loggers import CSVLogger, TensorBoardLogger
 from polytrain.callbacks.progress import ProgressBar
 from polytrain.callbacks.summary import ModelSummary
+from polytrain.callbacks.tensorboard_logger import TensorBoardLogger
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.compile import resolve_compile
 from polytrain.trainer.config import TrainerConfig, instantiate
@@ -42,7 +43,9 @@ def split_objects(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[Callback
     return kwargs, callback_objects, objects
 
 
-def _loggers(spec: Any, run_dir: str) -> list[Callback]:
+def _loggers(spec: Any, run_dir: str, version: int | str | None) -> list[Callback]:
+    """Loggers chosen by name. The file loggers write into the run's version directory
+    (``<run_dir>/version_<n>``), which the Trainer settles for the whole run."""
     if spec is False or spec is None:
         return []
     if spec is True:
@@ -54,9 +57,9 @@ def _loggers(spec: Any, run_dir: str) -> list[Callback]:
     out: list[Callback] = []
     for name in names:
         if name == "tensorboard":
-            out.append(TensorBoardLogger(run_dir))
+            out.append(TensorBoardLogger(run_dir, name="", version=version))
         elif name == "csv":
-            out.append(CSVLogger(run_dir))
+            out.append(CSVLogger(run_dir, name="", version=version))
         elif name == "mlflow":  # by name: a file store in the run directory, unless MLFLOW_TRACKING_URI is set
             out.append(MLFlowLogger(save_dir=os.path.join(run_dir, "mlruns")))
         elif name == "wandb":  # online unless WANDB_MODE=offline; files under <run_dir>/wandb
@@ -84,7 +87,7 @@ def build_callbacks(cfg: TrainerConfig, objects: list[Callback], logger_objects:
     elif logger_objects is not None:
         callbacks.extend(logger_objects if isinstance(logger_objects, (list, tuple)) else [logger_objects])
     else:
-        callbacks.extend(_loggers(cfg.logger, cfg.run_dir))
+        callbacks.extend(_loggers(cfg.logger, cfg.run_dir, cfg.version))
     if cfg.enable_model_summary and not any(isinstance(c, ModelSummary) for c in callbacks):
         callbacks.append(ModelSummary())
     if resolve_compile(cfg.compile) is not None:

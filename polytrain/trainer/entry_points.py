@@ -24,7 +24,7 @@ def run_stage(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: 
     if stage == "fit":
         with torch.autograd.set_detect_anomaly(trainer.config.detect_anomaly):  # as Lightning: the fit loop only
             trainer.profiler.start()
-            trainer.fit_loop.run(trainer, ckpt_path)
+            trainer.fit_loop.run(trainer, trainer.ckpt_path)  # settled with the run's directory
             trainer.profiler.stop()
         result = None
     else:
@@ -67,4 +67,6 @@ def _evaluate(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: 
         data = trainer.fit_loop.data
         data.val_loader, data.num_val_batches = loader, limit
     result = run_eval_pass(trainer, loader, loader_stage, limit)
-    return result if stage == "predict" else [result]
+    if stage == "predict":
+        return result if trainer.predict_loop.return_predictions else None
+    return [result]

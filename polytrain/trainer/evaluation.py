@@ -13,11 +13,14 @@ others); the strategy marks them and they never reach a hook or a metric.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from polytrain.callbacks.prediction_writer import BasePredictionWriter
 from polytrain.core import heartbeat
+from polytrain.data.index_recording import recorded_indices, with_index_recording
 from polytrain.data.loaders import set_epoch
 from polytrain.strategies.router import PADDING_BATCH
 from polytrain.trainer.hooks import is_overridden
@@ -32,6 +35,34 @@ STAGES = {"val": ("validation", "validation_step"), "test": ("test", "test_step"
           "predict": ("predict", "predict_step")}
 
 
+@dataclass
+class PredictionRecord:
+    """Lightning's ``trainer.predict_loop`` as prediction writers read it: this pass's predictions (kept
+    when returned or written per epoch), the dataset indices of every batch, and of the current one."""
+
+    return_predictions: bool = True
+    predictions: list[Any] = field(default_factory=list)
+    epoch_batch_indices: list[list[list[int]]] = field(default_factory=list)  # per loader, per batch
+    current_batch_indices: list[int] = field(default_factory=list)
+
+    def start(self, trainer: Trainer, loader: Any) -> Any:
+        """A predict pass begins: the loader to iterate (recording batch indices when a writer wants them)."""
+        writers = [cb for cb in trainer.callbacks if isinstance(cb, BasePredictionWriter)]
+        self.predictions, self.epoch_batch_indices, self.current_batch_indices = [], [[]], []
+        self._keep = self.return_predictions or any(w.on_epoch for w in writers)
+        return with_index_recording(loader) if writers else loader
+
+    def batch_started(self, loader: Any, batch_idx: int) -> None:
+        seen = recorded_indices(loader)
+        self.current_batch_indices = seen[batch_idx] if seen is not None and batch_idx < len(seen) else []
+        if seen is not None:
+            self.epoch_batch_indices[0].append(self.current_batch_indices)
+
+    def batch_predicted(self, output: Any) -> None:
+        if self._keep:
+            self.predictions.append(output)
+
+
 def run_eval_pass(trainer: Trainer, loader: Any, stage: str, limit: int | None, sanity: bool = False) -> Any:
     """One pass over ``loader``. Returns the epoch metrics as floats (val/test) or the predictions."""
     word, step_name = STAGES[stage]
@@ -41,7 +72,9 @@ def run_eval_pass(trainer: Trainer, loader: Any, stage: str, limit: int | None, 
     modes = {m: m.training for m in module.modules()}
     metric_stage = "sanity" if sanity else stage
     eval_step = functools.partial(hooks.instrument(step_name, trainer.strategy.eval_step), step_name[:-len("_step")])
-    outputs: list[Any] = []
+    record = trainer.predict_loop
+    if stage == "predict":
+        loader = record.start(trainer, loader)
     with torch.no_grad():
         iterator = iter(loader)  # before the hooks, as Lightning (the iterator draws from the RNG)
         with metrics.refusing(f"on_{word}_model_eval"):
@@ -56,10 +89,12 @@ def run_eval_pass(trainer: Trainer, loader: Any, stage: str, limit: int | None, 
         for batch_idx, batch in enumerate(iterator):
             if limit is not None and batch_idx >= limit:
                 break
+            if stage == "predict":
+                record.batch_started(loader, batch_idx)
             output = _eval_batch(trainer, eval_step, stage, word, batch, batch_idx)
             if output is not PADDING_BATCH and stage == "predict":
-                outputs.append(output)
-        result: Any = outputs
+                record.batch_predicted(output)
+        result: Any = record.predictions
         if stage == "predict":
             hooks(f"on_{word}_epoch_end")
         else:

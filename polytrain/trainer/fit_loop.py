@@ -138,7 +138,7 @@ class FitLoop:
             ManualOptimization(strategy, t.hooks, self.guard, self.progress, instrument)
 
     def _restore(self, ckpt_path: str | None) -> None:
-        """Resume: rank 0 chooses the checkpoint and every rank loads the same one."""
+        """Resume from the checkpoint settled with the run's directory (the same on every rank)."""
         payload = ckpt.load_for_fit(self.t, ckpt_path)
         loop = payload.get("loop") if payload is not None else None
         if loop is not None:

@@ -36,13 +36,15 @@ def _spawn_entry(trainer_cls: type[Trainer], trainer_kwargs: dict[str, Any], cal
     state_dict = trainer.strategy.module_state_dict()
     if trainer.is_global_zero:
         # Hand the trained weights and the result back to the launching process.
-        torch.save({"state_dict": state_dict, "result": result,
+        torch.save({"state_dict": state_dict, "result": result, "log_dir": trainer.log_dir, "ckpt_path": trainer.ckpt_path,
                     "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, result_path)
     trainer.strategy.teardown()
 
 
 def launch_from_trainer(trainer: Trainer, plan: LaunchPlan, stage: str, module: TrainModule,
-                        kwargs: dict[str, Any]) -> Any:
+                        kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Run ``stage`` in worker processes; the trained weights are loaded into ``module``, and what the
+    launching Trainer shows afterwards comes back: ``result``, ``callback_metrics``, ``log_dir``, ``ckpt_path``."""
     if plan.method == "elastic":
         relaunch_script(plan, trainer.config.max_restarts)  # exits with the job's status
     trainer_kwargs = trainer_to_dict(trainer.config)
@@ -52,9 +54,9 @@ def launch_from_trainer(trainer: Trainer, plan: LaunchPlan, stage: str, module: 
         launch_spawn(plan, _spawn_entry, (type(trainer), trainer_kwargs, user_callbacks, stage, module, kwargs, result_path))
         out = torch.load(result_path, weights_only=False)  # written by our own worker just now
     if stage == "fit":
-        module.load_state_dict(out["state_dict"])
-    trainer.callback_metrics = {k: torch.tensor(v) for k, v in out["callback_metrics"].items()}
-    return out["result"]
+        module.load_state_dict(out.pop("state_dict"))
+    out["callback_metrics"] = {k: torch.tensor(v) for k, v in out["callback_metrics"].items()}
+    return out
 
 
 def strategy_for(config: TrainerConfig, plan: LaunchPlan) -> Strategy:

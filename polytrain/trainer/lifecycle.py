@@ -21,7 +21,6 @@ from polytrain.callbacks.base import Callback
 from polytrain.callbacks.checkpoint import ModelCheckpoint
 from polytrain.core.errors import ConfigError, RankFailedError
 from polytrain.core.rng import capture_rng_state, restore_rng_state, seed_everything
-from polytrain.trainer import checkpoint as ckpt
 from polytrain.trainer.datamodule import DataModule
 from polytrain.trainer.hooks import (
     CALLBACK_HOOKS,
@@ -67,8 +66,6 @@ def begin(trainer: Trainer, stage: str) -> None:
         warn_unknown_hooks(cb, CALLBACK_HOOKS, Callback)
     if trainer.datamodule is not None:
         warn_unknown_hooks(trainer.datamodule, DATAMODULE_HOOKS, DataModule)
-    if stage == "fit":
-        ckpt.ensure_run_dir(trainer)
     _prepare_data(trainer)
     hooks.datamodule("setup", stage=stage)
     hooks.callbacks("setup", stage=stage)

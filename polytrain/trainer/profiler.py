@@ -6,7 +6,7 @@
   own; ``filename`` also writes each rank's table under the run directory).
 - ``torch`` runs ``torch.profiler`` on global rank 0 for a window of training batches (``wait``,
   ``warmup``, ``active``, ``repeat``, ``skip_first``: ``torch.profiler.schedule``'s meaning) and
-  writes the trace with ``tensorboard_trace_handler`` to ``dir`` (default ``<run_dir>/profiler``):
+  writes the trace with ``tensorboard_trace_handler`` to ``dir`` (default ``<log_dir>/profiler``):
   open it with TensorBoard's profiler plugin, Perfetto or chrome://tracing. The loop's phases and
   hooks appear in it as ``polytrain/...`` ranges.
 
@@ -154,7 +154,7 @@ class SimpleProfiler(PassThroughProfiler):
         t = self.trainer
         self.summary = f"simple profiler, rank {t.global_rank}: wall time, inclusive\n{self.table()}"
         if self.filename:
-            path = os.path.join(t.run_dir, f"{self.filename}-rank{t.global_rank}.txt")
+            path = os.path.join(t.log_dir, f"{self.filename}-rank{t.global_rank}.txt")
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             with open(path, "w", encoding="utf-8") as fh:
                 fh.write(self.summary + "\n")
@@ -223,7 +223,7 @@ class TorchProfiler(SimpleProfiler):
         o, t = self.options, self.trainer
         if not self.enabled:
             return
-        self.trace_dir = o.get("dir") or os.path.join(t.run_dir, "profiler")
+        self.trace_dir = o.get("dir") or os.path.join(t.log_dir, "profiler")
         activities = [torch.profiler.ProfilerActivity.CPU]
         if t.strategy.root_device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)

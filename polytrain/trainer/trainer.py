@@ -35,6 +35,7 @@ from polytrain.trainer.data_connector import batch_limit
 from polytrain.trainer.datamodule import DataModule
 from polytrain.trainer.default_callbacks import build_callbacks, split_objects
 from polytrain.trainer.entry_points import run_stage
+from polytrain.trainer.evaluation import PredictionRecord
 from polytrain.trainer.fit_loop import FitLoop
 from polytrain.trainer.hooks import Hooks, is_overridden
 from polytrain.trainer.launch import launch_from_trainer, strategy_for
@@ -43,6 +44,7 @@ from polytrain.trainer.module import TrainModule
 from polytrain.trainer.optimization import clip_gradients
 from polytrain.trainer.profiler import build_profiler
 from polytrain.trainer.progress import EvalProgress
+from polytrain.trainer.run_directory import RunDirectory, settle_run_directory
 from polytrain.trainer.targets import check_run_targets
 
 log = logging.getLogger("polytrain")
@@ -68,9 +70,11 @@ class Trainer:
         self.transfer_batch: Any = None  # the running stage's batch mover (the batch-transfer hooks, if any)
         self.fit_loop = FitLoop()  # loop state: trainer/progress.py
         self.eval_progress = EvalProgress()
+        self.predict_loop = PredictionRecord()  # what prediction writers read (Lightning's name)
         self.given_loaders: dict[str, Any] = {}
         self.stage: str | None = None
         self._run_config: dict[str, Any] | None = None
+        self._run_directory: RunDirectory | None = None  # settled when a stage starts (run_directory.py)
 
     @classmethod
     def from_config(cls, config: Any) -> Trainer:
@@ -130,20 +134,19 @@ class Trainer:
     @property
     def run_dir(self) -> str:
         return self.config.run_dir
-
     default_root_dir = run_dir
 
     @property
-    def log_dir(self) -> str:
-        return self.config.run_dir
+    def log_dir(self) -> str:  # this run's directory, <run_dir>/version_<n>, once a stage has settled it
+        return self._run_directory.path if self._run_directory is not None else self.config.run_dir
+
+    @property
+    def ckpt_path(self) -> str | None:  # the checkpoint the fit resumed from
+        return self._run_directory.resume_from if self._run_directory is not None else None
 
     @property
     def callback_metrics(self) -> dict[str, torch.Tensor]:
         return self.metrics.callback
-
-    @callback_metrics.setter
-    def callback_metrics(self, values: dict[str, torch.Tensor]) -> None:
-        self.metrics.callback = dict(values)
 
     @property
     def loggers(self) -> list[Logger]:
@@ -316,7 +319,9 @@ class Trainer:
     def predict(self, model: TrainModule | None = None, dataloaders: Any = None,
                 datamodule: DataModule | None = None, return_predictions: bool | None = None,
                 ckpt_path: str | None = None) -> list[Any]:
-        """This rank's predictions, in the order of its share of the data (rank r: samples r, r+N, ...)."""
+        """This rank's predictions, in the order of its share of the data (rank r: samples r, r+N, ...);
+        None with ``return_predictions=False`` (write them with a ``BasePredictionWriter`` instead)."""
+        self.predict_loop.return_predictions = return_predictions is not False
         return self._run("predict", model, dict(predict=dataloaders), datamodule, ckpt_path)
 
     def save_checkpoint(self, filepath: str, weights_only: bool = False) -> None:
@@ -340,7 +345,10 @@ class Trainer:
         if plan.method != "here":
             given = dict(train_dataloaders=loaders.get("train"), val_dataloaders=loaders.get("val")) \
                 if stage == "fit" else dict(dataloaders=next(iter(loaders.values())))
-            return launch_from_trainer(self, plan, stage, model, dict(given, datamodule=datamodule, ckpt_path=ckpt_path))
+            out = launch_from_trainer(self, plan, stage, model, dict(given, datamodule=datamodule, ckpt_path=ckpt_path))
+            self.metrics.callback = out["callback_metrics"]
+            self._run_directory = RunDirectory(out["log_dir"], out["ckpt_path"])
+            return out["result"]
         self._setup_strategy(plan)
         self.stage, self.module = stage, model
         self.datamodule = datamodule if datamodule is not None else self.datamodule
@@ -350,7 +358,7 @@ class Trainer:
             self.datamodule.trainer = self
         self.hooks = Hooks(self, model, self.callbacks, self.datamodule, self.profiler.instrument)
         try:
-            self._begin_stage()
+            self._begin_stage(ckpt_path)
             return run_stage(self, stage, ckpt_path, model_given, verbose)
         except BaseException as exc:
             heartbeat.failed(exc, self.global_step)  # peers waiting on this rank learn why, and where
@@ -361,12 +369,13 @@ class Trainer:
                 raise explained from exc
             raise
 
-    def _begin_stage(self) -> None:
+    def _begin_stage(self, ckpt_path: str | None) -> None:
         """The stage's callbacks (the module's ``configure_callbacks`` merged in, after seeding, as
         Lightning), its hook funnel and batch mover; then everything before its loop."""
         lifecycle.seed(self)
         self.callbacks = lifecycle.merge_callbacks(self.base_callbacks, self.hooks.module("configure_callbacks"))
         self.hooks = Hooks(self, self.module, self.callbacks, self.datamodule, self.profiler.instrument)
+        self._run_directory = settle_run_directory(self, self.stage, ckpt_path, self._run_directory)
         lifecycle.begin(self, self.stage)
         self.transfer_batch = lifecycle.batch_transfer(self)
 

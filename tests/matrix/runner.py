@@ -78,7 +78,7 @@ def run_case(case: Case, root: str) -> dict[str, Any]:
             path = os.path.join(root, "mid-epoch.ckpt")
             trainer.save_checkpoint(path)
         else:
-            path = os.path.join(root, "whole", "checkpoints", f"epoch=1-step={stop}")
+            path = os.path.join(root, "whole", "version_0", "checkpoints", f"epoch=1-step={stop}")
             path += ".ckpt" if trainer.strategy.replicated else ""
             assert os.path.exists(path), (case.name, sorted(os.listdir(os.path.dirname(path))))
         trainer = make_trainer(case, os.path.join(root, "resumed"))

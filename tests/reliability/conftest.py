@@ -92,9 +92,10 @@ def build_jobs(root: Path) -> list[Job]:
     add("unwritable/run_dir", [sys.executable, *run_script_args(out, dict(ELASTIC_TRAINER, run_dir=str(
         out / "regular-file" / "run")), every_n_steps=2)], job_env(), out, ranks=2, timeout=150.0)
     out = root / "unwritable-ckpt-dir"
-    (out / "run").mkdir(parents=True, exist_ok=True)
-    (out / "run" / "checkpoints").write_text("a regular file where the checkpoint directory should be\n")
-    add("unwritable/checkpoints", [sys.executable, *run_script_args(out, ELASTIC_TRAINER, every_n_steps=2)], job_env(),
+    (out / "run" / "version_0").mkdir(parents=True, exist_ok=True)
+    (out / "run" / "version_0" / "checkpoints").write_text("a regular file where the checkpoint directory should be\n")
+    add("unwritable/checkpoints", [sys.executable, *run_script_args(out, dict(ELASTIC_TRAINER, version=0), every_n_steps=2)],
+        job_env(),
         out, ranks=2, timeout=150.0)
     for t in range(n):
         for i, mode in enumerate(CKPT_KILL_MODES):

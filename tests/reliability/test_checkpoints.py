@@ -106,7 +106,7 @@ def test_truncated_newest_checkpoint_falls_back_to_previous(tmp_path: Path, refe
                                                             caplog: pytest.LogCaptureFixture) -> None:
     run_dir = str(tmp_path / "run")
     _fit(run_dir, max_steps=6, every_n=2, top_k=-1)
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    ckpt_dir = os.path.join(run_dir, "version_0", "checkpoints")
     newest = os.path.join(ckpt_dir, "epoch=0-step=6.ckpt")
     size = os.path.getsize(newest)
     with open(newest, "r+b") as fh:
@@ -163,7 +163,7 @@ class _AlwaysOneComplete(Callback):
         self.counts: list[int] = []
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        d = os.path.join(trainer.run_dir, "checkpoints")
+        d = os.path.join(trainer.run_dir, "version_0", "checkpoints")
         if os.path.isdir(d):
             self.counts.append(sum(1 for n in os.listdir(d) if n.endswith(".ckpt") and n != "last.ckpt"
                                    and is_complete(os.path.join(d, n))))

@@ -36,7 +36,7 @@ def _check_failed_job(done: Done, label: str) -> float:
     ended = max(done.ended_at) if isinstance(done.ended_at, list) else done.ended_at
     seconds = ended - raised["t"]
     # Nothing written from the error path: the directory is exactly what it was at the raise.
-    ckpt_dir = f"{done.job.out_dir}/run/checkpoints"
+    ckpt_dir = f"{done.job.out_dir}/run/version_0/checkpoints"
     now = {k: [v[0], v[1]] for k, v in snapshot(ckpt_dir).items()}
     assert now == raised["checkpoints"], (now, raised["checkpoints"])
     assert any(name.endswith(".ckpt") for name in now), now  # the step-2 checkpoint from before the failure

@@ -71,7 +71,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
             trainer.fit(module)
         except NonFiniteError as err:
             error = str(err)
-        newest = find_resumable(os.path.join(run_dir, "checkpoints"))
+        newest = find_resumable(os.path.join(run_dir, "version_0", "checkpoints"))
         payload = read_checkpoint(newest) if newest else {}
         out[name] = {
             "error": error, "skipped": trainer.guard.skipped_steps, "global_step": trainer.global_step,

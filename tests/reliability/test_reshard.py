@@ -59,7 +59,7 @@ def _worker(rank: int, world_size: int, root: str, phase: str, ckpt_path: str | 
     trainer.fit(module, ckpt_path=ckpt_path)
     return {"loaded": after_load.state if ckpt_path else None, "final": _full_state(trainer),
             "global_step": trainer.global_step,
-            "checkpoint": find_resumable(os.path.join(out_dir, "run", "checkpoints"))}
+            "checkpoint": find_resumable(os.path.join(out_dir, "run", "version_0", "checkpoints"))}
 
 
 @pytest.mark.timeout(900)

@@ -63,7 +63,7 @@ def good_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("good") / "run"
     _trainer(run_dir, max_steps=2, callbacks=[ModelCheckpoint(every_n_train_steps=1, save_top_k=1)]).fit(
         rel_module().RelModule(n=16, batch_size=4))
-    return run_dir / "checkpoints" / "last.ckpt"
+    return run_dir / "version_0" / "checkpoints" / "last.ckpt"
 
 
 def _malicious_file(path: Path, marker: Path, good: Path) -> Path:
@@ -115,7 +115,7 @@ def test_reduce_payload_is_refused_on_every_load_path(tmp_path: Path, good_check
     assert not is_complete(str(evil))
     refused.append("is_complete")
     # resume: last scanning a directory whose newest checkpoint is the malicious one
-    ckpt_dir = tmp_path / "run" / "checkpoints"
+    ckpt_dir = tmp_path / "run" / "version_0" / "checkpoints"
     ckpt_dir.mkdir(parents=True)
     shutil.copy(good_checkpoint, ckpt_dir / "epoch=0-step=2.ckpt")
     shutil.copy(evil, ckpt_dir / "epoch=0-step=3.ckpt")

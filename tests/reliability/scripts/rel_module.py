@@ -153,7 +153,7 @@ class RelModule(TrainModule):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._fault("raise"):
             self._write("events", {"event": "raising", "step": self.trainer.global_step,
-                                   "checkpoints": _listing(os.path.join(self.trainer.run_dir, "checkpoints"))})
+                                   "checkpoints": _listing(os.path.join(self.trainer.log_dir, "checkpoints"))})
             raise RuntimeError(f"deliberate failure on rank {self.rank} at step {self.trainer.global_step}")
         if self._fault("sleep"):
             self._write("events", {"event": "sleeping", "step": self.trainer.global_step})

@@ -1,0 +1,122 @@
+"""``CSVLogger``: one row per logging step in ``<save_dir>/<name>/version_<n>/metrics.csv`` (columns grow
+as new names appear), the hyperparameters in ``hparams.yaml`` beside it."""
+
+from __future__ import annotations
+
+import csv
+import os
+from typing import Any
+
+from polytrain.callbacks.loggers import DirectoryLogger, DummyExperiment, prefixed, write_hparams_yaml
+
+
+class CSVExperiment:
+    """What ``CSVLogger.experiment`` returns (Lightning's ``ExperimentWriter``): the rows, and the file
+    they go to. ``log_metrics`` merges values of one step into one row; ``save`` writes the file whole."""
+
+    NAME_METRICS_FILE = "metrics.csv"
+    NAME_HPARAMS_FILE = "hparams.yaml"
+
+    def __init__(self, log_dir: str) -> None:
+        self.log_dir = log_dir
+        self.metrics_file_path = os.path.join(log_dir, self.NAME_METRICS_FILE)
+        self.metrics: list[dict[str, Any]] = []
+        self.metrics_keys: list[str] = ["step"]
+        self.hparams: dict[str, Any] = {}
+        self._unwritten = False  # rows changed since the file was last written
+        self._read_existing()
+
+    def _read_existing(self) -> None:
+        """Rows already in the file (a resumed run's, or a stage run later in the same directory) are
+        kept: a stage adds its rows after them, never writes over them."""
+        if not os.path.exists(self.metrics_file_path):
+            return
+        with open(self.metrics_file_path, newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            self.metrics_keys = list(reader.fieldnames or ["step"])
+            self.metrics = [{k: v for k, v in row.items() if v != ""} for row in reader]
+        for row in self.metrics:
+            row["step"] = int(row["step"])
+
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        self.hparams.update(params)
+        write_hparams_yaml(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), self.hparams)
+
+    def log_metrics(self, metrics_dict: dict[str, Any], step: int | None = None) -> None:
+        step = len(self.metrics) if step is None else step
+        if self.metrics and self.metrics[-1]["step"] == step:
+            self.metrics[-1].update(metrics_dict)
+        else:
+            self.metrics.append({"step": step, **metrics_dict})
+        self.metrics_keys.extend(k for k in metrics_dict if k not in self.metrics_keys)
+        self._unwritten = True
+
+    def continue_from(self, step: int) -> None:
+        """A resumed run: keep the rows up to ``step`` (the checkpoint's) and continue after them; rows
+        past it were written by the run that was interrupted after that checkpoint."""
+        kept = [row for row in self.metrics if row["step"] <= step]
+        if len(kept) != len(self.metrics):
+            self.metrics = kept
+            self._unwritten = True  # the file must lose them too
+
+    def save(self) -> None:
+        if not self.metrics or not self._unwritten:
+            return
+        self._unwritten = False
+        os.makedirs(self.log_dir, exist_ok=True)
+        tmp = self.metrics_file_path + ".tmp"
+        with open(tmp, "w", newline="", encoding="utf-8") as fh:
+            writer = csv.DictWriter(fh, fieldnames=self.metrics_keys)
+            writer.writeheader()
+            writer.writerows(self.metrics)
+        os.replace(tmp, self.metrics_file_path)
+
+
+class CSVLogger(DirectoryLogger):
+    """Lightning's ``CSVLogger(save_dir, name="lightning_logs", version=None, prefix="",
+    flush_logs_every_n_steps=100)``: the file is written every ``flush_logs_every_n_steps`` logged
+    steps, at each epoch's end and when a stage ends.
+
+    A run resumed from a checkpoint continues its own file: the rows up to the checkpoint's step are
+    kept, rows the interrupted run wrote after it are dropped. A file this logger did not start is never
+    written over: a fresh run in an existing version directory refuses before it starts (the Trainer
+    checks), and a stage's rows are added to the rows already in memory, never replacing them.
+    """
+
+    def __init__(self, save_dir: str | os.PathLike, name: str | None = "lightning_logs",
+                 version: int | str | None = None, prefix: str = "", flush_logs_every_n_steps: int = 100) -> None:
+        super().__init__(save_dir, name, version, None, prefix)
+        self._flush_every = max(1, int(flush_logs_every_n_steps))
+        self._experiment: CSVExperiment | None = None
+        self._logged_steps = 0
+
+    @property
+    def experiment(self) -> Any:
+        """The ``CSVExperiment`` (on ranks that do not log: a stand-in that does nothing)."""
+        if not self.writes_here:
+            return DummyExperiment()
+        if self._experiment is None or self._experiment.log_dir != self.log_dir:
+            self._experiment = CSVExperiment(self.log_dir)
+        return self._experiment
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.log_dir, CSVExperiment.NAME_METRICS_FILE)
+
+    def on_fit_start(self, trainer: Any, module: Any) -> None:
+        # After any resume (the loop has restored the step): continue this run's rows.
+        if trainer.is_logging_rank and trainer.global_step > 0:
+            self.experiment.continue_from(trainer.global_step)
+
+    def log_hyperparams(self, params: Any) -> None:
+        self.experiment.log_hparams(dict(params))
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.experiment.log_metrics(prefixed(metrics, self._prefix), step)
+        self._logged_steps += 1
+        if self._logged_steps % self._flush_every == 0:
+            self.save()
+
+    def save(self) -> None:
+        if self._experiment is not None:
+            self._experiment.save()

@@ -1,0 +1,5 @@
+"""Lightning's module path ``loggers.csv_logs``."""
+
+from polytrain.callbacks.csv_logger import CSVLogger
+
+__all__ = ["CSVLogger"]

@@ -1,0 +1,5 @@
+"""Lightning's module path ``loggers.mlflow``."""
+
+from polytrain.callbacks.experiment_loggers import MLFlowLogger
+
+__all__ = ["MLFlowLogger"]

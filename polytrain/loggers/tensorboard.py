@@ -1,0 +1,5 @@
+"""Lightning's module path ``loggers.tensorboard``."""
+
+from polytrain.callbacks.tensorboard_logger import TensorBoardLogger
+
+__all__ = ["TensorBoardLogger"]

@@ -1,0 +1,135 @@
+"""Where a Trainer's run writes, settled once when a stage starts, identically on every rank.
+
+Each run gets a directory of its own under the root, as Lightning's loggers give one:
+``<run_dir>/version_<n>`` (the next free ``n``), or ``<run_dir>/<version>`` when ``trainer.version`` names
+one. When the first logger is a file logger built by the user (``TensorBoardLogger(save_dir, name)``), its
+``<save_dir>/<name>`` is the root instead, as in Lightning. The run's logs and its ``checkpoints/`` live
+there, so a new run never writes over an earlier run's files, never moves its ``latest`` pointer, and
+``resume: last`` never mixes two runs' checkpoints. A fit that resumes from a checkpoint of a run under
+the root continues that run, in its directory; a later stage of the same Trainer stays where it is.
+
+Global rank 0 looks at the file system and decides; the decision (or the error) reaches every rank by
+one broadcast, so file systems that differ between nodes cannot split the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from polytrain.callbacks.loggers import DirectoryLogger
+from polytrain.checkpoint.layout import (
+    holds_files,
+    next_version,
+    resolve_resume,
+    run_of_checkpoint,
+    version_name,
+    version_of,
+)
+from polytrain.checkpoint.replicated import agree_on_error
+from polytrain.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from polytrain.trainer.trainer import Trainer
+
+
+@dataclass(frozen=True)
+class RunDirectory:
+    path: str  # the run's directory: its logs, and its checkpoints under checkpoints/
+    resume_from: str | None = None  # the checkpoint a fit continues from (None: a fresh start)
+
+
+def run_root(trainer: Trainer) -> tuple[str, int | str | None]:
+    """The directory runs are versioned under, and the version asked for (None: the next free one)."""
+    first = trainer.logger
+    if isinstance(first, DirectoryLogger):  # the Trainer's own file loggers have run_dir as their root
+        return first.root_dir, first.asked_version
+    return trainer.config.run_dir, trainer.config.version
+
+
+def settle_run_directory(trainer: Trainer, stage: str, ckpt_path: str | None, previous: RunDirectory | None) -> RunDirectory:
+    """Every rank calls this when a stage starts (it holds one broadcast and, when the run writes, an
+    agreement on whether its directory could be created)."""
+    strategy = trainer.strategy
+    decision: Any = None
+    if strategy.is_global_zero:
+        try:
+            decision = _decide(trainer, stage, ckpt_path, previous)
+        except Exception as err:  # noqa: BLE001 - every rank raises it, after the broadcast below
+            decision = err
+    decision = strategy.broadcast(decision)
+    if isinstance(decision, BaseException):
+        raise decision
+    run, versions = decision
+    for logger, version in zip(_directory_loggers(trainer), versions):
+        logger.pin_version(version)
+    if _writes(trainer, stage):
+        _create(trainer, run.path)
+    return run
+
+
+def _directory_loggers(trainer: Trainer) -> list[DirectoryLogger]:
+    return [lg for lg in trainer.loggers if isinstance(lg, DirectoryLogger)]
+
+
+def _writes(trainer: Trainer, stage: str) -> bool:
+    if trainer.config.fast_dev_run:
+        return False
+    return bool(trainer.loggers) or (stage == "fit" and trainer.checkpoint_callback is not None)
+
+
+def _decide(trainer: Trainer, stage: str, ckpt_path: str | None,
+            previous: RunDirectory | None) -> tuple[RunDirectory, list[int | str]]:
+    """Global rank 0 only: the run's directory, the checkpoint a fit resumes from, each file logger's version."""
+    root, version = run_root(trainer)
+    choice = ckpt_path if ckpt_path is not None else trainer.config.resume
+    resume_from = resolve_path(trainer, choice) if stage == "fit" else None
+    adopted = run_of_checkpoint(resume_from, root) if resume_from is not None else None
+    if adopted:  # a run under the root: continue it there
+        path = os.path.join(root, adopted)
+    elif previous is not None:
+        path = previous.path
+    elif version is not None:
+        path = os.path.join(root, version_name(version))
+        existing = holds_files(path)
+        if stage == "fit" and choice is None and existing:  # resume: auto/last into it continues it
+            raise ConfigError(
+                f"version {version!r}: {path} already holds a run ({', '.join(existing)}); a fresh fit there would "
+                f"write over its files. Continue that run with resume=last (ckpt_path='last'), pick another "
+                f"version (the next free one is version_{next_version(root)}), or leave the version unset")
+    else:
+        path = os.path.join(root, version_name(next_version(root)))
+    name = version_of(os.path.basename(path))
+    versions = [name if os.path.abspath(lg.root_dir) == os.path.abspath(root) else
+                (lg.asked_version if lg.asked_version is not None else next_version(lg.root_dir)) for lg in _directory_loggers(trainer)]
+    return RunDirectory(path, resume_from), versions
+
+
+def resolve_path(trainer: Trainer, choice: str | None) -> str | None:
+    """``None`` | ``"last"`` | ``"auto"`` | ``"best"`` | a path -> the checkpoint to load (global rank 0)."""
+    if choice == "best":
+        callback = trainer.checkpoint_callback
+        best = getattr(callback, "best_model_path", None)
+        if not best:
+            why = "there is no ModelCheckpoint callback" if callback is None else "it has not saved a checkpoint yet"
+            raise ConfigError(f"ckpt_path='best' loads the best checkpoint of the ModelCheckpoint callback, but {why}; "
+                              f"fit with checkpointing enabled first (monitor=... ranks them), or pass a path or 'last'")
+        return best
+    root, version = run_root(trainer)
+    return resolve_resume(choice, root, version)
+
+
+def _create(trainer: Trainer, path: str) -> None:
+    """Create the run's directory before the first step: an unwritable path then fails at once, with one
+    clear error on every rank, instead of after an epoch inside a logger on one rank only."""
+    error = None
+    if trainer.is_global_zero or trainer.is_logging_rank:
+        try:
+            os.makedirs(path, exist_ok=True)
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as err:
+            error = (f"cannot write trainer.run_dir={trainer.run_dir} (this run's directory: {path}): "
+                     f"{err.strerror or err}. Point trainer.run_dir at a writable directory")
+    agree_on_error(error, trainer.strategy.collective_device)
