@@ -210,9 +210,10 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_distributed(_ddp_worker, 2, str(tmp_path_factory.mktemp("user_samplers")), timeout=240.0)
 
 
-def _draws(sampler: Any, epoch: int) -> list[Any]:
-    """What the sampler yields in one process in ``epoch`` under polytrain's seeding (trainer seed + epoch)."""
-    split = SplitSampler(sampler, 1, 0, SEED, pad=True)
+def _draws(sampler: Any, epoch: int, shuffle: bool = False) -> list[Any]:
+    """What the sampler yields in one process in ``epoch`` under polytrain's seeding (trainer seed + epoch),
+    with ``shuffle`` in the order training splits them (DistributedSampler's, seeded by seed + epoch)."""
+    split = SplitSampler(sampler, 1, 0, SEED, pad=True, shuffle=shuffle)
     split.set_epoch(epoch)
     return list(split)
 
@@ -222,7 +223,7 @@ def _draws(sampler: Any, epoch: int) -> list[Any]:
 def test_global_rng_samplers_are_split_draw_by_draw(ranks: list[dict[str, Any]]) -> None:
     for name, make in (("weighted", weighted), ("python", lambda: PyShuffle(N))):
         for epoch in range(EPOCHS):
-            draws = _draws(make(), epoch)
+            draws = _draws(make(), epoch, shuffle=True)
             for rank, out in enumerate(ranks):
                 taken = [i for e, batch in out[name]["seen"] if e == epoch for i in batch]
                 assert taken == draws[rank::2], (name, epoch, rank)  # interleaved, as DistributedSampler

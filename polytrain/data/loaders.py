@@ -204,7 +204,7 @@ def _split_user_sampling(loader: DataLoader, num_replicas: int, rank: int, seed:
         return _pinned(loader, pin_memory)
     train = stage == "train"
     if by_index:
-        return _rebuild(loader, SplitSampler(user, num_replicas, rank, seed, pad=train), pin_memory)
+        return _rebuild(loader, SplitSampler(user, num_replicas, rank, seed, pad=train, shuffle=train), pin_memory)
     split = SplitSampler(user, num_replicas, rank, seed, pad=train,
                          drop_tail=train and getattr(user, "drop_last", False) is True)
     return _rebuild(loader, None, pin_memory, batch_sampler=split)

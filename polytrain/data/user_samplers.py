@@ -4,8 +4,11 @@
 ``WeightedRandomSampler``, or a batch sampler yielding lists of indices, e.g. a bucketing one). Every
 rank draws the user's whole epoch, identically, and keeps every N-th draw, interleaved as
 ``DistributedSampler`` does: rank r takes draws r, r+N, r+2N, ... So over an epoch the ranks together
-consume exactly what the sampler yields in one process, each draw once, and the global batch k (the
-ranks' k-th batches together) is the single-process batch k of size B x N.
+consume exactly what the sampler yields in one process, each draw once. In training a sampler of
+indices is split as Lightning splits it (``DistributedSampler(shuffle=True)`` over the draws): the
+draws are put in an order seeded by ``seed + epoch`` first, so a ddp run takes Lightning's batches, and
+the global batch k (the ranks' k-th batches together) is batch k of size B x N of one process reading
+that order (``use_distributed_sampler: always``). A batch sampler's batches keep their order.
 
 Every rank must draw the same sequence, but training steps run on per-rank RNG streams (DESIGN §1), so
 a sampler drawing from the global RNG would draw differently on each rank (items duplicated, others
@@ -38,8 +41,9 @@ class SplitSampler(Sampler):
     """
 
     def __init__(self, sampler: Any, num_replicas: int, rank: int, seed: int, pad: bool,
-                 drop_tail: bool = False) -> None:
+                 drop_tail: bool = False, shuffle: bool = False) -> None:
         self.sampler = sampler
+        self.shuffle = shuffle
         self.num_replicas = num_replicas
         self.rank = rank
         self.seed = seed
@@ -80,6 +84,12 @@ class SplitSampler(Sampler):
 
     def share(self, draws: list[Any]) -> list[Any]:
         n = self.num_replicas
+        if self.shuffle:
+            # Training, as DistributedSampler over the draws (Lightning's wrapper does the same): the epoch's
+            # draws in an order seeded by seed + epoch, so a Lightning run's batches are these batches.
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            draws = [draws[i] for i in torch.randperm(len(draws), generator=g).tolist()]
         if self.pad and self.drop_tail:
             draws = draws[: len(draws) - len(draws) % n]
         elif self.pad and draws and len(draws) % n:

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 MODULES_FILE = Path(__file__).with_name("modules.py")
+SURFACE_FILE = Path(__file__).with_name("surface_modules.py")  # the names around the module (loggers, ...)
 MARKER = "# <framework>"
 FRAMEWORK_LINES = {
     "lightning": "import lightning.pytorch as pl  # <framework>",
@@ -117,26 +118,36 @@ _get_rng_state = torch.get_rng_state  # the recorder's own reads must not show u
 _loaded: dict[str, types.ModuleType] = {}
 
 
-def module_source(framework: str) -> str:
-    lines = MODULES_FILE.read_text().splitlines(keepends=True)
+def module_source(framework: str, path: Path = MODULES_FILE) -> str:
+    lines = path.read_text().splitlines(keepends=True)
     marked = [i for i, line in enumerate(lines) if line.rstrip().endswith(MARKER)]
     if len(marked) != 1:
-        raise RuntimeError(f"{MODULES_FILE} must have exactly one line ending in {MARKER!r}, found {len(marked)}")
+        raise RuntimeError(f"{path} must have exactly one line ending in {MARKER!r}, found {len(marked)}")
     lines[marked[0]] = FRAMEWORK_LINES[framework] + "\n"
     return "".join(lines)
 
 
-def load_modules(framework: str) -> types.ModuleType:
-    """``modules.py`` executed with its framework line for ``framework`` (cached per process)."""
-    if framework not in _loaded:
-        name = f"compat_modules_{framework}"
-        spec = importlib.util.spec_from_loader(name, loader=None, origin=str(MODULES_FILE))
+def load_modules(framework: str, path: Path = MODULES_FILE) -> types.ModuleType:
+    """``modules.py`` (or ``path``) executed with its framework line for ``framework`` (cached per process)."""
+    key = framework if path == MODULES_FILE else f"{framework}:{path.stem}"
+    if key not in _loaded:
+        name = f"compat_modules_{framework}" if path == MODULES_FILE else f"compat_{path.stem}_{framework}"
+        spec = importlib.util.spec_from_loader(name, loader=None, origin=str(path))
         mod = importlib.util.module_from_spec(spec)
-        mod.__file__ = str(MODULES_FILE)
+        mod.__file__ = str(path)
         sys.modules[name] = mod  # classes must be findable by module name (pickling, dataclasses, inspect)
-        exec(compile(module_source(framework), str(MODULES_FILE), "exec"), mod.__dict__)
-        _loaded[framework] = mod
-    return _loaded[framework]
+        exec(compile(module_source(framework, path), str(path), "exec"), mod.__dict__)
+        _loaded[key] = mod
+    return _loaded[key]
+
+
+def case_builder(framework: str, case: str) -> tuple[types.ModuleType, Callable[..., dict[str, Any]]]:
+    """The framework namespace and the function that builds ``case`` (from either modules file)."""
+    for path in (MODULES_FILE, SURFACE_FILE):
+        ns = load_modules(framework, path)
+        if case in ns.CASES:
+            return ns, ns.CASES[case]
+    raise KeyError(f"no compat case {case!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -491,7 +502,7 @@ def run_case(framework: str, case: str, *, case_kwargs: Mapping[str, Any] | None
     """
     quiet()
     torch.set_num_threads(1)
-    ns = load_modules(framework)
+    ns, build_case = case_builder(framework, case)
     pl = ns.pl
     root_dir = root_dir or tempfile.mkdtemp(prefix=f"compat-{framework}-{case}-")
     # A seed left in the environment by an earlier run (or inherited from a fork server) would make
@@ -511,7 +522,9 @@ def run_case(framework: str, case: str, *, case_kwargs: Mapping[str, Any] | None
         kwargs = dict(case_kwargs or {})
         if case == "autoencoder":
             kwargs.setdefault("data_dir", os.path.join(root_dir, "data"))
-        built = ns.CASES[case](**kwargs)
+        if case == "surface":
+            kwargs.setdefault("save_dir", root_dir)
+        built = build_case(**kwargs)
         model, datamodule = built["model"], built.get("datamodule")
         user_callbacks = list(built.get("callbacks", []))
         recorder.wrap(model, "module", MODULE_HOOKS)
@@ -557,7 +570,10 @@ def run_case(framework: str, case: str, *, case_kwargs: Mapping[str, Any] | None
             tracer.__exit__(None, None, None)
 
     extra: dict[str, Any] = {"train_sampler": describe_sampler(getattr(trainer, "train_dataloader", None)),
-                             "seen_in_hooks": list(getattr(model, "seen_in_hooks", []))}
+                             "seen_in_hooks": list(getattr(model, "seen_in_hooks", [])),
+                             "rank_zero_notes": list(getattr(model, "rank_zero_notes", [])),
+                             "log_dir": trainer.log_dir, "root_dir": root_dir,
+                             "logger_dirs": {type(lg).__name__: lg.log_dir for lg in trainer.loggers}}
     for cb in user_callbacks:
         if hasattr(cb, "images"):
             extra["images"] = [img.clone() for img in cb.images]
