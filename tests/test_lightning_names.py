@@ -116,3 +116,43 @@ def test_validate_and_test_print_their_results_table(make_trainer: Any, capsys: 
     assert "Test metric" in capsys.readouterr().out
     trainer.validate(module, verbose=False)
     assert "metric" not in capsys.readouterr().out
+
+
+class _StepsWithoutBatchIdx(TinyModule):
+    """Lightning passes ``batch_idx`` only to a step that takes it (``def training_step(self, batch)``)."""
+
+    def training_step(self, batch: Any) -> Any:  # type: ignore[override]
+        return super().training_step(batch, 0)
+
+    def validation_step(self, batch: Any) -> Any:  # type: ignore[override]
+        return super().validation_step(batch, 0)
+
+    def test_step(self, batch: Any) -> Any:  # type: ignore[override]
+        return super().test_step(batch, 0)
+
+    def predict_step(self, batch: Any) -> Any:  # type: ignore[override]
+        return super().predict_step(batch, 0)
+
+
+def _fit_without_batch_idx(rank: int, world: int, strategy: str) -> list[float]:
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=world, max_epochs=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    module = _StepsWithoutBatchIdx()
+    trainer.fit(module)
+    trainer.validate(module, verbose=False)
+    trainer.test(module, verbose=False)
+    assert len(trainer.predict(module)) == 2 // world  # 8 samples in batches of 4, split over the ranks
+    return [float(v) for v in module.net.weight.flatten()]
+
+
+@pytest.mark.parametrize("strategy,world", [("single", 1), ("ddp", 2)])
+def test_steps_declared_without_batch_idx_run(strategy: str, world: int) -> None:
+    torch.manual_seed(0)
+    reference = TinyModule()
+    torch.manual_seed(0)
+    if world == 1:
+        weights = [_fit_without_batch_idx(0, 1, strategy)]
+    else:
+        weights = run_distributed(_fit_without_batch_idx, world, strategy, timeout=240)
+    assert all(w == weights[0] for w in weights)
+    assert weights[0] != [float(v) for v in reference.net.weight.flatten()]  # it trained

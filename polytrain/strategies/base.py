@@ -27,7 +27,7 @@ from polytrain.core.process_group import destroy_process_group
 from polytrain.core.protocol import extract_loss
 from polytrain.data.loaders import distribute_dataloader
 from polytrain.strategies.collective_verbs import CollectiveVerbs
-from polytrain.strategies.router import StepResult, StepRouter
+from polytrain.strategies.router import StepResult, StepRouter, user_step
 
 
 def _as_is(row: str, fn: Callable[..., Any], **_: Any) -> Callable[..., Any]:
@@ -248,7 +248,7 @@ class Strategy(CollectiveVerbs, ABC):
         # The router must run when it wraps or carries hooks (tensor parallel swaps replicated DTensor
         # parameters for local views around the step in the router's hooks).
         routed = type(model) is not StepRouter or bool(model._forward_pre_hooks or model._forward_hooks)
-        step = functools.partial(model, "training_step") if routed else self.module.training_step
+        step = functools.partial(model, "training_step") if routed else user_step(self.module, "training_step")
         if self.precision.autocast_dtype is None:
             return step
         context = self.precision.forward_context
@@ -263,7 +263,7 @@ class Strategy(CollectiveVerbs, ABC):
         # Evaluation runs on the unwrapped module: no gradient hooks, no buffer broadcasts, so a
         # rank with fewer evaluation batches cannot leave the others waiting in a collective.
         with self.precision.forward_context():
-            return getattr(self.module, f"{stage}_step")(batch, batch_idx)
+            return user_step(self.module, f"{stage}_step")(batch, batch_idx)
 
     def forward_backward(self, batch: Any, batch_idx: int, accumulate: int = 1,
                          zero_grad: Callable[[], None] | None = None) -> StepResult:
@@ -370,12 +370,13 @@ class Strategy(CollectiveVerbs, ABC):
         model = module_state if module_state is not None and not self.gathers_state else self.module_state_dict()
         return {"model": model, "optimizer": full_optimizer_state(parts)}
 
-    def save_checkpoint(self, payload: dict[str, Any], path: str) -> None:
+    def save_checkpoint(self, payload: dict[str, Any], path: str, async_save: bool = False) -> None:
         """Every rank calls it. ``payload``'s ``state_dict`` (the live state hooks read) is not written: the
-        model goes under ``model``, as the checkpoint I/O's format holds it."""
+        model goes under ``model``, as the checkpoint I/O's format holds it. ``async_save``: returns once the
+        state is staged; the write goes on in the background (``checkpoint_io.finish`` waits for it)."""
         state = {k: v for k, v in payload.items() if k != "state_dict"}
         state.update(self.checkpoint_state(payload.get("state_dict")))
-        self.checkpoint_io.save(state, path)
+        (self.checkpoint_io.async_save if async_save else self.checkpoint_io.save)(state, path)
 
     def load_checkpoint(self, path: str, weights_only: bool = False) -> dict[str, Any]:
         """Restore model and optimizer state (with ``weights_only``: the model alone) from any checkpoint;

@@ -47,7 +47,7 @@ from polytrain.parallel.pipeline_stage import (
     stage_owners,
 )
 from polytrain.strategies.base import Strategy
-from polytrain.strategies.router import PADDING_BATCH, StepResult
+from polytrain.strategies.router import PADDING_BATCH, StepResult, user_step
 
 log = logging.getLogger("polytrain")
 
@@ -266,7 +266,7 @@ class PipelineRunner:
         start, stop = int(targets[0]), int(targets[-1]) + 1
         micro = _rows(self._batch, start, stop, size)
         with recorded_logs(self.module, self._records), self._sequential_as(outputs):
-            output = self.module.training_step(micro, self._batch_idx)
+            output = user_step(self.module, "training_step")(micro, self._batch_idx)
         loss = extract_loss(output)
         if loss is None:
             raise RuntimeError("training_step returned None under pipeline parallelism: every micro-batch of a "
@@ -278,7 +278,7 @@ class PipelineRunner:
         stand_in = _StandIn(None, self.seq_name)
         with muted_logs(self.module), self._sequential_as(stand_in), torch.no_grad():
             with contextlib.suppress(_Captured), self.strategy.precision.forward_context():
-                getattr(self.module, step)(batch, batch_idx)
+                user_step(self.module, step)(batch, batch_idx)
         if stand_in.input is None:
             raise RuntimeError(f"{type(self.module).__name__}.{step} returned without calling self.{self.seq_name}: "
                                f"under pipeline parallelism the first stage needs the Sequential's input")
@@ -355,7 +355,7 @@ class PipelineRunner:
         if self.is_last_stage:
             logs = muted_logs(self.module) if padding else captured_logs(self.module, records)
             with logs, self._sequential_as(output), s.precision.forward_context():
-                result = getattr(self.module, step)(batch, batch_idx)
+                result = user_step(self.module, step)(batch, batch_idx)
         if padding:
             return PADDING_BATCH
         if stage != "predict":

@@ -3,6 +3,9 @@ through, the result of one micro-batch, and the marker of an evaluation batch ru
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +33,30 @@ class StepResult:
     output: Any
 
 
+@functools.lru_cache(maxsize=512)
+def _takes_batch_idx(fn: Callable[..., Any], bound: bool) -> bool:
+    """Lightning's rule: a step gets ``batch_idx`` when it names it, takes ``*args``, or has a second
+    positional parameter (``def training_step(self, batch)`` gets the batch only)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    params = params[1:] if bound else params
+    if any(p.name == "batch_idx" or p.kind is p.VAR_POSITIONAL for p in params):
+        return True
+    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
+
+
+def user_step(module: Any, name: str) -> Callable[..., Any]:
+    """``module.<name>`` to be called as ``(batch, batch_idx, ...)``: the method itself, or, for a step
+    declared without ``batch_idx``, a call that leaves it out."""
+    method = getattr(module, name)
+    func = getattr(method, "__func__", method)
+    if _takes_batch_idx(func, func is not method):
+        return method
+    return functools.wraps(method)(lambda batch, batch_idx=None, *rest, **kwargs: method(batch, *rest, **kwargs))
+
+
 class StepRouter(nn.Module):
     """Lets a wrapper (DDP, DataParallel) call ``training_step`` as its forward.
 
@@ -47,7 +74,7 @@ class StepRouter(nn.Module):
     def forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
         # _modules directly: `self.module` goes through nn.Module.__getattr__ after a failed normal
         # lookup (an AttributeError built and dropped) on every step.
-        result = getattr(self._modules["module"], method)(*args, **kwargs)
+        result = user_step(self._modules["module"], method)(*args, **kwargs)
         after = self.__dict__["after_method"]
         if after is not None:
             after()
