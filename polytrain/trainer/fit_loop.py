@@ -35,6 +35,7 @@ from polytrain.trainer.data_connector import (
     request_loader,
 )
 from polytrain.trainer.evaluation import run_eval_pass
+from polytrain.trainer.goodput import Goodput, report_goodput
 from polytrain.trainer.guards import NonFiniteGuard, check_batches
 from polytrain.trainer.hooks import is_overridden
 from polytrain.trainer.metrics import publish
@@ -67,6 +68,7 @@ class FitLoop:
         self.schedule: ValidationSchedule | None = None
         self.lr_scheduler_configs: list[Any] = []
         self.t: Any = None  # the Trainer, while a fit runs
+        self.goodput = Goodput()
 
     # ------------------------------------------------------------------ the fit
     def run(self, trainer: Trainer, ckpt_path: str | None) -> None:
@@ -74,6 +76,7 @@ class FitLoop:
         data.train_loader, data.requested_early = None, False  # this fit's (estimated_stepping_batches may ask)
         self._setup_optimization()
         self._restore(ckpt_path)
+        self.goodput.begin(trainer, self.progress.global_step)
         hooks("on_fit_start")
         sanity = (cfg.num_sanity_val_steps != 0 and not cfg.fast_dev_run and loader_source(trainer, "val") is not None
                   and is_overridden(trainer.module, "validation_step", TrainModule) and not disabled(trainer, "val"))
@@ -114,6 +117,7 @@ class FitLoop:
         trainer.metrics.start_stage(None)
         hooks("on_train_end")
         hooks("on_fit_end")
+        report_goodput(trainer, self.goodput, self.progress.global_step)
 
     def request_train_loader(self) -> Any:
         saved = self.resumed.loop
@@ -149,17 +153,16 @@ class FitLoop:
 
     def _bind_phases(self) -> None:
         """The fit's per-batch callables, each through the profiler's instrument (itself when off)."""
-        t, instrument = self.t, self.t.profiler.instrument
-        self._train_epoch = instrument("train epoch", self._run_epoch)
+        t, instrument, clock = self.t, self.t.profiler.instrument, self.goodput
+        self._train_epoch = clock.timed("epoch", instrument("train epoch", self._run_epoch))
         self._transfer = instrument("batch to device", t.transfer_batch)
         self._run_batch = instrument("training batch", self.optimization.run)
-        self._log_step = instrument("logging step", self._logging_step)
-        self._validate = instrument("validation", self._run_validation)
+        self._log_step = clock.marking(instrument("logging step", self._logging_step), self.progress)
+        self._validate = clock.timed("validation", instrument("validation", self._run_validation))
         self._end_epoch = instrument("epoch end", self._finish_epoch)
 
     # ------------------------------------------------------------------ stopping
-    def _time_up(self) -> bool:
-        """``max_time`` reached on this rank (reduce across ranks before acting on it)."""
+    def _time_up(self) -> bool:  # max_time reached on this rank (reduce across ranks before acting on it)
         limit = self.t.max_time_seconds
         return limit is not None and time.monotonic() - self._started >= limit
 
@@ -184,8 +187,7 @@ class FitLoop:
             s.requested = s.out_of_time = True
         s.requested = s.agreed = strategy.reduce_boolean_decision(s.requested)
 
-    def _agree_on_stop(self) -> None:
-        """At a point every rank reaches together (logging step, validation): agree on a stop request."""
+    def _agree_on_stop(self) -> None:  # at a point every rank reaches together (logging step, validation)
         if self._multi_rank:
             s = self.stopping
             s.agreed = s.requested = self.t.strategy.reduce_boolean_decision(s.requested)
@@ -195,7 +197,7 @@ class FitLoop:
         p, data, t = self.progress, self.data, self.t
         iterator, start, p.sample_base, data.loader_rng = epoch_iterator(
             data.train_loader, p.epoch, p.batch_in_epoch, data.num_training_batches, t.strategy.dp_size, self.resumed)
-        return t.profiler.iterator("get batch", iterator), start
+        return t.profiler.iterator("get batch", self.goodput.fetching(iterator)), start
 
     def _run_epoch(self) -> None:
         t, p, first = self.t, self.progress, self._first

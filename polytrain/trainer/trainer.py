@@ -19,6 +19,7 @@ from polytrain.callbacks.loggers import Logger
 from polytrain.callbacks.progress import ProgressBar
 from polytrain.core import heartbeat
 from polytrain.core.errors import ConfigError
+from polytrain.core.nodes import node_range
 from polytrain.core.rank_zero import rank_zero_only
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.launcher import LaunchPlan, plan_launch
@@ -108,7 +109,10 @@ class Trainer:
 
     @property
     def num_nodes(self) -> int:
-        return self.config.num_nodes
+        """Nodes in the job; with ``num_nodes: "MIN:MAX"``, the nodes this rendezvous admitted."""
+        if self.strategy is not None:
+            return self.strategy.num_nodes
+        return node_range(self.config.num_nodes)[0]
 
     @property
     def is_global_zero(self) -> bool:
@@ -324,12 +328,12 @@ class Trainer:
         self.predict_loop.return_predictions = return_predictions is not False
         return self._run("predict", model, dict(predict=dataloaders), datamodule, ckpt_path)
 
-    def save_checkpoint(self, filepath: str, weights_only: bool = False) -> None:
-        """Every rank must call this (it gathers RNG states and meets at a barrier). Under
-        ``nan_policy: error`` a model that already holds NaN/inf is refused before anything is written."""
+    def save_checkpoint(self, filepath: str, weights_only: bool = False, async_save: bool = False) -> None:
+        """Every rank calls this (a collective); ``nan_policy: error`` refuses a model holding NaN/inf."""
         if self.guard is not None:
             self.guard.check()
-        self.strategy.save_checkpoint(build_payload(self), filepath)
+        with self.fit_loop.goodput.saving(self.global_step):  # training is blocked for this long
+            self.strategy.save_checkpoint(build_payload(self), filepath, async_save=async_save)
 
     # ------------------------------------------------------------------ plumbing
     def _run(self, stage: str, model: TrainModule | None, loaders: dict[str, Any], datamodule: Any,

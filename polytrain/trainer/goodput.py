@@ -1,0 +1,209 @@
+"""Goodput: how much of a run's wall time trained the model, from the loop's own clock marks.
+
+The fit's wall time splits into training, checkpoint blocking, validation, waiting for data, restart and
+lost work (the gap between a failed attempt's last mark and the next attempt's start, and the steps
+after the checkpoint it resumed from, which were trained twice), and the rest (set-up, sanity check,
+hooks at the edges). ``productive`` = training time of steps that count; the productive fraction is
+that over the wall time from the first attempt's start to the end.
+
+The clock is ``time.perf_counter`` around whole phases (an epoch, a validation, a save) and around
+each batch fetch: no host-device sync is added, so on a GPU a phase's time is host time (kernels still
+queued when it ends count in the phase that waits for them). Across restarts: the logging rank appends
+a line to ``<log_dir>/goodput.jsonl`` when a fit starts, after every checkpoint save and at every
+logging step (step, wall time, the phase totals so far); a resumed fit reads the run's earlier lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from polytrain.trainer.trainer import Trainer
+
+log = logging.getLogger("polytrain")
+
+RECORD_FILE = "goodput.jsonl"
+PHASES = ("epoch", "data", "validation", "checkpoint", "checkpoint_in_epoch")
+
+
+class Goodput:
+    """A fit's phase clock and the run's record across attempts; ``report()`` is the split."""
+
+    def __init__(self) -> None:
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.path: str | None = None  # the record file (logging rank, when the run has a directory)
+        self.earlier: list[dict[str, Any]] = []  # the run's lines from attempts before this one
+        self.started = self.started_wall = 0.0
+        self.start_step = 0
+        self._running: dict[str, float] = {}  # phase -> perf_counter at its start, while it runs
+        self._last: dict[str, Any] = {}
+        self.last: dict[str, float] | None = None  # the last fit's split (report)
+
+    # ------------------------------------------------------------------ the clock
+    def begin(self, trainer: Trainer, step: int) -> None:
+        """The fit starts (after any resume) at step ``step``. Lines of the run's record after its last
+        finished fit are earlier attempts of this one (each ended by a failure and restarted)."""
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.started, self.started_wall, self.start_step = time.perf_counter(), time.time(), step
+        self._running.clear()
+        self.path, self.earlier = None, []
+        if trainer.is_logging_rank and os.path.isdir(trainer.log_dir):
+            self.path = os.path.join(trainer.log_dir, RECORD_FILE)
+            lines = read_record(self.path)
+            ends = [i for i, line in enumerate(lines) if line["event"] == "end"]
+            self.earlier = lines[ends[-1] + 1:] if ends else lines
+        self._write("start", step)
+
+    def timed(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` with its duration added to ``phase`` (whole phases only: an epoch, a validation)."""
+        totals, running, clock = self.totals, self._running, time.perf_counter
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            running[phase] = begun = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[phase] += clock() - begun
+                del running[phase]
+
+        return run
+
+    def fetching(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        """``iterator`` with the time spent waiting for each batch added to ``data``."""
+        return _Fetching(iterator, self.totals)
+
+    @contextlib.contextmanager
+    def saving(self, step: int) -> Iterator[None]:
+        """A checkpoint save blocking training; the record notes the step it holds once it is written."""
+        begun = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - begun
+            self.totals["checkpoint"] += spent
+            if "epoch" in self._running:
+                self.totals["checkpoint_in_epoch"] += spent
+        self._write("checkpoint", step)
+
+    def marking(self, fn: Callable[[], None], progress: Any) -> Callable[[], None]:
+        """``fn`` (the logging step), then a line in the record: how far this attempt got, the work lost
+        if it dies before the next checkpoint."""
+        def run() -> None:
+            fn()
+            self._write("mark", progress.global_step)
+
+        return run
+
+    def _write(self, event: str, step: int) -> None:
+        totals, now = dict(self.totals), time.perf_counter()
+        for phase, begun in self._running.items():  # the phases running now (an epoch, a validation), so far
+            totals[phase] += now - begun
+        self._last = {"event": event, "step": step, "time": time.time(), **totals}
+        if self.path is None:
+            return
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(self._last) + "\n")
+
+    # ------------------------------------------------------------------ the split
+    def report(self, step: int) -> dict[str, float]:
+        """At the end of the fit: the run's wall time split into phases (seconds), the steps trained twice
+        after restarts, and the productive fraction."""
+        self._write("end", step)
+        self.path = None  # saves after the fit (trainer.save_checkpoint by hand) are not this fit's
+        attempts = split_attempts(self.earlier) + [[self._last]]
+        first_start = attempts[0][0]["time"] if len(attempts) > 1 else self.started_wall
+        split = dict.fromkeys(("training", "checkpoint", "validation", "data", "restart_and_lost", "lost_steps"), 0.0)
+        starts = [a[0] for a in attempts[1:-1]] + [{"time": self.started_wall, "step": self.start_step}]
+        for lines, restart in zip(attempts[:-1], starts):
+            _add_failed_attempt(split, lines, restart)
+        _add_phases(split, self.totals)
+        split["wall"] = max(self._last["time"] - first_start, 1e-9)
+        accounted = sum(split[k] for k in ("training", "checkpoint", "validation", "data", "restart_and_lost"))
+        split["other"] = max(0.0, split["wall"] - accounted)
+        split["productive_fraction"] = split["training"] / split["wall"]
+        self.last = split
+        return split
+
+
+class _Fetching:
+    def __init__(self, iterator: Iterator[Any], totals: dict[str, float]) -> None:
+        self.iterator, self.totals = iterator, totals
+
+    def __iter__(self) -> _Fetching:
+        return self
+
+    def __next__(self) -> Any:
+        begun = time.perf_counter()
+        try:
+            return next(self.iterator)
+        finally:
+            self.totals["data"] += time.perf_counter() - begun
+
+
+def report_goodput(trainer: Trainer, goodput: Goodput, step: int) -> None:
+    """The fit's end: one line on global rank 0 and ``goodput/*`` scalars to the loggers (logging rank)."""
+    split = goodput.report(step)
+    if trainer.is_global_zero:
+        log.info(summary_line(split))
+    if trainer.is_logging_rank:
+        scalars = {f"goodput/{k}": float(v) for k, v in split.items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(scalars, step)
+
+
+def _add_phases(split: dict[str, float], totals: dict[str, Any]) -> None:
+    """One attempt's phase totals into the split: training is the epochs' time less what ran inside them."""
+    inside = totals["data"] + totals["validation"] + totals["checkpoint_in_epoch"]
+    split["training"] += max(0.0, totals["epoch"] - inside)
+    for phase in ("checkpoint", "validation", "data"):
+        split[phase] += totals[phase]
+
+
+def _add_failed_attempt(split: dict[str, float], lines: list[dict[str, Any]], restart: dict[str, Any]) -> None:
+    """An attempt a failure ended: up to the checkpoint the next attempt resumed from (``restart``: its
+    start) counts as done; from there to the next start is restart and lost work."""
+    # The last line at the resumed step: a step save deferred to its validation and the epoch's save
+    # may both hold that step, and what ran between them was not redone.
+    kept = next((ln for ln in reversed(lines) if ln["event"] == "checkpoint" and ln["step"] == restart["step"]), None)
+    if kept is None:  # it saved nothing the next attempt used: all of it is lost
+        split["restart_and_lost"] += restart["time"] - lines[0]["time"]
+        split["lost_steps"] += lines[-1]["step"] - lines[0]["step"]
+        return
+    _add_phases(split, kept)
+    split["restart_and_lost"] += restart["time"] - kept["time"]
+    split["lost_steps"] += max(0, lines[-1]["step"] - kept["step"])
+
+
+def split_attempts(lines: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The record's lines grouped by attempt (each begins with a ``start`` line)."""
+    attempts: list[list[dict[str, Any]]] = []
+    for line in lines:
+        if line["event"] == "start" or not attempts:
+            attempts.append([])
+        attempts[-1].append(line)
+    return attempts
+
+
+def read_record(path: str) -> list[dict[str, Any]]:
+    """The record's complete lines (a line torn by a kill is dropped)."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for raw in fh:
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(raw))
+    return out
+
+
+def summary_line(split: dict[str, float]) -> str:
+    parts = ", ".join(f"{name.replace('_', ' ')} {split[name]:.1f}s" for name in
+                      ("training", "checkpoint", "validation", "data", "restart_and_lost", "other"))
+    lost = f", {int(split['lost_steps'])} steps trained twice" if split["lost_steps"] else ""
+    return f"goodput: {split['productive_fraction']:.1%} of {split['wall']:.1f}s wall time trained the model ({parts}{lost})"
