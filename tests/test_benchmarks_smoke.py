@@ -93,3 +93,14 @@ def test_activation_memory_benchmark_shows_a_saving() -> None:
 def test_loop_cost_benchmark_prints_added_time() -> None:
     out = _run([os.path.join(BENCH, "loop_cost.py"), "--steps", "60", "--rounds", "2"], timeout=280)
     assert re.search(r"^CPU us/step: polytrain [0-9.]+, hand [0-9.]+, added -?[0-9.]+ ", out, re.M), out
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_blocking_benchmark_prints_ratios() -> None:
+    # --tiny: a 2-layer model, 6 steps, a save every 2; single and fsdp x2 (DCP's async_save).
+    out = _run([os.path.join(BENCH, "checkpoint_blocking.py"), "--tiny", "--modes", "single,fsdp"], timeout=280)
+    for label in ("single", "fsdp x2"):
+        assert re.search(rf"^{label}: blocked per save: sync [0-9.]+ ms, async [0-9.]+ ms, ratio [0-9.]+ "
+                         rf"\(target <= 0\.10\)$", out, re.M), out
+        assert re.search(rf"^{label}: steps/s: no saves [0-9.]+, sync [0-9.]+ \(ratio [0-9.]+\), async [0-9.]+ "
+                         rf"\(ratio [0-9.]+, target >= 0\.95\)$", out, re.M), out

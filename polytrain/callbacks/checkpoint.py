@@ -6,9 +6,11 @@ import contextlib
 import logging
 import os
 import shutil
+from datetime import timedelta
 from typing import Any
 
 from polytrain.callbacks.base import Callback
+from polytrain.callbacks.time_trigger import TimeTrigger
 from polytrain.checkpoint.layout import checkpoint_dir, write_latest_pointer
 
 log = logging.getLogger("polytrain")
@@ -26,6 +28,13 @@ class ModelCheckpoint(Callback):
     ``latest`` pointer (and ``last.ckpt`` for single-file checkpoints) names it for
     ``resume: last``. Every decision is taken identically on every rank, and agreed on before
     anyone acts, so the collective inside ``save_checkpoint`` is always matched.
+
+    ``train_time_interval`` (a ``timedelta``): also save after an optimizer step once that much time
+    passed since the last save, by global rank 0's clock (``time_trigger``: checked at a few agreed
+    steps per interval, not every step). ``async_save``: training waits only while the state is copied
+    to CPU; the write, then the ``latest`` pointer, ``last.ckpt`` and pruning happen in the background
+    once the file is complete (``polytrain.checkpoint.async_writer``); the next save and the end of fit
+    wait for it, and a failed write raises there on every rank.
     """
 
     watches_metrics = True
@@ -33,11 +42,15 @@ class ModelCheckpoint(Callback):
     def __init__(self, dirpath: str | None = None, filename: str = "epoch={epoch}-step={step}",
                  monitor: str | None = None, mode: str = "min", save_top_k: int = 1, save_last: bool = True,
                  every_n_train_steps: int | None = None, every_n_epochs: int | None = 1,
-                 save_on_fit_end: bool = True) -> None:
+                 save_on_fit_end: bool = True, train_time_interval: timedelta | None = None,
+                 async_save: bool = False) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint mode={mode!r}; valid: min, max")
         if save_top_k < -1:
             raise ValueError(f"ModelCheckpoint save_top_k={save_top_k}; use -1 (all), 0 (only last) or k > 0")
+        if train_time_interval is not None and every_n_train_steps:
+            raise ValueError(f"ModelCheckpoint every_n_train_steps={every_n_train_steps} and train_time_interval="
+                             f"{train_time_interval} are mutually exclusive (as in Lightning); pass one of them")
         self.dirpath = dirpath
         self._dirpath_given = dirpath is not None
         self._written: set[str] = set()  # files this callback wrote (in this process or before a resume)
@@ -49,6 +62,10 @@ class ModelCheckpoint(Callback):
         self.every_n_train_steps = every_n_train_steps
         self.every_n_epochs = every_n_epochs
         self.save_on_fit_end = save_on_fit_end
+        self.train_time_interval = train_time_interval
+        self._timer = TimeTrigger(train_time_interval) if train_time_interval is not None else None
+        self.async_save = async_save
+        self._unannounced = False  # an async save the loggers have not been told about (it is still writing)
         self.kept: list[tuple[float, str]] = []  # (score or -step, path), best first
         self.best_model_path: str | None = None
         self.best_model_score: float | None = None
@@ -75,20 +92,25 @@ class ModelCheckpoint(Callback):
         # (at fit end, say) would rewrite that step's name with another position or other RNG states.
         self._step_at_last_batch = trainer.global_step
         self._last_saved_step = trainer.global_step if trainer.global_step > 0 else -1
+        if self._timer is not None:
+            self._timer.start(trainer.global_step)
 
     # ------------------------------------------------------------------ triggers
     @property
     def idle_batch_hooks(self) -> tuple[str, ...]:
         """Without step-based saving the batch hook has nothing to do; the loop skips it (it asks each epoch)."""
-        return () if self.every_n_train_steps else ("on_train_batch_end",)
+        return () if self.every_n_train_steps or self._timer is not None else ("on_train_batch_end",)
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Only right after an optimizer step: under gradient accumulation the other micro-batches end
         # with a pending gradient that no checkpoint holds, and they repeat the step number.
         stepped = trainer.global_step != self._step_at_last_batch
         self._step_at_last_batch = trainer.global_step
-        n = self.every_n_train_steps
-        if n and stepped and trainer.global_step % n == 0 and trainer.global_step != self._last_saved_step:
+        n, step = self.every_n_train_steps, trainer.global_step
+        due = bool(n) and stepped and step % n == 0
+        # Every rank reaches the timer at the same steps (it communicates only at agreed check steps).
+        due = (stepped and self._timer is not None and self._timer.due(step, trainer.strategy)) or due
+        if due and step != self._last_saved_step:
             if _progress(trainer, "validation_due", False):
                 self._after_validation_step = trainer.global_step  # saved in on_validation_end
             else:
@@ -108,6 +130,7 @@ class ModelCheckpoint(Callback):
         if self.save_on_fit_end and trainer.global_step != self._last_saved_step:
             # e.g. max_steps stopped mid-epoch: make `resume: last` continue from exactly here.
             self._save(trainer)
+        self._settle(trainer)
 
     # ------------------------------------------------------------------ saving
     def _format_name(self, trainer: Any) -> str:
@@ -158,21 +181,38 @@ class ModelCheckpoint(Callback):
         path = self._unclaimed(trainer, (self._format_name(trainer) if keep else "last"), ext)
         # Bookkeeping runs on every rank (so the next decision is the same everywhere) and before
         # the payload is built (so a resumed run knows this file and can prune it later).
+        self._settle(trainer, before=path)  # the previous async save is on disk (or raised on every rank)
         previous = list(self.kept)
         doomed = self._record(trainer, path, score) if keep else []
         try:
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, async_save=self.async_save)
         except BaseException:
             self.kept = previous  # nothing was written: forget it, delete nothing
             raise
         self._last_saved_step = trainer.global_step
         self.last_model_path = path
         self._written.add(path)
+        if self._timer is not None:
+            self._timer.saved()
         if trainer.strategy.is_global_zero:
-            self._update_disk(trainer, path, doomed)
+            # Pointer, link and pruning only once the file is complete: now, or when the async write ends.
+            trainer.strategy.checkpoint_io.after_write(lambda: self._update_disk(trainer, path, doomed))
+        if self.async_save:
+            self._unannounced = True
+            return
         trainer.strategy.barrier("checkpoint-retention")
+        self._announce(trainer)
+
+    def _settle(self, trainer: Any, before: str | None = None) -> None:
+        """Every rank: wait for an async save still writing, then tell the loggers about it."""
+        if self._unannounced:
+            trainer.strategy.checkpoint_io.finish(before)
+            self._unannounced = False
+            self._announce(trainer)
+
+    def _announce(self, trainer: Any) -> None:
         if trainer.is_logging_rank:
-            for logger in trainer.loggers:  # loggers that upload checkpoints (log_model=...)
+            for logger in trainer.loggers:  # loggers that upload checkpoints (log_model=...): the file is complete
                 logger.after_save_checkpoint(self)
 
     def _unclaimed(self, trainer: Any, stem: str, ext: str) -> str:

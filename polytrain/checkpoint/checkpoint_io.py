@@ -14,12 +14,19 @@ failure on any rank (a full disk, an unreadable file) raises the same error on e
 Both read both formats: any strategy loads any other's checkpoint (``polytrain.checkpoint.sharded``
 and ``replicated`` describe the formats). ``replicated`` is read by whoever names files after it
 (``ModelCheckpoint``).
+
+``async_save`` stages the state and writes it in the background (``async_writer``); ``finish`` waits for
+that write and raises on every rank if it failed. A synchronous ``save`` and every ``load`` finish first,
+so one save at most is ever in flight. ``after_write(action)`` runs an action on global rank 0 once the
+latest save is complete on disk.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from polytrain.checkpoint.async_writer import AsyncCheckpointWriter
 from polytrain.checkpoint.replicated import load_file, save_file
 from polytrain.checkpoint.sharded import load_sharded, save_sharded
 from polytrain.checkpoint.state import Loaded
@@ -33,6 +40,17 @@ class CheckpointIO:
     def save(self, state: dict[str, Any], path: str) -> None:
         raise NotImplementedError
 
+    def async_save(self, state: dict[str, Any], path: str) -> None:
+        """A format without a background writer saves synchronously."""
+        self.save(state, path)
+
+    def finish(self, before: str | None = None) -> None:
+        """Wait for the save in flight (none here); every rank calls it. ``before``: the save that waits."""
+
+    def after_write(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once the latest save is on disk (here: it is)."""
+        action()
+
     def load(self, path: str, into: dict[str, Any] | None = None) -> Loaded:
         raise NotImplementedError
 
@@ -40,25 +58,51 @@ class CheckpointIO:
         return f"{type(self).__name__}()"
 
 
-class ReplicatedCheckpointIO(CheckpointIO):
+class _Background(CheckpointIO):
+    """The background writer the two built-in formats share (made on first use: one per I/O object)."""
+
+    @property
+    def writer(self) -> AsyncCheckpointWriter:
+        if "_writer" not in self.__dict__:
+            self.__dict__["_writer"] = AsyncCheckpointWriter()
+        return self.__dict__["_writer"]
+
+    def finish(self, before: str | None = None) -> None:
+        self.writer.finish(before)
+
+    def after_write(self, action: Callable[[], None]) -> None:
+        self.writer.after_write(action)
+
+
+class ReplicatedCheckpointIO(_Background):
     """One ``.ckpt`` file written by global rank 0 (the whole model is on every rank); every rank reads it."""
 
     replicated = True
 
     def save(self, state: dict[str, Any], path: str) -> None:
+        self.finish(before=path)
         save_file(state, path)
 
+    def async_save(self, state: dict[str, Any], path: str) -> None:
+        self.writer.save_file(state, path)
+
     def load(self, path: str, into: dict[str, Any] | None = None) -> Loaded:
+        self.finish()
         return load_file(path)
 
 
-class ShardedCheckpointIO(CheckpointIO):
+class ShardedCheckpointIO(_Background):
     """A ``torch.distributed.checkpoint`` directory: every rank writes and reads its own shards."""
 
     replicated = False
 
     def save(self, state: dict[str, Any], path: str) -> None:
+        self.finish(before=path)
         save_sharded(state, path)
 
+    def async_save(self, state: dict[str, Any], path: str) -> None:
+        self.writer.save_sharded(state, path)
+
     def load(self, path: str, into: dict[str, Any] | None = None) -> Loaded:
+        self.finish()
         return load_sharded(path, into)

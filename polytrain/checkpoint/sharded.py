@@ -62,7 +62,7 @@ def _temporary_dir(path: str) -> str:
     return tmp
 
 
-def _commit(tmp: str, path: str) -> None:
+def commit_dir(tmp: str, path: str) -> None:
     """Rank 0: move the finished directory into place; an older one under the name goes last."""
     old = None
     if os.path.lexists(path):
@@ -79,10 +79,25 @@ def _commit(tmp: str, path: str) -> None:
         shutil.rmtree(old) if os.path.isdir(old) else os.unlink(old)
 
 
-def _write_error(path: str, err: BaseException) -> str:
+def write_error(path: str, err: BaseException) -> str:
     reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
     return (f"cannot write sharded checkpoint {path}: {reason}. Point trainer.run_dir at a writable directory "
             f"with free space (every rank must see the same file system)")
+
+
+def temporary_dir_for(path: str) -> str:
+    """Global rank 0 makes the hidden directory ``path`` is written under; every rank gets its name
+    (and raises if rank 0 could not make it). Every rank calls it."""
+    tmp, error = None, None
+    if C.rank() == 0:
+        try:
+            tmp = _temporary_dir(path)
+        except OSError as err:
+            error = write_error(path, err)
+    tmp, error = C.broadcast_object((tmp, error))
+    if error is not None:
+        raise CheckpointError(f"checkpoint failed on rank 0: {error}")
+    return tmp
 
 
 def save_sharded(state: dict[str, Any], path: str) -> None:
@@ -91,15 +106,7 @@ def save_sharded(state: dict[str, Any], path: str) -> None:
 
     path = os.path.abspath(path)
     writer = C.rank() == 0
-    tmp, error = None, None
-    if writer:
-        try:
-            tmp = _temporary_dir(path)
-        except OSError as err:
-            error = _write_error(path, err)
-    tmp, error = C.broadcast_object((tmp, error))
-    if error is not None:
-        raise CheckpointError(f"checkpoint failed on rank 0: {error}")
+    tmp, error = temporary_dir_for(path), None
     try:
         tensors = {k: state.get(k, {}) for k in ("model", "optimizer")}
         try:
@@ -108,13 +115,13 @@ def save_sharded(state: dict[str, Any], path: str) -> None:
             if writer:
                 atomic_save({k: v for k, v in state.items() if k not in TENSOR_KEYS}, os.path.join(tmp, META_FILE))
         except Exception as err:  # noqa: BLE001 - agreed on below, so every rank raises it
-            error = _write_error(path, err)
+            error = write_error(path, err)
         agree_on_error(error)  # also: every rank's shards are on disk before the rename
         if writer:
             try:
-                _commit(tmp, path)
+                commit_dir(tmp, path)
             except OSError as err:
-                error = _write_error(path, err)
+                error = write_error(path, err)
         agree_on_error(error)
     finally:
         if writer and os.path.isdir(tmp):

@@ -25,6 +25,7 @@ def run_stage(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: 
         with torch.autograd.set_detect_anomaly(trainer.config.detect_anomaly):  # as Lightning: the fit loop only
             trainer.profiler.start()
             trainer.fit_loop.run(trainer, trainer.ckpt_path)  # settled with the run's directory
+            trainer.strategy.checkpoint_io.finish()  # fit returns with the last async save on disk, or raises
             trainer.profiler.stop()
         result = None
     else:

@@ -1,0 +1,73 @@
+"""A small model for the asynchronous-checkpoint tests (imported by the test files and by the worker
+processes they start): AdamW with a large learning rate, so every step changes every weight in place."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from polytrain import Trainer, TrainModule
+from polytrain.callbacks.base import Callback
+from polytrain.callbacks.checkpoint import ModelCheckpoint
+from polytrain.checkpoint.async_writer import DELAY_ENV, FAIL_RANK_ENV
+
+
+class Lin(TrainModule):
+    def __init__(self, n: int = 64, batch_size: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y, self.batch_size = torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g), batch_size
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size)
+
+
+class StepAtStart(Callback):
+    def on_fit_start(self, trainer: Any, module: Any) -> None:
+        self.step = trainer.global_step
+
+
+class WeightsAt(Callback):
+    """Records the full model's weights after each optimizer step named in ``steps`` (every rank calls
+    ``module_state_dict``: a collective under fsdp)."""
+
+    def __init__(self, steps: set[int]) -> None:
+        self.steps, self.weights = steps, {}
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step in self.steps:
+            state = trainer.strategy.module_state_dict()
+            self.weights[trainer.global_step] = {k: v.detach().clone() for k, v in state.items()
+                                                 if isinstance(v, torch.Tensor)}
+
+
+def set_hooks(delay: float = 0.0, fail_rank: int | None = None) -> None:
+    """The writer's test hooks (set inside a worker: a forked worker has the fork server's environment)."""
+    os.environ[DELAY_ENV] = str(delay)
+    os.environ.pop(FAIL_RANK_ENV, None)
+    if fail_rank is not None:
+        os.environ[FAIL_RANK_ENV] = str(fail_rank)
+
+
+def trainer(root: str, strategy: str = "single", devices: int = 1, max_steps: int = 6,
+            callbacks: list[Any] | None = None, every_n: int = 2, saver_class: type = ModelCheckpoint,
+            **ckpt: Any) -> Trainer:
+    saver = saver_class(every_n_train_steps=every_n, every_n_epochs=None, async_save=True,
+                        **{"save_top_k": -1, **ckpt})
+    return Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, run_dir=root, seed=0,
+                   logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   use_distributed_sampler="always", callbacks=[*(callbacks or []), saver])
