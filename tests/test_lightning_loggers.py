@@ -98,8 +98,9 @@ def test_csv_logger_experiment_and_files(tmp_path: Any, run_dir: str) -> None:
     assert experiment.metrics_file_path == os.path.join(logger.log_dir, "metrics.csv")
     with open(experiment.metrics_file_path, newline="", encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
-    assert [r["step"] for r in rows] == ["1", "2", "3", "4", "99"] and rows[-1]["custom"] == "1.5"
-    assert "train/loss" in rows[0] and rows[0]["epoch"] == "0.0"
+    assert [r["step"] for r in rows] == ["1", "2", "3", "4", "99", "4"] and rows[-2]["custom"] == "1.5"
+    assert rows[-1]["goodput/productive_fraction"]  # the fit's goodput, logged when it ended
+    assert "train/loss" in rows[0] and rows[0]["epoch"] == "0"
 
 
 class _Recorder(pl.loggers.Logger):
@@ -141,8 +142,10 @@ def test_a_custom_lightning_logger_receives_metrics_hparams_and_finalize(run_dir
     recorder = _Recorder()
     Trainer(**_kwargs(run_dir, logger=recorder)).fit(_WithHparams(lr=0.2))
     assert recorder.params == {"lr": 0.2}
-    assert [step for step, _ in recorder.rows] == [1, 2, 3, 4, 4]  # per step; the epoch values at the last step
-    assert all("epoch" in row for _, row in recorder.rows) and "val/loss" in recorder.rows[-1][1]
+    # Per step; the epoch values at the last step, then the fit's goodput.
+    assert [step for step, _ in recorder.rows] == [1, 2, 3, 4, 4, 4]
+    assert all("epoch" in row for _, row in recorder.rows[:-1]) and "val/loss" in recorder.rows[-2][1]
+    assert "goodput/productive_fraction" in recorder.rows[-1][1]
     assert recorder.statuses == ["success"]
 
 

@@ -37,7 +37,8 @@ def _csv_values(log_dir: str) -> tuple[list[tuple[str, str]], list[tuple[str, st
     writes a row per call and counts batches from 0 (docs/migrating-from-lightning.md)."""
     with open(os.path.join(log_dir, "metrics.csv"), newline="", encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
-    values = sorted((k, v) for row in rows for k, v in row.items() if v != "" and k not in ("step", "epoch"))
+    values = sorted((k, v) for row in rows for k, v in row.items()
+                    if v != "" and k not in ("step", "epoch") and not k.startswith("goodput/"))  # polytrain's own
     return values, [(row["train_loss"], row["epoch"]) for row in rows if row.get("train_loss")]
 
 
@@ -47,7 +48,8 @@ def _tensorboard_tags(log_dir: str) -> dict[str, list[str]]:
     acc = EventAccumulator(log_dir, size_guidance={"histograms": 0, "scalars": 0})
     acc.Reload()
     tags = acc.Tags()
-    return {"histograms": sorted(tags["histograms"]), "scalars": sorted(tags["scalars"])}
+    scalars = [t for t in tags["scalars"] if not t.startswith("goodput/")]  # polytrain's own, at fit end
+    return {"histograms": sorted(tags["histograms"]), "scalars": sorted(scalars)}
 
 
 def _prediction_files(root: str) -> dict[str, Any]:

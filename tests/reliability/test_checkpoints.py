@@ -72,7 +72,7 @@ def test_writer_killed_mid_save_never_yields_a_corrupt_load(jobs: dict[str, Done
             continue
         total += 1
         assert done.returncode == -9, (done.returncode, done.output[-2000:])  # it really was SIGKILLed
-        ckpt_dir = os.path.join(done.job.out_dir, "run", "checkpoints")
+        ckpt_dir = os.path.join(done.job.out_dir, "run", "version_0", "checkpoints")
         k = done.job.meta["save_number"]
         path = find_resumable(ckpt_dir)
         try:
@@ -91,7 +91,7 @@ def test_writer_killed_mid_save_never_yields_a_corrupt_load(jobs: dict[str, Done
             assert hidden, "the killed write should have left its temporary file behind"
             assert not is_complete(os.path.join(ckpt_dir, hidden[0])) or mode == "before_rename"
         work = tmp_path / f"{mode}-{k}-{total}"
-        shutil.copytree(os.path.dirname(ckpt_dir), work / "run")
+        shutil.copytree(os.path.dirname(ckpt_dir), work / "run" / "version_0")
         module, trainer = _fit(str(work / "run"), ckpt_path="last")
         same = bitwise_equal(_weights(module), reference) and trainer.global_step == MAX_STEPS
         exact += same
@@ -144,7 +144,7 @@ def test_failed_write_never_leaves_zero_complete_checkpoints(jobs: dict[str, Don
     done = pick(jobs, "ckpt/enospc")[0]
     assert done.returncode not in (0, None) and "No space left on device" in done.output, done.output[-2000:]
     assert "CheckpointError" in done.output
-    ckpt_dir = os.path.join(done.job.out_dir, "run", "checkpoints")
+    ckpt_dir = os.path.join(done.job.out_dir, "run", "version_0", "checkpoints")
     complete = [n for n in sorted(os.listdir(ckpt_dir)) if not n.startswith(".") and n != "latest"
                 and is_complete(os.path.join(ckpt_dir, n))]
     path = find_resumable(ckpt_dir)
