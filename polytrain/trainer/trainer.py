@@ -6,7 +6,6 @@ strategy it has: everything that differs between parallelisms is behind the stra
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ from polytrain.trainer.config import (
     trainer_to_dict,
     validate_trainer_config,
 )
-from polytrain.trainer.data_connector import batch_limit
+from polytrain.trainer.data_connector import estimated_stepping_batches
 from polytrain.trainer.datamodule import DataModule
 from polytrain.trainer.default_callbacks import build_callbacks, split_objects
 from polytrain.trainer.entry_points import run_stage
@@ -182,18 +181,8 @@ class Trainer:
         return self.stage in ("validate", "test") or self.sanity_checking
 
     @property
-    def estimated_stepping_batches(self) -> int | float:
-        """The optimizer steps ``fit`` will take (Lightning's; e.g. ``OneCycleLR(total_steps=...)`` in
-        ``configure_optimizers``). As Lightning, asking before training requests the training loader
-        early (this fit then uses that loader); a loader without length gives ``inf``."""
-        cfg, data = self.config, self.fit_loop.data
-        if data.train_loader is None:
-            data.train_loader, data.requested_early = self.fit_loop.request_train_loader(), True
-        batches = batch_limit(self, "train", data.train_loader) if data.train_loader is not None else 0
-        epochs = 1 if cfg.fast_dev_run else cfg.max_epochs if cfg.max_epochs is not None else \
-            (1000 if cfg.max_steps < 0 else float("inf"))
-        steps = float("inf") if batches is None else math.ceil(batches / cfg.accumulate_grad_batches) * max(epochs, 1)
-        return min(steps, cfg.max_steps) if cfg.max_steps >= 0 else steps
+    def estimated_stepping_batches(self) -> int | float:  # e.g. OneCycleLR(total_steps=...): data_connector.py
+        return estimated_stepping_batches(self)
 
     @property
     def progress_bar_callback(self) -> ProgressBar | None:
