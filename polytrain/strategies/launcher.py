@@ -24,6 +24,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from polytrain.core.environment import ClusterEnvironment, detect_environment
 from polytrain.core.errors import ConfigError
+from polytrain.core.nodes import is_elastic_range, node_range
 from polytrain.core.process_group import select_cuda_devices
 from polytrain.strategies.registry import resolve_strategy_name, strategy_class
 
@@ -38,7 +39,7 @@ class LaunchRequest(Protocol):
 
     accelerator: str
     devices: Any  # "auto", a positive int, or a list of GPU indices
-    num_nodes: int
+    num_nodes: Any  # a count, or a "MIN:MAX" range (elastic)
     strategy: Any  # the validated strategy mapping, or a Strategy instance
     launcher: str
 
@@ -52,6 +53,7 @@ class LaunchPlan:
     processes_per_node: int
     env: ClusterEnvironment
     method: str  # "here" (this process is a worker) | "elastic" | "spawn" | "fork"
+    node_range: tuple[int, int] | None = None  # num_nodes "MIN:MAX": c10d rendezvous admitting MIN..MAX nodes
 
     @property
     def world_size(self) -> int:
@@ -107,6 +109,18 @@ def _interactive() -> bool:
     return hasattr(sys, "ps1") or "ipykernel" in sys.modules or not sys.argv or sys.argv[0] in ("", "-c")
 
 
+def _nodes_here(cfg: LaunchRequest, env: ClusterEnvironment, per_node: int, name: str) -> int:
+    """Under a launcher with ``num_nodes: "MIN:MAX"``: how many nodes this rendezvous admitted."""
+    low, high = node_range(cfg.num_nodes)
+    nodes, extra = divmod(env.world_size, per_node)
+    if extra or not low <= nodes <= high:
+        raise ConfigError(
+            f"the launcher started {env.world_size} processes but trainer.num_nodes={cfg.num_nodes!r} with "
+            f"{per_node} process(es) per node (strategy '{name}') allows {low * per_node}..{high * per_node}; "
+            f"start every node with {per_node} process(es) and --nnodes={low}:{high}, or widen the range")
+    return nodes
+
+
 def plan_launch(cfg: LaunchRequest) -> LaunchPlan:
     env = detect_environment()
     accelerator = _resolve_accelerator(cfg.accelerator)
@@ -114,11 +128,16 @@ def plan_launch(cfg: LaunchRequest) -> LaunchPlan:
     select_cuda_devices(list(cfg.devices) if isinstance(cfg.devices, (list, tuple)) else None)
     spec = cfg.strategy if isinstance(cfg.strategy, dict) else {"name": getattr(cfg.strategy, "name", "custom")}
     name = spec["name"]
+    low, high = node_range(cfg.num_nodes)
+    elastic = is_elastic_range(cfg.num_nodes)
     if name == "auto":
-        name = resolve_strategy_name("auto", env.world_size if env.is_distributed else devices * cfg.num_nodes)
+        name = resolve_strategy_name("auto", env.world_size if env.is_distributed else devices * high)
     options = spec if isinstance(cfg.strategy, dict) else getattr(cfg.strategy, "options", None)
     per_node = strategy_class(name).processes_per_node(devices, options) if name != "custom" else devices
-    wanted = per_node * cfg.num_nodes
+    launched = env.source != "none"  # a worker already (even alone, WORLD_SIZE=1, after losing nodes)
+    if elastic and launched:
+        low = high = _nodes_here(cfg, env, per_node, name)
+    wanted = per_node * low
     if env.is_distributed and name in SINGLE_PROCESS_STRATEGIES:
         # Each process would train its own replica on the whole dataset, never exchanging a gradient:
         # refuse before anything is built.
@@ -136,6 +155,8 @@ def plan_launch(cfg: LaunchRequest) -> LaunchPlan:
                 f"(or set trainer.devices=auto)"
             )
         method = "here"
+    elif elastic:
+        method = "here" if launched else _elastic_method(cfg, per_node, low, high)
     elif wanted == 1:
         method = "here"
     elif cfg.launcher == "none":
@@ -145,7 +166,17 @@ def plan_launch(cfg: LaunchRequest) -> LaunchPlan:
         method = "fork" if _interactive() else "elastic"
     else:
         method = cfg.launcher
-    return LaunchPlan(accelerator, devices, cfg.num_nodes, name, per_node, env, method)
+    return LaunchPlan(accelerator, devices, low, name, per_node, env, method,
+                      (low, high) if elastic and not launched else None)
+
+
+def _elastic_method(cfg: LaunchRequest, per_node: int, low: int, high: int) -> str:
+    """``num_nodes: "MIN:MAX"`` outside a launcher: only torch's elastic agent can admit and lose nodes."""
+    if cfg.launcher not in ("auto", "elastic"):
+        raise ConfigError(f"trainer.num_nodes={cfg.num_nodes!r} (elastic, {low} to {high} nodes) needs the elastic "
+                          f"launcher, but trainer.launcher={cfg.launcher!r}; set trainer.launcher=auto (or elastic), "
+                          f"or start each node with torchrun --nnodes={low}:{high} --nproc_per_node={per_node}")
+    return "elastic"
 
 
 def _launch_config(plan: LaunchPlan, max_restarts: int) -> Any:
@@ -154,6 +185,8 @@ def _launch_config(plan: LaunchPlan, max_restarts: int) -> Any:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # As torchrun does: N workers each using every core would oversubscribe the CPU N-fold.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.processes_per_node)))
+    if plan.node_range is not None:
+        return _elastic_range_config(plan, max_restarts)
     if plan.num_nodes > 1:
         addr = os.environ.get("MASTER_ADDR")
         port = os.environ.get("MASTER_PORT")
@@ -169,6 +202,39 @@ def _launch_config(plan: LaunchPlan, max_restarts: int) -> Any:
         min_nodes=plan.num_nodes, max_nodes=plan.num_nodes, nproc_per_node=plan.processes_per_node,
         run_id=f"polytrain-{uuid.uuid4().hex[:8]}", max_restarts=max_restarts, monitor_interval=0.1,
         start_method="spawn", **rdzv,
+    )
+
+
+RDZV_CONF_ENV = "POLYTRAIN_RDZV_CONF"  # torchrun's --rdzv-conf for num_nodes "MIN:MAX", e.g. last_call_timeout=5
+RUN_ID_ENV = "POLYTRAIN_RUN_ID"  # the rendezvous id every node of one job shares
+
+
+def rdzv_conf(text: str) -> dict[str, Any]:
+    """``key=value,key=value`` (torchrun's --rdzv-conf syntax) as rendezvous options; numbers become ints."""
+    conf: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{RDZV_CONF_ENV}={text!r}: {item!r} is not key=value; write e.g. "
+                              f"{RDZV_CONF_ENV}=last_call_timeout=5,join_timeout=900")
+        conf[key.strip()] = int(value) if value.strip().isdigit() else value.strip()
+    return conf
+
+
+def _elastic_range_config(plan: LaunchPlan, max_restarts: int) -> Any:
+    """``num_nodes: "MIN:MAX"``: every node's agent joins one c10d rendezvous at MASTER_ADDR:MASTER_PORT;
+    the agent hosting it (the one on MASTER_ADDR started first) must live as long as the job."""
+    low, high = plan.node_range or (plan.num_nodes, plan.num_nodes)
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (addr and port):
+        raise ConfigError(f"num_nodes={low}:{high} (elastic): set MASTER_ADDR and MASTER_PORT to the same "
+                          f"host:port on every node (the rendezvous endpoint; no NODE_RANK needed)")
+    configs = {"timeout": 900, **rdzv_conf(os.environ.get(RDZV_CONF_ENV, ""))}
+    run_id = os.environ.get(RUN_ID_ENV) or os.environ.get("SLURM_JOB_ID") or f"polytrain-{port}"
+    return LaunchConfig(
+        min_nodes=low, max_nodes=high, nproc_per_node=plan.processes_per_node, run_id=run_id,
+        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn", rdzv_backend="c10d",
+        rdzv_endpoint=f"{addr}:{port}", rdzv_configs=configs,
     )
 
 

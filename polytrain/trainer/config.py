@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import yaml
 
 from polytrain.core.errors import ConfigError
+from polytrain.core.nodes import node_range
 from polytrain.core.options import check_choice, check_keys, validate_dataclass
 from polytrain.parallel.activation_checkpointing import resolve_checkpointing
 from polytrain.parallel.compile import resolve_compile
@@ -43,7 +45,7 @@ class TrainerConfig:
 
     accelerator: str = "auto"
     devices: Any = "auto"  # "auto", a positive int (processes per node; GPUs for dp), or a list of GPU indices
-    num_nodes: int = 1
+    num_nodes: Any = 1  # nodes in the job, or a "MIN:MAX" range for elastic training (torchrun's --nnodes)
     strategy: Any = "auto"  # a name, or a mapping {name: ..., <that strategy's options>}
     precision: str = "32"
     max_epochs: int | None = None
@@ -141,7 +143,8 @@ def _check_counts(cfg: TrainerConfig) -> None:
             isinstance(devices, list) and devices and all(_is_int(d) and d >= 0 for d in devices))):
         raise ConfigError(f"trainer.devices={devices!r} is not valid; use 'auto', a positive integer, or a list of "
                           f"GPU indices such as [0, 1]")
-    for name in ("num_nodes", "accumulate_grad_batches", "log_every_n_steps"):
+    node_range(cfg.num_nodes)  # raises with the fix for a bad count or range
+    for name in ("accumulate_grad_batches", "log_every_n_steps"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"trainer.{name}={getattr(cfg, name)} must be at least 1")
     for name in ("max_epochs", "check_val_every_n_epoch"):
@@ -234,7 +237,16 @@ def _check_logger_and_callbacks(cfg: TrainerConfig) -> None:
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader already refuses ``!!python/*`` tags; this one also bounds alias expansion."""
+    """SafeLoader already refuses ``!!python/*`` tags; this one also bounds alias expansion and reads
+    ``1:4`` as the string it looks like (YAML 1.1 would make it the base-60 integer 64: a node range
+    ``num_nodes: 1:4`` asking for 64 nodes)."""
+
+
+_YAML_INT = "tag:yaml.org,2002:int"
+_DECIMAL_INT = re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$")
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, _DECIMAL_INT if tag == _YAML_INT else regexp) for tag, regexp in resolvers]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 
 
 def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
