@@ -18,6 +18,8 @@ from torch.multiprocessing import ProcessRaisedException
 from polytrain.checkpoint.consolidate import consolidate
 from polytrain.core.errors import ConfigError
 from polytrain.core.rng import seed_everything
+from polytrain.plan_cli import add_parser as add_plan_parser
+from polytrain.plan_cli import run_plan
 from polytrain.strategies.launcher import launch_elastic, launch_spawn, plan_launch
 from polytrain.trainer.config import TrainerConfig, instantiate, load_config
 from polytrain.trainer.trainer import Trainer
@@ -38,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     cons = ck_sub.add_parser("consolidate", help="write a checkpoint's model weights as one plain state_dict file")
     cons.add_argument("source", help="a checkpoint file or sharded checkpoint directory")
     cons.add_argument("output", help="where to write the state_dict (torch.save format)")
+    add_plan_parser(sub)
     return parser
 
 
@@ -91,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "checkpoint":
         return _consolidate(args.source, args.output)
+    if args.command == "plan":
+        try:
+            return run_plan(args)
+        except ConfigError as err:
+            print(f"polytrain: plan: {' '.join(str(err).split())}", file=sys.stderr)
+            return 2
     try:
         config = load_config(args.config, args.overrides)
         trainer_cfg = TrainerConfig(**config["trainer"])

@@ -1,0 +1,50 @@
+"""The parallelism planner: which layout (degrees, micro-batches, activation checkpointing) to run a
+model with, from a profile taken on the meta device and a documented cost model
+(docs/strategies/planner.md)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from polytrain.parallel.pipeline_split import find_sequential
+from polytrain.parallel.planner.estimate import Estimate, Layout, Training, estimate
+from polytrain.parallel.planner.hardware import PRESETS, Hardware, hardware, parse_bytes
+from polytrain.parallel.planner.profile import ModelProfile, profile_sequential, style_names
+from polytrain.parallel.planner.search import Plan, format_table, rank
+
+__all__ = ["PRESETS", "Estimate", "Hardware", "Layout", "ModelProfile", "Plan", "Training", "estimate",
+           "format_table", "hardware", "parse_bytes", "plan_module", "profiler", "rank"]
+
+
+def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | None = None,
+             attention: str = "math", sequential: str | None = None) -> Any:
+    """``tp -> ModelProfile`` for a module built on the meta device, cached per degree.
+
+    ``example`` is one sample of the Sequential's input (batch dimension 1, any device: it is moved to
+    meta); ``target`` one sample of the targets for ``module.pipeline_loss``, when the module has one.
+    """
+    seq_name, seq = find_sequential(module, sequential)
+    hook = getattr(module, "tensor_parallel_plan", None)
+    plan = style_names(hook()) if callable(hook) else None
+    example = example.to("meta")
+    loss_fn = getattr(module, "pipeline_loss", None)
+    loss = None
+    if callable(loss_fn) and target is not None:
+        target = target.to("meta")
+        loss = functools.partial(_apply_loss, loss_fn, target)
+    return functools.cache(lambda tp: profile_sequential(seq, example, tp, plan, seq_name, loss, attention))
+
+
+def _apply_loss(loss_fn: Any, target: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return loss_fn(out, target)
+
+
+def plan_module(module: nn.Module, example: torch.Tensor, hw: Hardware, train: Training,
+                target: torch.Tensor | None = None, attention: str = "math",
+                pinned: dict[str, int] | None = None) -> Plan:
+    """Rank every layout of ``hw``'s world for ``module`` (built on meta) on ``train``'s batch."""
+    return rank(hw, train, profiler(module, example, target, attention), pinned)

@@ -1,0 +1,180 @@
+"""Per-rank memory and step time of one layout, from a model's profile (docs/strategies/planner.md has
+the equations, their defaults and where they are known to be wrong).
+
+All figures are for the worst rank: pipeline stages differ (the first holds the most micro-batches in
+flight, the cut by parameter count is uneven), and the step waits for the slowest stage.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from polytrain.core.errors import ConfigError
+from polytrain.parallel.pipeline_split import balance
+from polytrain.parallel.planner.hardware import Hardware
+from polytrain.parallel.planner.profile import ChildProfile, ModelProfile
+
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}
+MASTER_BYTES = {"32": 4, "16-mixed": 4, "bf16-mixed": 4, "bf16-true": 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    n_microbatches: int = 1
+    activation_checkpointing: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> int:
+        return self.dp_shard * self.cp
+
+    def label(self) -> str:
+        parts = [f"{n}{v}" for n, v in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
+                                        ("tp", self.tp), ("pp", self.pp), ("cp", self.cp)) if v > 1]
+        text = " x ".join(parts) or "single"
+        if self.pp > 1:
+            text += f" m={self.n_microbatches}"
+        return text + (" +AC" if self.activation_checkpointing else "")
+
+
+@dataclass(frozen=True)
+class Training:
+    """What is held fixed while layouts are compared."""
+
+    global_batch: int  # samples per optimizer step, over every data-parallel rank
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ConfigError(f"optimizer '{self.optimizer}' unknown to the planner; one of {', '.join(OPTIMIZER_STATES)}")
+        if self.precision not in MASTER_BYTES:
+            raise ConfigError(f"precision '{self.precision}' unknown to the planner; one of {', '.join(MASTER_BYTES)}")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    memory: dict[str, int]  # per-rank bytes by term (worst stage)
+    time: dict[str, float]  # seconds per step by term
+    step_time: float
+    samples_per_s: float
+    tokens_per_s: float
+    bubble: float
+
+    @property
+    def total_memory(self) -> int:
+        return sum(self.memory.values())
+
+
+def checkpointed(children: tuple[ChildProfile, ...]) -> list[bool]:
+    """Which children activation checkpointing wraps: those of a repeated class (the blocks), as
+    ``parallel/activation_checkpointing.py`` chooses; every child when no class repeats."""
+    kinds = [c.kind for c in children]
+    repeated = [kinds.count(k) > 1 for k in kinds]
+    return repeated if any(repeated) else [True] * len(kinds)
+
+
+def stages(profile: ModelProfile, pp: int) -> list[tuple[int, int]]:
+    """(first, end) child index of each stage, cut by parameter count as the strategy cuts."""
+    points = [0, *balance([c.params for c in profile.children], pp), len(profile.children)]
+    return list(zip(points[:-1], points[1:]))
+
+
+def _local_params(c: ChildProfile, tp: int) -> float:
+    return c.tp_params / tp + (c.params - c.tp_params)
+
+
+def _link(hw: Hardware, span: int) -> tuple[float, float]:
+    """(bandwidth, latency) of a group whose ranks span ``span`` consecutive ranks."""
+    if span <= hw.devices_per_node:
+        return hw.intra_bw, hw.intra_latency
+    return hw.inter_bw, hw.inter_latency
+
+
+def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, lo: int, hi: int, s: int) -> dict[str, int]:
+    kids = prof.children[lo:hi]
+    master = MASTER_BYTES[train.precision]
+    held = sum(_local_params(c, lay.tp) for c in kids) / lay.fsdp
+    units = max(_local_params(c, lay.tp) for c in kids)
+    micro = train.global_batch // lay.dp // lay.n_microbatches
+    in_flight = min(lay.pp - s, lay.n_microbatches)  # 1F1B: stage s holds p - s micro-batches at most
+    if lay.activation_checkpointing:
+        ckpt = checkpointed(prof.children)[lo:hi]
+        kept = sum(c.input_bytes if k else c.saved_bytes for c, k in zip(kids, ckpt))
+        recompute = max((c.saved_bytes for c, k in zip(kids, ckpt) if k), default=0)
+        activations = micro * (kept * in_flight + recompute)
+    else:
+        activations = micro * in_flight * sum(c.saved_bytes for c in kids)
+    return {
+        "params": math.ceil(held * master),
+        "grads": math.ceil(held * master),
+        "optimizer": math.ceil(held * master * OPTIMIZER_STATES[train.optimizer]),
+        # FSDP gathers one unit (and prefetches the next) in the compute dtype; its gradient arrives whole.
+        "fsdp_buffers": math.ceil(units * (2 * prof.param_bytes + master)) if lay.fsdp > 1 else 0,
+        "activations": activations,
+    }
+
+
+def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, lo: int, hi: int) -> dict[str, float]:
+    kids = prof.children[lo:hi]
+    local_batch = train.global_batch // lay.dp
+    ckpt = checkpointed(prof.children)[lo:hi] if lay.activation_checkpointing else [False] * len(kids)
+    # Backward costs twice the forward; a checkpointed child runs its forward once more.
+    flops = local_batch * sum(c.flops * (4 if k else 3) for c, k in zip(kids, ckpt)) / lay.cp
+    compute = flops / (hw.peak_flops * hw.efficiency)
+    times = {"compute": compute, "tp": 0.0, "dp": 0.0, "pp": 0.0}
+    if lay.tp > 1:  # every forward all-reduce has its twin in backward, and runs again when recomputed
+        payload = local_batch * sum(c.tp_allreduce_bytes * (3 if k else 2) for c, k in zip(kids, ckpt))
+        bw, _ = _link(hw, lay.tp)
+        times["tp"] = payload * 2 * (lay.tp - 1) / lay.tp / bw
+    params = sum(_local_params(c, lay.tp) for c in kids)
+    master = MASTER_BYTES[train.precision]
+    dp_time = 0.0
+    if lay.fsdp > 1:  # all-gather in forward and again in backward, reduce-scatter of the gradients;
+        # under a pipeline once per micro-batch (reshard_after_forward=True, the strategy's default)
+        bw, lat = _link(hw, lay.tp * lay.fsdp)
+        rounds = lay.n_microbatches if lay.pp > 1 else 1
+        dp_time += rounds * params * (2 * prof.param_bytes + master) * (lay.fsdp - 1) / lay.fsdp / bw
+        dp_time += rounds * 3 * (hi - lo) * (lay.fsdp - 1) * lat
+    if lay.dp_replicate > 1:  # all-reduce of (this rank's shard of) the gradients
+        bw, lat = _link(hw, lay.tp * lay.fsdp * lay.dp_replicate)
+        dp_time += params / lay.fsdp * master * 2 * (lay.dp_replicate - 1) / lay.dp_replicate / bw
+        dp_time += 2 * (lay.dp_replicate - 1) * lat
+    # Data-parallel traffic overlaps the compute, all but the first unit's gather / last unit's reduce.
+    first_unit = dp_time * max(_local_params(c, lay.tp) for c in kids) / max(params, 1.0)
+    times["dp"] = max(0.0, dp_time - compute) + first_unit
+    if lay.pp > 1:  # each micro-batch's activation forward and its gradient back, on the critical path
+        bw, lat = _link(hw, lay.world_size)
+        micro = local_batch // lay.n_microbatches
+        times["pp"] = 2 * lay.n_microbatches * (micro * kids[-1].output_bytes / bw + lat)
+    return times
+
+
+def estimate(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware) -> Estimate:
+    """Memory of the worst rank and the step time of ``lay``; ``prof`` is the profile at ``lay.tp``."""
+    cuts = stages(prof, lay.pp)
+    memories = [_stage_memory(lay, train, prof, lo, hi, s) for s, (lo, hi) in enumerate(cuts)]
+    memory = max(memories, key=lambda m: sum(m.values()))
+    times = [_stage_time(lay, train, prof, hw, lo, hi) for lo, hi in cuts]
+    slowest = max(times, key=lambda t: sum(t.values()))
+    bubble = (lay.pp - 1) / (lay.n_microbatches + lay.pp - 1)
+    time = dict(slowest)
+    time["bubble"] = (slowest["compute"] + slowest["tp"]) * bubble / (1 - bubble)
+    step = sum(time.values())
+    samples = train.global_batch / step
+    return Estimate(layout=lay, memory=memory, time=time, step_time=step, samples_per_s=samples,
+                    tokens_per_s=samples * prof.seq_len, bubble=bubble)

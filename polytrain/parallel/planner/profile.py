@@ -1,0 +1,240 @@
+"""What the planner knows about a model: measured on the meta device, one child of its Sequential at a time.
+
+Nothing here allocates memory for weights or activations: the model lives on ``meta`` (a 405B model
+profiles on a laptop). For each child of the pipelined ``nn.Sequential`` we run its forward on a meta
+batch of ONE sample and record
+
+- its parameters (``numel``), and how many of them sit in modules the tensor-parallel plan splits;
+- the bytes autograd saves for backward (``saved_tensors_hooks``; parameters and storages seen before
+  excluded, each storage counted once): the activation memory of one sample without checkpointing;
+- the bytes of its input (what activation checkpointing keeps) and output (what a pipeline sends);
+- its forward FLOPs (``torch.utils.flop_counter``), and the bytes tensor parallelism all-reduces in
+  forward (the outputs of row-parallel layers).
+
+Tensor parallelism is simulated, not modelled: for degree ``tp`` the planned ``nn.Linear`` layers are
+shrunk to their local shard (column-parallel: ``out_features / tp``; row-parallel: ``in_features / tp``)
+before the trace, so the attention and MLP between them run on the shapes one TP rank really sees (a
+forward that derives its head count from the tensor, as tensor parallelism requires anyway, just works).
+Under a plan with ``SequenceParallel`` entries, what those modules save and each block's input are
+sharded over the sequence: they count ``1/tp``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from polytrain.core.errors import ConfigError
+from polytrain.parallel.tensor_parallel import resolve_key
+
+
+@dataclass(frozen=True)
+class ChildProfile:
+    """One child of the Sequential at one tensor-parallel degree, per sample (micro-batch of 1)."""
+
+    name: str
+    kind: str  # class name: repeated kinds are the checkpointed blocks
+    params: int  # every parameter, whole
+    tp_params: int  # of those, in layers the plan splits (a rank holds 1/tp of them)
+    saved_bytes: int  # autograd-saved activations, no checkpointing
+    input_bytes: int  # kept by activation checkpointing
+    output_bytes: int  # sent to the next pipeline stage
+    flops: int  # forward
+    tp_allreduce_bytes: int  # forward all-reduce payload (row-parallel outputs); backward has as much again
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Every child at one tensor-parallel degree; ``seq_len`` is the token count of one sample (or 1)."""
+
+    tp: int
+    children: tuple[ChildProfile, ...]
+    seq_len: int
+    param_bytes: int  # bytes per parameter as built (4 for fp32)
+
+    @property
+    def params(self) -> int:
+        return sum(c.params for c in self.children)
+
+
+def style_names(plan: dict[str, Any] | None) -> dict[str, str]:
+    """Plan key -> style class name (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ...)."""
+    return {key: type(style).__name__ for key, style in (plan or {}).items()}
+
+
+def _planned_modules(root: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Module name (relative to ``root``) -> style name, plan keys resolved with ``fnmatch`` per part."""
+    found: dict[str, str] = {}
+    for key, style in plan.items():
+        for name in resolve_key(root, key):
+            found[name] = style
+    return found
+
+
+def _shrink(linear: nn.Module, style: str, tp: int, name: str) -> None:
+    """Replace a planned Linear's weights by the shard one TP rank holds (meta tensors)."""
+    if not isinstance(linear, nn.Linear) or style not in ("ColwiseParallel", "RowwiseParallel"):
+        return  # embeddings, norms and custom styles keep their shape: their outputs are replicated
+    out_f, in_f = linear.weight.shape
+    dim = out_f if style == "ColwiseParallel" else in_f
+    if dim % tp:
+        raise ConfigError(f"tp={tp} does not divide {name} ({style}): {'out' if style == 'ColwiseParallel' else 'in'}"
+                          f"_features={dim}; choose a tp that divides it")
+    shape = (out_f // tp, in_f) if style == "ColwiseParallel" else (out_f, in_f // tp)
+    linear.weight = nn.Parameter(torch.empty(shape, device="meta", dtype=linear.weight.dtype))
+    if linear.bias is not None and style == "ColwiseParallel":
+        linear.bias = nn.Parameter(torch.empty(out_f // tp, device="meta", dtype=linear.bias.dtype))
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class _SavedCounter:
+    """Counts the bytes autograd saves, each storage once, parameters and inputs-of-the-trace excluded."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.seen = set(exclude)
+        self.total = 0
+        self.sharded = 0  # saved while inside a SequenceParallel module
+        self.in_sp = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if key not in self.seen:
+            self.seen.add(key)
+            size = t.untyped_storage().nbytes()
+            self.total += size
+            self.sharded += size if self.in_sp else 0
+        return t
+
+
+def _trace_child(child: nn.Module, x: Any, planned: dict[str, str], tp: int,
+                 exclude: set[int]) -> tuple[Any, int, int, int]:
+    """Run one child on meta: (output, saved bytes as one TP rank holds them, forward FLOPs, all-reduce bytes)."""
+    counter = _SavedCounter(exclude)
+    reduced = [0]
+    handles = []
+    for name, style in planned.items():
+        sub = child.get_submodule(name)
+        if style == "RowwiseParallel":
+            handles.append(sub.register_forward_hook(lambda m, i, o: reduced.__setitem__(0, reduced[0] + _nbytes(o))))
+        elif style == "SequenceParallel":
+            handles.append(sub.register_forward_pre_hook(lambda m, i: setattr(counter, "in_sp", counter.in_sp + 1)))
+            handles.append(sub.register_forward_hook(lambda m, i, o: setattr(counter, "in_sp", counter.in_sp - 1)))
+    flops = FlopCounterMode(display=False)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), flops:
+            out = child(x)
+    finally:
+        for h in handles:
+            h.remove()
+    saved = counter.total - counter.sharded + math.ceil(counter.sharded / tp)
+    return out, saved, flops.get_total_flops(), reduced[0]
+
+
+def _param_counts(name: str, child: nn.Module, planned: dict[str, str]) -> tuple[int, int]:
+    """(parameters in layers the plan splits, the rest) of one child, shared ones counted once."""
+    split = {id(p) for n, s in planned.items() if s in ("ColwiseParallel", "RowwiseParallel")
+             and (n == name or n.startswith(name + ".")) for p in child.get_submodule(n[len(name) + 1:]).parameters()}
+    unique = {id(p): p for p in child.parameters()}
+    return (sum(p.numel() for i, p in unique.items() if i in split),
+            sum(p.numel() for i, p in unique.items() if i not in split))
+
+
+def _storages(tensors: Any) -> set[int]:
+    return {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)}
+
+
+def _flash_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
+                is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` as the CUDA flash kernel runs it: saves q, k, v, the output and
+    the log-sum-exp, never the (s x s) attention matrix the math kernel (CPU, meta) would save."""
+    if attn_mask is not None:
+        raise ConfigError("the planner's flash-attention trace does not take attn_mask; plan with --attention math")
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: flash wants as many k/v heads as q heads
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+
+
+@contextlib.contextmanager
+def _attention_kernel(kind: str) -> Iterator[None]:
+    if kind not in ("flash", "math"):
+        raise ConfigError(f"attention kernel '{kind}' is not one of: flash (CUDA), math (CPU)")
+    original = F.scaled_dot_product_attention
+    if kind == "flash":
+        F.scaled_dot_product_attention = _flash_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def profile_sequential(seq: nn.Sequential, example: torch.Tensor, tp: int = 1,
+                       plan: dict[str, str] | None = None, prefix: str = "",
+                       loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       attention: str = "math") -> ModelProfile:
+    """Profile ``seq`` (on meta) at tensor-parallel degree ``tp`` on ``example`` (one sample, meta).
+
+    ``plan`` maps plan keys (relative to the module that owns ``seq``, which ``prefix`` + "." names) to
+    style class names; ``loss`` turns the last output into the loss, so its saved tensors (logits'
+    softmax) are counted with the last child. ``attention``: which SDPA kernel's saved tensors to count
+    (``flash`` as on CUDA, ``math`` as on CPU).
+    """
+    with _attention_kernel(attention):
+        return _profile(seq, example, tp, plan, prefix, loss)
+
+
+def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str, str] | None, prefix: str,
+             loss: Callable[[torch.Tensor], torch.Tensor] | None) -> ModelProfile:
+    seq = copy.deepcopy(seq) if tp > 1 else seq
+    relative = {k[len(prefix) + 1:] if prefix else k: s for k, s in (plan or {}).items()
+                if not prefix or k.startswith(prefix + ".")}
+    planned = _planned_modules(seq, relative)
+    counts = [_param_counts(name, child, planned) for name, child in seq.named_children()]  # before shrinking
+    for name, style in planned.items():
+        if tp > 1:
+            _shrink(seq.get_submodule(name), style, tp, f"{prefix}.{name}" if prefix else name)
+    exclude = _storages(seq.parameters())
+    x, children = example, []
+    for index, (name, child) in enumerate(seq.named_children()):
+        local = {n[len(name) + 1:]: s for n, s in planned.items() if n == name or n.startswith(name + ".")}
+        n_split, n_whole = counts[index]
+        # Sequence parallel shards a block's input (the residual stream) over the sequence.
+        sp = tp > 1 and "SequenceParallel" in local.values()
+        input_bytes = math.ceil(_nbytes(x) / tp) if sp else _nbytes(x)
+        exclude |= _storages([x])  # the input is the previous child's output: counted there (or it is data)
+        out, saved, flops, reduced = _trace_child(child, x, local, tp, exclude)
+        if loss is not None and index == len(seq) - 1:
+            out, loss_saved, loss_flops, _ = _trace_child(_Fn(loss), out, {}, tp, exclude)
+            saved, flops = saved + loss_saved, flops + loss_flops
+        children.append(ChildProfile(name=name, kind=type(child).__name__, params=n_split + n_whole,
+                                     tp_params=n_split, saved_bytes=saved, input_bytes=input_bytes,
+                                     output_bytes=_nbytes(out), flops=flops, tp_allreduce_bytes=reduced))
+        x = out
+    seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
+    first = next(seq.parameters(), None)
+    return ModelProfile(tp=tp, children=tuple(children), seq_len=seq_len,
+                        param_bytes=first.element_size() if first is not None else 4)
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)

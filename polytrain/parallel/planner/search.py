@@ -1,0 +1,159 @@
+"""Every layout of a world size, each estimated or rejected with its reason, ranked by throughput.
+
+Searched: ``tp`` (within a node), ``pp``, ``dp_replicate x dp_shard`` for the rest, the pipeline's
+micro-batch count, activation checkpointing on or off. ``cp`` stays 1 (CUDA-only ring attention; a
+pinned ``cp`` is honoured). Ranking: tokens (or samples) per second, then less memory, then the label,
+so the same inputs always give the same order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from polytrain.core.errors import ConfigError
+from polytrain.parallel.planner.estimate import Estimate, Layout, Training, estimate
+from polytrain.parallel.planner.hardware import GiB, Hardware
+from polytrain.parallel.planner.profile import ModelProfile
+
+TIE = 0.01  # relative throughput difference treated as a tie
+MAX_BUBBLE = 0.5  # a pipeline idling over half the step is never worth it here
+
+
+@dataclass(frozen=True)
+class Rejected:
+    layout: Layout
+    reason: str
+
+
+@dataclass
+class Plan:
+    ranked: list[Estimate] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+
+    @property
+    def best(self) -> Estimate:
+        if not self.ranked:
+            reasons = "; ".join(f"{r.layout.label()}: {r.reason}" for r in self.rejected[:5])
+            raise ConfigError(f"no layout fits: {reasons}. Add devices, lower the batch or the sequence length")
+        return self.ranked[0]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _rejection(lay: Layout, hw: Hardware, train: Training, n_children: int) -> str | None:
+    """Why ``lay`` cannot run at all (before any estimate), or None."""
+    if lay.tp > hw.devices_per_node or hw.devices_per_node % lay.tp:
+        return f"tp={lay.tp} crosses the node boundary ({hw.devices_per_node} devices per node)"
+    if lay.pp > n_children:
+        return f"pp={lay.pp} exceeds the {n_children} layers of the Sequential"
+    if train.global_batch % lay.dp:
+        return f"global batch {train.global_batch} is not divisible by dp={lay.dp}"
+    if (train.global_batch // lay.dp) % lay.n_microbatches:
+        return f"local batch {train.global_batch // lay.dp} is not divisible by {lay.n_microbatches} micro-batches"
+    bubble = (lay.pp - 1) / (lay.n_microbatches + lay.pp - 1)
+    if bubble > MAX_BUBBLE:
+        return f"pipeline bubble {bubble:.0%} over the {MAX_BUBBLE:.0%} bound (local batch {train.global_batch // lay.dp})"
+    return None
+
+
+def candidates(hw: Hardware, train: Training, pinned: dict[str, int] | None = None) -> list[Layout]:
+    """Every layout of the world size agreeing with ``pinned`` degrees (e.g. ``{"tp": 8}``)."""
+    pinned = pinned or {}
+    world = hw.world_size
+    found = []
+    for cp in ([pinned["cp"]] if "cp" in pinned else [1]):
+        for tp in divisors(world // cp) if world % cp == 0 else []:
+            for pp in divisors(world // cp // tp):
+                rest = world // cp // tp // pp
+                for rep in divisors(rest):
+                    shard = rest // rep
+                    micro = divisors(max(train.global_batch // (rep * shard), 1)) if pp > 1 else [1]
+                    for m in micro:
+                        for ac in (False, True):
+                            lay = Layout(rep, shard, tp, pp, cp, m, ac)
+                            if all(getattr(lay, k) == v for k, v in pinned.items()):
+                                found.append(lay)
+    return found
+
+
+def rank(hw: Hardware, train: Training, profile_at: Callable[[int], ModelProfile],
+         pinned: dict[str, int] | None = None) -> Plan:
+    """Estimate every candidate (``profile_at(tp)`` gives the model's profile at that degree)."""
+    plan = Plan()
+    profiles: dict[int, ModelProfile | str] = {1: profile_at(1)}
+    n_children = len(profiles[1].children)  # type: ignore[union-attr]
+    usable = int(hw.memory_bytes * hw.usable_memory)
+    for lay in candidates(hw, train, pinned):
+        prof = profiles.get(lay.tp)
+        reason = _rejection(lay, hw, train, n_children)
+        if reason is None and prof is None:
+            try:
+                prof = profiles[lay.tp] = profile_at(lay.tp)
+            except (ConfigError, RuntimeError, ValueError) as err:  # the forward does not run split tp-ways
+                prof = profiles[lay.tp] = f"tp={lay.tp} does not split the model: {' '.join(str(err).split())[:160]}"
+        if reason is None and isinstance(prof, str):
+            reason = prof
+        if reason is None:
+            est = estimate(lay, train, prof, hw)
+            if est.total_memory > usable:
+                over = (est.total_memory - usable) / GiB
+                reason = (f"out of memory by {over:.2f} GiB ({est.total_memory / GiB:.2f} GiB of "
+                          f"{usable / GiB:.2f} usable)")
+            else:
+                plan.ranked.append(est)
+        if reason is not None:
+            plan.rejected.append(Rejected(lay, reason))
+    # Throughputs within TIE of each other rank as equal (below the model's accuracy): less memory first.
+    plan.ranked.sort(key=lambda e: (-math.floor(math.log(e.samples_per_s) / math.log1p(TIE)), e.total_memory,
+                                    e.layout.label()))
+    return plan
+
+
+def best_per_degrees(plan: Plan) -> list[Estimate]:
+    """The fastest variant (micro-batches, checkpointing) of each set of degrees, in rank order."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for est in plan.ranked:
+        lay = est.layout
+        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp)
+        if key not in seen:
+            seen.add(key)
+            out.append(est)
+    return out
+
+
+def format_table(plan: Plan, top: int = 10, show_rejected: int = 20) -> str:
+    """The ranked layouts, per-rank memory by term (GiB, or MiB for small models), then the rejected ones."""
+    shown = best_per_degrees(plan)[:top]
+    big = any(e.total_memory >= GiB for e in shown)
+    unit, div = ("GiB", GiB) if big else ("MiB", 1024**2)
+    head = (f"{'#':>3}  {'layout':<40} {'params':>7} {'grads':>7} {'optim':>7} {'fsdp':>6} {'activ':>7} "
+            f"{'total':>7}  {'step s':>9} {'bubble':>6}  {'tokens/s':>11} {'samples/s':>10}")
+    lines = [f"per-rank memory in {unit}; {len(plan.ranked)} layouts fit, {len(plan.rejected)} rejected", head]
+    for i, est in enumerate(shown, 1):
+        m = est.memory
+        lines.append(
+            f"{i:>3}  {est.layout.label():<40} {m['params'] / div:>7.2f} {m['grads'] / div:>7.2f} "
+            f"{m['optimizer'] / div:>7.2f} {m['fsdp_buffers'] / div:>6.2f} {m['activations'] / div:>7.2f} "
+            f"{est.total_memory / div:>7.2f}  {est.step_time:>9.4g} {est.bubble:>6.0%}  "
+            f"{est.tokens_per_s:>11.4g} {est.samples_per_s:>10.4g}")
+    if plan.rejected and show_rejected:
+        lines.append(f"rejected (first {min(show_rejected, len(plan.rejected))} of {len(plan.rejected)}):")
+        lines += [f"     {r.layout.label():<40} {r.reason}" for r in plan.rejected[:show_rejected]]
+    return "\n".join(lines)
+
+
+def describe_time(est: Estimate) -> str:
+    parts = ", ".join(f"{k} {v:.4g}s" for k, v in est.time.items() if v > 0 or k == "compute")
+    return f"{est.layout.label()}: step {est.step_time:.4g}s = {parts}; bubble {est.bubble:.0%}"
+
+
+def world_check(hw: Hardware, pinned: dict[str, int]) -> None:
+    product = math.prod(v for v in pinned.values() if v > 0)
+    if hw.world_size % product:
+        raise ConfigError(f"pinned degrees {pinned} (product {product}) do not divide the world size "
+                          f"{hw.nodes} x {hw.devices_per_node} = {hw.world_size}")

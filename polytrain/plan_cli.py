@@ -1,0 +1,97 @@
+"""``polytrain plan -c cfg.yaml --nodes N --devices-per-node G``: the ranked layouts for a config's model.
+
+The module is built on the meta device (no memory for weights: a 70B model plans on a laptop); one
+batch of its train dataloader gives the input's shape; the cost model is docs/strategies/planner.md's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+import torch
+
+from polytrain.core.errors import ConfigError
+from polytrain.parallel.planner import PRESETS, Training, format_table, hardware, parse_bytes, plan_module
+from polytrain.parallel.planner.search import describe_time
+from polytrain.trainer.config import instantiate, load_config
+
+OPTIMIZERS = {"Adam": "adam", "AdamW": "adamw"}
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="rank parallel layouts for a config's model on given hardware")
+    p.add_argument("--config", "-c", required=True, help="the YAML config whose module: is planned")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--devices-per-node", type=int, default=8)
+    p.add_argument("--hardware", choices=sorted(PRESETS), default="h100",
+                   help="figures for peak FLOPs, bandwidths, latencies (docs/strategies/planner.md)")
+    p.add_argument("--device-memory", default=None, help="per device, e.g. 80GiB (default: the preset's)")
+    p.add_argument("--efficiency", type=float, default=None, help="fraction of peak FLOPs reached (MFU)")
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--intra-node-gbps", type=float, default=None, help="GB/s per device inside a node")
+    p.add_argument("--inter-node-gbps", type=float, default=None, help="GB/s per device between nodes")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="samples per step (default: the dataloader's batch x the config's data-parallel size)")
+    p.add_argument("--attention", choices=("flash", "math"), default=None,
+                   help="SDPA kernel whose saved tensors count (default: flash for GPU presets, math for cpu)")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+
+
+def _config_dp(trainer: dict[str, Any], world: int) -> int:
+    spec = trainer.get("strategy")
+    options = spec if isinstance(spec, dict) else {}
+    other = math.prod(max(int(options.get(k, 1)), 1) for k in ("tp", "pp", "cp"))
+    return max(world // other, 1)
+
+
+def _optimizer(module: Any) -> str:
+    try:
+        made = module.configure_optimizers()
+    except Exception:  # noqa: BLE001 - a module that cannot build its optimizer on meta plans as AdamW
+        return "adamw"
+    opt = made[0] if isinstance(made, (tuple, list)) else made.get("optimizer") if isinstance(made, dict) else made
+    name = type(opt).__name__
+    if name == "SGD":
+        return "sgd_momentum" if opt.defaults.get("momentum", 0) else "sgd"
+    return OPTIMIZERS.get(name, "adamw")
+
+
+def _first_batch(module: Any, data: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    loader = (data if data is not None else module).train_dataloader()
+    batch = next(iter(loader))
+    if isinstance(batch, (tuple, list)):
+        return batch[0], batch[1] if len(batch) > 1 and isinstance(batch[1], torch.Tensor) else None
+    return batch, None
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    trainer = config["trainer"]
+    with torch.device("meta"):
+        module = instantiate(config["module"], "module", config.get("config_dir"))
+    data = instantiate(config["data"], "data", config.get("config_dir")) if config.get("data") else None
+    x, y = _first_batch(module, data)
+    gbps = {k: getattr(args, f"{k}_node_gbps") for k in ("intra", "inter")}
+    hw = hardware(args.hardware, args.nodes, args.devices_per_node,
+                  memory_bytes=parse_bytes(args.device_memory) if args.device_memory else None,
+                  efficiency=args.efficiency, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
+                  intra_bw=gbps["intra"] * 1e9 if gbps["intra"] else None,
+                  inter_bw=gbps["inter"] * 1e9 if gbps["inter"] else None)
+    devices = trainer.get("devices", 1)
+    world = (devices if isinstance(devices, int) else 1) * int(trainer.get("num_nodes", 1) or 1)
+    global_batch = args.global_batch or x.shape[0] * _config_dp(trainer, world)
+    precision = str(trainer.get("precision", "32"))
+    train = Training(global_batch=global_batch, precision=precision, optimizer=_optimizer(module))
+    attention = args.attention or ("math" if args.hardware == "cpu" else "flash")
+    plan = plan_module(module, x[:1], hw, train, target=None if y is None else y[:1], attention=attention)
+    print(f"plan for {type(module).__name__} ({sum(p.numel() for p in module.parameters()):,} parameters) on "
+          f"{hw.nodes} x {hw.devices_per_node} {args.hardware} ({hw.memory_bytes / 1024**3:.0f} GiB each); "
+          f"global batch {global_batch}, precision {precision}, optimizer {train.optimizer}, attention {attention}")
+    print(format_table(plan, top=args.top))
+    if plan.ranked:
+        print("best: " + describe_time(plan.best))
+        return 0
+    raise ConfigError(f"no layout fits on {hw.world_size} devices; see the rejected list above")

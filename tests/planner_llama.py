@@ -1,0 +1,111 @@
+"""Llama-3 shaped decoders for the planner's table tests: the public shapes (torchtitan's
+``torchtitan/models/llama3/__init__.py``), built on the meta device, no weights.
+
+One ``nn.Sequential`` (embedding, blocks, final norm, head), grouped-query attention through
+``F.scaled_dot_product_attention``, SwiGLU MLP, and torchtitan's tensor-parallel plan: q/k/v, w1, w3
+and the head column-parallel, wo and w2 row-parallel, the norms sequence-parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_multiplier: float
+    multiple_of: int
+    vocab: int = 128256
+
+    @property
+    def hidden(self) -> int:  # torchtitan's compute_ffn_hidden_dim
+        h = int(self.ffn_multiplier * int(2 * 4 * self.dim / 3))
+        return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
+
+
+LLAMA3 = {
+    "8B": LlamaShape(4096, 32, 32, 8, 1.3, 1024),
+    "70B": LlamaShape(8192, 80, 64, 8, 1.3, 4096),
+    "405B": LlamaShape(16384, 126, 128, 8, 1.2, 4096),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, s: LlamaShape) -> None:
+        super().__init__()
+        self.head_dim = s.dim // s.n_heads
+        self.wq = nn.Linear(s.dim, s.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(s.dim, s.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(s.dim, s.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(s.n_heads * self.head_dim, s.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape  # head counts from the tensors: this rank's share under tensor parallelism
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, s: LlamaShape) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(s.dim, s.hidden, bias=False)
+        self.w3 = nn.Linear(s.dim, s.hidden, bias=False)
+        self.w2 = nn.Linear(s.hidden, s.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, s: LlamaShape) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(s.dim)
+        self.attention = Attention(s)
+        self.ffn_norm = nn.RMSNorm(s.dim)
+        self.feed_forward = FeedForward(s)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, s: LlamaShape) -> None:
+        super().__init__()
+        self.shape = s
+        self.net = nn.Sequential(nn.Embedding(s.vocab, s.dim), *[Block(s) for _ in range(s.n_layers)],
+                                 nn.RMSNorm(s.dim), nn.Linear(s.dim, s.vocab, bias=False))
+
+    def tensor_parallel_plan(self) -> dict[str, Any]:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+        plan: dict[str, Any] = {"net.0": RowwiseParallel(), f"net.{self.shape.n_layers + 1}": SequenceParallel(),
+                                f"net.{self.shape.n_layers + 2}": ColwiseParallel()}
+        for i in range(1, self.shape.n_layers + 1):
+            plan[f"net.{i}.attention_norm"] = SequenceParallel()
+            plan[f"net.{i}.ffn_norm"] = SequenceParallel()
+            for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+                plan[f"net.{i}.{name}"] = ColwiseParallel()
+            plan[f"net.{i}.attention.wo"] = RowwiseParallel()
+            plan[f"net.{i}.feed_forward.w2"] = RowwiseParallel()
+        return plan
+
+    def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(outputs.flatten(0, 1).float(), targets.flatten())
+
+
+def build(name: str, dtype: torch.dtype = torch.bfloat16) -> Llama:
+    with torch.device("meta"):
+        return Llama(LLAMA3[name]).to(dtype)
