@@ -16,8 +16,7 @@ from polytrain.core.errors import ConfigError
 from polytrain.parallel.planner import PRESETS, Training, format_table, hardware, parse_bytes, plan_module
 from polytrain.parallel.planner.search import describe_time
 from polytrain.trainer.config import instantiate, load_config
-
-OPTIMIZERS = {"Adam": "adam", "AdamW": "adamw"}
+from polytrain.trainer.planned import first_batch, optimizer_kind
 
 
 def add_parser(sub: Any) -> None:
@@ -43,28 +42,8 @@ def add_parser(sub: Any) -> None:
 def _config_dp(trainer: dict[str, Any], world: int) -> int:
     spec = trainer.get("strategy")
     options = spec if isinstance(spec, dict) else {}
-    other = math.prod(max(int(options.get(k, 1)), 1) for k in ("tp", "pp", "cp"))
+    other = math.prod(max(v, 1) if isinstance(v := options.get(k, 1), int) else 1 for k in ("tp", "pp", "cp"))
     return max(world // other, 1)
-
-
-def _optimizer(module: Any) -> str:
-    try:
-        made = module.configure_optimizers()
-    except Exception:  # noqa: BLE001 - a module that cannot build its optimizer on meta plans as AdamW
-        return "adamw"
-    opt = made[0] if isinstance(made, (tuple, list)) else made.get("optimizer") if isinstance(made, dict) else made
-    name = type(opt).__name__
-    if name == "SGD":
-        return "sgd_momentum" if opt.defaults.get("momentum", 0) else "sgd"
-    return OPTIMIZERS.get(name, "adamw")
-
-
-def _first_batch(module: Any, data: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    loader = (data if data is not None else module).train_dataloader()
-    batch = next(iter(loader))
-    if isinstance(batch, (tuple, list)):
-        return batch[0], batch[1] if len(batch) > 1 and isinstance(batch[1], torch.Tensor) else None
-    return batch, None
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -73,7 +52,7 @@ def run_plan(args: argparse.Namespace) -> int:
     with torch.device("meta"):
         module = instantiate(config["module"], "module", config.get("config_dir"))
     data = instantiate(config["data"], "data", config.get("config_dir")) if config.get("data") else None
-    x, y = _first_batch(module, data)
+    x, y = first_batch((data if data is not None else module).train_dataloader())
     gbps = {k: getattr(args, f"{k}_node_gbps") for k in ("intra", "inter")}
     hw = hardware(args.hardware, args.nodes, args.devices_per_node,
                   memory_bytes=parse_bytes(args.device_memory) if args.device_memory else None,
@@ -84,7 +63,7 @@ def run_plan(args: argparse.Namespace) -> int:
     world = (devices if isinstance(devices, int) else 1) * int(trainer.get("num_nodes", 1) or 1)
     global_batch = args.global_batch or x.shape[0] * _config_dp(trainer, world)
     precision = str(trainer.get("precision", "32"))
-    train = Training(global_batch=global_batch, precision=precision, optimizer=_optimizer(module))
+    train = Training(global_batch=global_batch, precision=precision, optimizer=optimizer_kind(module))
     attention = args.attention or ("math" if args.hardware == "cpu" else "flash")
     plan = plan_module(module, x[:1], hw, train, target=None if y is None else y[:1], attention=attention)
     print(f"plan for {type(module).__name__} ({sum(p.numel() for p in module.parameters()):,} parameters) on "

@@ -26,6 +26,7 @@ from polytrain.core.errors import ConfigError
 from polytrain.core.options import validate_dataclass
 from polytrain.core.precision import Precision
 from polytrain.strategies.base import Strategy
+from polytrain.strategies.plan_spec import split_plan, wants_plan, with_plan
 
 S = TypeVar("S", bound=type)
 PACKAGE = "polytrain.strategies"
@@ -151,6 +152,9 @@ def validate_strategy_spec(spec: Any, accelerator: str | None = None) -> Any:
         return {"name": "auto"}
     cls = strategy_class(name)
     valid = [f.name for f in dataclasses.fields(cls.Options)]
+    if wants_plan(name, options):  # plan: true / 'auto' degrees (plan_spec.py): checked with auto at the defaults
+        plain, request = split_plan(options, valid)
+        return with_plan(validate_strategy_spec({"name": name, **plain}, accelerator), request)
     unknown = [k for k in options if k not in valid]
     if unknown:
         raise ConfigError(f"strategy '{name}' has no option '{unknown[0]}'; valid: {', '.join(valid) or '(none)'}")

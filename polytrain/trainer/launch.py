@@ -16,6 +16,7 @@ from polytrain.parallel.activation_checkpointing import resolve_checkpointing
 from polytrain.parallel.compile import resolve_compile
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.launcher import LaunchPlan, launch_spawn, relaunch_script
+from polytrain.strategies.plan_spec import is_planned, resolved_spec
 from polytrain.strategies.registry import build_strategy, strategy_class
 from polytrain.trainer.config import TrainerConfig, trainer_to_dict
 
@@ -69,6 +70,9 @@ def strategy_for(config: TrainerConfig, plan: LaunchPlan) -> Strategy:
         strategy.adopt_model_transforms(compile_options, checkpointing)
     else:
         spec = dict(config.strategy)
+        if is_planned(spec):  # plan: true, resolved by trainer.planned when the stage started
+            spec, planned_ac = resolved_spec(spec)
+            checkpointing = checkpointing or (resolve_checkpointing(True) if planned_ac else None)
         spec["name"] = plan.strategy_name
         if config.sync_batchnorm and "sync_batchnorm" in strategy_class(spec["name"]).Options.__dataclass_fields__:
             spec["sync_batchnorm"] = True  # Lightning's Trainer(sync_batchnorm=True); one process: nothing to sync

@@ -42,6 +42,7 @@ from polytrain.trainer.launch import launch_from_trainer, strategy_for
 from polytrain.trainer.metrics import MetricCollector
 from polytrain.trainer.module import TrainModule
 from polytrain.trainer.optimization import clip_gradients
+from polytrain.trainer.planned import agree_on_plan, plan_layout
 from polytrain.trainer.profiler import build_profiler
 from polytrain.trainer.progress import EvalProgress
 from polytrain.trainer.run_directory import RunDirectory, settle_run_directory
@@ -342,7 +343,10 @@ class Trainer:
             self.metrics.callback = out["callback_metrics"]
             self._run_directory = RunDirectory(out["log_dir"], out["ckpt_path"])
             return out["result"]
+        planned = plan_layout(self, plan, model, loaders.get("train"), datamodule or self.datamodule, stage, ckpt_path)
         self._setup_strategy(plan)
+        if planned:
+            agree_on_plan(self)  # trainer.strategy plan: true (trainer/planned.py)
         self.stage, self.module = stage, model
         self.datamodule = datamodule if datamodule is not None else self.datamodule
         self.given_loaders = {k: v for k, v in loaders.items() if v is not None}

@@ -4,7 +4,9 @@ model with, from a profile taken on the meta device and a documented cost model
 
 from __future__ import annotations
 
+import copy
 import functools
+import itertools
 from typing import Any
 
 import torch
@@ -17,17 +19,18 @@ from polytrain.parallel.planner.profile import ModelProfile, profile_sequential,
 from polytrain.parallel.planner.search import Plan, format_table, rank
 
 __all__ = ["PRESETS", "Estimate", "Hardware", "Layout", "ModelProfile", "Plan", "Training", "estimate",
-           "format_table", "hardware", "parse_bytes", "plan_module", "profiler", "rank"]
+           "format_table", "hardware", "on_meta", "parse_bytes", "plan_module", "profiler", "rank"]
 
 
 def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | None = None,
              attention: str = "math", sequential: str | None = None) -> Any:
     """``tp -> ModelProfile`` for a module built on the meta device, cached per degree.
 
-    ``example`` is one sample of the Sequential's input (batch dimension 1, any device: it is moved to
+    A module not on meta is profiled through a meta copy of its Sequential. ``example`` is one sample of the Sequential's input (batch dimension 1, any device: it is moved to
     meta); ``target`` one sample of the targets for ``module.pipeline_loss``, when the module has one.
     """
     seq_name, seq = find_sequential(module, sequential)
+    seq = on_meta(seq)
     hook = getattr(module, "tensor_parallel_plan", None)
     plan = style_names(hook()) if callable(hook) else None
     example = example.to("meta")
@@ -37,6 +40,16 @@ def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | No
         target = target.to("meta")
         loss = functools.partial(_apply_loss, loss_fn, target)
     return functools.cache(lambda tp: profile_sequential(seq, example, tp, plan, seq_name, loss, attention))
+
+
+def on_meta(module: nn.Module) -> nn.Module:
+    """``module`` if it is on meta already, else a copy on meta (its weights are never copied)."""
+    tensors = list(itertools.chain(module.parameters(), module.buffers()))
+    if all(t.is_meta for t in tensors):
+        return module
+    memo: dict[int, Any] = {id(b): b.to("meta") for b in module.buffers()}
+    memo.update({id(p): nn.Parameter(p.detach().to("meta"), p.requires_grad) for p in module.parameters()})
+    return copy.deepcopy(module, memo)
 
 
 def _apply_loss(loss_fn: Any, target: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

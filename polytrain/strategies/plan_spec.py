@@ -1,0 +1,134 @@
+"""``strategy: {name: parallel, plan: true}``: the planner chooses the layout when training starts.
+
+    strategy: {name: parallel, plan: true}                 # every degree planned
+    strategy: {name: parallel, tp: auto, dp_shard: 2}      # dp_shard pinned, tp (and the rest) planned
+
+A degree is an integer (pinned) or ``"auto"`` (planned); under ``plan: true`` every degree not given is
+planned; with ``"auto"`` degrees alone, the degrees not given keep their defaults (1) but ``dp_shard``
+(default: whatever the others leave) is planned. ``-1`` counts as ``"auto"``. ``cp`` is never planned (pin it). Planning options:
+``global_batch`` (default: the train loader's batch x the data-parallel size the pinned degrees leave,
+as ``polytrain plan``), ``hardware`` (a preset; default: the accelerator's) and ``chosen`` (written by
+the Trainer: the layout picked, which a resume at the same world size reuses). Plain ``strategy: auto``
+is not the planner: it keeps Lightning's meaning, ``single`` on one device and ``ddp`` on several.
+
+This module checks and rewrites the spec only; ``polytrain.trainer.planned`` does the planning.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from polytrain.core.errors import ConfigError
+from polytrain.parallel.planner.hardware import PRESETS
+
+AUTO = "auto"
+PLANNED_NAME = "parallel"
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+PLANNED_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")  # cp: CUDA-only ring attention, pinned or 1
+PLAN_KEYS = ("plan", "global_batch", "hardware", "chosen")
+CHOSEN_REQUIRED = ("world_size", *DEGREES, "n_microbatches", "activation_checkpointing")
+CHOSEN_KEYS = (*CHOSEN_REQUIRED, "hardware", "memory_bytes", "step_s")
+WHERE = "trainer.strategy (parallel)"
+
+
+def wants_plan(name: str, options: dict[str, Any]) -> bool:
+    """Does ``{name, **options}`` ask the planner for something (to be checked by ``split_plan``)?"""
+    return name == PLANNED_NAME and (any(k in options for k in PLAN_KEYS) or
+                                     any(isinstance(options.get(k), str) for k in DEGREES))
+
+
+def is_planned(spec: Any) -> bool:
+    """A spec ``validate_strategy_spec`` returned that the planner resolves at start."""
+    return isinstance(spec, dict) and spec.get("name") == PLANNED_NAME and spec.get("plan") is True
+
+
+def _degree(key: str, value: Any, planning: bool) -> int | str:
+    if value == AUTO or (planning and value == -1 and key != "cp"):
+        if key == "cp":
+            raise ConfigError(f"{WHERE} cp='auto' is not valid: the planner keeps cp at 1 (ring attention is "
+                              f"CUDA-only); pin an integer")
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{WHERE} {key}={value!r} is not valid: a degree is an integer (pinned) or 'auto' "
+                          f"(chosen by the planner)")
+    return value
+
+
+def _check_chosen(chosen: Any) -> None:
+    if chosen is None:
+        return
+    if not isinstance(chosen, dict) or not set(CHOSEN_REQUIRED) <= set(chosen) or not set(chosen) <= set(CHOSEN_KEYS):
+        raise ConfigError(f"{WHERE} chosen={chosen!r} is not valid: the Trainer writes it, a mapping with the keys "
+                          f"{', '.join(CHOSEN_REQUIRED)} (optional: {', '.join(CHOSEN_KEYS[len(CHOSEN_REQUIRED):])})")
+    ints = [chosen[k] for k in ("world_size", *DEGREES)]
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in ints) or \
+            math.prod(ints[1:]) != ints[0]:
+        raise ConfigError(f"{WHERE} chosen={chosen!r}: degrees must be positive integers whose product is world_size")
+
+
+def _check_plan_options(options: dict[str, Any]) -> None:
+    plan, batch, preset = options.get("plan", True), options.get("global_batch"), options.get("hardware")
+    if not isinstance(plan, bool):
+        raise ConfigError(f"{WHERE} plan={plan!r} is not valid: true (the planner chooses every degree not given) "
+                          f"or false")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ConfigError(f"{WHERE} global_batch={batch!r} is not valid: a positive integer (samples per step)")
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError(f"{WHERE} hardware={preset!r} is not valid; choose one of: {', '.join(sorted(PRESETS))}")
+    _check_chosen(options.get("chosen"))
+
+
+def split_plan(options: dict[str, Any], valid: list[str]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``options`` (without ``name``) -> (the strategy's own options, auto degrees at their defaults; the
+    planning request to put back with ``with_plan``, or None when nothing is planned after all)."""
+    unknown = [k for k in options if k not in valid and k not in PLAN_KEYS]
+    if unknown:
+        raise ConfigError(f"strategy 'parallel' has no option '{unknown[0]}'; valid: {', '.join(valid)}, "
+                          f"and for the planner: {', '.join(PLAN_KEYS)}")
+    _check_plan_options(options)
+    planning = options.get("plan", False) is True or any(options.get(k) == AUTO for k in DEGREES)
+    degrees = {k: _degree(k, options[k], planning) for k in DEGREES if k in options}
+    if planning:  # plan: true plans every degree not given; 'auto' degrees alone, dp_shard (default: the rest)
+        missing = PLANNED_DEGREES if options.get("plan") is True else ("dp_shard",)
+        degrees = {**{k: AUTO for k in missing if k not in degrees}, **degrees}
+    plain = {k: v for k, v in options.items() if k not in PLAN_KEYS and k not in DEGREES}
+    plain.update({k: v for k, v in degrees.items() if v != AUTO})
+    if not planning:
+        extra = [k for k in PLAN_KEYS if k in options and k != "plan"]
+        if extra:
+            raise ConfigError(f"{WHERE} option(s) {', '.join(extra)} plan the layout: add plan: true or set a "
+                              f"degree to 'auto'")
+        return plain, None
+    auto = sorted((k for k, v in degrees.items() if v == AUTO), key=DEGREES.index)
+    return plain, {"auto": auto, **{k: options.get(k) for k in PLAN_KEYS if k != "plan"}}
+
+
+def with_plan(checked: dict[str, Any], request: dict[str, Any] | None) -> dict[str, Any]:
+    """The checked options with the planning request put back (the form ``split_plan`` reads again)."""
+    if request is None:
+        return checked
+    spec = {**checked, **{k: AUTO for k in request["auto"]}, "plan": True}
+    spec.update({k: request[k] for k in PLAN_KEYS if k != "plan"})
+    return spec
+
+
+def pinned_degrees(spec: dict[str, Any]) -> dict[str, int]:
+    """What the planner must keep: integer degrees, and ``n_microbatches`` when given."""
+    pinned = {k: spec[k] for k in DEGREES if isinstance(spec.get(k), int)}
+    if isinstance(spec.get("n_microbatches"), int):
+        pinned["n_microbatches"] = spec["n_microbatches"]
+    return pinned
+
+
+def resolved_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """A planned spec with its ``chosen`` layout -> (the plain ``parallel`` spec, activation checkpointing on)."""
+    chosen = spec.get("chosen")
+    if chosen is None:
+        raise ConfigError(f"{WHERE} plan: true is resolved when a stage starts (the planner needs the module); "
+                          f"this strategy was built before that")
+    plain = {k: v for k, v in spec.items() if k not in PLAN_KEYS}
+    plain.update({k: chosen[k] for k in DEGREES})
+    if chosen["pp"] > 1 and plain.get("n_microbatches") is None:
+        plain["n_microbatches"] = chosen["n_microbatches"]
+    return plain, bool(chosen["activation_checkpointing"])

@@ -1,0 +1,176 @@
+"""``strategy: {name: parallel, plan: true}`` (or ``"auto"`` degrees) resolved when a stage starts.
+
+The Trainer is built before it sees the module, so the layout is planned in ``Trainer._run``, once the
+module and its train loader are known and before the strategy (and its device mesh) is built. Every
+rank plans alike from the same inputs (the module's meta-device profile, one batch's shape, the world
+size, the accelerator's hardware preset): nothing is broadcast, since no process group exists yet;
+once it does, ``agree_on_plan`` checks with one tiny all-gather that every rank chose the same degrees.
+
+The chosen layout is written into the config (``trainer.strategy.chosen``), so every checkpoint's
+config holds it; a fit resuming from a checkpoint written at the same world size reuses that layout
+rather than planning again (another world size plans again, and says so).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from polytrain.checkpoint.reading import read_meta
+from polytrain.core.errors import ConfigError
+from polytrain.parallel.activation_checkpointing import resolve_checkpointing
+from polytrain.parallel.planner import Training, hardware, profiler, rank
+from polytrain.parallel.planner.search import world_check
+from polytrain.strategies.launcher import LaunchPlan
+from polytrain.strategies.plan_spec import CHOSEN_REQUIRED, DEGREES, is_planned, pinned_degrees
+from polytrain.trainer.run_directory import resolve_path
+
+if TYPE_CHECKING:
+    from polytrain.trainer.trainer import Trainer
+
+log = logging.getLogger("polytrain")
+
+OPTIMIZERS = {"Adam": "adam", "AdamW": "adamw"}
+PRECISIONS = {"32-true": "32", "bf16": "bf16-mixed", "16": "16-mixed"}
+
+
+def optimizer_kind(module: Any) -> str:
+    """The planner's name for the optimizer ``module.configure_optimizers()`` builds (AdamW if it cannot)."""
+    try:
+        made = module.configure_optimizers()
+    except Exception:  # noqa: BLE001 - a module that cannot build its optimizer here plans as AdamW
+        return "adamw"
+    opt = made[0] if isinstance(made, (tuple, list)) else made.get("optimizer") if isinstance(made, dict) else made
+    name = type(opt).__name__
+    if name == "SGD":
+        return "sgd_momentum" if opt.defaults.get("momentum", 0) else "sgd"
+    return OPTIMIZERS.get(name, "adamw")
+
+
+def first_batch(loader: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(inputs, targets or None) of the loader's first batch; the global RNG is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        batch = next(iter(loader))
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
+        return batch[0], batch[1] if len(batch) > 1 and isinstance(batch[1], torch.Tensor) else None
+    if isinstance(batch, torch.Tensor):
+        return batch, None
+    raise ConfigError(f"the planner profiles the model on the train batch's inputs: a tensor or (inputs, targets), "
+                      f"not a {type(batch).__name__}; pin the degrees instead of plan: true")
+
+
+def _train_loader(given: Any, datamodule: Any, module: Any) -> Any:
+    if given is not None:
+        return given
+    source = datamodule if datamodule is not None else module
+    try:
+        return source.train_dataloader()
+    except Exception as err:  # noqa: BLE001 - re-raised with what the planner needed it for
+        raise ConfigError(f"plan: true reads one train batch before setup() runs (as `polytrain plan` does), and "
+                          f"{type(source).__name__}.train_dataloader() raised: {err}. Build the dataset in __init__, "
+                          f"pass train_dataloaders, or pin the degrees") from err
+
+
+def _checkpoint_plan(trainer: Trainer, stage: str, ckpt_path: str | None) -> tuple[dict | None, str | None]:
+    """The ``chosen`` layout stored in the checkpoint this fit resumes from (every rank reads it, as every
+    rank will read the checkpoint itself), or (None, None)."""
+    choice = ckpt_path if ckpt_path is not None else trainer.config.resume
+    if stage != "fit" or choice is None:
+        return None, None
+    path = resolve_path(trainer, choice)
+    if path is None:
+        return None, None
+    if os.path.isdir(path):
+        payload = read_meta(path)
+    else:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    spec = ((payload.get("config") or {}).get("trainer") or {}).get("strategy")
+    return (spec.get("chosen") if isinstance(spec, dict) else None), path
+
+
+def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamodule: Any) -> dict[str, Any]:
+    """Rank every layout of this job for ``module`` and return the best as a ``chosen`` mapping."""
+    spec, config, world = trainer.config.strategy, trainer.config, launch.world_size
+    x, y = first_batch(_train_loader(train, datamodule, module))
+    pinned = pinned_degrees(spec)
+    if resolve_checkpointing(config.activation_checkpointing) is not None:
+        pinned["activation_checkpointing"] = True
+    on_cuda = launch.accelerator in ("cuda", "gpu")
+    preset = spec.get("hardware") or (("a100" if "A100" in torch.cuda.get_device_name() else "h100")
+                                      if on_cuda else "cpu")
+    hw = hardware(preset, launch.num_nodes, max(world // launch.num_nodes, 1))
+    world_check(hw, {k: v for k, v in pinned.items() if k in DEGREES})
+    other = math.prod(pinned.get(k, 1) for k in ("tp", "pp", "cp"))
+    global_batch = spec.get("global_batch") or x.shape[0] * max(world // other, 1)
+    precision = PRECISIONS.get(str(config.precision), str(config.precision))
+    training = Training(global_batch=global_batch, precision=precision, optimizer=optimizer_kind(module))
+    profile_at = profiler(module, x[:1], None if y is None else y[:1], "flash" if on_cuda else "math",
+                          spec.get("sequential"))
+    plan = rank(hw, training, profile_at, pinned)
+    best, lay = plan.best, plan.best.layout  # raises, with the first rejections, when nothing fits
+    chosen: dict[str, Any] = {"world_size": world, **{k: getattr(lay, k) for k in DEGREES}}
+    chosen.update(n_microbatches=lay.n_microbatches, activation_checkpointing=lay.activation_checkpointing,
+                  hardware=preset, memory_bytes=int(best.total_memory), step_s=float(best.step_time))
+    chosen["summary"] = f"best of {len(plan.ranked)} layouts that fit ({len(plan.rejected)} rejected), " \
+                        f"global batch {global_batch}"
+    return chosen
+
+
+def describe(chosen: dict[str, Any]) -> str:
+    degrees = " ".join(f"{k}={chosen[k]}" for k in DEGREES)
+    ac = "on" if chosen["activation_checkpointing"] else "off"
+    line = f"{degrees} (n_microbatches {chosen['n_microbatches']}, activation checkpointing {ac})"
+    if "memory_bytes" in chosen:
+        line += f": {chosen['memory_bytes'] / 1024**2:.1f} MiB per rank, predicted step {chosen['step_s']:.4g} s"
+    return line + f" on {chosen['world_size']} {chosen.get('hardware', '')} ranks".replace("  ", " ")
+
+
+def plan_layout(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamodule: Any, stage: str,
+                ckpt_path: str | None) -> bool:
+    """Resolve a planned ``trainer.strategy`` before the strategy is built; True when this call did (the
+    same on every rank: it depends on the config only)."""
+    spec = trainer.config.strategy
+    if trainer.strategy is not None or not is_planned(spec):
+        return False
+    world = launch.world_size
+    stored, source = _checkpoint_plan(trainer, stage, ckpt_path)
+    if stored is None and spec.get("chosen") is not None:
+        stored, source = spec["chosen"], "the config (trainer.strategy.chosen)"
+    pins = pinned_degrees(spec)
+    if stored is not None and stored["world_size"] == world and all(stored.get(k) == v for k, v in pins.items()):
+        chosen, how = {k: v for k, v in stored.items() if k != "summary"}, f"reusing the plan stored in {source}"
+    else:
+        if stored is not None:
+            log.warning("the plan stored in %s (%s) is for %d ranks or other pinned degrees (%s) and this job has "
+                        "%d ranks: planning again", source, describe(stored), stored["world_size"], pins, world)
+        chosen = _plan(trainer, launch, module, train, datamodule)
+        how = chosen.pop("summary")
+    _record(trainer, {**spec, "chosen": chosen})
+    if launch.env.global_rank == 0:
+        print(f"polytrain plan: {describe(chosen)}; {how}", flush=True)
+    return True
+
+
+def _record(trainer: Trainer, spec: dict[str, Any]) -> None:
+    """The chosen layout into the config every checkpoint stores (the run's whole config, if it has one)."""
+    trainer.config.strategy = spec
+    run_config = trainer.config_dict()
+    if "module" in run_config:  # Trainer.from_config: the run's own config is what checkpoints store
+        run_config.setdefault("trainer", {})["strategy"] = dict(spec)
+
+
+def agree_on_plan(trainer: Trainer) -> None:
+    """Every rank chose the same layout (one all-gather of a few integers; every rank calls it)."""
+    if trainer.world_size == 1:
+        return
+    chosen = trainer.config.strategy["chosen"]
+    mine = {k: chosen[k] for k in CHOSEN_REQUIRED}
+    every = trainer.strategy.all_gather_object(mine)
+    if any(other != every[0] for other in every):
+        differ = [r for r, other in enumerate(every) if other != every[0]]
+        raise ConfigError(f"plan: true chose different layouts on different ranks (rank 0: {every[0]}; ranks "
+                          f"{differ} differ): their inputs differ (data shapes, GPU models). Pin the degrees")
