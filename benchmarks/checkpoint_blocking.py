@@ -25,9 +25,7 @@ gloo group of its own). Figures are from global rank 0.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -36,12 +34,8 @@ import traceback
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from local_ranks import export_rank, first_result  # noqa: E402 - beside this script
 
 
 def build_module(args: argparse.Namespace) -> Any:
@@ -123,8 +117,7 @@ def run_mode(args: argparse.Namespace, strategy: str, world: int) -> dict[str, l
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, strategy: str, results: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
+    export_rank(rank, world, port)
     try:
         import torch
 
@@ -137,21 +130,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, strategy
 
 
 def run_multi(args: argparse.Namespace, strategy: str) -> dict[str, list[Any]]:
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, args, strategy, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        status, payload = results.get(timeout=args.timeout)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.terminate()
-    if status != "ok":
-        raise RuntimeError(f"benchmark worker failed:\n{payload}")
-    return payload
+    return first_result(_worker, 2, (args, strategy), args.timeout, join_timeout=60)
 
 
 def report(label: str, out: dict[str, list[Any]]) -> list[str]:

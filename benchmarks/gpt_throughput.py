@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -50,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt_model as M  # noqa: E402 - the model, shared with activation_memory.py
-from local_ranks import export_rank, free_port  # noqa: E402 - beside this script
+from local_ranks import export_rank, first_result  # noqa: E402 - beside this script
 
 # dense peak FLOP/s per device: (name fragment, {precision: peak})
 PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
@@ -253,22 +252,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, plan: li
 
 
 def run_multi(args: argparse.Namespace, plan: list[tuple[str, bool]]) -> list[tuple[str, bool, dict[str, Any]]]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, plan, results)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    try:
-        status, payload = results.get(timeout=args.timeout)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-    if status != "ok":
-        raise RuntimeError(f"benchmark worker failed:\n{payload}")
-    return payload
+    return first_result(_worker, args.world, (args, plan), args.timeout)
 
 
 # --------------------------------------------------------------------------- main

@@ -3,8 +3,11 @@ process sets before joining a gloo group on this machine (what torchrun would ha
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import socket
+from collections.abc import Callable
+from typing import Any
 
 
 def free_port() -> int:
@@ -17,3 +20,24 @@ def export_rank(rank: int, world: int, port: int) -> None:
     """Worker ``rank`` of ``world`` on one node, rendezvous at 127.0.0.1:``port``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
+
+
+def first_result(target: Callable[..., None], world: int, extra: tuple[Any, ...], timeout: float,
+                 join_timeout: float = 30.0) -> Any:
+    """``target(rank, world, port, *extra, results)`` in ``world`` spawned processes; the first
+    ``(status, payload)`` one puts on ``results`` is the answer (a failure raises with its traceback)."""
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=target, args=(rank, world, port, *extra, results)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        status, payload = results.get(timeout=timeout)
+    finally:
+        for proc in procs:
+            proc.join(timeout=join_timeout)
+            if proc.is_alive():
+                proc.terminate()
+    if status != "ok":
+        raise RuntimeError(f"benchmark worker failed:\n{payload}")
+    return payload

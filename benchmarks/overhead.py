@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import multiprocessing as mp
 import os
 import shutil
 import statistics
@@ -80,7 +79,7 @@ TARGET_SHORT, TARGET_LONG, LONG_STEP_MS = 1.06, 1.03, 1.5
 
 # The workloads (make_dataset, run_polytrain, run_hand, ...) live in overhead_workloads.py.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from local_ranks import export_rank, free_port  # noqa: E402 - beside this script
+from local_ranks import export_rank, first_result  # noqa: E402 - beside this script
 from overhead_workloads import make_dataset, run_hand, run_lightning, run_polytrain, weights_equal  # noqa: E402
 
 
@@ -199,22 +198,7 @@ def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace, resu
 
 
 def run_ddp(args: argparse.Namespace, world: int = 2) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_ddp_worker, args=(r, world, port, args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        status, payload = results.get(timeout=args.timeout)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-    if status != "ok":
-        raise RuntimeError(f"DDP benchmark worker failed:\n{payload}")
-    return payload
+    return first_result(_ddp_worker, world, (args,), args.timeout)
 
 
 # --------------------------------------------------------------------------- profiling
