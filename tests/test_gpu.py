@@ -45,7 +45,7 @@ class Net(TrainModule):
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.losses.append(float(self.trainer.strategy.reduce(outputs.detach())))
+        self.losses.append(float(self.trainer.strategy.reduce(outputs["loss"].detach())))  # Lightning: {"loss": t}
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
@@ -113,3 +113,48 @@ def test_data_parallel_splits_the_batch_over_gpus(tmp_path: Any) -> None:
     Trainer(devices=1, strategy="single", **_quiet(str(tmp_path / "single"))).fit(single)
     # The mean of the replicas' mean losses equals the whole batch's mean (equal halves).
     torch.testing.assert_close(torch.tensor(dp.losses), torch.tensor(single.losses), atol=1e-5, rtol=1e-5)
+
+
+class _SavedWeights(TrainModule):
+    """Net's layers; notes its weights (on the CPU) after every optimizer step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 3))
+        self.at_step: dict[int, dict[str, torch.Tensor]] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.at_step[self.global_step] = {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> Any:
+        return DataLoader(_data(), batch_size=4)
+
+
+@pytest.mark.timeout(120)
+def test_async_checkpoints_on_cuda_hold_the_weights_of_their_step(tmp_path: Any) -> None:
+    """CUDA parameters staged into (pinned) CPU memory while training goes on: each file holds the
+    weights of its own step, not a later step's."""
+    from polytrain.callbacks import ModelCheckpoint
+
+    module = _SavedWeights()
+    saver = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=3, save_top_k=-1, async_save=True,
+                            every_n_epochs=None)
+    trainer = Trainer(devices=1, strategy="single", callbacks=[saver], **{**_quiet(str(tmp_path)),
+                                                                          "enable_checkpointing": True})
+    trainer.fit(module)
+    steps = set()
+    for path in sorted(p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("epoch=")):
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        step = payload["loop"]["global_step"]
+        steps.add(step)
+        for name, value in module.at_step[step].items():
+            assert torch.equal(payload["model"][name], value), (path.name, name)
+    assert set(range(3, 31, 3)) <= steps  # 16 steps per epoch x 2 epochs, every 3rd step
