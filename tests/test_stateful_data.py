@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_distributed
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from test_user_samplers import Indexed as Table  # sample i: (i, x_i, y_i); counts what is loaded
+from torch.utils.data import DataLoader, IterableDataset
 
 from polytrain import Trainer, TrainModule
 from polytrain.callbacks import Callback
@@ -30,23 +31,6 @@ N = 24  # 12 items per rank under ddp x2: batch 3 gives 4 batches an epoch
 BATCH = 3
 EPOCHS = 2
 SAVE_AT = {1: 10, 2: 6}  # world -> step to checkpoint at: epoch 1, batch 2 (8 or 4 batches an epoch)
-
-
-class Table(Dataset):
-    """A plain map-style dataset: sample i is (i, x_i, y_i); counts what is loaded."""
-
-    def __init__(self, n: int) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 4, generator=g)
-        self.y = self.x @ torch.randn(4, 1, generator=g)
-        self.loaded = 0
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        self.loaded += 1
-        return i, self.x[i], self.y[i]
 
 
 class Stream(IterableDataset):

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_distributed
+from test_data import ReverseSampler as Reverse  # yields n-1, ..., 0
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -101,17 +102,6 @@ class Buckets(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self.batches)
-
-
-class Reverse(Sampler[int]):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.n - 1, -1, -1))
-
-    def __len__(self) -> int:
-        return self.n
 
 
 class Values(Dataset):

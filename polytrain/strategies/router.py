@@ -70,11 +70,16 @@ class StepRouter(nn.Module):
         # Called after the routed method returns, still inside the wrapper's forward (DDP under
         # manual optimisation: see parallel.ddp.forward_without_reducer).
         self.__dict__["after_method"] = None
+        self.__dict__["steps"] = {}
 
     def forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
         # _modules directly: `self.module` goes through nn.Module.__getattr__ after a failed normal
         # lookup (an AttributeError built and dropped) on every step.
-        result = user_step(self._modules["module"], method)(*args, **kwargs)
+        steps = self.__dict__["steps"]  # name -> the step as called; resolved once, not per call
+        step = steps.get(method)
+        if step is None:
+            step = steps[method] = user_step(self._modules["module"], method)
+        result = step(*args, **kwargs)
         after = self.__dict__["after_method"]
         if after is not None:
             after()
