@@ -18,6 +18,19 @@ training step after the first (optimizer state already allocated) is measured:
 The difference is the activation memory checkpointing saves: the blocks keep only their inputs
 and recompute the rest in backward. Also printed: the step time ratio (the recompute's cost,
 median of ``--steps`` steps) and the last loss of each run, which must agree.
+
+Against the planner (``--model example``: the GPT example, examples/gpt, whose ``nn.Sequential`` the
+planner profiles; CPU only). What each side counts, in that one measured step:
+
+- the example zeroes its gradients in place (``zero_grad(set_to_none=False)``), so they stay allocated
+  from step 0 on and backward adds into them: the step's peak holds no gradient (nor optimizer state);
+- measured "held": the bytes allocated since the step started, read at ``on_before_backward`` (the end
+  of forward): what autograd keeps for backward, plus the loss (the batch was fetched before the step);
+- measured "peak": the step's peak: what is held at that moment plus backward's transients (the
+  incoming gradient of a layer, a new gradient before it is added, the recomputed block under
+  checkpointing);
+- predicted: the planner's ``activations`` term (``estimate(...).memory`` of ``Layout()`` with or
+  without activation checkpointing, fp32, the same batch). The goal: within 20 % of the measured peak.
 """
 
 from __future__ import annotations
@@ -35,10 +48,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpt_model as M  # noqa: E402 - the same GPT as the throughput benchmark
 
+END_OF_FORWARD = "activation_memory.end_of_forward"
+GOAL = 0.20  # |predicted / measured peak - 1| for the planner's activation term
+
 
 def measure(args: argparse.Namespace, checkpointing: bool) -> dict[str, Any]:
     import torch
-    from torch.utils.data import DataLoader, TensorDataset
 
     from polytrain import Callback, Trainer
 
@@ -46,7 +61,7 @@ def measure(args: argparse.Namespace, checkpointing: bool) -> dict[str, Any]:
 
     class Probe(Callback):
         def __init__(self) -> None:
-            self.peak = 0
+            self.peak = self.held = 0
             self.times: list[float] = []
             self._prof: Any = None
             self._base = 0
@@ -65,6 +80,11 @@ def measure(args: argparse.Namespace, checkpointing: bool) -> dict[str, Any]:
                     self._prof.__enter__()
             self._t0 = time.perf_counter()
 
+        def on_before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
+            if self._prof is not None and trainer.global_step == 1:
+                with torch.profiler.record_function(END_OF_FORWARD):
+                    pass
+
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if cuda:
                 torch.cuda.synchronize()
@@ -79,15 +99,9 @@ def measure(args: argparse.Namespace, checkpointing: bool) -> dict[str, Any]:
             with tempfile.NamedTemporaryFile(suffix=".json") as fh:
                 self._prof.export_chrome_trace(fh.name)
                 events = json.load(open(fh.name, encoding="utf-8"))["traceEvents"]
-            self.peak = max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"),
-                            default=0)
+            self.peak, self.held = peak_and_held(events)
 
-    torch.manual_seed(0)
-    module = M.build(args.shape, fused=args.device == "cuda")
-    g = torch.Generator().manual_seed(1234)
-    n = (args.steps + 2) * args.batch_size
-    tokens = torch.randint(0, args.shape.vocab, (n, args.shape.seq + 1), generator=g)
-    module.loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch_size)
+    module = build_module(args)
     probe = Probe()
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(strategy="single", accelerator=args.device, precision=args.precision,
@@ -96,8 +110,78 @@ def measure(args: argparse.Namespace, checkpointing: bool) -> dict[str, Any]:
                           log_every_n_steps=args.steps + 2, run_dir=run_dir, callbacks=[probe],
                           activation_checkpointing=checkpointing)
         trainer.fit(module)
-    return {"peak": probe.peak, "step": statistics.median(probe.times),
+    return {"peak": probe.peak, "held": probe.held, "step": statistics.median(probe.times),
             "loss": trainer.logged_metrics["train/loss"]}
+
+
+def peak_and_held(events: list[dict[str, Any]]) -> tuple[int, int]:
+    """(peak bytes, bytes at the end-of-forward mark) allocated during the profile, from a chrome trace.
+
+    Summed from each allocation and free (``Bytes``, ``Addr``): the profiler's own running total
+    ("Total Allocated") is process-wide and carries what an earlier profile allocated and kept."""
+    mark = min((e["ts"] for e in events if e.get("name") == END_OF_FORWARD), default=None)
+    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    alive: dict[int, int] = {}
+    current = peak = held = 0
+    for e in memory:
+        size, addr = e["args"]["Bytes"], e["args"]["Addr"]
+        if size > 0:
+            alive[addr] = size
+            current += size
+        else:
+            current -= alive.pop(addr, 0)
+        peak = max(peak, current)
+        held = current if mark is not None and e["ts"] <= mark else held
+    return peak, held
+
+
+def build_module(args: argparse.Namespace) -> Any:
+    """The benchmark's GPT on random tokens, or (``--model example``) the GPT example on its corpus."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    if args.model == "example":
+        return example_module(args)
+    module = M.build(args.shape, fused=args.device == "cuda")
+    g = torch.Generator().manual_seed(1234)
+    n = (args.steps + 2) * args.batch_size
+    tokens = torch.randint(0, args.shape.vocab, (n, args.shape.seq + 1), generator=g)
+    module.loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch_size)
+    return module
+
+
+def example_module(args: argparse.Namespace, meta: bool = False) -> Any:
+    """The GPT example at the benchmark's shape; its gradients are zeroed in place, never released."""
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "gpt"))
+    from gpt_module import CharGPT
+
+    class KeptGradients(CharGPT):
+        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+            optimizer.zero_grad(set_to_none=False)
+
+    with torch.device("meta" if meta else "cpu"):
+        return KeptGradients(d_model=args.d_model, n_head=args.heads, n_layer=args.layers, block_size=args.seq_len,
+                             stride=8, batch_size=args.batch_size)
+
+
+def predicted(args: argparse.Namespace, checkpointing: bool) -> int:
+    """The planner's activation bytes for the example at ``args``' shape on one CPU rank (fp32, AdamW)."""
+    import torch
+
+    from polytrain.parallel.planner import Layout, Training, estimate, hardware, profiler
+
+    module = example_module(args, meta=True)
+    x = torch.zeros(1, args.seq_len, dtype=torch.long)
+    train = Training(global_batch=args.batch_size, precision="32", optimizer="adamw")
+    # CPU runs F.scaled_dot_product_attention's flash kernel (fp32 too): it saves q, k, v, the output and
+    # the log-sum-exp, not the attention matrix, as the planner's "flash" trace counts.
+    est = estimate(Layout(activation_checkpointing=checkpointing), train,
+                   profiler(module, x, x, attention="flash")(1),
+                   hardware("cpu", 1, 1))
+    return est.memory["activations"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=4, help="steps timed after the measured one")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--model", choices=("bench", "example"), default="bench",
+                   help="bench: gpt_model.py's GPT; example: examples/gpt's, with the planner's prediction (CPU)")
     args = p.parse_args(argv)
     import torch
 
@@ -121,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.shape = M.Shape(args.vocab, args.d_model, args.layers, args.heads, args.seq_len)
-    params = sum(p.numel() for p in M.build(args.shape, fused=args.device == "cuda").parameters())
+    if args.model == "example" and args.device != "cpu":
+        p.error("--model example measures on CPU only")
+    params = sum(p.numel() for p in build_module(args).parameters())
     how = "torch.cuda.max_memory_allocated" if args.device == "cuda" else "torch.profiler memory events"
     print(f"activation_memory: polytrain {polytrain.__version__}, GPT L={args.layers} d={args.d_model} "
           f"T={args.seq_len} batch {args.batch_size} ({params / 1e6:.1f}M params), {args.device} {args.precision}, "
@@ -130,10 +218,20 @@ def main(argv: list[str] | None = None) -> int:
     mb = 2 ** 20
     print(f"checkpointing off: {off['peak'] / mb:.1f} MB, {off['step'] * 1e3:.1f} ms/step", flush=True)
     print(f"checkpointing on: {on['peak'] / mb:.1f} MB, {on['step'] * 1e3:.1f} ms/step", flush=True)
+    ok = True
+    if args.model == "example":
+        for name, run, ac in (("off", off, False), ("on", on, True)):
+            guess = predicted(args, ac)
+            ok &= abs(guess / run["peak"] - 1) <= GOAL
+            print(f"planner, checkpointing {name}: predicted activations {guess / mb:.2f} MB; measured held at end of "
+                  f"forward {run['held'] / mb:.2f} MB, peak {run['peak'] / mb:.2f} MB "
+                  f"(ratio {guess / run['peak']:.3f}, goal within {GOAL:.0%})", flush=True)
+        print(f"planner: activations within {GOAL:.0%} of the measured peak, checkpointing off and on: "
+              f"{'yes' if ok else 'NO'}", flush=True)
     print(f"memory: {on['peak'] / off['peak']:.3f} of off ({(off['peak'] - on['peak']) / mb:.1f} MB saved); "
           f"step time: {on['step'] / off['step']:.3f} of off; last loss off {off['loss']:.6f} on {on['loss']:.6f}",
           flush=True)
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

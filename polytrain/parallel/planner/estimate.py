@@ -105,6 +105,11 @@ def _link(hw: Hardware, span: int) -> tuple[float, float]:
     return hw.inter_bw, hw.inter_latency
 
 
+def _runs_ddp(lay: Layout) -> bool:
+    """Whether the strategy wraps the model in DDP (``parallel/apply.py``'s ``data_parallel_mode``, auto)."""
+    return lay.dp_replicate > 1 and lay.fsdp == 1 and lay.tp == 1 and lay.pp == 1
+
+
 def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, lo: int, hi: int, s: int) -> dict[str, int]:
     kids = prof.children[lo:hi]
     master = MASTER_BYTES[train.precision]
@@ -121,7 +126,9 @@ def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, lo: int, hi:
         activations = micro * in_flight * sum(c.saved_bytes for c in kids)
     return {
         "params": math.ceil(held * master),
-        "grads": math.ceil(held * master),
+        # DDP (replicas of a plain module: no shard, tp or pipeline) keeps its own bucketed copy of the
+        # gradients (gradient_as_bucket_view off, the strategy's default).
+        "grads": math.ceil(held * master) * (2 if _runs_ddp(lay) else 1),
         "optimizer": math.ceil(held * master * OPTIMIZER_STATES[train.optimizer]),
         # FSDP gathers one unit (and prefetches the next) in the compute dtype; its gradient arrives whole.
         "fsdp_buffers": math.ceil(units * (2 * prof.param_bytes + master)) if lay.fsdp > 1 else 0,
@@ -164,10 +171,15 @@ def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, 
     return times
 
 
+def stage_memories(lay: Layout, train: Training, prof: ModelProfile) -> list[dict[str, int]]:
+    """Per-rank bytes by term of each pipeline stage (index = pp rank); ``prof`` is the profile at ``lay.tp``."""
+    return [_stage_memory(lay, train, prof, lo, hi, s) for s, (lo, hi) in enumerate(stages(prof, lay.pp))]
+
+
 def estimate(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware) -> Estimate:
     """Memory of the worst rank and the step time of ``lay``; ``prof`` is the profile at ``lay.tp``."""
     cuts = stages(prof, lay.pp)
-    memories = [_stage_memory(lay, train, prof, lo, hi, s) for s, (lo, hi) in enumerate(cuts)]
+    memories = stage_memories(lay, train, prof)
     memory = max(memories, key=lambda m: sum(m.values()))
     times = [_stage_time(lay, train, prof, hw, lo, hi) for lo, hi in cuts]
     slowest = max(times, key=lambda t: sum(t.values()))

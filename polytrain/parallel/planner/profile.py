@@ -5,8 +5,9 @@ profiles on a laptop). For each child of the pipelined ``nn.Sequential`` we run 
 batch of ONE sample and record
 
 - its parameters (``numel``), and how many of them sit in modules the tensor-parallel plan splits;
-- the bytes autograd saves for backward (``saved_tensors_hooks``; parameters and storages seen before
-  excluded, each storage counted once): the activation memory of one sample without checkpointing;
+- the bytes autograd saves for backward (``saved_tensors_hooks``; parameters and storages an earlier
+  child saved excluded, each storage counted once; the child's input counts when the child saves it, as
+  a block's norm does): the activation memory of one sample without checkpointing;
 - the bytes of its input (what activation checkpointing keeps) and output (what a pipeline sends);
 - its forward FLOPs (``torch.utils.flop_counter``), and the bytes tensor parallelism all-reduces in
   forward (the outputs of row-parallel layers).
@@ -104,10 +105,11 @@ def _nbytes(value: Any) -> int:
 
 
 class _SavedCounter:
-    """Counts the bytes autograd saves, each storage once, parameters and inputs-of-the-trace excluded."""
+    """Counts the bytes autograd saves, each storage once: ``seen`` (parameters, what earlier children
+    saved) is shared and grows, so a storage two children save counts with the first."""
 
-    def __init__(self, exclude: set[int]) -> None:
-        self.seen = set(exclude)
+    def __init__(self, seen: set[int]) -> None:
+        self.seen = seen
         self.total = 0
         self.sharded = 0  # saved while inside a SequenceParallel module
         self.in_sp = 0
@@ -123,9 +125,9 @@ class _SavedCounter:
 
 
 def _trace_child(child: nn.Module, x: Any, planned: dict[str, str], tp: int,
-                 exclude: set[int]) -> tuple[Any, int, int, int]:
+                 seen: set[int]) -> tuple[Any, int, int, int]:
     """Run one child on meta: (output, saved bytes as one TP rank holds them, forward FLOPs, all-reduce bytes)."""
-    counter = _SavedCounter(exclude)
+    counter = _SavedCounter(seen)
     reduced = [0]
     handles = []
     for name, style in planned.items():
@@ -208,7 +210,7 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
     for name, style in planned.items():
         if tp > 1:
             _shrink(seq.get_submodule(name), style, tp, f"{prefix}.{name}" if prefix else name)
-    exclude = _storages(seq.parameters())
+    seen = _storages(seq.parameters())
     x, children = example, []
     for index, (name, child) in enumerate(seq.named_children()):
         local = {n[len(name) + 1:]: s for n, s in planned.items() if n == name or n.startswith(name + ".")}
@@ -216,10 +218,9 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
         # Sequence parallel shards a block's input (the residual stream) over the sequence.
         sp = tp > 1 and "SequenceParallel" in local.values()
         input_bytes = math.ceil(_nbytes(x) / tp) if sp else _nbytes(x)
-        exclude |= _storages([x])  # the input is the previous child's output: counted there (or it is data)
-        out, saved, flops, reduced = _trace_child(child, x, local, tp, exclude)
+        out, saved, flops, reduced = _trace_child(child, x, local, tp, seen)
         if loss is not None and index == len(seq) - 1:
-            out, loss_saved, loss_flops, _ = _trace_child(_Fn(loss), out, {}, tp, exclude)
+            out, loss_saved, loss_flops, _ = _trace_child(_Fn(loss), out, {}, tp, seen)
             saved, flops = saved + loss_saved, flops + loss_flops
         children.append(ChildProfile(name=name, kind=type(child).__name__, params=n_split + n_whole,
                                      tp_params=n_split, saved_bytes=saved, input_bytes=input_bytes,
