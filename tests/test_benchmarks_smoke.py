@@ -104,3 +104,11 @@ def test_checkpoint_blocking_benchmark_prints_ratios() -> None:
                          rf"\(target <= 0\.10\)$", out, re.M), out
         assert re.search(rf"^{label}: steps/s: no saves [0-9.]+, sync [0-9.]+ \(ratio [0-9.]+\), async [0-9.]+ "
                          rf"\(ratio [0-9.]+, target >= 0\.95\)$", out, re.M), out
+
+
+@pytest.mark.timeout(300)
+def test_planner_order_benchmark_prints_both_orders() -> None:
+    # --tiny on 2 ranks: plans the GPT example, runs its top layouts once each through Trainer on gloo.
+    out = _run([os.path.join(BENCH, "planner_order.py"), "--tiny", "--ranks", "2", "--threads", "1"], timeout=280)
+    assert re.search(r"^predicted order: .+$", out, re.M) and re.search(r"^measured order: .+$", out, re.M), out
+    assert re.search(r"^planner order: measured order of the predicted top [0-9] agrees: (yes|NO)", out, re.M), out
