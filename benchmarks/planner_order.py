@@ -22,6 +22,7 @@ layout, both orders, and whether the measured order of the planner's top three i
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -180,7 +181,11 @@ def measure(args: argparse.Namespace, layouts: list[Any]) -> list[float]:
     for r in range(args.rounds):
         order = [(i + r) % len(layouts) for i in range(len(layouts))]
         for i in order:
-            samples[i].append(measure_once(args, layouts[i]))
+            try:
+                samples[i].append(measure_once(args, layouts[i]))
+            except RuntimeError as err:  # a layout the strategy cannot run here: reported, the others go on
+                print(f"{layouts[i].label()} failed: {str(err).strip().splitlines()[-1][:200]}", flush=True)
+                samples[i].append(math.inf)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{layouts[i].label()} {samples[i][-1] * 1e3:.1f} ms"
                                                           for i in range(len(layouts))), flush=True)
     return [statistics.median(s) for s in samples]
@@ -197,7 +202,8 @@ def report(estimates: list[Any], measured: list[float], top: int) -> bool:
     print(f"{'#':>3}  {'layout':<36}{'predicted ms':>14}{'measured ms':>13}{'measured rank':>15}")
     by_time = sorted(range(len(measured)), key=lambda i: measured[i])
     for i, est in enumerate(estimates):
-        print(f"{i + 1:>3}  {est.layout.label():<36}{est.step_time * 1e3:>14.2f}{measured[i] * 1e3:>13.2f}"
+        shown = f"{measured[i] * 1e3:>13.2f}" if math.isfinite(measured[i]) else f"{'failed':>13}"
+        print(f"{i + 1:>3}  {est.layout.label():<36}{est.step_time * 1e3:>14.2f}{shown}"
               f"{by_time.index(i) + 1:>15}")
     print("predicted order: " + " < ".join(e.layout.label() for e in estimates))
     print("measured order:  " + " < ".join(estimates[i].layout.label() for i in by_time))
