@@ -39,6 +39,40 @@ LLAMA3 = {
 }
 
 
+@dataclass(frozen=True)
+class PublishedRun:
+    """A run torchtitan published, with the settings the planner is given for it."""
+
+    name: str
+    gpus: int
+    degrees: tuple[int, int, int, int]  # (dp_replicate, dp_shard, tp, pp) as published
+    local_batch: int  # samples per data-parallel rank per step
+    device_gib: int  # memory of the H100s the run used
+    pp_schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    seq_len: int = 8192  # every llama3 train config at torchtitan 9dec370 trains on 8192 tokens
+
+    @property
+    def global_batch(self) -> int:  # local batch x the run's data-parallel degree
+        return self.local_batch * self.degrees[0] * self.degrees[1]
+
+
+# torchtitan's benchmarks/llama3_h100_202412_torchtitan.md (added in 820504e, describing runs at torchtitan
+# 9dec370, Dec 2024): H100s with 96 GB HBM2e, 8 per host, 400 Gb/s per GPU between hosts. Table 1: 8B on 8
+# GPUs, FSDP, local batch 2, selective (op) AC. Table 4: 70B on 256, FSDP 32 x TP 8, local 16, full AC,
+# Float8. Table 5: 405B on 512, FSDP 8 x TP 8 x PP 8, local 32, full AC, Float8, async TP, Interleaved
+# 1F1B: at 9dec370 a looped schedule with no split points given gets 2 stages per rank
+# (pipelining_utils.generate_split_points) and pp micro-batches (pipeline_parallel_microbatches unset).
+# The 8B config itself (train_configs/llama3_8b.toml at 9dec370: batch_size 1, seq_len 8192, FSDP over
+# every GPU) is the issue's "8 x H100 80GB" case.
+PUBLISHED = {
+    "8B-config": PublishedRun("8B", 8, (1, 8, 1, 1), 1, 80),
+    "8B": PublishedRun("8B", 8, (1, 8, 1, 1), 2, 96),
+    "70B": PublishedRun("70B", 256, (1, 32, 8, 1), 16, 96),
+    "405B": PublishedRun("405B", 512, (1, 8, 8, 8), 32, 96, "interleaved_1f1b", 2),
+}
+
+
 class Attention(nn.Module):
     def __init__(self, s: LlamaShape) -> None:
         super().__init__()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.pipeline_split import balance
+from polytrain.parallel.planner import timing
 from polytrain.parallel.planner.hardware import Hardware
 from polytrain.parallel.planner.profile import ChildProfile, ModelProfile
 
@@ -57,8 +58,16 @@ class Training:
     global_batch: int  # samples per optimizer step, over every data-parallel rank
     precision: str = "bf16-mixed"
     optimizer: str = "adamw"
+    pp_schedule: str = "1f1b"  # under pp > 1: 1f1b, or interleaved_1f1b with stages_per_rank stages a rank
+    stages_per_rank: int = 1
 
     def __post_init__(self) -> None:
+        if self.pp_schedule not in timing.SCHEDULES:
+            raise ConfigError(f"pipeline schedule '{self.pp_schedule}' unknown to the planner; one of "
+                              f"{', '.join(timing.SCHEDULES)}")
+        if self.stages_per_rank < 1 or (self.pp_schedule == "1f1b" and self.stages_per_rank != 1):
+            raise ConfigError(f"stages_per_rank={self.stages_per_rank}: 1f1b runs one stage per rank, "
+                              f"interleaved_1f1b one or more")
         if self.optimizer not in OPTIMIZER_STATES:
             raise ConfigError(f"optimizer '{self.optimizer}' unknown to the planner; one of {', '.join(OPTIMIZER_STATES)}")
         if self.precision not in MASTER_BYTES:
@@ -98,16 +107,21 @@ def _local_params(c: ChildProfile, tp: int) -> float:
     return c.tp_params / tp + (c.params - c.tp_params)
 
 
-def _link(hw: Hardware, span: int) -> tuple[float, float]:
-    """(bandwidth, latency) of a group whose ranks span ``span`` consecutive ranks."""
-    if span <= hw.devices_per_node:
-        return hw.intra_bw, hw.intra_latency
-    return hw.inter_bw, hw.inter_latency
-
-
 def _runs_ddp(lay: Layout) -> bool:
     """Whether the strategy wraps the model in DDP (``parallel/apply.py``'s ``data_parallel_mode``, auto)."""
     return lay.dp_replicate > 1 and lay.fsdp == 1 and lay.tp == 1 and lay.pp == 1
+
+
+def _fsdp_buffers(lay: Layout, prof: ModelProfile, stage_params: float, unit: int, master: int) -> int:
+    """FSDP gathers one unit (and prefetches the next) in the compute dtype; its gradient arrives whole.
+    Under a pipeline, torch's ``PipelineStage`` turns gradient sync and resharding after backward off
+    until the last micro-batch: every unit of the stage stays gathered, its gradient accumulated
+    unsharded in the reduce dtype (``master``)."""
+    if lay.fsdp == 1:
+        return 0
+    if lay.pp > 1:
+        return math.ceil(stage_params * (prof.param_bytes + master))
+    return math.ceil(unit * (2 * prof.param_bytes + master))
 
 
 def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, lo: int, hi: int, s: int) -> dict[str, int]:
@@ -116,59 +130,38 @@ def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, lo: int, hi:
     held = sum(_local_params(c, lay.tp) for c in kids) / lay.fsdp
     units = max(_local_params(c, lay.tp) for c in kids)
     micro = train.global_batch // lay.dp // lay.n_microbatches
-    in_flight = min(lay.pp - s, lay.n_microbatches)  # 1F1B: stage s holds p - s micro-batches at most
+    # 1F1B: stage s holds p - s micro-batches at most; interleaving holds more (timing.in_flight)
+    in_flight = timing.in_flight(lay.pp, lay.n_microbatches, s, train.pp_schedule, train.stages_per_rank)
     if lay.activation_checkpointing:
         ckpt = checkpointed(prof.children)[lo:hi]
         kept = sum(c.input_bytes if k else c.saved_bytes for c, k in zip(kids, ckpt))
         recompute = max((c.saved_bytes for c, k in zip(kids, ckpt) if k), default=0)
-        activations = micro * (kept * in_flight + recompute)
+        activations = math.ceil(micro * (kept * in_flight + recompute))
     else:
-        activations = micro * in_flight * sum(c.saved_bytes for c in kids)
+        activations = math.ceil(micro * in_flight * sum(c.saved_bytes for c in kids))
     return {
         "params": math.ceil(held * master),
         # DDP (replicas of a plain module: no shard, tp or pipeline) keeps its own bucketed copy of the
         # gradients (gradient_as_bucket_view off, the strategy's default).
         "grads": math.ceil(held * master) * (2 if _runs_ddp(lay) else 1),
         "optimizer": math.ceil(held * master * OPTIMIZER_STATES[train.optimizer]),
-        # FSDP gathers one unit (and prefetches the next) in the compute dtype; its gradient arrives whole.
-        "fsdp_buffers": math.ceil(units * (2 * prof.param_bytes + master)) if lay.fsdp > 1 else 0,
+        "fsdp_buffers": _fsdp_buffers(lay, prof, held * lay.fsdp, units, master),
         "activations": activations,
     }
 
 
-def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, lo: int, hi: int) -> dict[str, float]:
+def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, lo: int, hi: int,
+                s: int) -> dict[str, float]:
     kids = prof.children[lo:hi]
-    local_batch = train.global_batch // lay.dp
+    micro = train.global_batch // lay.dp // lay.n_microbatches
     ckpt = checkpointed(prof.children)[lo:hi] if lay.activation_checkpointing else [False] * len(kids)
-    # Backward costs twice the forward; a checkpointed child runs its forward once more.
-    flops = local_batch * sum(c.flops * (4 if k else 3) for c, k in zip(kids, ckpt)) / lay.cp
-    compute = flops / (hw.peak_flops * hw.efficiency)
-    times = {"compute": compute, "tp": 0.0, "dp": 0.0, "pp": 0.0}
-    if lay.tp > 1:  # every forward all-reduce has its twin in backward, and runs again when recomputed
-        payload = local_batch * sum(c.tp_allreduce_bytes * (3 if k else 2) for c, k in zip(kids, ckpt))
-        bw, _ = _link(hw, lay.tp)
-        times["tp"] = payload * 2 * (lay.tp - 1) / lay.tp / bw
-    params = sum(_local_params(c, lay.tp) for c in kids)
-    master = MASTER_BYTES[train.precision]
-    dp_time = 0.0
-    if lay.fsdp > 1:  # all-gather in forward and again in backward, reduce-scatter of the gradients;
-        # under a pipeline once per micro-batch (reshard_after_forward=True, the strategy's default)
-        bw, lat = _link(hw, lay.tp * lay.fsdp)
-        rounds = lay.n_microbatches if lay.pp > 1 else 1
-        dp_time += rounds * params * (2 * prof.param_bytes + master) * (lay.fsdp - 1) / lay.fsdp / bw
-        dp_time += rounds * 3 * (hi - lo) * (lay.fsdp - 1) * lat
-    if lay.dp_replicate > 1:  # all-reduce of (this rank's shard of) the gradients
-        bw, lat = _link(hw, lay.tp * lay.fsdp * lay.dp_replicate)
-        dp_time += params / lay.fsdp * master * 2 * (lay.dp_replicate - 1) / lay.dp_replicate / bw
-        dp_time += 2 * (lay.dp_replicate - 1) * lat
-    # Data-parallel traffic overlaps the compute, all but the first unit's gather / last unit's reduce.
-    first_unit = dp_time * max(_local_params(c, lay.tp) for c in kids) / max(params, 1.0)
-    times["dp"] = max(0.0, dp_time - compute) + first_unit
-    if lay.pp > 1:  # each micro-batch's activation forward and its gradient back, on the critical path
-        bw, lat = _link(hw, lay.world_size)
-        micro = local_batch // lay.n_microbatches
-        times["pp"] = 2 * lay.n_microbatches * (micro * kids[-1].output_bytes / bw + lat)
-    return times
+    units = timing.unit_times(kids, ckpt, micro, tp=lay.tp, fsdp=lay.dp_shard, replicate=lay.dp_replicate,
+                              cp=lay.cp, param_bytes=prof.param_bytes, master_bytes=MASTER_BYTES[train.precision],
+                              hw=hw)
+    bw, lat = timing.link(hw, lay.world_size)  # pipeline neighbours are world / pp ranks apart
+    p2p = micro * kids[-1].output_bytes / bw + lat
+    return timing.stage_time(units, pp=lay.pp, stage=s, n_microbatches=lay.n_microbatches,
+                             stages_per_rank=train.stages_per_rank if lay.pp > 1 else 1, p2p=p2p)
 
 
 def stage_memories(lay: Layout, train: Training, prof: ModelProfile) -> list[dict[str, int]]:
@@ -181,11 +174,9 @@ def estimate(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware) -> 
     cuts = stages(prof, lay.pp)
     memories = stage_memories(lay, train, prof)
     memory = max(memories, key=lambda m: sum(m.values()))
-    times = [_stage_time(lay, train, prof, hw, lo, hi) for lo, hi in cuts]
-    slowest = max(times, key=lambda t: sum(t.values()))
-    bubble = (lay.pp - 1) / (lay.n_microbatches + lay.pp - 1)
-    time = dict(slowest)
-    time["bubble"] = (slowest["compute"] + slowest["tp"]) * bubble / (1 - bubble)
+    times = [_stage_time(lay, train, prof, hw, lo, hi, s) for s, (lo, hi) in enumerate(cuts)]
+    time = max(times, key=lambda t: sum(t.values()))  # the step waits for the slowest pipeline rank
+    bubble = timing.bubble_fraction(lay.pp, lay.n_microbatches, train.stages_per_rank if lay.pp > 1 else 1)
     step = sum(time.values())
     samples = train.global_batch / step
     return Estimate(layout=lay, memory=memory, time=time, step_time=step, samples_per_s=samples,

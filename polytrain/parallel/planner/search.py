@@ -16,6 +16,7 @@ from polytrain.core.errors import ConfigError
 from polytrain.parallel.planner.estimate import Estimate, Layout, Training, estimate
 from polytrain.parallel.planner.hardware import GiB, Hardware
 from polytrain.parallel.planner.profile import ModelProfile
+from polytrain.parallel.planner.timing import bubble_fraction, interleaved_rounds_ok
 
 TIE = 0.01  # relative throughput difference treated as a tie
 MAX_BUBBLE = 0.5  # a pipeline idling over half the step is never worth it here
@@ -48,13 +49,17 @@ def _rejection(lay: Layout, hw: Hardware, train: Training, n_children: int) -> s
     """Why ``lay`` cannot run at all (before any estimate), or None."""
     if lay.tp > hw.devices_per_node or hw.devices_per_node % lay.tp:
         return f"tp={lay.tp} crosses the node boundary ({hw.devices_per_node} devices per node)"
-    if lay.pp > n_children:
-        return f"pp={lay.pp} exceeds the {n_children} layers of the Sequential"
+    v = train.stages_per_rank if lay.pp > 1 else 1
+    if lay.pp * v > n_children:
+        stages = f"pp={lay.pp}" + (f" x {v} stages per rank" if v > 1 else "")
+        return f"{stages} exceeds the {n_children} layers of the Sequential"
     if train.global_batch % lay.dp:
         return f"global batch {train.global_batch} is not divisible by dp={lay.dp}"
     if (train.global_batch // lay.dp) % lay.n_microbatches:
         return f"local batch {train.global_batch // lay.dp} is not divisible by {lay.n_microbatches} micro-batches"
-    bubble = (lay.pp - 1) / (lay.n_microbatches + lay.pp - 1)
+    if lay.pp > 1 and train.pp_schedule == "interleaved_1f1b" and not interleaved_rounds_ok(lay.pp, lay.n_microbatches):
+        return f"interleaved 1F1B: {lay.n_microbatches} micro-batches do not split into rounds of pp={lay.pp}"
+    bubble = bubble_fraction(lay.pp, lay.n_microbatches, v)
     if bubble > MAX_BUBBLE:
         return f"pipeline bubble {bubble:.0%} over the {MAX_BUBBLE:.0%} bound (local batch {train.global_batch // lay.dp})"
     return None

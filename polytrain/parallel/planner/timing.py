@@ -1,0 +1,157 @@
+"""Step time of one pipeline stage of a layout: compute, tensor-parallel collectives, the data-parallel
+collectives each FSDP unit exposes, the pipeline's schedule (docs/strategies/planner.md, "Time per step",
+has every equation here, its defaults and where it is known to be wrong).
+
+Two CUDA streams per rank are modelled: compute (with the tensor-parallel collectives on it: no async
+TP) and communication (FSDP all-gathers and reduce-scatters, replica all-reduces). A unit is one child
+of the Sequential: the strategy ``fully_shard``s each child that holds parameters (``parallel/fsdp.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from polytrain.parallel.planner.hardware import Hardware
+from polytrain.parallel.planner.profile import ChildProfile
+
+SCHEDULES = ("1f1b", "interleaved_1f1b")
+
+
+def link(hw: Hardware, span: int) -> tuple[float, float]:
+    """(bandwidth, latency per ring step) of a group whose ranks span ``span`` consecutive ranks: NVLink
+    inside a node, else each GPU's own NIC. A ring step waits for its slowest hop, so one hop across
+    nodes makes every step an inter-node one."""
+    if span <= hw.devices_per_node:
+        return hw.intra_bw, hw.intra_latency
+    return hw.inter_bw, hw.inter_latency
+
+
+def ring_time(nbytes: float, ranks: int, bw: float, latency: float) -> float:
+    """All-gather or reduce-scatter of ``nbytes`` (the whole tensor) over a ring of ``ranks``:
+    ``ranks - 1`` steps, each moving ``nbytes / ranks`` and paying one latency."""
+    if ranks <= 1:
+        return 0.0
+    return nbytes * (ranks - 1) / ranks / bw + (ranks - 1) * latency
+
+
+def bubble_fraction(pp: int, n_microbatches: int, stages_per_rank: int = 1) -> float:
+    """Idle share of a pipelined step: ``(p - 1) / (v m + p - 1)`` (1F1B is ``v = 1``; interleaving
+    ``v`` stages per rank cuts the warm-up and cool-down to ``1/v``: Narayanan et al. 2021, sec. 2.2)."""
+    if pp <= 1:
+        return 0.0
+    return (pp - 1) / (stages_per_rank * n_microbatches + pp - 1)
+
+
+def interleaved_rounds_ok(pp: int, n_microbatches: int) -> bool:
+    """``ScheduleInterleaved1F1B`` runs ``max(1, m // p)`` rounds and needs ``m`` divisible by them."""
+    return n_microbatches % max(1, n_microbatches // pp) == 0
+
+
+def in_flight(pp: int, n_microbatches: int, stage: int, schedule: str, stages_per_rank: int) -> float:
+    """Micro-batches whose activations pipeline rank ``stage`` holds at its peak, in units of the whole
+    rank's layers. 1F1B: ``min(p - s, m)``. Interleaved (torch's ``_get_warmup_ops``): rank ``s`` runs
+    ``min((v-1) r + 2 (p-1-s), v m)`` warm-up forwards of one chunk (``1/v`` of its layers) before its
+    first backward, then one more, ``r = m // max(1, m // p)`` micro-batches per round."""
+    if schedule != "interleaved_1f1b":
+        return float(min(pp - stage, n_microbatches))
+    v, m = stages_per_rank, n_microbatches
+    per_round = m // max(1, m // pp)
+    chunks = min((v - 1) * per_round + 2 * (pp - 1 - stage), v * m) + 1
+    return min(chunks, v * m) / v
+
+
+@dataclass(frozen=True)
+class Units:
+    """Seconds per micro-batch of each unit of a stage, in forward order."""
+
+    fwd: list[float]  # forward compute + its tensor-parallel collectives (the compute stream)
+    bwd: list[float]  # backward (+ recompute when checkpointed) + its collectives
+    gather: list[float]  # FSDP all-gather of the unit's shard, in the compute dtype
+    reduce: list[float]  # FSDP reduce-scatter of its gradient (+ the replicas' all-reduce)
+    tp: float = 0.0  # of fwd + bwd, the tensor-parallel collectives' share (reported apart)
+
+
+def forward_with_gathers(u: Units) -> float:
+    """The first unit's gather is exposed; each later one overlaps the compute of the unit before it
+    (FSDP2's CPU runs ahead and issues it early): ``g_0 + sum_i max(f_i, g_{i+1})``."""
+    n = len(u.fwd)
+    return u.gather[0] + sum(max(u.fwd[i], u.gather[i + 1] if i + 1 < n else 0.0) for i in range(n))
+
+
+def backward_with_collectives(u: Units, gathers: bool = True, reduces: bool = True) -> float:
+    """Backward runs units last to first. While unit ``i`` computes, the communication stream prefetches
+    unit ``i-1``'s gather and reduces unit ``i+1``'s gradient: ``g_{n-1} + sum_i max(b_i, g_{i-1} +
+    r_{i+1}) + r_0`` (every unit was resharded after forward, so the last one gathers again first)."""
+    n = len(u.bwd)
+    g = u.gather if gathers else [0.0] * n
+    r = u.reduce if reduces else [0.0] * n
+    total = g[n - 1] + r[0]
+    for i in range(n):
+        comm = (g[i - 1] if i > 0 else 0.0) + (r[i + 1] if i + 1 < n else 0.0)
+        total += max(u.bwd[i], comm)
+    return total
+
+
+def tp_collectives(c: ChildProfile) -> int:
+    """Row-parallel outputs a child all-reduces in forward. The profile holds their bytes, not their count;
+    in a transformer each one is a residual-stream tensor, the size of the child's output."""
+    if not c.tp_allreduce_bytes or not c.output_bytes:
+        return 0
+    return math.ceil(c.tp_allreduce_bytes / c.output_bytes)
+
+
+def unit_times(kids: tuple[ChildProfile, ...], ckpt: list[bool], micro: int, *, tp: int, fsdp: int,
+               replicate: int, cp: int, param_bytes: int, master_bytes: int, hw: Hardware) -> Units:
+    """Per-unit seconds for a micro-batch of ``micro`` samples; the groups are laid out in mesh order
+    ``pp, dp_replicate, dp_shard, cp, tp`` (tp innermost)."""
+    rate = hw.peak_flops * hw.efficiency
+    tp_bw, tp_lat = link(hw, tp)
+    dp_bw, dp_lat = link(hw, tp * cp * fsdp)
+    rep_bw, rep_lat = link(hw, tp * cp * fsdp * replicate)
+    shard = fsdp * cp  # FSDP shards over dp_shard x cp
+    fwd, bwd, gather, reduce, tp_total = [], [], [], [], 0.0
+    for c, k in zip(kids, ckpt):
+        f = micro * c.flops / cp / rate
+        # Row-parallel outputs are all-reduced (or, sequence-parallel, reduce-scattered and gathered: the
+        # same bytes): 2 (t-1)/t of the payload per rank; backward has the twin, recompute runs it again.
+        t = micro * c.tp_allreduce_bytes * 2 * (tp - 1) / tp / tp_bw if tp > 1 else 0.0
+        t += tp_collectives(c) * 2 * (tp - 1) * tp_lat if tp > 1 else 0.0  # a ring all-reduce: 2 (t-1) steps
+        fwd.append(f + t)
+        bwd.append((2 * f + t) + (f + t if k else 0.0))
+        tp_total += t * (3 if k else 2)
+        local = c.tp_params / tp + (c.params - c.tp_params)
+        if not local:  # no parameters: not an FSDP unit, nothing to gather or reduce
+            gather.append(0.0)
+            reduce.append(0.0)
+            continue
+        gather.append(ring_time(local * param_bytes, shard, dp_bw, dp_lat))
+        r = ring_time(local * master_bytes, shard, dp_bw, dp_lat)
+        if replicate > 1:  # each shard all-reduced over the replicas (HSDP; DDP when shard == 1)
+            r += 2 * ring_time(local / shard * master_bytes, replicate, rep_bw, rep_lat)
+        reduce.append(r)
+    return Units(fwd, bwd, gather, reduce, tp_total)
+
+
+def stage_time(u: Units, *, pp: int, stage: int, n_microbatches: int, stages_per_rank: int,
+               p2p: float) -> dict[str, float]:
+    """Seconds per step of one pipeline rank, by term; ``p2p`` is one send of a micro-batch's boundary
+    activation (its gradient comes back as large). Without a pipeline: one forward, one backward.
+
+    Under a pipeline (torch's ``PipelineStage`` with FSDP2) gradients are not reduced until the last
+    micro-batch, then once (exposed: the first rank finishes last), and a backward leaves the unit
+    gathered: only an operation that follows a forward gathers, ``m + 1`` of the ``2 m`` (the warm-up
+    forwards, ``min(m, p - s)``, and the backwards after them)."""
+    m = n_microbatches
+    work = m * (sum(u.fwd) + sum(u.bwd))  # the compute stream's busy time, collectives of TP included
+    terms = {"compute": work - m * u.tp, "tp": m * u.tp}
+    if pp == 1:
+        busy = forward_with_gathers(u) + backward_with_collectives(u)
+        return {**terms, "dp": busy - work, "pp": 0.0, "bubble": 0.0}
+    f_gathers = min(m, pp - stage)
+    b_gathers = m + 1 - f_gathers
+    f_exposed = forward_with_gathers(u) - sum(u.fwd)
+    b_exposed = backward_with_collectives(u, reduces=False) - sum(u.bwd)
+    exposed = f_gathers * f_exposed + b_gathers * b_exposed + sum(u.reduce)
+    bubble = work * (pp - 1) / (stages_per_rank * m)  # fraction / (1 - fraction) of the pipelined work
+    return {**terms, "dp": exposed, "pp": 2 * stages_per_rank * m * p2p, "bubble": bubble}
