@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from polytrain import Trainer, TrainModule
 from polytrain.callbacks.base import Callback
 from polytrain.callbacks.checkpoint import ModelCheckpoint
-from polytrain.checkpoint.async_writer import DELAY_ENV, FAIL_RANK_ENV
+from polytrain.checkpoint.async_writer import DELAY_ENV, FAIL_RANK_ENV, STAGE_DELAY_ENV
+from polytrain.checkpoint.state import full_optimizer_state
 
 
 class Lin(TrainModule):
@@ -46,18 +47,38 @@ class WeightsAt(Callback):
     ``module_state_dict``: a collective under fsdp)."""
 
     def __init__(self, steps: set[int]) -> None:
-        self.steps, self.weights = steps, {}
+        self.steps, self.weights, self.optimizer = steps, {}, {}
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step in self.steps:
             state = trainer.strategy.module_state_dict()
             self.weights[trainer.global_step] = {k: v.detach().clone() for k, v in state.items()
                                                  if isinstance(v, torch.Tensor)}
+            optim = full_optimizer_state(trainer.strategy.state_parts())  # AdamW's moments, by name
+            self.optimizer[trainer.global_step] = {k: v.clone() for k, v in optim.items() if isinstance(v, torch.Tensor)}
 
 
-def set_hooks(delay: float = 0.0, fail_rank: int | None = None) -> None:
-    """The writer's test hooks (set inside a worker: a forked worker has the fork server's environment)."""
+class LinManual(Lin):
+    """The same model under manual optimisation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
+def set_hooks(delay: float = 0.0, fail_rank: int | None = None, stage_delay: float = 0.0) -> None:
+    """The writer's test hooks (set inside a worker: a forked worker has the fork server's environment).
+    ``delay``: before each background write; ``stage_delay``: before the background staging copy."""
     os.environ[DELAY_ENV] = str(delay)
+    os.environ[STAGE_DELAY_ENV] = str(stage_delay)
     os.environ.pop(FAIL_RANK_ENV, None)
     if fail_rank is not None:
         os.environ[FAIL_RANK_ENV] = str(fail_rank)
@@ -65,9 +86,9 @@ def set_hooks(delay: float = 0.0, fail_rank: int | None = None) -> None:
 
 def trainer(root: str, strategy: str = "single", devices: int = 1, max_steps: int = 6,
             callbacks: list[Any] | None = None, every_n: int = 2, saver_class: type = ModelCheckpoint,
-            **ckpt: Any) -> Trainer:
+            trainer_kwargs: dict[str, Any] | None = None, **ckpt: Any) -> Trainer:
     saver = saver_class(every_n_train_steps=every_n, every_n_epochs=None, async_save=True,
                         **{"save_top_k": -1, **ckpt})
     return Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, run_dir=root, seed=0,
                    logger=False, enable_progress_bar=False, enable_model_summary=False,
-                   use_distributed_sampler="always", callbacks=[*(callbacks or []), saver])
+                   use_distributed_sampler="always", callbacks=[*(callbacks or []), saver], **(trainer_kwargs or {}))

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from async_ckpt_module import Lin, StepAtStart, WeightsAt, set_hooks, trainer
+from async_ckpt_module import Lin, LinManual, StepAtStart, WeightsAt, set_hooks, trainer
 
 from polytrain.callbacks.base import Callback
 from polytrain.checkpoint.layout import LATEST_POINTER, find_resumable, is_complete
@@ -97,6 +97,47 @@ def test_weights_changed_after_staging_never_reach_the_file(tmp_path: Path) -> N
         for name, value in weights.weights[step].items():
             assert torch.equal(saved[name], value), (step, name)
             assert not torch.equal(saved[name], weights.weights[6][name]), f"{name} did not change after step {step}"
+
+
+@pytest.mark.parametrize("path", ["plain", "closure", "manual"])
+def test_the_next_update_waits_for_the_background_staging_copy(tmp_path: Path, path: str) -> None:
+    """On CPU the writer thread copies what the optimizer updates while the next forward and backward
+    run; every way a batch reaches the update (a plain fit, the closure path that gradient clipping
+    takes, manual optimisation) waits for that copy first. Without the wait the copy, delayed by the
+    hook, would read weights the next update already changed."""
+    set_hooks(stage_delay=0.4)
+    weights = WeightsAt({2, 4, 6})
+    kwargs = {"gradient_clip_val": 10.0} if path == "closure" else {}
+    t = trainer(str(tmp_path), max_steps=6, callbacks=[weights], trainer_kwargs=kwargs)
+    t.fit(LinManual() if path == "manual" else Lin())
+    for step in (2, 4):
+        saved = read_checkpoint(os.path.join(_ckpt_dir(t), f"epoch=0-step={step}.ckpt"))
+        for name, value in weights.weights[step].items():
+            assert torch.equal(saved["model"][name], value), (step, name)
+        moments = weights.optimizer[step]
+        assert moments and all(torch.equal(saved["optimizer"][k], v) for k, v in moments.items()), step
+    waits = t.strategy.checkpoint_io.writer.staging_waits
+    assert len(waits) == 3 and waits[0] > 0 and waits[1] > 0, waits  # the updates after steps 2 and 4 waited
+
+
+class FailAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("the user's code failed")
+
+
+def test_a_fit_that_fails_still_completes_the_save_in_flight(tmp_path: Path) -> None:
+    """The error propagates only once the checkpoint being written is on disk (and pointed at), so the
+    run resumes from it rather than from the one before."""
+    set_hooks(delay=0.5)
+    t = trainer(str(tmp_path), max_steps=6, callbacks=[FailAt(3)])
+    with pytest.raises(RuntimeError, match="the user's code failed"):
+        t.fit(Lin())
+    assert is_complete(os.path.join(_ckpt_dir(t), "epoch=0-step=2.ckpt"))
+    assert find_resumable(_ckpt_dir(t)).endswith("epoch=0-step=2.ckpt")
 
 
 def test_fit_returns_only_after_the_last_save_is_complete(tmp_path: Path) -> None:

@@ -39,8 +39,10 @@ def test_a_failed_background_write_raises_on_every_rank(tmp_path: Path, strategy
         assert "No space left on device (injected" in message, results
 
 
-def _train_and_record(rank: int, world: int, root: str, strategy: str, ckpt: str | None, steps: int) -> Any:
-    set_hooks(delay=0.4)  # steps after each save run while it is written
+def _train_and_record(rank: int, world: int, root: str, strategy: str, ckpt: str | None, steps: int,
+                      stage_delay: float = 0.0) -> Any:
+    # Steps after each save run while it is written (or, with stage_delay, while it is still being staged).
+    set_hooks(delay=0.0 if stage_delay else 0.4, stage_delay=stage_delay)
     weights, start = WeightsAt({4, steps}), StepAtStart()
     t = trainer(root, strategy=strategy, devices=world, max_steps=steps, callbacks=[weights, start])
     t.fit(Lin(), ckpt_path=ckpt)
@@ -63,7 +65,8 @@ def test_ddp_async_checkpoints_resume_on_one_process_and_back(tmp_path: Path) ->
 
 
 def test_fsdp_async_dcp_checkpoint_holds_the_save_steps_weights_and_resumes(tmp_path: Path) -> None:
-    first = run_distributed(_train_and_record, 2, str(tmp_path / "a"), "fsdp", None, 8, timeout=240)[0]
+    # The shards are copied by the writer threads after a delay: the next update must wait for them.
+    first = run_distributed(_train_and_record, 2, str(tmp_path / "a"), "fsdp", None, 8, 0.4, timeout=240)[0]
     step4 = os.path.join(first["dir"], "epoch=0-step=4")
     assert os.path.isdir(step4)
     saved = read_checkpoint(step4)["model"]

@@ -1,5 +1,8 @@
 """Asynchronous checkpoint writes: training pauses only to *stage* the state (a CPU copy), the write
-runs in a background thread.
+runs in a background thread. On CPU the staging copy of what the optimizers update (parameters and their
+state) runs in that thread too, while the next forward and backward run (they only read those tensors):
+the next optimizer update waits for it (``wait_staged``, which the fit's optimisation calls before every
+update), so the copy costs the step only what the forward and backward do not cover.
 
 Guarantees (``docs/reliability.md``):
 
@@ -8,7 +11,9 @@ Guarantees (``docs/reliability.md``):
 - ``after_write`` actions (``ModelCheckpoint``'s ``latest`` pointer, ``last.ckpt`` link and top-k
   pruning) run on global rank 0 only once the checkpoint is complete on disk, so ``resume: last``
   never sees a partial one; a failed write runs none of them.
-- The staged copy is taken before ``save`` returns, so optimizer steps after it never reach the file.
+- The staged copy is complete before the next optimizer update (taken before ``save`` returns, or in the
+  background and awaited by ``wait_staged``), so later updates never reach the file. A tensor changed in
+  place outside an optimizer step between a save and the next update would: use synchronous saves then.
 - A background failure is agreed on by every rank at the next point every rank reaches (the next save
   or load, or ``finish`` at the end of fit) and raised there on all of them, never dropped.
 
@@ -26,7 +31,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,24 +50,58 @@ log = logging.getLogger("polytrain")
 # seconds, and on the rank named by the second it raises, as a full disk would.
 DELAY_ENV = "POLYTRAIN_TEST_ASYNC_CHECKPOINT_DELAY"
 FAIL_RANK_ENV = "POLYTRAIN_TEST_ASYNC_CHECKPOINT_FAIL_RANK"
+STAGE_DELAY_ENV = "POLYTRAIN_TEST_ASYNC_CHECKPOINT_STAGE_DELAY"  # before the background staging copy
+Copies = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def stage(obj: Any, buffers: list[torch.Tensor] | None = None) -> Any:
+def _storage(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage of its own (sparse, functional wrappers)
+        return None
+
+
+def updated_storages(optimizers: list[torch.optim.Optimizer]) -> set[int]:
+    """The storages an optimizer step changes in place: its parameters' and its state's."""
+    keys: set[int] = set()
+    for opt in optimizers:
+        tensors = [p for group in opt.param_groups for p in group["params"]]
+        tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        keys.update(_storage(t.to_local() if hasattr(t, "to_local") else t) for t in tensors)
+    keys.discard(None)
+    return keys
+
+
+def stage(obj: Any, buffers: list[torch.Tensor] | None = None, deferred: Copies | None = None,
+          updated: set[int] | None = None) -> Any:
     """A copy of ``obj`` whose tensors live in CPU memory of their own (pinned where CUDA is present, so the
     device-to-host copy is fast); containers are rebuilt so later changes to the live ones don't leak.
     ``buffers``: the previous save's staging tensors, reused where shape and dtype match (fresh memory is
     page-faulted in on every touch: several times slower than the copy itself) and updated in place.
-    Only safe once the previous write has finished with them (at most one save is in flight)."""
+    Only safe once the previous write has finished with them (at most one save is in flight).
+    ``deferred``: CPU tensors whose storage is in ``updated`` are not copied now; ``(staging, live)`` pairs
+    are appended for the caller to copy before those storages change. A DTensor is staged as a DTensor
+    over a copy of its local shard."""
     pin = torch.cuda.is_available()
     copies: list[torch.Tensor] = []
+    dtensor = lazy.dtensor().DTensor if any(isinstance(t, torch.Tensor) and hasattr(t, "to_local")
+                                            for t in _tensors(obj)) else None
 
     def copy(value: Any) -> Any:
+        if dtensor is not None and isinstance(value, dtensor):
+            local = copy(value.detach().to_local())
+            return dtensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                                      shape=value.shape, stride=value.stride())
         if isinstance(value, torch.Tensor):
-            i, pinned = len(copies), pin and value.device.type != "cpu"
+            i, pinned, value = len(copies), pin and value.device.type != "cpu", value.detach()
             old = buffers[i] if buffers is not None and i < len(buffers) else None
             reuse = old is not None and old.shape == value.shape and old.dtype == value.dtype and old.is_pinned() == pinned
             out = old if reuse else torch.empty(value.shape, dtype=value.dtype, pin_memory=pinned)
-            copies.append(out.copy_(value.detach(), non_blocking=pinned))
+            if deferred is not None and updated and not pinned and _storage(value) in updated:
+                deferred.append((out, value))
+            else:
+                out.copy_(value, non_blocking=pinned)
+            copies.append(out)
             return out
         if isinstance(value, dict):
             out = {k: copy(v) for k, v in value.items()}
@@ -82,6 +121,36 @@ def stage(obj: Any, buffers: list[torch.Tensor] | None = None) -> Any:
     if buffers is not None:
         buffers[:] = copies
     return staged
+
+
+def _tensors(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+    else:
+        yield obj
+
+
+def _copy_deferred(deferred: Copies) -> None:
+    delay = float(os.environ.get(STAGE_DELAY_ENV, "0") or 0)
+    if delay > 0:
+        time.sleep(delay)
+    with torch.no_grad():
+        for out, live in deferred:
+            out.copy_(live)
+
+
+def _failing_planner(error: BaseException) -> Any:
+    """A DCP save planner that raises ``error`` while planning, which DCP reports on every rank."""
+
+    class FailingPlanner(lazy.dcp().DefaultSavePlanner):
+        def create_local_plan(self) -> Any:
+            raise error
+
+    return FailingPlanner()
 
 
 def _test_hooks() -> None:
@@ -106,7 +175,35 @@ class AsyncCheckpointWriter:
         self._lock = threading.Lock()
         self._group: Any = None
         self._buffers: list[torch.Tensor] = []  # the staged copy of the last file save, reused by the next
+        self._shard_buffers: list[torch.Tensor] = []  # the same for sharded saves
         self._group_of: Any = None
+        self._staging: threading.Event | None = None  # set once the background staging copy is done
+        # Per async save: seconds the next optimizer update waited for its background staging copy.
+        self.staging_waits: list[float] = []
+
+    def wait_staged(self) -> None:
+        """Return once the last save's staged copy is complete. Called before every optimizer update (the
+        tensors it changes may still be being copied); at once when nothing is being staged."""
+        event = self._staging
+        if event is None:
+            return
+        if not event.is_set():
+            start = time.monotonic()
+            event.wait()
+            self.staging_waits[-1] += time.monotonic() - start
+        self._staging = None
+
+    def abandon(self, timeout: float = 300.0) -> None:
+        """After an error: wait (up to ``timeout`` s) for this rank's write in flight to end, without the
+        agreement ``finish`` makes (the other ranks may be gone), so a checkpoint being written when the
+        fit failed is still completed (and pointed at) rather than cut off by the process exiting."""
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            log.info("checkpoint: the fit failed; waiting up to %.0f s for the save of %s to finish", timeout, self._path)
+            thread.join(timeout)
+        self._staging = None
+        if thread is None or not thread.is_alive():
+            self._thread, self._error, self._pending = None, None, False
 
     # ------------------------------------------------------------------ waiting
     def finish(self, before: str | None = None) -> None:
@@ -127,7 +224,7 @@ class AsyncCheckpointWriter:
             else:
                 log.info("checkpoint: waited %.2f s for the asynchronous save of %s to finish", waited, self._path)
         error = self._error
-        self._thread, self._error, self._pending = None, None, False
+        self._thread, self._error, self._pending, self._staging = None, None, False, None
         agree_on_error(error)
 
     def after_write(self, action: Callable[[], None]) -> None:
@@ -141,36 +238,62 @@ class AsyncCheckpointWriter:
         action()
 
     # ------------------------------------------------------------------ saving
-    def save_file(self, state: dict[str, Any], path: str) -> None:
-        """Global rank 0 stages ``state`` and writes it in the background (``replicated.save_file``)."""
+    def save_file(self, state: dict[str, Any], path: str, updated_by: list[torch.optim.Optimizer] | None = None) -> None:
+        """Global rank 0 stages ``state`` and writes it in the background (``replicated.save_file``).
+        ``updated_by``: the optimizers whose tensors may be copied in the background (``wait_staged``)."""
         self.finish(before=path)
         if C.rank() == 0:
-            staged = stage(state, self._buffers)
-            self._start(path, lambda: atomic_save(staged, path))
+            deferred: Copies = []
+            staged = stage(state, self._buffers, deferred, updated_storages(updated_by or []))
+
+            def write(local_error: BaseException | None) -> None:
+                if local_error is not None:
+                    raise local_error
+                atomic_save(staged, path)
+
+            self._start(path, write, deferred)
         self._pending = True
 
-    def save_sharded(self, state: dict[str, Any], path: str) -> None:
-        """Every rank stages its shards with DCP's ``async_save``; rank 0 commits the directory once
-        DCP has finished on every rank (``sharded.save_sharded``'s layout)."""
+    def save_sharded(self, state: dict[str, Any], path: str,
+                     updated_by: list[torch.optim.Optimizer] | None = None) -> None:
+        """Every rank stages its shards and DCP writes them from the writer thread; rank 0 commits the
+        directory once DCP has finished on every rank (``sharded.save_sharded``'s layout). Shards on CUDA
+        are staged by DCP's own ``async_save`` (pinned memory), synchronously."""
         self.finish(before=path)
         dcp = lazy.dcp()
         path = os.path.abspath(path)
         tmp = temporary_dir_for(path)
         group = self._save_group()
         tensors = {k: state.get(k, {}) for k in ("model", "optimizer")}
-        # cache_staged_state_dict makes DCP's stager use pinned memory; only worth it where CUDA is present.
         writer = dcp.FileSystemWriter(tmp, cache_staged_state_dict=torch.cuda.is_available())
-        with quiet_single_process():
-            future = dcp.async_save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
+        deferred: Copies = []
+        if torch.cuda.is_available():
+            with quiet_single_process():
+                future = dcp.async_save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
+
+            def save_shards(local_error: BaseException | None) -> None:
+                future.result()
+                if local_error is not None:
+                    raise local_error
+        else:
+            staged = stage(tensors, self._shard_buffers, deferred, updated_storages(updated_by or []))
+
+            def save_shards(local_error: BaseException | None) -> None:
+                # Every rank enters DCP's collectives, a rank whose staging failed too: its planner raises,
+                # and DCP fails the save on every rank (no rank is left waiting for it).
+                planner = None if local_error is None else _failing_planner(local_error)
+                with quiet_single_process():
+                    dcp.save(staged, storage_writer=writer, planner=planner, process_group=group,
+                             no_dist=group is None)
         meta = stage({k: v for k, v in state.items() if k not in TENSOR_KEYS}) if C.rank() == 0 else None
 
-        def write() -> None:
-            future.result()  # DCP's last collective has run: every rank's shards are on disk
+        def write(local_error: BaseException | None) -> None:
+            save_shards(local_error)  # DCP's last collective has run: every rank's shards are on disk
             if meta is not None:
                 atomic_save(meta, os.path.join(tmp, META_FILE))
                 commit_dir(tmp, path)
 
-        self._start(path, write, cleanup=tmp if C.rank() == 0 else None)
+        self._start(path, write, deferred, cleanup=tmp if C.rank() == 0 else None)
         self._pending = True
 
     def _save_group(self) -> Any:
@@ -183,13 +306,27 @@ class AsyncCheckpointWriter:
             self._group, self._group_of = dist.new_group(backend="gloo"), default
         return self._group
 
-    def _start(self, path: str, write: Callable[[], None], cleanup: str | None = None) -> None:
+    def _start(self, path: str, write: Callable[[BaseException | None], None], deferred: Copies,
+               cleanup: str | None = None) -> None:
+        """Run ``write`` in the writer thread after the deferred copies; it gets the error of those (or of
+        the test hooks) and must raise it, after any collective the other ranks' writes enter."""
         self._path, self._error, self._done, self._after = path, None, False, []
+        staging = threading.Event()
+        self._staging = staging if deferred else None
+        self.staging_waits.append(0.0)
 
         def run() -> None:
             try:
-                _test_hooks()
-                write()
+                local_error = None
+                try:
+                    if deferred:
+                        _copy_deferred(deferred)
+                    _test_hooks()
+                except BaseException as err:  # noqa: BLE001 - handed to write(), which raises it
+                    local_error = err
+                finally:
+                    staging.set()  # a failed copy is never written; the update need not wait for it
+                write(local_error)
                 with self._lock:
                     self._done, actions = True, self._after
                 for action in actions:

@@ -40,12 +40,20 @@ class CheckpointIO:
     def save(self, state: dict[str, Any], path: str) -> None:
         raise NotImplementedError
 
-    def async_save(self, state: dict[str, Any], path: str) -> None:
-        """A format without a background writer saves synchronously."""
+    def async_save(self, state: dict[str, Any], path: str, updated_by: list[Any] | None = None) -> None:
+        """A format without a background writer saves synchronously. ``updated_by``: the optimizers whose
+        tensors a background writer may still be copying until ``wait_staged`` returns."""
         self.save(state, path)
+
+    def wait_staged(self) -> None:
+        """Return once the last async save no longer needs the live tensors; called before every optimizer
+        update."""
 
     def finish(self, before: str | None = None) -> None:
         """Wait for the save in flight (none here); every rank calls it. ``before``: the save that waits."""
+
+    def abandon(self) -> None:
+        """After a failed fit: let this rank's write in flight end, without a collective."""
 
     def after_write(self, action: Callable[[], None]) -> None:
         """Run ``action`` once the latest save is on disk (here: it is)."""
@@ -70,6 +78,16 @@ class _Background(CheckpointIO):
     def finish(self, before: str | None = None) -> None:
         self.writer.finish(before)
 
+    def wait_staged(self) -> None:
+        writer = self.__dict__.get("_writer")  # on every optimizer update: no writer made for nothing
+        if writer is not None:
+            writer.wait_staged()
+
+    def abandon(self) -> None:
+        writer = self.__dict__.get("_writer")
+        if writer is not None:
+            writer.abandon()
+
     def after_write(self, action: Callable[[], None]) -> None:
         self.writer.after_write(action)
 
@@ -83,8 +101,8 @@ class ReplicatedCheckpointIO(_Background):
         self.finish(before=path)
         save_file(state, path)
 
-    def async_save(self, state: dict[str, Any], path: str) -> None:
-        self.writer.save_file(state, path)
+    def async_save(self, state: dict[str, Any], path: str, updated_by: list[Any] | None = None) -> None:
+        self.writer.save_file(state, path, updated_by)
 
     def load(self, path: str, into: dict[str, Any] | None = None) -> Loaded:
         self.finish()
@@ -100,8 +118,8 @@ class ShardedCheckpointIO(_Background):
         self.finish(before=path)
         save_sharded(state, path)
 
-    def async_save(self, state: dict[str, Any], path: str) -> None:
-        self.writer.save_sharded(state, path)
+    def async_save(self, state: dict[str, Any], path: str, updated_by: list[Any] | None = None) -> None:
+        self.writer.save_sharded(state, path, updated_by)
 
     def load(self, path: str, into: dict[str, Any] | None = None) -> Loaded:
         self.finish()

@@ -376,7 +376,10 @@ class Strategy(CollectiveVerbs, ABC):
         state is staged; the write goes on in the background (``checkpoint_io.finish`` waits for it)."""
         state = {k: v for k, v in payload.items() if k != "state_dict"}
         state.update(self.checkpoint_state(payload.get("state_dict")))
-        (self.checkpoint_io.async_save if async_save else self.checkpoint_io.save)(state, path)
+        if async_save:  # what the optimizers update may be copied in the background, until their next step
+            self.checkpoint_io.async_save(state, path, [opt for _, opts in self.state_parts() for opt in opts])
+        else:
+            self.checkpoint_io.save(state, path)
 
     def load_checkpoint(self, path: str, weights_only: bool = False) -> dict[str, Any]:
         """Restore model and optimizer state (with ``weights_only``: the model alone) from any checkpoint;

@@ -24,7 +24,11 @@ def run_stage(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: 
     if stage == "fit":
         with torch.autograd.set_detect_anomaly(trainer.config.detect_anomaly):  # as Lightning: the fit loop only
             trainer.profiler.start()
-            trainer.fit_loop.run(trainer, trainer.ckpt_path)  # settled with the run's directory
+            try:
+                trainer.fit_loop.run(trainer, trainer.ckpt_path)  # settled with the run's directory
+            except BaseException:
+                trainer.strategy.checkpoint_io.abandon()  # a save being written still completes
+                raise
             trainer.strategy.checkpoint_io.finish()  # fit returns with the last async save on disk, or raises
             trainer.profiler.stop()
         result = None

@@ -141,6 +141,8 @@ class AutomaticOptimization:
         self.mark_position = heartbeat.marker()
         self.update_scaler = strategy.precision.update if strategy.precision.scaler is not None else None
         self.votes_on_skip = guard.policy == "skip"  # nan_policy skip: the ranks agree on every window
+        # An async checkpoint may still be copying what the update changes (checkpoint_io.wait_staged).
+        self.wait_staged = strategy.checkpoint_io.wait_staged
         self.plain = self._is_plain()
         # Called by the loop before it fetches each batch (a plain fit's zero_grad); None otherwise.
         self.release_gradients = functools.partial(self.optimizers[0].zero_grad, set_to_none=True) \
@@ -163,6 +165,7 @@ class AutomaticOptimization:
             self.guard.observe(result.loss, True)
             if self.mark_position is not None:
                 self.mark_position("optimizer_step")
+            self.wait_staged()
             self._update()
             return result, True
         closure = self.closure
@@ -216,6 +219,7 @@ class AutomaticOptimization:
             self.guard.vote_on_skip()
         if self.guard.skip_step:
             optimizer.zero_grad(set_to_none=True)  # no gradient, no update (and no optimizer state change)
+        self.wait_staged()
 
 
 def _rerun_guard(closure: Closure) -> Callable[[], Any]:
@@ -255,6 +259,10 @@ class ManualOptimization:
 
     def _step_optimizer(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
         result = self.strategy.optimizer_step(optimizer, closure or _no_closure,
-                                              functools.partial(self.hooks, "on_before_optimizer_step", optimizer))
+                                              functools.partial(self._before_update, optimizer))
         self.progress.global_step += 1  # manual optimisation counts every optimizer.step(), as Lightning
         return result
+
+    def _before_update(self, optimizer: torch.optim.Optimizer) -> None:
+        self.hooks("on_before_optimizer_step", optimizer)
+        self.strategy.checkpoint_io.wait_staged()  # an async checkpoint may still be copying the weights
