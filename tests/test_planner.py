@@ -110,6 +110,18 @@ def test_unit_times_by_hand() -> None:
     assert wide.bwd[0] == pytest.approx(3 * f + 2 * t)  # checkpointed: the forward and its collectives again
 
 
+def test_ddp_pays_a_latency_per_bucket() -> None:
+    mib = 1024**2  # units in forward order; backward fills the 1 MiB first bucket, then 25 MiB ones
+    assert T.ddp_buckets([10 * mib, 30 * mib, mib / 2]) == [1, 2, 0]
+    c = ChildProfile(name="b", kind="Block", params=1000, tp_params=0, saved_bytes=0, input_bytes=0,
+                     output_bytes=100, flops=0, tp_allreduce_bytes=0)
+    hw = hardware("cpu", 1, 8)
+    u = T.unit_times((c, c), [False, False], 1, tp=1, fsdp=1, replicate=4, cp=1, param_bytes=4, master_bytes=4,
+                     hw=hw, ddp=True)
+    ring = 2 * 4000 * 3 / 4 / hw.intra_bw  # all-reduce bytes of one unit's 4000-byte gradient
+    assert u.reduce == pytest.approx([ring + 2 * 3 * hw.intra_latency, ring])  # one bucket, closed at unit 0
+
+
 def test_pipeline_schedule_is_checked() -> None:
     with pytest.raises(ConfigError, match="1f1b runs one stage per rank"):
         Training(global_batch=8, pp_schedule="1f1b", stages_per_rank=2)

@@ -157,7 +157,7 @@ def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, 
     ckpt = checkpointed(prof.children)[lo:hi] if lay.activation_checkpointing else [False] * len(kids)
     units = timing.unit_times(kids, ckpt, micro, tp=lay.tp, fsdp=lay.dp_shard, replicate=lay.dp_replicate,
                               cp=lay.cp, param_bytes=prof.param_bytes, master_bytes=MASTER_BYTES[train.precision],
-                              hw=hw)
+                              hw=hw, ddp=_runs_ddp(lay))
     bw, lat = timing.link(hw, lay.world_size)  # pipeline neighbours are world / pp ranks apart
     p2p = micro * kids[-1].output_bytes / bw + lat
     return timing.stage_time(units, pp=lay.pp, stage=s, n_microbatches=lay.n_microbatches,

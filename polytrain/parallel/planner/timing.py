@@ -16,6 +16,8 @@ from polytrain.parallel.planner.hardware import Hardware
 from polytrain.parallel.planner.profile import ChildProfile
 
 SCHEDULES = ("1f1b", "interleaved_1f1b")
+DDP_FIRST_BUCKET = 1024**2  # torch's DDP: a 1 MiB first bucket, then bucket_cap_mb (the strategy's 25)
+DDP_BUCKET = 25 * 1024**2
 
 
 def link(hw: Hardware, span: int) -> tuple[float, float]:
@@ -101,10 +103,27 @@ def tp_collectives(c: ChildProfile) -> int:
     return math.ceil(c.tp_allreduce_bytes / c.output_bytes)
 
 
+def ddp_buckets(nbytes: list[float]) -> list[int]:
+    """How many DDP buckets fill up (and launch their all-reduce) during each unit's backward; units in
+    forward order, gradients arriving last unit first. The last, partly filled bucket goes with unit 0."""
+    closes, filled, limit = [0] * len(nbytes), 0.0, DDP_FIRST_BUCKET
+    for i in reversed(range(len(nbytes))):
+        filled += nbytes[i]
+        while filled >= limit:
+            closes[i] += 1
+            filled -= limit
+            limit = DDP_BUCKET
+    if filled > 0 and nbytes:
+        closes[0] += 1
+    return closes
+
+
 def unit_times(kids: tuple[ChildProfile, ...], ckpt: list[bool], micro: int, *, tp: int, fsdp: int,
-               replicate: int, cp: int, param_bytes: int, master_bytes: int, hw: Hardware) -> Units:
+               replicate: int, cp: int, param_bytes: int, master_bytes: int, hw: Hardware,
+               ddp: bool = False) -> Units:
     """Per-unit seconds for a micro-batch of ``micro`` samples; the groups are laid out in mesh order
-    ``pp, dp_replicate, dp_shard, cp, tp`` (tp innermost)."""
+    ``pp, dp_replicate, dp_shard, cp, tp`` (tp innermost). ``ddp``: the replicas run DDP, which
+    all-reduces gradients in buckets (a ring's latency per bucket, not per unit)."""
     rate = hw.peak_flops * hw.efficiency
     tp_bw, tp_lat = link(hw, tp)
     dp_bw, dp_lat = link(hw, tp * cp * fsdp)
@@ -127,9 +146,12 @@ def unit_times(kids: tuple[ChildProfile, ...], ckpt: list[bool], micro: int, *, 
             continue
         gather.append(ring_time(local * param_bytes, shard, dp_bw, dp_lat))
         r = ring_time(local * master_bytes, shard, dp_bw, dp_lat)
-        if replicate > 1:  # each shard all-reduced over the replicas (HSDP; DDP when shard == 1)
-            r += 2 * ring_time(local / shard * master_bytes, replicate, rep_bw, rep_lat)
+        if replicate > 1:  # each shard all-reduced over the replicas (HSDP, DDP)
+            r += 2 * ring_time(local / shard * master_bytes, replicate, rep_bw, 0.0 if ddp else rep_lat)
         reduce.append(r)
+    if ddp and replicate > 1:
+        sizes = [(c.tp_params / tp + c.params - c.tp_params) * master_bytes for c in kids]
+        reduce = [r + n * 2 * (replicate - 1) * rep_lat for r, n in zip(reduce, ddp_buckets(sizes))]
     return Units(fwd, bwd, gather, reduce, tp_total)
 
 
