@@ -82,11 +82,11 @@ def test_ring_bubble_and_in_flight_arithmetic() -> None:
     assert T.ring_time(8e9, 1, 50e9, 15e-6) == 0.0
     assert T.bubble_fraction(4, 8) == pytest.approx(3 / 11)  # 1F1B: (p-1)/(m+p-1)
     assert T.bubble_fraction(8, 8, 2) == pytest.approx(7 / 23)  # interleaved, v=2: (p-1)/(vm+p-1)
-    assert T.in_flight(4, 8, 0, "1f1b", 1) == 4 and T.in_flight(4, 8, 3, "1f1b", 1) == 1
-    # interleaved p=4, m=8, v=2: rounds of 4; rank 0 runs min(1*4 + 2*3, 16) = 10 chunk forwards, then
-    # one more, before its first backward: 11 chunks of half its layers; the last rank 4 + 1 = 5
-    assert T.in_flight(4, 8, 0, "interleaved_1f1b", 2) == pytest.approx(5.5)
-    assert T.in_flight(4, 8, 3, "interleaved_1f1b", 2) == pytest.approx(2.5)
+    assert T.in_flight(4, 8, 0, "1f1b", 1) == [4] and T.in_flight(4, 8, 3, "1f1b", 1) == [1]
+    # interleaved p=4, m=8, v=2, rounds of 4: rank 0 runs min(1*4 + 2*3 + 1, 16) = 11 forwards before its
+    # first backward, 4 on its first stage, 4 on its second, 3 more on its first; the last rank 4 + 1
+    assert T.in_flight(4, 8, 0, "interleaved_1f1b", 2) == [7, 4]
+    assert T.in_flight(4, 8, 3, "interleaved_1f1b", 2) == [4, 1]
     assert T.interleaved_rounds_ok(4, 10) and not T.interleaved_rounds_ok(4, 9)  # torch: m % (m // p) == 0
 
 
@@ -120,6 +120,15 @@ def test_ddp_pays_a_latency_per_bucket() -> None:
                      hw=hw, ddp=True)
     ring = 2 * 4000 * 3 / 4 / hw.intra_bw  # all-reduce bytes of one unit's 4000-byte gradient
     assert u.reduce == pytest.approx([ring + 2 * 3 * hw.intra_latency, ring])  # one bucket, closed at unit 0
+
+
+def test_interleaved_ranks_hold_every_p_th_stage() -> None:
+    from polytrain.parallel.planner.estimate import rank_chunks, stages
+
+    prof = profiler(_gpt(), torch.zeros(1, 32, dtype=torch.long))(1)
+    cuts = stages(prof, 4)
+    assert rank_chunks(prof, 2, 2) == [[cuts[0], cuts[2]], [cuts[1], cuts[3]]]
+    assert rank_chunks(prof, 2) == [[c] for c in stages(prof, 2)]
 
 
 def test_pipeline_schedule_is_checked() -> None:

@@ -103,6 +103,13 @@ def stages(profile: ModelProfile, pp: int) -> list[tuple[int, int]]:
     return list(zip(points[:-1], points[1:]))
 
 
+def rank_chunks(profile: ModelProfile, pp: int, v: int = 1) -> list[list[tuple[int, int]]]:
+    """Per pipeline rank, the (first, end) child index of each stage it holds: the Sequential cut into
+    ``pp x v`` stages, rank ``s`` holding stages ``s, s + pp, ...`` (the "loop" placement)."""
+    cuts = stages(profile, pp * v)
+    return [[cuts[s + j * pp] for j in range(v)] for s in range(pp)]
+
+
 def _local_params(c: ChildProfile, tp: int) -> float:
     return c.tp_params / tp + (c.params - c.tp_params)
 
@@ -124,21 +131,20 @@ def _fsdp_buffers(lay: Layout, prof: ModelProfile, stage_params: float, unit: in
     return math.ceil(unit * (2 * prof.param_bytes + master))
 
 
-def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, lo: int, hi: int, s: int) -> dict[str, int]:
-    kids = prof.children[lo:hi]
+def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, chunks: list[tuple[int, int]],
+                  s: int) -> dict[str, int]:
+    kids = [c for lo, hi in chunks for c in prof.children[lo:hi]]
     master = MASTER_BYTES[train.precision]
     held = sum(_local_params(c, lay.tp) for c in kids) / lay.fsdp
     units = max(_local_params(c, lay.tp) for c in kids)
     micro = train.global_batch // lay.dp // lay.n_microbatches
-    # 1F1B: stage s holds p - s micro-batches at most; interleaving holds more (timing.in_flight)
-    in_flight = timing.in_flight(lay.pp, lay.n_microbatches, s, train.pp_schedule, train.stages_per_rank)
-    if lay.activation_checkpointing:
-        ckpt = checkpointed(prof.children)[lo:hi]
-        kept = sum(c.input_bytes if k else c.saved_bytes for c, k in zip(kids, ckpt))
-        recompute = max((c.saved_bytes for c, k in zip(kids, ckpt) if k), default=0)
-        activations = math.ceil(micro * (kept * in_flight + recompute))
-    else:
-        activations = math.ceil(micro * in_flight * sum(c.saved_bytes for c in kids))
+    # Micro-batches each of the rank's stages holds at its peak (1F1B: p - s; timing.in_flight)
+    flights = timing.in_flight(lay.pp, lay.n_microbatches, s, train.pp_schedule, len(chunks))
+    ckpt = checkpointed(prof.children) if lay.activation_checkpointing else [False] * len(prof.children)
+    kept = sum(n * sum(prof.children[i].input_bytes if ckpt[i] else prof.children[i].saved_bytes
+                       for i in range(lo, hi)) for n, (lo, hi) in zip(flights, chunks))
+    recompute = max((prof.children[i].saved_bytes for lo, hi in chunks for i in range(lo, hi) if ckpt[i]), default=0)
+    activations = math.ceil(micro * (kept + recompute))
     return {
         "params": math.ceil(held * master),
         # DDP (replicas of a plain module: no shard, tp or pipeline) keeps its own bucketed copy of the
@@ -150,31 +156,35 @@ def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, lo: int, hi:
     }
 
 
-def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, lo: int, hi: int,
+def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, chunks: list[tuple[int, int]],
                 s: int) -> dict[str, float]:
-    kids = prof.children[lo:hi]
+    kids = tuple(c for lo, hi in chunks for c in prof.children[lo:hi])
     micro = train.global_batch // lay.dp // lay.n_microbatches
-    ckpt = checkpointed(prof.children)[lo:hi] if lay.activation_checkpointing else [False] * len(kids)
+    mask = checkpointed(prof.children) if lay.activation_checkpointing else [False] * len(prof.children)
+    ckpt = [mask[i] for lo, hi in chunks for i in range(lo, hi)]
     units = timing.unit_times(kids, ckpt, micro, tp=lay.tp, fsdp=lay.dp_shard, replicate=lay.dp_replicate,
                               cp=lay.cp, param_bytes=prof.param_bytes, master_bytes=MASTER_BYTES[train.precision],
                               hw=hw, ddp=_runs_ddp(lay))
     bw, lat = timing.link(hw, lay.world_size)  # pipeline neighbours are world / pp ranks apart
-    p2p = micro * kids[-1].output_bytes / bw + lat
+    p2p = micro * max(prof.children[hi - 1].output_bytes for _, hi in chunks) / bw + lat
     return timing.stage_time(units, pp=lay.pp, stage=s, n_microbatches=lay.n_microbatches,
-                             stages_per_rank=train.stages_per_rank if lay.pp > 1 else 1, p2p=p2p)
+                             stages_per_rank=len(chunks), p2p=p2p)
+
+
+def _chunks(lay: Layout, train: Training, prof: ModelProfile) -> list[list[tuple[int, int]]]:
+    return rank_chunks(prof, lay.pp, train.stages_per_rank if lay.pp > 1 else 1)
 
 
 def stage_memories(lay: Layout, train: Training, prof: ModelProfile) -> list[dict[str, int]]:
     """Per-rank bytes by term of each pipeline stage (index = pp rank); ``prof`` is the profile at ``lay.tp``."""
-    return [_stage_memory(lay, train, prof, lo, hi, s) for s, (lo, hi) in enumerate(stages(prof, lay.pp))]
+    return [_stage_memory(lay, train, prof, chunks, s) for s, chunks in enumerate(_chunks(lay, train, prof))]
 
 
 def estimate(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware) -> Estimate:
     """Memory of the worst rank and the step time of ``lay``; ``prof`` is the profile at ``lay.tp``."""
-    cuts = stages(prof, lay.pp)
     memories = stage_memories(lay, train, prof)
     memory = max(memories, key=lambda m: sum(m.values()))
-    times = [_stage_time(lay, train, prof, hw, lo, hi, s) for s, (lo, hi) in enumerate(cuts)]
+    times = [_stage_time(lay, train, prof, hw, chunks, s) for s, chunks in enumerate(_chunks(lay, train, prof))]
     time = max(times, key=lambda t: sum(t.values()))  # the step waits for the slowest pipeline rank
     bubble = timing.bubble_fraction(lay.pp, lay.n_microbatches, train.stages_per_rank if lay.pp > 1 else 1)
     step = sum(time.values())

@@ -50,17 +50,20 @@ def interleaved_rounds_ok(pp: int, n_microbatches: int) -> bool:
     return n_microbatches % max(1, n_microbatches // pp) == 0
 
 
-def in_flight(pp: int, n_microbatches: int, stage: int, schedule: str, stages_per_rank: int) -> float:
-    """Micro-batches whose activations pipeline rank ``stage`` holds at its peak, in units of the whole
-    rank's layers. 1F1B: ``min(p - s, m)``. Interleaved (torch's ``_get_warmup_ops``): rank ``s`` runs
-    ``min((v-1) r + 2 (p-1-s), v m)`` warm-up forwards of one chunk (``1/v`` of its layers) before its
-    first backward, then one more, ``r = m // max(1, m // p)`` micro-batches per round."""
+def in_flight(pp: int, n_microbatches: int, stage: int, schedule: str, stages_per_rank: int) -> list[float]:
+    """Micro-batches whose activations each of pipeline rank ``stage``'s stages holds at the rank's peak.
+    1F1B: ``[min(p - s, m)]``. Interleaved (torch's ``_get_warmup_ops``): rank ``s`` runs ``W = min((v-1) r +
+    2 (p-1-s) + 1, v m)`` forwards before its first backward, ``r = m // max(1, m // p)`` micro-batches a
+    round, forward ``i`` on its stage ``(i // r) % v``."""
     if schedule != "interleaved_1f1b":
-        return float(min(pp - stage, n_microbatches))
+        return [float(min(pp - stage, n_microbatches))]
     v, m = stages_per_rank, n_microbatches
     per_round = m // max(1, m // pp)
-    chunks = min((v - 1) * per_round + 2 * (pp - 1 - stage), v * m) + 1
-    return min(chunks, v * m) / v
+    warm = min((v - 1) * per_round + 2 * (pp - 1 - stage) + 1, v * m)
+    counts = [0.0] * v
+    for i in range(warm):
+        counts[(i // per_round) % v] += 1
+    return counts
 
 
 @dataclass(frozen=True)
