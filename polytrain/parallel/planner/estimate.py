@@ -165,7 +165,8 @@ def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, 
     units = timing.unit_times(kids, ckpt, micro, tp=lay.tp, fsdp=lay.dp_shard, replicate=lay.dp_replicate,
                               cp=lay.cp, param_bytes=prof.param_bytes, master_bytes=MASTER_BYTES[train.precision],
                               hw=hw, ddp=_runs_ddp(lay))
-    bw, lat = timing.link(hw, lay.world_size)  # pipeline neighbours are world / pp ranks apart
+    # Pipeline neighbours are world / pp ranks apart: on several nodes some pair crosses, and all wait for it.
+    bw, lat = timing.link(hw, lay.world_size)
     p2p = micro * max(prof.children[hi - 1].output_bytes for _, hi in chunks) / bw + lat
     return timing.stage_time(units, pp=lay.pp, stage=s, n_microbatches=lay.n_microbatches,
                              stages_per_rank=len(chunks), p2p=p2p)
