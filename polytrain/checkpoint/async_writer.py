@@ -217,7 +217,7 @@ class AsyncCheckpointWriter:
             start = time.monotonic()
             thread.join()
             waited = time.monotonic() - start
-            if before is not None:
+            if before is not None and waited >= 0.05:  # a wait shorter than that is the thread's last moments
                 log.warning("checkpoint %s waited %.2f s for the asynchronous save of %s to finish writing: saves "
                             "come faster than the disk takes them; save less often to keep training unblocked",
                             before, waited, self._path)
@@ -257,8 +257,8 @@ class AsyncCheckpointWriter:
     def save_sharded(self, state: dict[str, Any], path: str,
                      updated_by: list[torch.optim.Optimizer] | None = None) -> None:
         """Every rank stages its shards and DCP writes them from the writer thread; rank 0 commits the
-        directory once DCP has finished on every rank (``sharded.save_sharded``'s layout). Shards on CUDA
-        are staged by DCP's own ``async_save`` (pinned memory), synchronously."""
+        directory once DCP has finished on every rank (``sharded.save_sharded``'s layout). Shards on a
+        device are staged by DCP's own ``async_save`` (pinned memory), synchronously."""
         self.finish(before=path)
         dcp = lazy.dcp()
         path = os.path.abspath(path)
@@ -267,7 +267,7 @@ class AsyncCheckpointWriter:
         tensors = {k: state.get(k, {}) for k in ("model", "optimizer")}
         writer = dcp.FileSystemWriter(tmp, cache_staged_state_dict=torch.cuda.is_available())
         deferred: Copies = []
-        if torch.cuda.is_available():
+        if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in _tensors(tensors)):
             with quiet_single_process():
                 future = dcp.async_save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
 
