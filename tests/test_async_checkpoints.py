@@ -120,6 +120,24 @@ def test_the_next_update_waits_for_the_background_staging_copy(tmp_path: Path, p
     assert len(waits) == 3 and waits[0] > 0 and waits[1] > 0, waits  # the updates after steps 2 and 4 waited
 
 
+def test_a_save_outside_fit_copies_before_it_returns(tmp_path: Path) -> None:
+    """No optimizer update follows a save made after fit, so nothing would wait for a background copy:
+    the staged copy is complete when ``save_checkpoint`` returns, and changing the weights then is safe."""
+    set_hooks(stage_delay=0.4)
+    t = trainer(str(tmp_path), max_steps=2)
+    module = Lin()
+    t.fit(module)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    path = str(tmp_path / "after-fit.ckpt")
+    t.save_checkpoint(path, async_save=True)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(1.0)
+    t.strategy.checkpoint_io.finish()
+    saved = read_checkpoint(path)["model"]
+    assert all(torch.equal(saved[k], v) for k, v in before.items())
+
+
 class FailAt(Callback):
     def __init__(self, step: int) -> None:
         self.step = step

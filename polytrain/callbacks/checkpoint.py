@@ -32,7 +32,10 @@ class ModelCheckpoint(Callback):
     ``train_time_interval`` (a ``timedelta``): also save after an optimizer step once that much time
     passed since the last save, by global rank 0's clock (``time_trigger``: checked at a few agreed
     steps per interval, not every step). ``async_save``: training waits only while the state is copied
-    to CPU; the write, then the ``latest`` pointer, ``last.ckpt`` and pruning happen in the background
+    to CPU (on CPU, the copy of the parameters and optimizer state runs in the background too, during
+    the next forward and backward; the next optimizer update waits for it, so a tensor the module changes
+    in place outside an optimizer step right after a save would reach the file: save synchronously
+    then); the write, then the ``latest`` pointer, ``last.ckpt`` and pruning happen in the background
     once the file is complete (``polytrain.checkpoint.async_writer``); the next save and the end of fit
     wait for it, and a failed write raises there on every rank.
     """

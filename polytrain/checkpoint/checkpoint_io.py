@@ -23,7 +23,8 @@ latest save is complete on disk.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from polytrain.checkpoint.async_writer import AsyncCheckpointWriter
@@ -48,6 +49,12 @@ class CheckpointIO:
     def wait_staged(self) -> None:
         """Return once the last async save no longer needs the live tensors; called before every optimizer
         update."""
+
+    @contextlib.contextmanager
+    def updates_wait_for_staging(self) -> Iterator[None]:
+        """Within it (a fit's training), every optimizer update calls ``wait_staged`` first, so an async
+        save may copy what the optimizers update in the background; outside it, it copies before returning."""
+        yield
 
     def finish(self, before: str | None = None) -> None:
         """Wait for the save in flight (none here); every rank calls it. ``before``: the save that waits."""
@@ -83,6 +90,17 @@ class _Background(CheckpointIO):
         if writer is not None:
             writer.wait_staged()
 
+    @contextlib.contextmanager
+    def updates_wait_for_staging(self) -> Iterator[None]:
+        self.__dict__["_defer"] = True
+        try:
+            yield
+        finally:
+            self.__dict__["_defer"] = False
+
+    def _deferrable(self, updated_by: list[Any] | None) -> list[Any] | None:
+        return updated_by if self.__dict__.get("_defer") else None
+
     def abandon(self) -> None:
         writer = self.__dict__.get("_writer")
         if writer is not None:
@@ -102,7 +120,7 @@ class ReplicatedCheckpointIO(_Background):
         save_file(state, path)
 
     def async_save(self, state: dict[str, Any], path: str, updated_by: list[Any] | None = None) -> None:
-        self.writer.save_file(state, path, updated_by)
+        self.writer.save_file(state, path, self._deferrable(updated_by))
 
     def load(self, path: str, into: dict[str, Any] | None = None) -> Loaded:
         self.finish()
@@ -119,7 +137,7 @@ class ShardedCheckpointIO(_Background):
         save_sharded(state, path)
 
     def async_save(self, state: dict[str, Any], path: str, updated_by: list[Any] | None = None) -> None:
-        self.writer.save_sharded(state, path, updated_by)
+        self.writer.save_sharded(state, path, self._deferrable(updated_by))
 
     def load(self, path: str, into: dict[str, Any] | None = None) -> Loaded:
         self.finish()

@@ -25,7 +25,8 @@ def run_stage(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: 
         with torch.autograd.set_detect_anomaly(trainer.config.detect_anomaly):  # as Lightning: the fit loop only
             trainer.profiler.start()
             try:
-                trainer.fit_loop.run(trainer, trainer.ckpt_path)  # settled with the run's directory
+                with trainer.strategy.checkpoint_io.updates_wait_for_staging():
+                    trainer.fit_loop.run(trainer, trainer.ckpt_path)  # settled with the run's directory
             except BaseException:
                 trainer.strategy.checkpoint_io.abandon()  # a save being written still completes
                 raise
