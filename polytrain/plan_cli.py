@@ -33,8 +33,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--inter-node-gbps", type=float, default=None, help="GB/s per device between nodes")
     p.add_argument("--global-batch", type=int, default=None,
                    help="samples per step (default: the dataloader's batch x the config's data-parallel size)")
-    p.add_argument("--attention", choices=("flash", "math"), default=None,
-                   help="SDPA kernel whose saved tensors count (default: flash for GPU presets, math for cpu)")
+    p.add_argument("--attention", choices=("flash", "math"), default="flash",
+                   help="SDPA kernel whose saved tensors count (default: flash, the kernel torch runs on CUDA in "
+                        "bf16 and on CPU; math: the s x s matrix, e.g. for a model passing attn_mask)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
 
@@ -64,7 +65,7 @@ def run_plan(args: argparse.Namespace) -> int:
     global_batch = args.global_batch or x.shape[0] * _config_dp(trainer, world)
     precision = str(trainer.get("precision", "32"))
     train = Training(global_batch=global_batch, precision=precision, optimizer=optimizer_kind(module))
-    attention = args.attention or ("math" if args.hardware == "cpu" else "flash")
+    attention = args.attention
     plan = plan_module(module, x[:1], hw, train, target=None if y is None else y[:1], attention=attention)
     print(f"plan for {type(module).__name__} ({sum(p.numel() for p in module.parameters()):,} parameters) on "
           f"{hw.nodes} x {hw.devices_per_node} {args.hardware} ({hw.memory_bytes / 1024**3:.0f} GiB each); "

@@ -115,3 +115,20 @@ def test_bad_values_name_what_is_valid() -> None:
     with pytest.raises(ConfigError, match="hardware='tpu' is not valid; choose one of: a100, cpu, h100"):
         Trainer(accelerator="cpu", strategy={"name": "parallel", "plan": True, "hardware": "tpu"})
     assert Trainer(accelerator="cpu").config.strategy == {"name": "auto"}  # strategy: auto is not the planner
+
+
+def test_plan_true_profiles_the_attention_kernel_torch_runs(monkeypatch: Any) -> None:
+    """On CPU (fp32 included) and on CUDA (bf16) torch runs SDPA's flash kernel: ``plan: true`` counts what
+    it saves, not the math kernel's ``s x s`` matrix (15-30 % more activations, planner.md)."""
+    from polytrain.trainer import planned
+
+    kernels: list[str] = []
+    real = planned.profiler
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        kernels.append(args[3] if len(args) > 3 else kwargs.get("attention", "flash"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planned, "profiler", spy)
+    _plan_for({"name": "parallel", "plan": True}, 2)
+    assert kernels == ["flash"]

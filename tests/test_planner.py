@@ -3,9 +3,11 @@ published Llama-3 layouts, rejection reasons, and ``polytrain plan`` as a user r
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -185,10 +187,17 @@ def test_llama3_shapes_are_the_published_sizes() -> None:
 
 
 def _llama_plan(run: PublishedRun, pinned: dict[str, int] | None = None):
-    x = torch.zeros(1, run.seq_len, dtype=torch.long)
     hw = hardware("h100", run.gpus // 8, 8, memory_bytes=run.device_gib * 1024**3)
-    train = Training(global_batch=run.global_batch, pp_schedule=run.pp_schedule, stages_per_rank=run.stages_per_rank)
-    return rank(hw, train, profiler(build(run.name), x, x, "flash"), pinned)
+    train = Training(global_batch=run.global_batch, pp_schedule=run.pp_schedule, stages_per_rank=run.stages_per_rank,
+                     float8=run.float8, fsdp_float8_all_gather=run.fsdp_float8_all_gather, async_tp=run.async_tp)
+    return rank(hw, train, _llama_profiler(run.name, run.seq_len), pinned)
+
+
+@functools.cache
+def _llama_profiler(name: str, seq_len: int) -> Any:
+    """One profiler per model and sequence (cached per TP degree): the runs share their traces."""
+    x = torch.zeros(1, seq_len, dtype=torch.long)
+    return profiler(build(name), x, x)
 
 
 def test_llama3_8b_on_8_h100_ranks_fsdp8_in_the_top_three() -> None:
@@ -201,9 +210,10 @@ def test_llama3_8b_on_8_h100_ranks_fsdp8_in_the_top_three() -> None:
 
 @pytest.mark.parametrize("key", ["8B", "70B", "405B"])
 def test_llama3_published_runs_fit_and_rank(key: str) -> None:
-    """Each run of torchtitan's Dec 2024 benchmarks (planner_llama.PUBLISHED) with its own batch, schedule
-    and checkpointing: the published layout fits the run's 96 GB H100s and is ranked. Only the 8B config
-    case above reaches the top three; planner.md's "Published layouts" table gives every rank and why."""
+    """Each run of torchtitan's Dec 2024 benchmarks (planner_llama.PUBLISHED) with its own batch, schedule,
+    float8 and async-TP settings: the published layout fits the run's 96 GB H100s and is ranked. Of these
+    only the 8B config case above reaches the top three (70B: 22nd, 405B: 7th); planner.md's "Published
+    layouts" table gives every rank and why."""
     run = PUBLISHED[key]
     plan = _llama_plan(run)
     assert _rank_of(plan, run.degrees) is not None
@@ -213,6 +223,20 @@ def test_llama3_published_runs_fit_and_rank(key: str) -> None:
         assert any("crosses the node boundary" in r.reason for r in plan.rejected)
     if key == "405B":  # 256 samples cannot feed 512 data-parallel ranks: why the run needed TP and PP
         assert any(r.layout.dp == 512 and "not divisible by dp=512" in r.reason for r in plan.rejected)
+
+
+def test_llama3_70b_with_async_tp_and_full_ac_ranks_in_the_top_three() -> None:
+    """Table 4's second run, "2D + AsyncTP" (FSDP 32 x TP 8, float8, async TP), with its full activation
+    checkpointing pinned as a config setting pins it (``plan: true`` does the same): the published layout
+    is in the top three. Caveat (planner.md): the async-TP term hides all but 0.02 s of TP's 3.4 s here and
+    predicts 1077 tok/s/GPU against the run's 876: it over-states async TP's gain (22 % vs the published
+    5.7 %), and the same layout without async TP ranks 13th with checkpointing pinned."""
+    from planner_llama import PUBLISHED_VARIANTS
+
+    run = PUBLISHED_VARIANTS["70B-async-tp"]
+    assert _rank_of(_llama_plan(run, {"activation_checkpointing": True}), run.degrees) <= 3
+    plain = PUBLISHED["70B"]
+    assert _rank_of(_llama_plan(plain, {"activation_checkpointing": True}), plain.degrees) > 3
 
 
 def test_same_inputs_same_plan() -> None:
@@ -229,4 +253,93 @@ def test_plan_cli_prints_the_ranked_table() -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "layouts fit" in out.stdout and "best:" in out.stdout
-    assert "exceeds the 6 layers" in out.stdout or "pipeline bubble" in out.stdout
+    assert "layers of the Sequential" in out.stdout  # pp beyond the children, with its reason
+    assert "1F1B: 1 micro-batches are fewer than the pp=2 stages" in out.stdout  # torch's Schedule1F1B refuses it
+    assert "attention flash" in out.stdout  # the kernel torch runs on CPU too, the default
+
+
+def test_profile_counts_linear_matmul_flops() -> None:
+    """A Llama block of dim 64 (4 heads of 16, 2 kv heads, hidden 176) on 16 tokens: its Linear weights hold
+    64x64 + 2 x 64x32 + 64x64 + 3 x 64x176 = 46080 parameters, so 2 x 16 x 46080 matmul FLOPs; attention's
+    SDPA and the norms are the rest. Under tp 2 each rank holds and computes half of them, and its
+    collectives are sequence-parallel."""
+    from planner_llama import Llama, LlamaShape
+
+    with torch.device("meta"):
+        module = Llama(LlamaShape(64, 2, 4, 2, 1.0, 16, vocab=128))
+    x = torch.zeros(1, 16, dtype=torch.long)
+    prof = profiler(module, x, x)
+    block, head = prof(1).children[1], prof(1).children[-1]
+    assert block.linear_params == 46080 and block.linear_flops == 2 * 16 * 46080 < block.flops
+    assert block.tp_linear_flops == block.linear_flops and not block.sequence_parallel
+    assert head.linear_flops == 2 * 16 * 64 * 128  # the head is one Linear (the loss's FLOPs come on top)
+    half = prof(2).children[1]
+    assert half.linear_params == 46080 // 2 and half.tp_linear_flops == 16 * 46080 and half.sequence_parallel
+    assert prof(1).children[0].linear_flops == 0  # an embedding is not a matmul
+
+
+def test_float8_runs_linear_matmuls_at_the_fp8_peak() -> None:
+    """10 GFLOP forward a sample, 8 of them Linear matmuls (6 in split layers): bf16 at 1e12 x 0.5, fp8 at
+    2e12 x 0.5."""
+    c = ChildProfile(name="b", kind="Block", params=1000, tp_params=800, saved_bytes=0, input_bytes=0,
+                     output_bytes=100, flops=10_000_000_000, tp_allreduce_bytes=200, linear_flops=8_000_000_000,
+                     tp_linear_flops=6_000_000_000, linear_params=500, sequence_parallel=True)
+    hw = Hardware(nodes=1, devices_per_node=8, memory_bytes=1, peak_flops=1e12, efficiency=0.5, intra_bw=1e9,
+                  inter_bw=1e8, intra_latency=1e-5, inter_latency=1e-4, fp8_peak_flops=2e12)
+    assert T.compute_time(c, 2, 1, hw, False) == pytest.approx((2 * 10e9 / 5e11, 2 * 6e9 / 5e11))
+    assert T.compute_time(c, 2, 1, hw, True) == pytest.approx((2 * (2e9 / 5e11 + 8e9 / 1e12), 2 * 6e9 / 1e12))
+    # FSDP 4 (tp 2: 600 local parameters, 500 of them float8 Linear weights): the gather moves those at 1 byte
+    links = (T.link(hw, 8), T.link(hw, 8))
+    g, r = T.fsdp_times(c, 2, 4, 1, 2, 4, links, False, fp8_gather=True)
+    assert g == pytest.approx((100 * 2 + 500 * 1) * 3 / 4 / 1e9 + 3 * 1e-5)
+    assert r == pytest.approx(600 * 4 * 3 / 4 / 1e9 + 3 * 1e-5)  # gradients are reduced as before
+
+
+def test_float8_and_async_tp_collectives_by_hand() -> None:
+    """tp 2, 2 samples of 200 all-reduced bytes (2 collectives: output 100): the wire time is 2 x 200 x
+    2(1/2) / 1e9. Float8 gathers the forward's half in 1 byte: x 3/4. Async TP hides the wire time behind
+    the split matmuls' (t-1)/t and exposes one step's latency per collective (2 k = 4)."""
+    c = ChildProfile(name="b", kind="Block", params=1000, tp_params=800, saved_bytes=0, input_bytes=0,
+                     output_bytes=100, flops=0, tp_allreduce_bytes=200, sequence_parallel=True)
+    hw = Hardware(nodes=1, devices_per_node=8, memory_bytes=1, peak_flops=1e12, intra_bw=1e9, intra_latency=1e-5)
+    wire, steps = 2 * 200 * 2 * (1 / 2) / 1e9, 2 * 2 * 1 * 1e-5
+    assert T.tp_time(c, 2, 2, hw, False, False, 0.0) == pytest.approx((wire + steps, wire + steps))
+    assert T.tp_time(c, 2, 2, hw, True, False, 0.0) == pytest.approx((0.75 * wire + steps, wire + steps))
+    matmul = 2 * wire  # hides (t-1)/t of it = wire: nothing of the bytes left
+    assert T.tp_time(c, 2, 2, hw, False, True, matmul) == pytest.approx((4 * 1e-5, 4 * 1e-5))
+    assert T.tp_time(c, 2, 2, hw, False, True, wire) == pytest.approx((wire / 2 + 4e-5, wire / 2 + 4e-5))
+    plain = ChildProfile(**{**c.__dict__, "sequence_parallel": False})  # no reduce-scatter to fuse: no overlap
+    assert T.tp_time(plain, 2, 2, hw, True, True, matmul) == pytest.approx((wire + steps, wire + steps))
+
+
+def test_float8_needs_fp8_hardware_and_keeps_the_head_in_bf16() -> None:
+    module = _gpt()
+    x = torch.zeros(1, 32, dtype=torch.long)
+    with pytest.raises(ConfigError, match="needs float8=True"):
+        Training(global_batch=8, fsdp_float8_all_gather=True)
+    with pytest.raises(ConfigError, match="no fp8 peak"):
+        plan_module(module, x, hardware("a100", 1, 8), Training(global_batch=8, float8=True), target=x)
+    prof = profiler(module, x, x)(1)
+    hw = hardware("h100", 1, 8)
+    bf16 = estimate(Layout(), Training(global_batch=8), prof, hw).time["compute"]
+    fp8 = estimate(Layout(), Training(global_batch=8, float8=True), prof, hw).time["compute"]
+    rate, rate8 = hw.peak_flops * hw.efficiency, hw.fp8_peak_flops * hw.efficiency
+    saved = sum(c.linear_flops for c in prof.children[:-1]) * 8 * 3 * (1 / rate - 1 / rate8)  # fwd + 2 bwd
+    assert bf16 - fp8 == pytest.approx(saved)
+
+
+def test_1f1b_rejects_fewer_microbatches_than_stages() -> None:
+    module = _gpt()
+    x = torch.zeros(1, 32, dtype=torch.long)
+    plan = plan_module(module, x, hardware("cpu", 1, 8), Training(global_batch=16, precision="32"), target=x)
+    assert all(e.layout.n_microbatches >= e.layout.pp for e in plan.ranked if e.layout.pp > 1)
+    assert any(r.reason == "1F1B: 2 micro-batches are fewer than the pp=4 stages" for r in plan.rejected)
+
+
+def test_attention_defaults_to_the_flash_kernel() -> None:
+    """torch runs SDPA's flash kernel on CUDA (bf16) and on CPU (fp32 too): the default counts what it saves
+    (no s x s matrix); ``math`` stays selectable and saves more."""
+    module = _gpt()
+    x = torch.zeros(1, 32, dtype=torch.long)
+    saved = {k: sum(c.saved_bytes for c in profiler(module, x, x, k)(1).children) for k in ("flash", "math")}
+    assert sum(c.saved_bytes for c in profiler(module, x, x)(1).children) == saved["flash"] < saved["math"]

@@ -108,8 +108,8 @@ def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamod
     global_batch = spec.get("global_batch") or x.shape[0] * max(world // other, 1)
     precision = PRECISIONS.get(str(config.precision), str(config.precision))
     training = Training(global_batch=global_batch, precision=precision, optimizer=optimizer_kind(module))
-    profile_at = profiler(module, x[:1], None if y is None else y[:1], "flash" if on_cuda else "math",
-                          spec.get("sequential"))
+    # flash: the SDPA kernel torch runs on CUDA (bf16) and on CPU (fp32 too); math would count its s x s matrix
+    profile_at = profiler(module, x[:1], None if y is None else y[:1], "flash", spec.get("sequential"))
     plan = rank(hw, training, profile_at, pinned)
     best, lay = plan.best, plan.best.layout  # raises, with the first rejections, when nothing fits
     chosen: dict[str, Any] = {"world_size": world, **{k: getattr(lay, k) for k in DEGREES}}

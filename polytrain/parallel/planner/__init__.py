@@ -23,11 +23,12 @@ __all__ = ["PRESETS", "Estimate", "Hardware", "Layout", "ModelProfile", "Plan", 
 
 
 def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | None = None,
-             attention: str = "math", sequential: str | None = None) -> Any:
+             attention: str = "flash", sequential: str | None = None) -> Any:
     """``tp -> ModelProfile`` for a module built on the meta device, cached per degree.
 
     A module not on meta is profiled through a meta copy of its Sequential. ``example`` is one sample of the Sequential's input (batch dimension 1, any device: it is moved to
     meta); ``target`` one sample of the targets for ``module.pipeline_loss``, when the module has one.
+    ``attention``: ``flash`` (torch's kernel for SDPA on CUDA in bf16 and on CPU, fp32 included) or ``math``.
     """
     seq_name, seq = find_sequential(module, sequential)
     seq = on_meta(seq)
@@ -57,7 +58,7 @@ def _apply_loss(loss_fn: Any, target: torch.Tensor, out: torch.Tensor) -> torch.
 
 
 def plan_module(module: nn.Module, example: torch.Tensor, hw: Hardware, train: Training,
-                target: torch.Tensor | None = None, attention: str = "math",
+                target: torch.Tensor | None = None, attention: str = "flash",
                 pinned: dict[str, int] | None = None) -> Plan:
     """Rank every layout of ``hw``'s world for ``module`` (built on meta) on ``train``'s batch."""
     return rank(hw, train, profiler(module, example, target, attention), pinned)

@@ -60,8 +60,15 @@ class Training:
     optimizer: str = "adamw"
     pp_schedule: str = "1f1b"  # under pp > 1: 1f1b, or interleaved_1f1b with stages_per_rank stages a rank
     stages_per_rank: int = 1
+    # torchao float8 linears (torchtitan's enable_float8_linear, dynamic tensorwise scaling): every
+    # nn.Linear but the output head (the Sequential's last child) runs its matmuls at the fp8 peak.
+    float8: bool = False
+    fsdp_float8_all_gather: bool = False  # torchtitan's enable_fsdp_float8_all_gather (needs float8)
+    async_tp: bool = False  # torchtitan's enable_async_tensor_parallel (micro-pipelined TP collectives)
 
     def __post_init__(self) -> None:
+        if self.fsdp_float8_all_gather and not self.float8:
+            raise ConfigError("fsdp_float8_all_gather gathers float8 Linear weights: it needs float8=True")
         if self.pp_schedule not in timing.SCHEDULES:
             raise ConfigError(f"pipeline schedule '{self.pp_schedule}' unknown to the planner; one of "
                               f"{', '.join(timing.SCHEDULES)}")
@@ -162,9 +169,12 @@ def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, 
     micro = train.global_batch // lay.dp // lay.n_microbatches
     mask = checkpointed(prof.children) if lay.activation_checkpointing else [False] * len(prof.children)
     ckpt = [mask[i] for lo, hi in chunks for i in range(lo, hi)]
+    head = len(prof.children) - 1  # torchtitan keeps the output head in bf16 (filter fqn != "output")
+    features = timing.Features(float8=tuple(train.float8 and i != head for lo, hi in chunks for i in range(lo, hi)),
+                               fp8_gather=train.fsdp_float8_all_gather, async_tp=train.async_tp)
     units = timing.unit_times(kids, ckpt, micro, tp=lay.tp, fsdp=lay.dp_shard, replicate=lay.dp_replicate,
                               cp=lay.cp, param_bytes=prof.param_bytes, master_bytes=MASTER_BYTES[train.precision],
-                              hw=hw, ddp=_runs_ddp(lay))
+                              hw=hw, ddp=_runs_ddp(lay), features=features)
     # Pipeline neighbours are world / pp ranks apart: on several nodes some pair crosses, and all wait for it.
     bw, lat = timing.link(hw, lay.world_size)
     p2p = micro * max(prof.children[hi - 1].output_bytes for _, hi in chunks) / bw + lat

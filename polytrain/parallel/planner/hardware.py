@@ -2,8 +2,9 @@
 
 Bandwidths are what one device's ring collective gets (bus bandwidth), per direction: inside a node
 over NVLink, between nodes each GPU's share of the node's network (H100 nodes: one 400 Gb/s NIC per
-GPU = 50 GB/s). Peak FLOPs are dense bf16 tensor-core figures from the vendors' sheets; the
-``efficiency`` (model FLOPs utilisation reached by the kernels) is the user's to set.
+GPU = 50 GB/s). Peak FLOPs are dense bf16 tensor-core figures from the vendors' sheets, and dense fp8
+where the device has fp8 tensor cores (float8 training needs them); the ``efficiency`` (model FLOPs
+utilisation reached by the kernels) is the user's to set and applies to both.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Hardware:
     intra_latency: float = 5e-6  # seconds per collective step
     inter_latency: float = 15e-6
     usable_memory: float = 0.9  # allocator fragmentation, CUDA context, NCCL buffers take the rest
+    fp8_peak_flops: float | None = None  # dense float8 tensor-core peak; None: no fp8 (float8 training refused)
 
     @property
     def world_size(self) -> int:
@@ -35,9 +37,10 @@ class Hardware:
 
 
 PRESETS: dict[str, Hardware] = {
-    # H100 SXM 80GB: 989 TFLOP/s dense bf16, NVLink4 450 GB/s per direction, 8 x 400 Gb/s InfiniBand.
-    "h100": Hardware(1, 8, 80 * GiB, 989e12, 0.4, 450e9, 50e9, 5e-6, 15e-6),
-    # A100 SXM 80GB: 312 TFLOP/s dense bf16, NVLink3 300 GB/s per direction, 8 x 200 Gb/s HDR.
+    # H100 SXM 80GB: 989 TFLOP/s dense bf16, NVLink4 450 GB/s per direction, 8 x 400 Gb/s InfiniBand;
+    # 1979 TFLOP/s dense FP8 (NVIDIA H100 Tensor Core GPU datasheet: 3958 "with sparsity", half dense).
+    "h100": Hardware(1, 8, 80 * GiB, 989e12, 0.4, 450e9, 50e9, 5e-6, 15e-6, fp8_peak_flops=1979e12),
+    # A100 SXM 80GB: 312 TFLOP/s dense bf16, NVLink3 300 GB/s per direction, 8 x 200 Gb/s HDR; no FP8.
     "a100": Hardware(1, 8, 80 * GiB, 312e12, 0.4, 300e9, 25e9, 5e-6, 15e-6),
     # A CPU box running gloo: shared memory between processes, fp32 FLOPs of a few cores.
     "cpu": Hardware(1, 8, 16 * GiB, 50e9, 0.3, 2e9, 1e9, 50e-6, 100e-6),

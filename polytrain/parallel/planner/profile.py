@@ -9,8 +9,10 @@ batch of ONE sample and record
   child saved excluded, each storage counted once; the child's input counts when the child saves it, as
   a block's norm does): the activation memory of one sample without checkpointing;
 - the bytes of its input (what activation checkpointing keeps) and output (what a pipeline sends);
-- its forward FLOPs (``torch.utils.flop_counter``), and the bytes tensor parallelism all-reduces in
-  forward (the outputs of row-parallel layers).
+- its forward FLOPs (``torch.utils.flop_counter``), of those the matmuls of its ``nn.Linear`` layers
+  (what float8 training speeds up; attention, norms and elementwise stay in bf16) and of the layers the
+  plan splits (what async TP overlaps its collectives with), and the bytes tensor parallelism
+  all-reduces in forward (the outputs of row-parallel layers).
 
 Tensor parallelism is simulated, not modelled: for degree ``tp`` the planned ``nn.Linear`` layers are
 shrunk to their local shard (column-parallel: ``out_features / tp``; row-parallel: ``in_features / tp``)
@@ -51,6 +53,11 @@ class ChildProfile:
     output_bytes: int  # sent to the next pipeline stage
     flops: int  # forward
     tp_allreduce_bytes: int  # forward all-reduce payload (row-parallel outputs); backward has as much again
+    # Defaults keep hand-built profiles (tests) short; the trace fills them in.
+    linear_flops: int = 0  # of ``flops``, the matmuls of nn.Linear layers (2 x rows x in x out each)
+    tp_linear_flops: int = 0  # of those, in the Linear layers the plan splits (this rank's shard)
+    linear_params: int = 0  # weights of its nn.Linear layers as one TP rank holds them (float8 gathers these)
+    sequence_parallel: bool = False  # its TP collectives are reduce-scatter + all-gather (SequenceParallel plan)
 
 
 @dataclass(frozen=True)
@@ -124,12 +131,38 @@ class _SavedCounter:
         return t
 
 
-def _trace_child(child: nn.Module, x: Any, planned: dict[str, str], tp: int,
-                 seen: set[int]) -> tuple[Any, int, int, int]:
-    """Run one child on meta: (output, saved bytes as one TP rank holds them, forward FLOPs, all-reduce bytes)."""
+@dataclass
+class _Traced:
+    out: Any
+    saved: int  # bytes, as one TP rank holds them
+    flops: int
+    reduced: int  # row-parallel output bytes (all-reduced)
+    linear_flops: int = 0
+    tp_linear_flops: int = 0
+
+
+def _linear_hooks(child: nn.Module, planned: dict[str, str], traced: _Traced) -> list[Any]:
+    """Count each nn.Linear's matmul FLOPs from its (already shrunk) weight: 2 x rows x in x out, the
+    count ``flop_counter`` gives its mm/addmm (a bias add is not a matmul)."""
+    handles = []
+    for name, sub in child.named_modules():
+        if isinstance(sub, nn.Linear):
+            split = planned.get(name) in ("ColwiseParallel", "RowwiseParallel")
+
+            def hook(m: nn.Module, i: Any, o: Any, split: bool = split) -> None:
+                n = 2 * (i[0].numel() // m.weight.shape[1]) * m.weight.numel()  # in_features is not shrunk
+                traced.linear_flops += n
+                traced.tp_linear_flops += n if split else 0
+            handles.append(sub.register_forward_hook(hook))
+    return handles
+
+
+def _trace_child(child: nn.Module, x: Any, planned: dict[str, str], tp: int, seen: set[int]) -> _Traced:
+    """Run one child on meta: its output, saved bytes, FLOPs (all, Linear, split Linear), all-reduce bytes."""
     counter = _SavedCounter(seen)
     reduced = [0]
-    handles = []
+    traced = _Traced(None, 0, 0, 0)
+    handles = _linear_hooks(child, planned, traced)
     for name, style in planned.items():
         sub = child.get_submodule(name)
         if style == "RowwiseParallel":
@@ -144,8 +177,9 @@ def _trace_child(child: nn.Module, x: Any, planned: dict[str, str], tp: int,
     finally:
         for h in handles:
             h.remove()
-    saved = counter.total - counter.sharded + math.ceil(counter.sharded / tp)
-    return out, saved, flops.get_total_flops(), reduced[0]
+    traced.out, traced.flops, traced.reduced = out, flops.get_total_flops(), reduced[0]
+    traced.saved = counter.total - counter.sharded + math.ceil(counter.sharded / tp)
+    return traced
 
 
 def _param_counts(name: str, child: nn.Module, planned: dict[str, str]) -> tuple[int, int]:
@@ -163,8 +197,8 @@ def _storages(tensors: Any) -> set[int]:
 
 def _flash_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
                 is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` as the CUDA flash kernel runs it: saves q, k, v, the output and
-    the log-sum-exp, never the (s x s) attention matrix the math kernel (CPU, meta) would save."""
+    """``F.scaled_dot_product_attention`` as the flash kernel runs it (CUDA bf16; CPU, fp32 included): saves
+    q, k, v, the output and the log-sum-exp, never the (s x s) matrix the math kernel (meta's) would save."""
     if attn_mask is not None:
         raise ConfigError("the planner's flash-attention trace does not take attn_mask; plan with --attention math")
     if k.shape[1] != q.shape[1]:  # grouped-query attention: flash wants as many k/v heads as q heads
@@ -175,7 +209,7 @@ def _flash_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: An
 @contextlib.contextmanager
 def _attention_kernel(kind: str) -> Iterator[None]:
     if kind not in ("flash", "math"):
-        raise ConfigError(f"attention kernel '{kind}' is not one of: flash (CUDA), math (CPU)")
+        raise ConfigError(f"attention kernel '{kind}' is not one of: flash (torch's pick on CUDA and CPU), math")
     original = F.scaled_dot_product_attention
     if kind == "flash":
         F.scaled_dot_product_attention = _flash_sdpa
@@ -188,13 +222,14 @@ def _attention_kernel(kind: str) -> Iterator[None]:
 def profile_sequential(seq: nn.Sequential, example: torch.Tensor, tp: int = 1,
                        plan: dict[str, str] | None = None, prefix: str = "",
                        loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                       attention: str = "math") -> ModelProfile:
+                       attention: str = "flash") -> ModelProfile:
     """Profile ``seq`` (on meta) at tensor-parallel degree ``tp`` on ``example`` (one sample, meta).
 
     ``plan`` maps plan keys (relative to the module that owns ``seq``, which ``prefix`` + "." names) to
     style class names; ``loss`` turns the last output into the loss, so its saved tensors (logits'
-    softmax) are counted with the last child. ``attention``: which SDPA kernel's saved tensors to count
-    (``flash`` as on CUDA, ``math`` as on CPU).
+    softmax) are counted with the last child. ``attention``: which SDPA kernel's saved tensors to count:
+    ``flash`` (the default: the kernel torch picks for bf16 on CUDA, and on CPU for fp32 too) or ``math``
+    (the ``s x s`` matrix, e.g. with an ``attn_mask``).
     """
     with _attention_kernel(attention):
         return _profile(seq, example, tp, plan, prefix, loss)
@@ -218,14 +253,17 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
         # Sequence parallel shards a block's input (the residual stream) over the sequence.
         sp = tp > 1 and "SequenceParallel" in local.values()
         input_bytes = math.ceil(_nbytes(x) / tp) if sp else _nbytes(x)
-        out, saved, flops, reduced = _trace_child(child, x, local, tp, seen)
+        t = _trace_child(child, x, local, tp, seen)
         if loss is not None and index == len(seq) - 1:
-            out, loss_saved, loss_flops, _ = _trace_child(_Fn(loss), out, {}, tp, seen)
-            saved, flops = saved + loss_saved, flops + loss_flops
+            lt = _trace_child(_Fn(loss), t.out, {}, tp, seen)
+            t.out, t.saved, t.flops = lt.out, t.saved + lt.saved, t.flops + lt.flops
+        linear_params = sum(m.weight.numel() for m in child.modules() if isinstance(m, nn.Linear))
         children.append(ChildProfile(name=name, kind=type(child).__name__, params=n_split + n_whole,
-                                     tp_params=n_split, saved_bytes=saved, input_bytes=input_bytes,
-                                     output_bytes=_nbytes(out), flops=flops, tp_allreduce_bytes=reduced))
-        x = out
+                                     tp_params=n_split, saved_bytes=t.saved, input_bytes=input_bytes,
+                                     output_bytes=_nbytes(t.out), flops=t.flops, tp_allreduce_bytes=t.reduced,
+                                     linear_flops=t.linear_flops, tp_linear_flops=t.tp_linear_flops,
+                                     linear_params=linear_params, sequence_parallel=sp))
+        x = t.out
     seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
     first = next(seq.parameters(), None)
     return ModelProfile(tp=tp, children=tuple(children), seq_len=seq_len,

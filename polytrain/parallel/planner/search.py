@@ -57,6 +57,8 @@ def _rejection(lay: Layout, hw: Hardware, train: Training, n_children: int) -> s
         return f"global batch {train.global_batch} is not divisible by dp={lay.dp}"
     if (train.global_batch // lay.dp) % lay.n_microbatches:
         return f"local batch {train.global_batch // lay.dp} is not divisible by {lay.n_microbatches} micro-batches"
+    if lay.pp > 1 and train.pp_schedule == "1f1b" and lay.n_microbatches < lay.pp:  # torch's Schedule1F1B refuses it
+        return f"1F1B: {lay.n_microbatches} micro-batches are fewer than the pp={lay.pp} stages"
     if lay.pp > 1 and train.pp_schedule == "interleaved_1f1b" and not interleaved_rounds_ok(lay.pp, lay.n_microbatches):
         return f"interleaved 1F1B: {lay.n_microbatches} micro-batches do not split into rounds of pp={lay.pp}"
     bubble = bubble_fraction(lay.pp, lay.n_microbatches, v)
@@ -88,6 +90,9 @@ def candidates(hw: Hardware, train: Training, pinned: dict[str, int] | None = No
 def rank(hw: Hardware, train: Training, profile_at: Callable[[int], ModelProfile],
          pinned: dict[str, int] | None = None) -> Plan:
     """Estimate every candidate (``profile_at(tp)`` gives the model's profile at that degree)."""
+    if train.float8 and not hw.fp8_peak_flops:
+        raise ConfigError("float8 training needs fp8 tensor cores: this hardware has no fp8 peak (the h100 preset "
+                          "has one; a100 and cpu do not)")
     plan = Plan()
     profiles: dict[int, ModelProfile | str] = {1: profile_at(1)}
     n_children = len(profiles[1].children)  # type: ignore[union-attr]

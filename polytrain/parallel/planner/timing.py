@@ -2,8 +2,8 @@
 collectives each FSDP unit exposes, the pipeline's schedule (docs/strategies/planner.md, "Time per step",
 has every equation here, its defaults and where it is known to be wrong).
 
-Two CUDA streams per rank are modelled: compute (with the tensor-parallel collectives on it: no async
-TP) and communication (FSDP all-gathers and reduce-scatters, replica all-reduces). A unit is one child
+Two CUDA streams per rank are modelled: compute (with the tensor-parallel collectives on it; async TP
+hides them behind the split matmuls) and communication (FSDP all-gathers and reduce-scatters, replica all-reduces). A unit is one child
 of the Sequential: the strategy ``fully_shard``s each child that holds parameters (``parallel/fsdp.py``).
 """
 
@@ -121,38 +121,97 @@ def ddp_buckets(nbytes: list[float]) -> list[int]:
     return closes
 
 
+@dataclass(frozen=True)
+class Features:
+    """Held-fixed run settings (``Training``) that change the per-unit times, applied to every layout alike.
+
+    ``float8``: per unit, whether its Linear layers run torchao's float8 matmuls (forward and both backward
+    matmuls at the fp8 peak; the rest of its FLOPs at the bf16 rate). ``fp8_gather``: FSDP all-gathers
+    those Linear weights in float8 (``enable_fsdp_float8_all_gather``: 1 byte a parameter). Under
+    sequence parallelism, float8 TP casts a block's input to float8 before its all-gather (forward).
+    ``async_tp``: the TP collectives are micro-pipelined with the split Linear layers' matmuls.
+    """
+
+    float8: tuple[bool, ...] = ()
+    fp8_gather: bool = False
+    async_tp: bool = False
+
+    def f8(self, i: int) -> bool:
+        return bool(self.float8) and self.float8[i]
+
+
+def compute_time(c: ChildProfile, micro: int, cp: int, hw: Hardware, f8: bool) -> tuple[float, float]:
+    """(forward seconds, of them the split Linear layers' matmuls): ``mb (FLOPs - L) / cp / R + mb L / cp
+    / R8``, ``L`` the Linear FLOPs when they run in float8 (``R8 = fp8 peak x efficiency``), else 0."""
+    rate = hw.peak_flops * hw.efficiency
+    rate8 = (hw.fp8_peak_flops or hw.peak_flops) * hw.efficiency
+    lin = c.linear_flops if f8 else 0
+    f = micro * ((c.flops - lin) / rate + lin / rate8) / cp
+    return f, micro * c.tp_linear_flops / cp / (rate8 if f8 else rate)
+
+
+def tp_time(c: ChildProfile, micro: int, tp: int, hw: Hardware, f8: bool, async_tp: bool,
+            matmul: float) -> tuple[float, float]:
+    """(forward, backward) seconds of a child's TP collectives on the compute stream.
+
+    Row-parallel outputs are all-reduced (or, sequence-parallel, reduce-scattered and gathered: the same
+    bytes), ``2 (t-1)/t`` of the payload per rank, ``k`` rings of ``2 (t-1)`` steps. Float8 under
+    sequence parallelism: the forward all-gather (half the bytes) moves float8, 1 byte of bf16's 2: x 3/4.
+    Async TP (sequence parallel only: it fuses all-gather + matmul and matmul + reduce-scatter): each
+    pass exposes ``max(0, bytes time - M (t-1)/t)`` (``M`` the split Linear matmuls of the pass, forward
+    and the backward's grad-input ones alike; one of ``t`` chunks has no transfer beside it) plus one
+    step's latency per collective (``2 k``)."""
+    if tp <= 1 or not c.tp_allreduce_bytes:
+        return 0.0, 0.0
+    bw, lat = link(hw, tp)
+    k = tp_collectives(c)
+    wire = micro * c.tp_allreduce_bytes * 2 * (tp - 1) / tp / bw
+    fwd = wire * (0.75 if f8 and c.sequence_parallel else 1.0)
+    if async_tp and c.sequence_parallel:
+        hidden = matmul * (tp - 1) / tp
+        return (max(0.0, fwd - hidden) + 2 * k * lat, max(0.0, wire - hidden) + 2 * k * lat)
+    steps = k * 2 * (tp - 1) * lat
+    return fwd + steps, wire + steps
+
+
+def fsdp_times(c: ChildProfile, tp: int, shard: int, replicate: int, param_bytes: int, master_bytes: int,
+               links: tuple[tuple[float, float], tuple[float, float]], ddp: bool, fp8_gather: bool) -> tuple[float, float]:
+    """(gather, reduce) seconds of one unit: its shard gathered in the compute dtype (float8 Linear
+    weights at 1 byte under ``fp8_gather``), its gradient reduce-scattered in ``master_bytes``, then each
+    shard all-reduced over the replicas (HSDP, DDP)."""
+    local = c.tp_params / tp + (c.params - c.tp_params)
+    if not local:  # no parameters: not an FSDP unit, nothing to gather or reduce
+        return 0.0, 0.0
+    (dp_bw, dp_lat), (rep_bw, rep_lat) = links
+    gathered = local * param_bytes - (c.linear_params * (param_bytes - 1) if fp8_gather else 0)
+    r = ring_time(local * master_bytes, shard, dp_bw, dp_lat)
+    if replicate > 1:
+        r += 2 * ring_time(local / shard * master_bytes, replicate, rep_bw, 0.0 if ddp else rep_lat)
+    return ring_time(gathered, shard, dp_bw, dp_lat), r
+
+
 def unit_times(kids: tuple[ChildProfile, ...], ckpt: list[bool], micro: int, *, tp: int, fsdp: int,
                replicate: int, cp: int, param_bytes: int, master_bytes: int, hw: Hardware,
-               ddp: bool = False) -> Units:
+               ddp: bool = False, features: Features = Features()) -> Units:
     """Per-unit seconds for a micro-batch of ``micro`` samples; the groups are laid out in mesh order
     ``pp, dp_replicate, dp_shard, cp, tp`` (tp innermost). ``ddp``: the replicas run DDP, which
     all-reduces gradients in buckets (a ring's latency per bucket, not per unit)."""
-    rate = hw.peak_flops * hw.efficiency
-    tp_bw, tp_lat = link(hw, tp)
-    dp_bw, dp_lat = link(hw, tp * cp * fsdp)
-    rep_bw, rep_lat = link(hw, tp * cp * fsdp * replicate)
     shard = fsdp * cp  # FSDP shards over dp_shard x cp
+    links = (link(hw, tp * shard), link(hw, tp * shard * replicate))
     fwd, bwd, gather, reduce, tp_total = [], [], [], [], 0.0
-    for c, k in zip(kids, ckpt):
-        f = micro * c.flops / cp / rate
-        # Row-parallel outputs are all-reduced (or, sequence-parallel, reduce-scattered and gathered: the
-        # same bytes): 2 (t-1)/t of the payload per rank; backward has the twin, recompute runs it again.
-        t = micro * c.tp_allreduce_bytes * 2 * (tp - 1) / tp / tp_bw if tp > 1 else 0.0
-        t += tp_collectives(c) * 2 * (tp - 1) * tp_lat if tp > 1 else 0.0  # a ring all-reduce: 2 (t-1) steps
-        fwd.append(f + t)
-        bwd.append((2 * f + t) + (f + t if k else 0.0))
-        tp_total += t * (3 if k else 2)
-        local = c.tp_params / tp + (c.params - c.tp_params)
-        if not local:  # no parameters: not an FSDP unit, nothing to gather or reduce
-            gather.append(0.0)
-            reduce.append(0.0)
-            continue
-        gather.append(ring_time(local * param_bytes, shard, dp_bw, dp_lat))
-        r = ring_time(local * master_bytes, shard, dp_bw, dp_lat)
-        if replicate > 1:  # each shard all-reduced over the replicas (HSDP, DDP)
-            r += 2 * ring_time(local / shard * master_bytes, replicate, rep_bw, 0.0 if ddp else rep_lat)
+    for i, (c, k) in enumerate(zip(kids, ckpt)):
+        f8 = features.f8(i)
+        f, matmul = compute_time(c, micro, cp, hw, f8)
+        tf, tb = tp_time(c, micro, tp, hw, f8, features.async_tp, matmul)
+        fwd.append(f + tf)
+        bwd.append((2 * f + tb) + (f + tf if k else 0.0))  # checkpointed: the forward again, collectives too
+        tp_total += tf + tb + (tf if k else 0.0)
+        g, r = fsdp_times(c, tp, shard, replicate, param_bytes, master_bytes, links, ddp,
+                          features.fp8_gather and f8 and shard > 1)
+        gather.append(g)
         reduce.append(r)
     if ddp and replicate > 1:
+        rep_lat = links[1][1]
         sizes = [(c.tp_params / tp + c.params - c.tp_params) * master_bytes for c in kids]
         reduce = [r + n * 2 * (replicate - 1) * rep_lat for r, n in zip(reduce, ddp_buckets(sizes))]
     return Units(fwd, bwd, gather, reduce, tp_total)
