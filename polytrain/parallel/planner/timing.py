@@ -128,7 +128,7 @@ class Features:
     ``float8``: per unit, whether its Linear layers run torchao's float8 matmuls (forward and both backward
     matmuls at the fp8 peak; the rest of its FLOPs at the bf16 rate). ``fp8_gather``: FSDP all-gathers
     those Linear weights in float8 (``enable_fsdp_float8_all_gather``: 1 byte a parameter). Under
-    sequence parallelism, float8 TP casts a block's input to float8 before its all-gather (forward).
+    sequence parallelism, float8 TP casts to float8 before each TP all-gather (forward and backward).
     ``async_tp``: the TP collectives are micro-pipelined with the split Linear layers' matmuls.
     """
 
@@ -156,8 +156,8 @@ def tp_time(c: ChildProfile, micro: int, tp: int, hw: Hardware, f8: bool, async_
 
     Row-parallel outputs are all-reduced (or, sequence-parallel, reduce-scattered and gathered: the same
     bytes), ``2 (t-1)/t`` of the payload per rank, ``k`` rings of ``2 (t-1)`` steps. Float8 under
-    sequence parallelism: the forward all-gather (half the bytes) moves float8, 1 byte of bf16's 2: x 3/4.
-    Async TP (sequence parallel only: it fuses all-gather + matmul and matmul + reduce-scatter): each
+    sequence parallelism (torchao's float8 TP styles): each pass's all-gathers (half the bytes) move
+    float8, 1 byte of bf16's 2, the reduce-scatters stay bf16: x 3/4. Async TP (sequence parallel only: it fuses all-gather + matmul and matmul + reduce-scatter): each
     pass exposes ``max(0, bytes time - M (t-1)/t)`` (``M`` the split Linear matmuls of the pass, forward
     and the backward's grad-input ones alike; one of ``t`` chunks has no transfer beside it) plus one
     step's latency per collective (``2 k``)."""
@@ -165,13 +165,14 @@ def tp_time(c: ChildProfile, micro: int, tp: int, hw: Hardware, f8: bool, async_
         return 0.0, 0.0
     bw, lat = link(hw, tp)
     k = tp_collectives(c)
-    wire = micro * c.tp_allreduce_bytes * 2 * (tp - 1) / tp / bw
-    fwd = wire * (0.75 if f8 and c.sequence_parallel else 1.0)
+    # Forward: the block's input cast before its gather (PrepareFloat8ModuleInput); backward: the gradient
+    # of a row-parallel output cast before the gather that is its reduce-scatter's twin (_NoopFwToFloat8Bw).
+    wire = micro * c.tp_allreduce_bytes * 2 * (tp - 1) / tp / bw * (0.75 if f8 and c.sequence_parallel else 1.0)
     if async_tp and c.sequence_parallel:
-        hidden = matmul * (tp - 1) / tp
-        return (max(0.0, fwd - hidden) + 2 * k * lat, max(0.0, wire - hidden) + 2 * k * lat)
+        exposed = max(0.0, wire - matmul * (tp - 1) / tp) + 2 * k * lat
+        return exposed, exposed
     steps = k * 2 * (tp - 1) * lat
-    return fwd + steps, wire + steps
+    return wire + steps, wire + steps
 
 
 def fsdp_times(c: ChildProfile, tp: int, shard: int, replicate: int, param_bytes: int, master_bytes: int,
