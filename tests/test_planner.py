@@ -321,6 +321,8 @@ def test_float8_needs_fp8_hardware_and_keeps_the_head_in_bf16() -> None:
     with pytest.raises(ConfigError, match="no fp8 peak"):
         plan_module(module, x, hardware("a100", 1, 8), Training(global_batch=8, float8=True), target=x)
     prof = profiler(module, x, x)(1)
+    with pytest.raises(ConfigError, match="no fp8 peak"):
+        estimate(Layout(), Training(global_batch=8, float8=True), prof, hardware("cpu", 1, 8))
     hw = hardware("h100", 1, 8)
     bf16 = estimate(Layout(), Training(global_batch=8), prof, hw).time["compute"]
     fp8 = estimate(Layout(), Training(global_batch=8, float8=True), prof, hw).time["compute"]

@@ -193,6 +193,8 @@ def stage_memories(lay: Layout, train: Training, prof: ModelProfile) -> list[dic
 
 def estimate(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware) -> Estimate:
     """Memory of the worst rank and the step time of ``lay``; ``prof`` is the profile at ``lay.tp``."""
+    if train.float8 and not hw.fp8_peak_flops:
+        raise ConfigError("float8 training needs fp8 tensor cores: this hardware has no fp8 peak")
     memories = stage_memories(lay, train, prof)
     memory = max(memories, key=lambda m: sum(m.values()))
     times = [_stage_time(lay, train, prof, hw, chunks, s) for s, chunks in enumerate(_chunks(lay, train, prof))]
