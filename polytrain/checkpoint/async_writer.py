@@ -1,8 +1,9 @@
 """Asynchronous checkpoint writes: training pauses only to *stage* the state (a CPU copy), the write
-runs in a background thread. On CPU the staging copy of what the optimizers update (parameters and their
-state) runs in that thread too, while the next forward and backward run (they only read those tensors):
-the next optimizer update waits for it (``wait_staged``, which the fit's optimisation calls before every
-update), so the copy costs the step only what the forward and backward do not cover.
+runs in a background thread. During a fit on CPU the staging copy of what the optimizers update
+(parameters and their state) runs in that thread too, while the next forward and backward run (they only
+read those tensors): the next optimizer update waits for it (``wait_staged``, which the fit's
+optimisation calls before every update), so the copy costs the step only what the forward and backward
+do not cover.
 
 Guarantees (``docs/reliability.md``):
 
@@ -18,8 +19,8 @@ Guarantees (``docs/reliability.md``):
   or load, or ``finish`` at the end of fit) and raised there on all of them, never dropped.
 
 Replicated files: global rank 0 stages (tensors cloned to CPU, pinned where CUDA is present) and its
-thread does the same atomic write as a synchronous save. Sharded directories: every rank calls
-``torch.distributed.checkpoint.async_save`` (its stager copies this rank's shards to CPU) over a gloo
+thread does the same atomic write as a synchronous save. Sharded directories: every rank stages its
+shards (on a device, DCP's own ``async_save`` stager does) and its thread runs DCP's save over a gloo
 group of its own: DCP's collectives then run in a background thread, and on the default group they
 could interleave with the training step's collectives in a different order on each rank.
 """
