@@ -69,6 +69,7 @@ class ModelCheckpoint(Callback):
         self._timer = TimeTrigger(train_time_interval) if train_time_interval is not None else None
         self.async_save = async_save
         self._unannounced = False  # an async save the loggers have not been told about (it is still writing)
+        self._before_async: tuple[Any, ...] | None = None  # the bookkeeping to return to if that save fails
         self.kept: list[tuple[float, str]] = []  # (score or -step, path), best first
         self.best_model_path: str | None = None
         self.best_model_score: float | None = None
@@ -185,13 +186,14 @@ class ModelCheckpoint(Callback):
         # Bookkeeping runs on every rank (so the next decision is the same everywhere) and before
         # the payload is built (so a resumed run knows this file and can prune it later).
         self._settle(trainer, before=path)  # the previous async save is on disk (or raised on every rank)
-        previous = list(self.kept)
+        previous = self._bookkeeping()
         doomed = self._record(trainer, path, score) if keep else []
         try:
             trainer.save_checkpoint(path, async_save=self.async_save)
         except BaseException:
-            self.kept = previous  # nothing was written: forget it, delete nothing
+            self._restore(previous)  # nothing was written: forget it, delete nothing
             raise
+        self._before_async = previous if self.async_save else None
         self._last_saved_step = trainer.global_step
         self.last_model_path = path
         self._written.add(path)
@@ -209,9 +211,23 @@ class ModelCheckpoint(Callback):
     def _settle(self, trainer: Any, before: str | None = None) -> None:
         """Every rank: wait for an async save still writing, then tell the loggers about it."""
         if self._unannounced:
-            trainer.strategy.checkpoint_io.finish(before)
             self._unannounced = False
+            try:
+                trainer.strategy.checkpoint_io.finish(before)
+            except BaseException:
+                # The write failed (every rank raises here): the file is not kept, and the ones it would
+                # have pruned were not deleted (after-write actions are dropped on failure).
+                if self._before_async is not None:
+                    self._restore(self._before_async)
+                raise
             self._announce(trainer)
+
+    def _bookkeeping(self) -> tuple[Any, ...]:
+        return list(self.kept), self.best_model_path, self.best_model_score, self.last_model_path
+
+    def _restore(self, saved: tuple[Any, ...]) -> None:
+        kept, self.best_model_path, self.best_model_score, self.last_model_path = saved
+        self.kept = list(kept)
 
     def _announce(self, trainer: Any) -> None:
         if trainer.is_logging_rank:
