@@ -50,6 +50,10 @@ class CheckpointIO:
         """Return once the last async save no longer needs the live tensors; called before every optimizer
         update."""
 
+    def staging_waited(self) -> float:
+        """Seconds optimizer updates have waited for async saves' background copies, in total."""
+        return 0.0
+
     @contextlib.contextmanager
     def updates_wait_for_staging(self) -> Iterator[None]:
         """Within it (a fit's training), every optimizer update calls ``wait_staged`` first, so an async
@@ -89,6 +93,10 @@ class _Background(CheckpointIO):
         writer = self.__dict__.get("_writer")  # on every optimizer update: no writer made for nothing
         if writer is not None:
             writer.wait_staged()
+
+    def staging_waited(self) -> float:
+        writer = self.__dict__.get("_writer")
+        return sum(writer.staging_waits) if writer is not None else 0.0
 
     @contextlib.contextmanager
     def updates_wait_for_staging(self) -> Iterator[None]:

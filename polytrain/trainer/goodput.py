@@ -43,6 +43,7 @@ class Goodput:
         self.start_step = 0
         self._running: dict[str, float] = {}  # phase -> perf_counter at its start, while it runs
         self._last: dict[str, Any] = {}
+        self._staging_seen = 0.0  # the checkpoint I/O's staging-wait total already counted
         self.last: dict[str, float] | None = None  # the last fit's split (report)
 
     # ------------------------------------------------------------------ the clock
@@ -52,6 +53,7 @@ class Goodput:
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.started, self.started_wall, self.start_step = time.perf_counter(), time.time(), step
         self._running.clear()
+        self._staging_seen = trainer.strategy.checkpoint_io.staging_waited()
         self.path, self.earlier = None, []
         if trainer.is_logging_rank and os.path.isdir(trainer.log_dir):
             self.path = os.path.join(trainer.log_dir, RECORD_FILE)
@@ -78,9 +80,19 @@ class Goodput:
         """``iterator`` with the time spent waiting for each batch added to ``data``."""
         return _Fetching(iterator, self.totals)
 
+    def count_staging_waits(self, total: float) -> None:
+        """Optimizer updates that waited for an async save's background copy (``total``: the checkpoint
+        I/O's running sum) blocked training for the checkpoint, inside an epoch."""
+        if total > self._staging_seen:
+            self.totals["checkpoint"] += total - self._staging_seen
+            self.totals["checkpoint_in_epoch"] += total - self._staging_seen
+            self._staging_seen = total
+
     @contextlib.contextmanager
-    def saving(self, step: int) -> Iterator[None]:
-        """A checkpoint save blocking training; the record notes the step it holds once it is written."""
+    def saving(self, step: int, staging_waited: float = 0.0) -> Iterator[None]:
+        """A checkpoint save blocking training; the record notes the step it holds once it is written.
+        ``staging_waited``: the checkpoint I/O's staging-wait total (the previous async save's copy)."""
+        self.count_staging_waits(staging_waited)
         begun = time.perf_counter()
         try:
             yield
@@ -148,6 +160,7 @@ class _Fetching:
 
 def report_goodput(trainer: Trainer, goodput: Goodput, step: int) -> None:
     """The fit's end: one line on global rank 0 and ``goodput/*`` scalars to the loggers (logging rank)."""
+    goodput.count_staging_waits(trainer.strategy.checkpoint_io.staging_waited())
     split = goodput.report(step)
     if trainer.is_global_zero:
         log.info(summary_line(split))

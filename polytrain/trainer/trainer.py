@@ -322,7 +322,8 @@ class Trainer:
         """Every rank calls this (a collective); ``nan_policy: error`` refuses a model holding NaN/inf."""
         if self.guard is not None:
             self.guard.check()
-        with self.fit_loop.goodput.saving(self.global_step):  # training is blocked for this long
+        waited = self.strategy.checkpoint_io.staging_waited()  # by updates, for the last async save's copy
+        with self.fit_loop.goodput.saving(self.global_step, waited):  # training is blocked for this long
             self.strategy.save_checkpoint(build_payload(self), filepath, async_save=async_save)
 
     # ------------------------------------------------------------------ plumbing
