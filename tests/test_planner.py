@@ -235,8 +235,6 @@ def test_llama3_70b_with_async_tp_and_full_ac_ranks_in_the_top_three() -> None:
 
     run = PUBLISHED_VARIANTS["70B-async-tp"]
     assert _rank_of(_llama_plan(run, {"activation_checkpointing": True}), run.degrees) <= 3
-    plain = PUBLISHED["70B"]
-    assert _rank_of(_llama_plan(plain, {"activation_checkpointing": True}), plain.degrees) > 3
 
 
 def test_same_inputs_same_plan() -> None:
