@@ -75,3 +75,39 @@ def test_fsdp_async_dcp_checkpoint_holds_the_save_steps_weights_and_resumes(tmp_
     assert resumed["start"] == 4
     for key, value in resumed["weights"][8].items():  # the resumed run ends where the uninterrupted one did
         torch.testing.assert_close(value, first["weights"][8][key])
+
+
+class _Stack(Lin):
+    """Lin with what the pipeline and tensor-parallel layouts ask of a module."""
+
+    def pipeline_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(out, y)
+
+    def tensor_parallel_plan(self) -> dict[str, Any]:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"net.0": ColwiseParallel(), "net.2": RowwiseParallel()}
+
+
+def _staged_under(rank: int, world: int, root: str, strategy: Any) -> tuple[bool | None, list[float]]:
+    set_hooks(stage_delay=0.3)  # the background copy starts late: the next update must wait for it
+    weights = WeightsAt({4, 8})
+    t = trainer(root, strategy=strategy, devices=world, max_steps=8, callbacks=[weights])
+    t.fit(_Stack())
+    name = "epoch=0-step=4" + (".ckpt" if t.strategy.replicated else "")
+    saved = read_checkpoint(os.path.join(os.path.dirname(t.checkpoint_callback.last_model_path), name))["model"]
+    io = t.strategy.checkpoint_io
+    waits = io.writer.staging_waits if "_writer" in io.__dict__ else []
+    # Where the whole model is gathered (pipeline, tp), global rank 0 alone holds it: the others record nothing.
+    mine = weights.weights[4]
+    return (all(torch.equal(saved[k], v) for k, v in mine.items()) if mine else None), waits
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "pipeline", {"name": "parallel", "tp": 2, "dp_shard": 1}],
+                         ids=["ddp", "pipeline", "tp2"])
+def test_the_background_copy_is_awaited_under_every_layout(tmp_path: Path, strategy: Any) -> None:
+    """Each layout's updates wait for the delayed background copy: the file holds the save step's weights
+    (fsdp: the test above); the ranks that stage (rank 0 of a file, every rank of a directory) waited."""
+    results = run_distributed(_staged_under, 2, str(tmp_path), strategy, timeout=240)
+    assert results[0][0] is True and all(equal is not False for equal, _ in results), results
+    assert results[0][1] and results[0][1][0] > 0, results
