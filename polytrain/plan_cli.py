@@ -16,7 +16,7 @@ from polytrain.core.errors import ConfigError
 from polytrain.parallel.planner import PRESETS, Training, format_table, hardware, parse_bytes, plan_module
 from polytrain.parallel.planner.search import describe_time
 from polytrain.trainer.config import instantiate, load_config
-from polytrain.trainer.planned import first_batch, optimizer_kind
+from polytrain.trainer.planned import first_batch, optimizer_kind, schedule_settings
 
 
 def add_parser(sub: Any) -> None:
@@ -64,12 +64,15 @@ def run_plan(args: argparse.Namespace) -> int:
     world = (devices if isinstance(devices, int) else 1) * int(trainer.get("num_nodes", 1) or 1)
     global_batch = args.global_batch or x.shape[0] * _config_dp(trainer, world)
     precision = str(trainer.get("precision", "32"))
-    train = Training(global_batch=global_batch, precision=precision, optimizer=optimizer_kind(module))
+    options = trainer.get("strategy") if isinstance(trainer.get("strategy"), dict) else {}
+    train = Training(global_batch=global_batch, precision=precision, optimizer=optimizer_kind(module),
+                     **schedule_settings(options))
     attention = args.attention
     plan = plan_module(module, x[:1], hw, train, target=None if y is None else y[:1], attention=attention)
     print(f"plan for {type(module).__name__} ({sum(p.numel() for p in module.parameters()):,} parameters) on "
           f"{hw.nodes} x {hw.devices_per_node} {args.hardware} ({hw.memory_bytes / 1024**3:.0f} GiB each); "
-          f"global batch {global_batch}, precision {precision}, optimizer {train.optimizer}, attention {attention}")
+          f"global batch {global_batch}, precision {precision}, optimizer {train.optimizer}, attention {attention}, "
+          f"pipeline schedule {train.pp_schedule}")
     print(format_table(plan, top=args.top))
     if plan.ranked:
         print("best: " + describe_time(plan.best))

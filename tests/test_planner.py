@@ -254,6 +254,27 @@ def test_plan_cli_prints_the_ranked_table() -> None:
     assert "layers of the Sequential" in out.stdout  # pp beyond the children, with its reason
     assert "1F1B: 1 micro-batches are fewer than the pp=2 stages" in out.stdout  # torch's Schedule1F1B refuses it
     assert "attention flash" in out.stdout  # the kernel torch runs on CPU too, the default
+    assert "pipeline schedule 1f1b" in out.stdout  # the config's (the strategy's default)
+
+
+def test_plans_cost_the_configs_pipeline_schedule() -> None:
+    """The schedule the run will use is the one costed; one the planner does not model is refused unless
+    there is no pipeline."""
+    from polytrain.core.errors import ConfigError
+    from polytrain.trainer.planned import schedule_settings
+
+    assert schedule_settings({}) == {"pp_schedule": "1f1b", "stages_per_rank": 1}
+    assert schedule_settings({"schedule": "interleaved_1f1b", "stages_per_rank": 2}) == \
+        {"pp_schedule": "interleaved_1f1b", "stages_per_rank": 2}
+    assert schedule_settings({"schedule": "gpipe", "pp": 1}) == {}
+    with pytest.raises(ConfigError, match=r"not schedule='zero_bubble'; choose one of them, or pin pp: 1"):
+        schedule_settings({"schedule": "zero_bubble", "pp": "auto"})
+    cmd = [sys.executable, "-m", "polytrain", "plan", "-c", os.path.join(ROOT, "examples/gpt/config_composed.yaml"),
+           "--hardware", "cpu", "--devices-per-node", "8", "--top", "3",
+           "trainer.strategy.schedule=interleaved_1f1b", "trainer.strategy.stages_per_rank=2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "pipeline schedule interleaved_1f1b" in out.stdout
 
 
 def test_profile_counts_linear_matmul_flops() -> None:

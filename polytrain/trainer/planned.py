@@ -25,6 +25,7 @@ from polytrain.core.errors import ConfigError
 from polytrain.parallel.activation_checkpointing import resolve_checkpointing
 from polytrain.parallel.planner import Training, hardware, profiler, rank
 from polytrain.parallel.planner.search import world_check
+from polytrain.parallel.planner.timing import SCHEDULES as PLANNED_SCHEDULES
 from polytrain.strategies.launcher import LaunchPlan
 from polytrain.strategies.plan_spec import CHOSEN_REQUIRED, DEGREES, is_planned, pinned_degrees
 from polytrain.trainer.run_directory import resolve_path
@@ -107,7 +108,8 @@ def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamod
     other = math.prod(pinned.get(k, 1) for k in ("tp", "pp", "cp"))
     global_batch = spec.get("global_batch") or x.shape[0] * max(world // other, 1)
     precision = PRECISIONS.get(str(config.precision), str(config.precision))
-    training = Training(global_batch=global_batch, precision=precision, optimizer=optimizer_kind(module))
+    training = Training(global_batch=global_batch, precision=precision, optimizer=optimizer_kind(module),
+                        **schedule_settings(spec))
     # flash: the SDPA kernel torch runs on CUDA (bf16) and on CPU (fp32 too); math would count its s x s matrix
     profile_at = profiler(module, x[:1], None if y is None else y[:1], "flash", spec.get("sequential"))
     plan = rank(hw, training, profile_at, pinned)
@@ -118,6 +120,19 @@ def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamod
     chosen["summary"] = f"best of {len(plan.ranked)} layouts that fit ({len(plan.rejected)} rejected), " \
                         f"global batch {global_batch}"
     return chosen
+
+
+def schedule_settings(options: dict[str, Any]) -> dict[str, Any]:
+    """The pipeline schedule the run will use (``schedule``, ``stages_per_rank`` of strategy ``parallel``),
+    as the planner's ``Training`` takes it: plans must cost the schedule that runs. The planner models
+    1F1B and interleaved 1F1B; another schedule is refused unless ``pp`` is pinned to 1."""
+    schedule = options.get("schedule", "1f1b")
+    if schedule in PLANNED_SCHEDULES:
+        return {"pp_schedule": schedule, "stages_per_rank": int(options.get("stages_per_rank", 1) or 1)}
+    if options.get("pp") == 1:
+        return {}
+    raise ConfigError(f"trainer.strategy: the planner costs the pipeline schedules {', '.join(PLANNED_SCHEDULES)}, "
+                      f"not schedule={schedule!r}; choose one of them, or pin pp: 1 (no pipeline)")
 
 
 def describe(chosen: dict[str, Any]) -> str:
