@@ -92,8 +92,11 @@ def test_options_are_checked_when_the_trainer_is_built() -> None:
         Trainer(compile={"mdoe": "max-autotune"})
     with pytest.raises(ConfigError, match="trainer.compile='yes'"):
         Trainer(compile="yes")
-    assert resolve_checkpointing(True) == {"modules": None, "every": 1}
-    assert resolve_checkpointing("Block") == {"modules": ["Block"], "every": 1}
+    assert resolve_checkpointing(True) == {"modules": None, "every": 1, "mode": "full"}
+    assert resolve_checkpointing("Block") == {"modules": ["Block"], "every": 1, "mode": "full"}
+    assert resolve_checkpointing({"mode": "op"}) == {"modules": None, "every": 1, "mode": "op"}
+    with pytest.raises(ConfigError, match=r"mode='ops' is not valid; use full .* or op"):
+        Trainer(activation_checkpointing={"mode": "ops"})
     with pytest.raises(ConfigError, match="every=0"):
         Trainer(activation_checkpointing={"every": 0})
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['blocks'\]"):
@@ -221,7 +224,8 @@ def _parity_run(rank: int, world: int, strategy: Any, backend: str, d_model: int
     out = {}
     # Checkpointing with dropout in the blocks; compile without (inductor draws its own random numbers,
     # and torch 2.15's AOTAutograd fails on checkpoint + dropout + DTensor: docs/compile.md).
-    variants = {"eager_dropout": (0.2, {}), "ac": (0.2, {"activation_checkpointing": True}), "eager": (0.0, {}),
+    variants = {"eager_dropout": (0.2, {}), "ac": (0.2, {"activation_checkpointing": True}),
+                "ac_op": (0.2, {"activation_checkpointing": {"mode": "op"}}), "eager": (0.0, {}),
                 "compiled": (0.0, {"compile": {"backend": backend}}),
                 "both": (0.0, {"compile": {"backend": backend}, "activation_checkpointing": True})}
     applied = {}  # per variant: (dynamo graphs compiled, checkpointed blocks on this rank)
@@ -234,12 +238,12 @@ def _parity_run(rank: int, world: int, strategy: Any, backend: str, d_model: int
                          sum(hasattr(type(m), "_polytrain_checkpointed_from") for m in trainer.strategy.module.modules()))
         assert not counters["graph_break"], (name, dict(counters["graph_break"]))  # no silent fallback to eager
     # Every rank compiled and checkpointed where asked (a pipeline rank: its own blocks), and only there.
-    assert [applied[n][0] > 0 for n in variants] == [False, False, False, True, True], applied
-    assert [applied[n][1] > 0 for n in variants] == [False, True, False, False, True], applied
+    assert [applied[n][0] > 0 for n in variants] == [False, False, False, False, True, True], applied
+    assert [applied[n][1] > 0 for n in variants] == [False, True, True, False, False, True], applied
     if rank:
         return None
     diffs = {name: max_diff(out["eager"], out[name]) for name in ("compiled", "both")}
-    diffs["ac"] = max_diff(out["eager_dropout"], out["ac"])
+    diffs["ac"] = max(max_diff(out["eager_dropout"], out["ac"]), max_diff(out["eager_dropout"], out["ac_op"]))
     return diffs, subgraphs
 
 

@@ -23,6 +23,7 @@ a run without checkpointing (tests/test_compile_ac.py checks both).
 from __future__ import annotations
 
 import copyreg
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.fsdp import blocks_to_wrap
@@ -38,25 +39,28 @@ from polytrain.parallel.fsdp import blocks_to_wrap
 log = logging.getLogger("polytrain")
 
 CHECKPOINTED = "_polytrain_checkpointed_from"  # on a checkpointed class: the class it was made from
-OPTION_KEYS = ("modules", "every")
+OPTION_KEYS = ("modules", "every", "mode")
+MODES = ("full", "op")
 
 
 def resolve_checkpointing(spec: Any, key: str = "trainer.activation_checkpointing") -> dict[str, Any] | None:
-    """The config value as ``{"modules": [class names] | None, "every": n}``, or None when off.
+    """The config value as ``{"modules": [class names] | None, "every": n, "mode": "full" | "op"}``, or
+    None when off.
 
     ``true`` checkpoints every block; a class name or a list of them chooses the blocks; a mapping may
-    also say ``every: n`` (every n-th block: less recompute, more memory)."""
+    also say ``every: n`` (every n-th block: less recompute, more memory) and ``mode: op`` (per-op
+    selective: a block keeps its matmul and attention outputs and recomputes the rest, ``op_policy``)."""
     if spec is None or spec is False:
         return None
     if spec is True:
-        return {"modules": None, "every": 1}
+        return {"modules": None, "every": 1, "mode": "full"}
     if isinstance(spec, str):
         spec = [spec]
     if isinstance(spec, (list, tuple)):
         spec = {"modules": list(spec)}
     if not isinstance(spec, dict):
         raise ConfigError(f"{key}={spec!r} is not valid; use true, a block class name or a list of them, or a mapping "
-                          f"{{modules: [Block], every: 1}}")
+                          f"{{modules: [Block], every: 1, mode: full}}")
     unknown = sorted(set(spec) - set(OPTION_KEYS))
     if unknown:
         raise ConfigError(f"{key} has unknown key(s) {unknown}; valid: {', '.join(OPTION_KEYS)}")
@@ -68,7 +72,11 @@ def resolve_checkpointing(spec: Any, key: str = "trainer.activation_checkpointin
         raise ConfigError(f"{key}.modules={spec.get('modules')!r} must be a list of block class names")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ConfigError(f"{key}.every={every!r} must be a positive integer (1: every block)")
-    return {"modules": list(modules) if modules is not None else None, "every": every}
+    mode = spec.get("mode", "full")
+    if mode not in MODES:
+        raise ConfigError(f"{key}.mode={mode!r} is not valid; use full (a block keeps only its input) or op (a block "
+                          f"also keeps its matmul and attention outputs: less recompute, more memory)")
+    return {"modules": list(modules) if modules is not None else None, "every": every, "mode": mode}
 
 
 def swap_class(module: nn.Module, marker: str, key: Any, forward: Callable[[type], Callable[..., Any]]) -> None:
@@ -100,21 +108,72 @@ _SUBCLASSES: dict[tuple[type, str, Any], type] = {}
 _MARKERS = ("_polytrain_checkpointed_from", "_polytrain_compiled_from")  # CHECKPOINTED, compile.COMPILED
 
 
-def checkpoint_block(block: nn.Module) -> None:
-    """Make ``block``'s forward a non-reentrant ``torch.utils.checkpoint`` region (idempotent)."""
+def kept_ops() -> frozenset[Any]:
+    """Ops whose outputs a per-op checkpointed block always keeps: attention (the most FLOPs per output
+    byte, and its recompute would need the matmul outputs feeding it) and sequence-parallel reduce-scatters
+    (recomputing one is a second collective). Kernels absent from this torch build are skipped."""
+    names = [("aten", "_scaled_dot_product_flash_attention"), ("aten", "_scaled_dot_product_efficient_attention"),
+             ("aten", "_scaled_dot_product_cudnn_attention"), ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
+             ("_c10d_functional", "reduce_scatter_tensor")]
+    found = (getattr(getattr(torch.ops, ns), op, None) for ns, op in names)
+    return frozenset(packet.default for packet in found if packet is not None)
+
+
+class OpSelection:
+    """What ``mode: op`` keeps of one block's forward; the rest is recomputed in backward.
+
+    Matmuls and attention hold nearly all of a block's FLOPs; norms, activations and elementwise ops are
+    cheap to recompute but their outputs are as large. Keeping the odd-numbered matmul outputs (1st, 3rd,
+    ...) halves the matmul recompute for half their memory. The forward and the recompute count matmuls
+    separately, so both make the same choice. The planner's profile replays this class on the meta trace,
+    so what it predicts is what runs."""
+
+    MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
+
+    def __init__(self) -> None:
+        self.matmuls = {False: 0, True: 0}  # per pass: the forward (False) and the recompute (True)
+        self.kept = kept_ops()
+
+    def keeps(self, func: Any, recompute: bool = False) -> bool:
+        if func in self.MATMULS:
+            self.matmuls[recompute] += 1
+            return self.matmuls[recompute] % 2 == 1
+        return func in self.kept
+
+
+def _op_contexts() -> Any:
+    selection = OpSelection()
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if selection.keeps(func, ctx.is_recompute) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def checkpoint_block(block: nn.Module, mode: str = "full") -> None:
+    """Make ``block``'s forward a non-reentrant ``torch.utils.checkpoint`` region (idempotent): ``full``
+    keeps only its inputs, ``op`` also what ``OpSelection`` keeps."""
     if not hasattr(type(block), CHECKPOINTED):
-        swap_class(block, CHECKPOINTED, None, _checkpointed)
+        swap_class(block, CHECKPOINTED, mode, functools.partial(_checkpointed, mode=mode))
 
 
-def _checkpointed(cls: type) -> Callable[..., Any]:
+def _checkpointed(cls: type, mode: str) -> Callable[..., Any]:
     inner = cls.forward
+    extra = {"context_fn": _op_contexts} if mode == "op" else {}
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return inner(self, *args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
-        return checkpoint(inner, self, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, self, *args, use_reentrant=False, **extra, **kwargs)
 
+    forward.checkpoint_mode = mode  # type: ignore[attr-defined]
     return forward
+
+
+def checkpointing_mode(module: nn.Module) -> str | None:
+    """``full`` or ``op`` for a checkpointed block, None for any other module."""
+    cls = next((c for c in type(module).__mro__ if CHECKPOINTED in c.__dict__), None)
+    return None if cls is None else getattr(cls.__dict__["forward"], "checkpoint_mode", "full")
 
 
 def checkpoint_targets(module: nn.Module, options: dict[str, Any] | None,
@@ -154,9 +213,9 @@ def apply_activation_checkpointing(module: nn.Module, options: dict[str, Any] | 
         held = {id(m) for m in module.modules()}
         chosen = [b for b in chosen if id(b) in held]
     for block in chosen:
-        checkpoint_block(block)
+        checkpoint_block(block, options.get("mode", "full"))
     kinds = Counter(type(b).__name__ for b in chosen)
-    log.info("activation checkpointing: %d block(s) (%s)", len(chosen),
+    log.info("activation checkpointing (%s): %d block(s) (%s)", options.get("mode", "full"), len(chosen),
              ", ".join(f"{n} x{c}" for n, c in kinds.items()))
     return chosen
 

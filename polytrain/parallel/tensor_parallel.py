@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from polytrain.core import collectives as C
 from polytrain.core import lazy
@@ -142,7 +143,7 @@ class _LocalReplicas:
             elif _is_tp_replica(current, DTensor):  # not a view already, nor FSDP's sharded parameter
                 swap = views.get(id(current))
                 if swap is None:
-                    swap = views[id(current)] = current.to_local()
+                    swap = views[id(current)] = _local_view(current)
                     swap._polytrain_replica = current
             else:
                 swap = None
@@ -160,6 +161,16 @@ class _LocalReplicas:
             for owner, name, original in reversed(self.swapped):
                 owner._parameters[name] = original
             self.swapped = []
+
+
+def _local_view(replica: Any) -> torch.Tensor:
+    """``replica.to_local()`` outside any dispatch mode (eager): a per-op checkpointed block's recompute
+    calls this hook where its forward did not (an enclosing module's hook had made the views), and
+    selective checkpointing's op-by-op replay must not see the extra view."""
+    if torch.compiler.is_compiling():
+        return replica.to_local()
+    with _disable_current_modes():
+        return replica.to_local()
 
 
 def localize_replicas(module: nn.Module, replicas: list[tuple[nn.Module, str]]) -> None:

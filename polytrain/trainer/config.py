@@ -83,7 +83,7 @@ class TrainerConfig:
     callbacks: list[Any] = field(default_factory=list)
     profiler: Any = None  # None, "simple", "torch", or {name: torch, ...} (docs/profiler.md)
     compile: Any = False  # true, or a mapping of torch.compile keywords (+ modules: [Block]) (docs/compile.md)
-    activation_checkpointing: Any = False  # true, block class name(s), or {modules: [Block], every: 1}
+    activation_checkpointing: Any = False  # true, block class name(s), or {modules: [Block], every: 1, mode: full/op}
     launcher: str = "auto"
     max_restarts: int = 0
     timeout: float = 1800.0  # seconds a collective may wait before the job is ended
