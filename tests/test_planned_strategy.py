@@ -105,6 +105,28 @@ def test_pinned_degrees_are_kept_and_auto_ones_planned() -> None:
     assert again == spec
 
 
+def test_the_planned_checkpointing_mode_is_the_one_that_runs(run_dir: str) -> None:
+    """The config's ``activation_checkpointing`` mode pins the planner's (``op`` stays per-op), and a layout
+    whose ``chosen`` says ``op`` builds per-op checkpointed blocks."""
+    from polytrain.parallel.activation_checkpointing import checkpointing_mode
+
+    trainer = Trainer(accelerator="cpu", strategy={"name": "parallel", "plan": True}, logger=False,
+                      activation_checkpointing={"mode": "op"})
+    launch = SimpleNamespace(world_size=2, num_nodes=1, accelerator="cpu", env=SimpleNamespace(global_rank=1))
+    from polytrain.trainer.planned import plan_layout
+
+    module = _module()
+    assert plan_layout(trainer, launch, module, module.train_dataloader(), None, "fit", None)
+    assert trainer.config.strategy["chosen"]["activation_checkpointing"] == "op"
+
+    chosen = {"world_size": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 1, "n_microbatches": 1,
+              "activation_checkpointing": "op"}
+    trainer = _trainer(run_dir, {"name": "parallel", "plan": True, "chosen": chosen}, 1)
+    module = _module()
+    trainer.fit(module)
+    assert [checkpointing_mode(m) for m in module.net] == [None, "op", "op", None, None]  # the two blocks
+
+
 def test_bad_values_name_what_is_valid() -> None:
     with pytest.raises(ConfigError, match=r"tp='autox' is not valid: a degree is an integer \(pinned\) or 'auto'"):
         Trainer(accelerator="cpu", strategy={"name": "parallel", "tp": "autox"})

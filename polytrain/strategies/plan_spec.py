@@ -121,8 +121,9 @@ def pinned_degrees(spec: dict[str, Any]) -> dict[str, int]:
     return pinned
 
 
-def resolved_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """A planned spec with its ``chosen`` layout -> (the plain ``parallel`` spec, activation checkpointing on)."""
+def resolved_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], bool | str]:
+    """A planned spec with its ``chosen`` layout -> (the plain ``parallel`` spec, activation checkpointing:
+    False off, True full, "op" per-op)."""
     chosen = spec.get("chosen")
     if chosen is None:
         raise ConfigError(f"{WHERE} plan: true is resolved when a stage starts (the planner needs the module); "
@@ -131,4 +132,5 @@ def resolved_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     plain.update({k: chosen[k] for k in DEGREES})
     if chosen["pp"] > 1 and plain.get("n_microbatches") is None:
         plain["n_microbatches"] = chosen["n_microbatches"]
-    return plain, bool(chosen["activation_checkpointing"])
+    ac = chosen["activation_checkpointing"]
+    return plain, ac if ac == "op" else bool(ac)

@@ -72,7 +72,8 @@ def strategy_for(config: TrainerConfig, plan: LaunchPlan) -> Strategy:
         spec = dict(config.strategy)
         if is_planned(spec):  # plan: true, resolved by trainer.planned when the stage started
             spec, planned_ac = resolved_spec(spec)
-            checkpointing = checkpointing or (resolve_checkpointing(True) if planned_ac else None)
+            if checkpointing is None and planned_ac:
+                checkpointing = resolve_checkpointing({"mode": "op"} if planned_ac == "op" else True)
         spec["name"] = plan.strategy_name
         if config.sync_batchnorm and "sync_batchnorm" in strategy_class(spec["name"]).Options.__dataclass_fields__:
             spec["sync_batchnorm"] = True  # Lightning's Trainer(sync_batchnorm=True); one process: nothing to sync

@@ -98,8 +98,9 @@ def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamod
     spec, config, world = trainer.config.strategy, trainer.config, launch.world_size
     x, y = first_batch(_train_loader(train, datamodule, module))
     pinned = pinned_degrees(spec)
-    if resolve_checkpointing(config.activation_checkpointing) is not None:
-        pinned["activation_checkpointing"] = True
+    checkpointing = resolve_checkpointing(config.activation_checkpointing)
+    if checkpointing is not None:  # the config's mode is kept: full (True) or per-op ("op")
+        pinned["activation_checkpointing"] = "op" if checkpointing["mode"] == "op" else True
     on_cuda = launch.accelerator in ("cuda", "gpu")
     preset = spec.get("hardware") or (("a100" if "A100" in torch.cuda.get_device_name() else "h100")
                                       if on_cuda else "cpu")
@@ -137,7 +138,7 @@ def schedule_settings(options: dict[str, Any]) -> dict[str, Any]:
 
 def describe(chosen: dict[str, Any]) -> str:
     degrees = " ".join(f"{k}={chosen[k]}" for k in DEGREES)
-    ac = "on" if chosen["activation_checkpointing"] else "off"
+    ac = {False: "off", True: "full", "op": "per-op"}.get(chosen["activation_checkpointing"], "on")
     line = f"{degrees} (n_microbatches {chosen['n_microbatches']}, activation checkpointing {ac})"
     if "memory_bytes" in chosen:
         line += f": {chosen['memory_bytes'] / 1024**2:.1f} MiB per rank, predicted step {chosen['step_s']:.4g} s"

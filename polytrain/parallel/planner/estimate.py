@@ -28,7 +28,9 @@ class Layout:
     pp: int = 1
     cp: int = 1
     n_microbatches: int = 1
-    activation_checkpointing: bool = False
+    # False: off; True: full (a block keeps its input); "op": per-op selective (also its odd-numbered
+    # matmul outputs and its attention output): the strategy's activation_checkpointing modes
+    activation_checkpointing: bool | str = False
 
     @property
     def world_size(self) -> int:
@@ -48,7 +50,7 @@ class Layout:
         text = " x ".join(parts) or "single"
         if self.pp > 1:
             text += f" m={self.n_microbatches}"
-        return text + (" +AC" if self.activation_checkpointing else "")
+        return text + {False: "", True: " +AC", "op": " +AC(op)"}[self.activation_checkpointing]
 
 
 @dataclass(frozen=True)
@@ -148,9 +150,15 @@ def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, chunks: list
     # Micro-batches each of the rank's stages holds at its peak (1F1B: p - s; timing.in_flight)
     flights = timing.in_flight(lay.pp, lay.n_microbatches, s, train.pp_schedule, len(chunks))
     ckpt = checkpointed(prof.children) if lay.activation_checkpointing else [False] * len(prof.children)
-    kept = sum(n * sum(prof.children[i].input_bytes if ckpt[i] else prof.children[i].saved_bytes
-                       for i in range(lo, hi)) for n, (lo, hi) in zip(flights, chunks))
-    recompute = max((prof.children[i].saved_bytes for lo, hi in chunks for i in range(lo, hi) if ckpt[i]), default=0)
+    op = lay.activation_checkpointing == "op"
+
+    def between_passes(c: ChildProfile, checkpointed: bool) -> int:  # between a micro-batch's forward and its backward
+        return c.input_bytes + (c.op_kept_bytes if op else 0) if checkpointed else c.saved_bytes
+
+    kept = sum(n * sum(between_passes(prof.children[i], ckpt[i]) for i in range(lo, hi)) for n, (lo, hi) in zip(flights, chunks))
+    # A checkpointed block's backward brings back what it did not keep (one block at a time)
+    recompute = max((prof.children[i].saved_bytes - (prof.children[i].op_kept_bytes if op else 0)
+                     for lo, hi in chunks for i in range(lo, hi) if ckpt[i]), default=0)
     activations = math.ceil(micro * (kept + recompute))
     return {
         "params": math.ceil(held * master),
@@ -174,7 +182,8 @@ def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, 
                                fp8_gather=train.fsdp_float8_all_gather, async_tp=train.async_tp)
     units = timing.unit_times(kids, ckpt, micro, tp=lay.tp, fsdp=lay.dp_shard, replicate=lay.dp_replicate,
                               cp=lay.cp, param_bytes=prof.param_bytes, master_bytes=MASTER_BYTES[train.precision],
-                              hw=hw, ddp=_runs_ddp(lay), features=features)
+                              hw=hw, ddp=_runs_ddp(lay), features=features,
+                              op_checkpointing=lay.activation_checkpointing == "op")
     # Pipeline neighbours are world / pp ranks apart: on several nodes some pair crosses, and all wait for it.
     bw, lat = timing.link(hw, lay.world_size)
     p2p = micro * max(prof.children[hi - 1].output_bytes for _, hi in chunks) / bw + lat

@@ -9,6 +9,8 @@ batch of ONE sample and record
   child saved excluded, each storage counted once; the child's input counts when the child saves it, as
   a block's norm does): the activation memory of one sample without checkpointing;
 - the bytes of its input (what activation checkpointing keeps) and output (what a pipeline sends);
+- what per-op checkpointing (``mode: op``) would keep of it, and the FLOPs it would recompute: the
+  strategy's own ``OpSelection`` replayed on the trace;
 - its forward FLOPs (``torch.utils.flop_counter``), of those the matmuls of its ``nn.Linear`` layers
   (what float8 training speeds up; attention, norms and elementwise stay in bf16) and of the layers the
   plan splits (what async TP overlaps its collectives with), and the bytes tensor parallelism
@@ -34,9 +36,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from polytrain.core.errors import ConfigError
+from polytrain.parallel.activation_checkpointing import OpSelection
 from polytrain.parallel.tensor_parallel import resolve_key
 
 
@@ -58,6 +62,10 @@ class ChildProfile:
     tp_linear_flops: int = 0  # of those, in the Linear layers the plan splits (this rank's shard)
     linear_params: int = 0  # weights of its nn.Linear layers as one TP rank holds them (float8 gathers these)
     sequence_parallel: bool = False  # its TP collectives are reduce-scatter + all-gather (SequenceParallel plan)
+    # Per-op checkpointing (activation_checkpointing mode op, ``OpSelection`` replayed on the trace):
+    op_kept_bytes: int = 0  # the outputs it keeps (beyond the child's input)
+    op_recompute_flops: int = 0  # forward FLOPs of the ops it recomputes
+    op_recompute_matmul_flops: int = 0  # of those, matmuls (mm/addmm: Linear layers, float8 under float8)
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,30 @@ class _Traced:
     reduced: int  # row-parallel output bytes (all-reduced)
     linear_flops: int = 0
     tp_linear_flops: int = 0
+    op_kept: int = 0
+    op_recompute: int = 0
+    op_recompute_matmul: int = 0
+
+
+class _OpSelectionReplay(TorchDispatchMode):
+    """Replays ``OpSelection`` (what ``mode: op`` checkpointing keeps) on a child's forward: the bytes of
+    the outputs it keeps and the FLOPs (``flop_counter``'s formulas) of the ops it would recompute."""
+
+    def __init__(self, traced: _Traced) -> None:
+        super().__init__()
+        self.selection, self.traced = OpSelection(), traced
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.selection.keeps(func):
+            self.traced.op_kept += _nbytes(out)
+        else:
+            formula = flop_registry.get(func._overloadpacket)
+            n = formula(*args, **kwargs, out_val=out) if formula is not None else 0
+            self.traced.op_recompute += n
+            self.traced.op_recompute_matmul += n if func in OpSelection.MATMULS else 0
+        return out
 
 
 def _linear_hooks(child: nn.Module, planned: dict[str, str], traced: _Traced) -> list[Any]:
@@ -172,7 +204,7 @@ def _trace_child(child: nn.Module, x: Any, planned: dict[str, str], tp: int, see
             handles.append(sub.register_forward_hook(lambda m, i, o: setattr(counter, "in_sp", counter.in_sp - 1)))
     flops = FlopCounterMode(display=False)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), flops:
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), flops, _OpSelectionReplay(traced):
             out = child(x)
     finally:
         for h in handles:
@@ -262,7 +294,9 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
                                      tp_params=n_split, saved_bytes=t.saved, input_bytes=input_bytes,
                                      output_bytes=_nbytes(t.out), flops=t.flops, tp_allreduce_bytes=t.reduced,
                                      linear_flops=t.linear_flops, tp_linear_flops=t.tp_linear_flops,
-                                     linear_params=linear_params, sequence_parallel=sp))
+                                     linear_params=linear_params, sequence_parallel=sp, op_kept_bytes=t.op_kept,
+                                     op_recompute_flops=t.op_recompute,
+                                     op_recompute_matmul_flops=t.op_recompute_matmul))
         x = t.out
     seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
     first = next(seq.parameters(), None)

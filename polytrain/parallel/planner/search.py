@@ -1,7 +1,7 @@
 """Every layout of a world size, each estimated or rejected with its reason, ranked by throughput.
 
 Searched: ``tp`` (within a node), ``pp``, ``dp_replicate x dp_shard`` for the rest, the pipeline's
-micro-batch count, activation checkpointing on or off. ``cp`` stays 1 (CUDA-only ring attention; a
+micro-batch count, activation checkpointing off, full or per-op (``op``). ``cp`` stays 1 (CUDA-only ring attention; a
 pinned ``cp`` is honoured). Ranking: tokens (or samples) per second, then less memory, then the label,
 so the same inputs always give the same order.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.planner.estimate import Estimate, Layout, Training, estimate
@@ -80,7 +81,7 @@ def candidates(hw: Hardware, train: Training, pinned: dict[str, int] | None = No
                     shard = rest // rep
                     micro = divisors(max(train.global_batch // (rep * shard), 1)) if pp > 1 else [1]
                     for m in micro:
-                        for ac in (False, True):
+                        for ac in (False, True, "op"):
                             lay = Layout(rep, shard, tp, pp, cp, m, ac)
                             if all(getattr(lay, k) == v for k, v in pinned.items()):
                                 found.append(lay)
@@ -151,9 +152,17 @@ def format_table(plan: Plan, top: int = 10, show_rejected: int = 20) -> str:
             f"{m['optimizer'] / div:>7.2f} {m['fsdp_buffers'] / div:>6.2f} {m['activations'] / div:>7.2f} "
             f"{est.total_memory / div:>7.2f}  {est.step_time:>9.4g} {est.bubble:>6.0%}  "
             f"{est.tokens_per_s:>11.4g} {est.samples_per_s:>10.4g}")
-    if plan.rejected and show_rejected:
-        lines.append(f"rejected (first {min(show_rejected, len(plan.rejected))} of {len(plan.rejected)}):")
-        lines += [f"     {r.layout.label():<40} {r.reason}" for r in plan.rejected[:show_rejected]]
+    # A reason shared by a layout's checkpointing variants is listed once, without the variant
+    reasons: dict[tuple[Any, ...], str] = {}
+    for r in plan.rejected:
+        lay = r.layout
+        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.n_microbatches, r.reason)
+        first = reasons.setdefault(key, lay.label())
+        if first != lay.label():
+            reasons[key] = Layout(*key[:6]).label()
+    if reasons and show_rejected:
+        lines.append(f"rejected (first {min(show_rejected, len(reasons))} of {len(reasons)}):")
+        lines += [f"     {label:<40} {key[-1]}" for key, label in list(reasons.items())[:show_rejected]]
     return "\n".join(lines)
 
 

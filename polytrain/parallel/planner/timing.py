@@ -150,6 +150,18 @@ def compute_time(c: ChildProfile, micro: int, cp: int, hw: Hardware, f8: bool) -
     return f, micro * c.tp_linear_flops / cp / (rate8 if f8 else rate)
 
 
+def recompute_time(c: ChildProfile, micro: int, cp: int, hw: Hardware, f8: bool, tf: float) -> tuple[float, float]:
+    """(compute, TP collective) seconds a per-op checkpointed child recomputes in backward: the FLOPs of the
+    ops ``OpSelection`` does not keep (its matmuls at the fp8 rate under float8), and the TP collectives
+    it runs again: the all-reduces, or under sequence parallelism the all-gathers (half the bytes; the
+    reduce-scatters' outputs are kept)."""
+    rate = hw.peak_flops * hw.efficiency
+    rate8 = (hw.fp8_peak_flops or hw.peak_flops) * hw.efficiency
+    mm = c.op_recompute_matmul_flops
+    compute = micro * ((c.op_recompute_flops - mm) / rate + mm / (rate8 if f8 else rate)) / cp
+    return compute, tf * (0.5 if c.sequence_parallel else 1.0)
+
+
 def tp_time(c: ChildProfile, micro: int, tp: int, hw: Hardware, f8: bool, async_tp: bool,
             matmul: float) -> tuple[float, float]:
     """(forward, backward) seconds of a child's TP collectives on the compute stream.
@@ -193,7 +205,7 @@ def fsdp_times(c: ChildProfile, tp: int, shard: int, replicate: int, param_bytes
 
 def unit_times(kids: tuple[ChildProfile, ...], ckpt: list[bool], micro: int, *, tp: int, fsdp: int,
                replicate: int, cp: int, param_bytes: int, master_bytes: int, hw: Hardware,
-               ddp: bool = False, features: Features = Features()) -> Units:
+               ddp: bool = False, features: Features = Features(), op_checkpointing: bool = False) -> Units:
     """Per-unit seconds for a micro-batch of ``micro`` samples; the groups are laid out in mesh order
     ``pp, dp_replicate, dp_shard, cp, tp`` (tp innermost). ``ddp``: the replicas run DDP, which
     all-reduces gradients in buckets (a ring's latency per bucket, not per unit)."""
@@ -204,9 +216,10 @@ def unit_times(kids: tuple[ChildProfile, ...], ckpt: list[bool], micro: int, *, 
         f8 = features.f8(i)
         f, matmul = compute_time(c, micro, cp, hw, f8)
         tf, tb = tp_time(c, micro, tp, hw, f8, features.async_tp, matmul)
+        again, tf_again = (recompute_time(c, micro, cp, hw, f8, tf) if op_checkpointing else (f, tf)) if k else (0, 0)
         fwd.append(f + tf)
-        bwd.append((2 * f + tb) + (f + tf if k else 0.0))  # checkpointed: the forward again, collectives too
-        tp_total += tf + tb + (tf if k else 0.0)
+        bwd.append((2 * f + tb) + again + tf_again)  # checkpointed: (part of) the forward again, collectives too
+        tp_total += tf + tb + tf_again
         g, r = fsdp_times(c, tp, shard, replicate, param_bytes, master_bytes, links, ddp,
                           features.fp8_gather and f8 and shard > 1)
         gather.append(g)
