@@ -70,3 +70,19 @@ def test_op_mode_through_the_trainer_equals_no_checkpointing(run_dir: str) -> No
     module, op = fit(dropout=0.2, run_dir=run_dir, activation_checkpointing={"mode": "op"})
     assert max_diff(state(plain), state(op)) == 0.0
     assert all(hasattr(type(b), "_polytrain_checkpointed_from") for b in (module.net[1], module.net[2]))
+
+
+def test_op_mode_under_compile_equals_eager(run_dir: str) -> None:
+    """Compiled (``aot_eager``: dynamo and AOTAutograd trace the selective-checkpoint policy into the graph)
+    per-op checkpointed blocks train as eager ones without checkpointing; no graph break."""
+    import torch._dynamo.utils as dynamo_utils
+    from test_compile_ac import COMPILE_TOL, fit
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    _, eager = fit(run_dir=run_dir)
+    _, both = fit(run_dir=run_dir, compile={"backend": "aot_eager", "modules": ["DropBlock"]},
+                  activation_checkpointing={"mode": "op"})
+    assert not dynamo_utils.counters["graph_break"], dict(dynamo_utils.counters["graph_break"])
+    assert dynamo_utils.counters["stats"]["unique_graphs"] >= 1
+    assert max_diff(state(eager), state(both)) <= COMPILE_TOL["atol"]
