@@ -5,9 +5,10 @@ Usage::
     python benchmarks/activation_memory.py                  # GPT, 4 blocks of d 256, seq 256, batch 8 (CPU)
     python benchmarks/activation_memory.py --layers 12 --d-model 768 --seq-len 1024 --device cuda
 
-The model is ``gpt_model.py``'s GPT (the throughput benchmark's). The same run is made twice through ``Trainer`` (AdamW,
-fp32; bf16-mixed with ``--precision``), with ``activation_checkpointing`` off and on, and one
-training step after the first (optimizer state already allocated) is measured:
+The model is ``gpt_model.py``'s GPT (the throughput benchmark's). The same run is made three times through
+``Trainer`` (AdamW, fp32; bf16-mixed with ``--precision``), with ``activation_checkpointing`` off (false),
+full (true) and op (``{mode: op}``), and one training step after the first (optimizer state already
+allocated) is measured:
 
 - CPU: the peak of the bytes allocated during that step, from ``torch.profiler``'s memory events
   (``profile_memory=True``: every allocation and free of the CPU allocator, with the running total
@@ -15,9 +16,11 @@ training step after the first (optimizer state already allocated) is measured:
   allocation and optimizer state);
 - CUDA: ``torch.cuda.max_memory_allocated()`` during the step minus what was allocated before it.
 
-The difference is the activation memory checkpointing saves: the blocks keep only their inputs
-and recompute the rest in backward. Also printed: the step time ratio (the recompute's cost,
-median of ``--steps`` steps) and the last loss of each run, which must agree.
+The difference from off is the activation memory checkpointing saves: under full the blocks keep only
+their inputs and recompute the rest in backward; under op they also keep their odd-numbered matmul
+outputs and their attention output (less memory saved, less recompute). Also printed: the step time
+ratio to off (the recompute's cost, median of ``--steps`` steps) and the last loss of each run, which
+must agree.
 
 Against the planner (``--model example``: the GPT example, examples/gpt, whose ``nn.Sequential`` the
 planner profiles; CPU only). What each side counts, in that one measured step:
@@ -29,8 +32,9 @@ planner profiles; CPU only). What each side counts, in that one measured step:
 - measured "peak": the step's peak: what is held at that moment plus backward's transients (the
   incoming gradient of a layer, a new gradient before it is added, the recomputed block under
   checkpointing);
-- predicted: the planner's ``activations`` term (``estimate(...).memory`` of ``Layout()`` with or
-  without activation checkpointing, fp32, the same batch). The goal: within 20 % of the measured peak.
+- predicted: the planner's ``activations`` term (``estimate(...).memory`` of ``Layout()`` with
+  ``activation_checkpointing`` False, True or "op", fp32, the same batch). The goal: within 20 % of the
+  measured peak, in each of the three modes.
 """
 
 from __future__ import annotations
@@ -50,9 +54,11 @@ import gpt_model as M  # noqa: E402 - the same GPT as the throughput benchmark
 
 END_OF_FORWARD = "activation_memory.end_of_forward"
 GOAL = 0.20  # |predicted / measured peak - 1| for the planner's activation term
+# Each mode measured: its ``Trainer(activation_checkpointing=...)`` and its planner ``Layout(activation_checkpointing=...)``
+MODES: dict[str, tuple[Any, bool | str]] = {"off": (False, False), "full": (True, True), "op": ({"mode": "op"}, "op")}
 
 
-def measure(args: argparse.Namespace, checkpointing: bool) -> dict[str, Any]:
+def measure(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     import torch
 
     from polytrain import Callback, Trainer
@@ -108,7 +114,7 @@ def measure(args: argparse.Namespace, checkpointing: bool) -> dict[str, Any]:
                           max_steps=args.steps + 2, logger=False, enable_checkpointing=False,
                           enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                           log_every_n_steps=args.steps + 2, run_dir=run_dir, callbacks=[probe],
-                          activation_checkpointing=checkpointing)
+                          activation_checkpointing=MODES[mode][0])
         trainer.fit(module)
     return {"peak": probe.peak, "held": probe.held, "step": statistics.median(probe.times),
             "loss": trainer.logged_metrics["train/loss"]}
@@ -167,7 +173,7 @@ def example_module(args: argparse.Namespace, meta: bool = False) -> Any:
                              stride=8, batch_size=args.batch_size)
 
 
-def predicted(args: argparse.Namespace, checkpointing: bool) -> int:
+def predicted(args: argparse.Namespace, mode: str) -> int:
     """The planner's activation bytes for the example at ``args``' shape on one CPU rank (fp32, AdamW)."""
     import torch
 
@@ -178,10 +184,24 @@ def predicted(args: argparse.Namespace, checkpointing: bool) -> int:
     train = Training(global_batch=args.batch_size, precision="32", optimizer="adamw")
     # CPU runs F.scaled_dot_product_attention's flash kernel (fp32 too): it saves q, k, v, the output and
     # the log-sum-exp, not the attention matrix, as the planner's "flash" trace counts.
-    est = estimate(Layout(activation_checkpointing=checkpointing), train,
+    est = estimate(Layout(activation_checkpointing=MODES[mode][1]), train,
                    profiler(module, x, x, attention="flash")(1),
                    hardware("cpu", 1, 1))
     return est.memory["activations"]
+
+
+def compare_with_planner(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> bool:
+    """Print the planner's activation term against each mode's measured figures; True if all meet GOAL."""
+    mb, ok = 2 ** 20, True
+    for mode, run in runs.items():
+        guess = predicted(args, mode)
+        ok &= abs(guess / run["peak"] - 1) <= GOAL
+        print(f"planner, checkpointing {mode}: predicted activations {guess / mb:.2f} MB; measured held at end of "
+              f"forward {run['held'] / mb:.2f} MB, peak {run['peak'] / mb:.2f} MB "
+              f"(ratio {guess / run['peak']:.3f}, goal within {GOAL:.0%})", flush=True)
+    print(f"planner: activations within {GOAL:.0%} of the measured peak, checkpointing {', '.join(runs)}: "
+          f"{'yes' if ok else 'NO'}", flush=True)
+    return ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,22 +234,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"activation_memory: polytrain {polytrain.__version__}, GPT L={args.layers} d={args.d_model} "
           f"T={args.seq_len} batch {args.batch_size} ({params / 1e6:.1f}M params), {args.device} {args.precision}, "
           f"torch {torch.__version__}; peak allocated during one training step ({how})", flush=True)
-    off, on = measure(args, False), measure(args, True)
+    runs = {mode: measure(args, mode) for mode in MODES}
     mb = 2 ** 20
-    print(f"checkpointing off: {off['peak'] / mb:.1f} MB, {off['step'] * 1e3:.1f} ms/step", flush=True)
-    print(f"checkpointing on: {on['peak'] / mb:.1f} MB, {on['step'] * 1e3:.1f} ms/step", flush=True)
-    ok = True
-    if args.model == "example":
-        for name, run, ac in (("off", off, False), ("on", on, True)):
-            guess = predicted(args, ac)
-            ok &= abs(guess / run["peak"] - 1) <= GOAL
-            print(f"planner, checkpointing {name}: predicted activations {guess / mb:.2f} MB; measured held at end of "
-                  f"forward {run['held'] / mb:.2f} MB, peak {run['peak'] / mb:.2f} MB "
-                  f"(ratio {guess / run['peak']:.3f}, goal within {GOAL:.0%})", flush=True)
-        print(f"planner: activations within {GOAL:.0%} of the measured peak, checkpointing off and on: "
-              f"{'yes' if ok else 'NO'}", flush=True)
-    print(f"memory: {on['peak'] / off['peak']:.3f} of off ({(off['peak'] - on['peak']) / mb:.1f} MB saved); "
-          f"step time: {on['step'] / off['step']:.3f} of off; last loss off {off['loss']:.6f} on {on['loss']:.6f}",
+    for mode, run in runs.items():
+        print(f"checkpointing {mode}: {run['peak'] / mb:.1f} MB, {run['step'] * 1e3:.1f} ms/step", flush=True)
+    ok = compare_with_planner(args, runs) if args.model == "example" else True
+    off, full, op = runs["off"], runs["full"], runs["op"]
+    print(f"memory: {full['peak'] / off['peak']:.3f} of off ({(off['peak'] - full['peak']) / mb:.1f} MB saved); "
+          f"step time: {full['step'] / off['step']:.3f} of off; last loss off {off['loss']:.6f} on {full['loss']:.6f}",
+          flush=True)
+    print(f"memory, mode op: {op['peak'] / off['peak']:.3f} of off ({(off['peak'] - op['peak']) / mb:.1f} MB saved); "
+          f"step time: {op['step'] / off['step']:.3f} of off; last loss off {off['loss']:.6f} op {op['loss']:.6f}",
           flush=True)
     return 0 if ok else 1
 
