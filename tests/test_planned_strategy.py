@@ -118,6 +118,14 @@ def test_the_planned_checkpointing_mode_is_the_one_that_runs(run_dir: str) -> No
     module = _module()
     assert plan_layout(trainer, launch, module, module.train_dataloader(), None, "fit", None)
     assert trainer.config.strategy["chosen"]["activation_checkpointing"] == "op"
+    planned = {}
+    for every in (1, 2):  # every: n is costed as the strategy will run it: fewer blocks checkpointed
+        trainer = Trainer(accelerator="cpu", strategy={"name": "parallel", "plan": True, "dp_replicate": 2},
+                          logger=False, activation_checkpointing={"every": every})
+        assert plan_layout(trainer, launch, module, module.train_dataloader(), None, "fit", None)
+        planned[every] = trainer.config.strategy["chosen"]
+    assert planned[1]["activation_checkpointing"] is True and planned[2]["activation_checkpointing"] is True
+    assert planned[2]["memory_bytes"] > planned[1]["memory_bytes"]
 
     chosen = {"world_size": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 1, "n_microbatches": 1,
               "activation_checkpointing": "op"}

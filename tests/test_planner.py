@@ -15,6 +15,7 @@ import torch
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.planner import Layout, Training, estimate, hardware, plan_module, profiler, rank
 from polytrain.parallel.planner import timing as T
+from polytrain.parallel.planner.estimate import checkpointed
 from polytrain.parallel.planner.hardware import Hardware
 from polytrain.parallel.planner.profile import ChildProfile
 from polytrain.parallel.planner.search import best_per_degrees
@@ -79,6 +80,12 @@ def test_activation_checkpointing_keeps_block_inputs_only() -> None:
     op = estimate(Layout(activation_checkpointing="op"), train, prof, hw)
     assert ckpt.memory["activations"] < op.memory["activations"] < full.memory["activations"]
     assert full.time["compute"] < op.time["compute"] < ckpt.time["compute"]
+    # every: 2 (as the strategy counts: every 2nd of the repeated blocks, over the whole model)
+    assert [c.kind for c in prof.children] == ["Embeddings", "Block", "Block", "Block", "Block", "LayerNorm", "Linear"]
+    assert checkpointed(prof.children, 2) == [False, False, True, False, True, False, False]
+    half = estimate(Layout(activation_checkpointing=True, checkpoint_every=2), train, prof, hw)
+    assert ckpt.memory["activations"] < half.memory["activations"] < full.memory["activations"]
+    assert half.layout.label() == "single +AC(every 2)"
 
 
 def test_op_checkpointing_profile_replays_the_strategys_selection() -> None:

@@ -101,6 +101,7 @@ def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamod
     checkpointing = resolve_checkpointing(config.activation_checkpointing)
     if checkpointing is not None:  # the config's mode is kept: full (True) or per-op ("op")
         pinned["activation_checkpointing"] = "op" if checkpointing["mode"] == "op" else True
+        pinned["checkpoint_every"] = checkpointing["every"]
     on_cuda = launch.accelerator in ("cuda", "gpu")
     preset = spec.get("hardware") or (("a100" if "A100" in torch.cuda.get_device_name() else "h100")
                                       if on_cuda else "cpu")

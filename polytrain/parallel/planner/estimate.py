@@ -31,6 +31,7 @@ class Layout:
     # False: off; True: full (a block keeps its input); "op": per-op selective (also its odd-numbered
     # matmul outputs and its attention output): the strategy's activation_checkpointing modes
     activation_checkpointing: bool | str = False
+    checkpoint_every: int = 1  # every n-th block (``every: n``); planned only when the config pins it
 
     @property
     def world_size(self) -> int:
@@ -50,7 +51,10 @@ class Layout:
         text = " x ".join(parts) or "single"
         if self.pp > 1:
             text += f" m={self.n_microbatches}"
-        return text + {False: "", True: " +AC", "op": " +AC(op)"}[self.activation_checkpointing]
+        ac = self.activation_checkpointing
+        if ac and self.checkpoint_every > 1:
+            return text + f" +AC({'op, ' if ac == 'op' else ''}every {self.checkpoint_every})"
+        return text + {False: "", True: " +AC", "op": " +AC(op)"}[ac]
 
 
 @dataclass(frozen=True)
@@ -98,12 +102,16 @@ class Estimate:
         return sum(self.memory.values())
 
 
-def checkpointed(children: tuple[ChildProfile, ...]) -> list[bool]:
+def checkpointed(children: tuple[ChildProfile, ...], every: int = 1) -> list[bool]:
     """Which children activation checkpointing wraps: those of a repeated class (the blocks), as
-    ``parallel/activation_checkpointing.py`` chooses; every child when no class repeats."""
+    ``parallel/activation_checkpointing.py`` chooses; every child when no class repeats; of those, every
+    ``every``-th (``every: n``, counted over the whole model)."""
     kinds = [c.kind for c in children]
     repeated = [kinds.count(k) > 1 for k in kinds]
-    return repeated if any(repeated) else [True] * len(kinds)
+    mask = repeated if any(repeated) else [True] * len(kinds)
+    positions = [i for i, m in enumerate(mask) if m]
+    kept = {i for n, i in enumerate(positions, start=1) if n % every == 0}
+    return [i in kept for i in range(len(kinds))]
 
 
 def stages(profile: ModelProfile, pp: int) -> list[tuple[int, int]]:
@@ -149,7 +157,7 @@ def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, chunks: list
     micro = train.global_batch // lay.dp // lay.n_microbatches
     # Micro-batches each of the rank's stages holds at its peak (1F1B: p - s; timing.in_flight)
     flights = timing.in_flight(lay.pp, lay.n_microbatches, s, train.pp_schedule, len(chunks))
-    ckpt = checkpointed(prof.children) if lay.activation_checkpointing else [False] * len(prof.children)
+    ckpt = checkpointed(prof.children, lay.checkpoint_every) if lay.activation_checkpointing else [False] * len(prof.children)
     op = lay.activation_checkpointing == "op"
 
     def between_passes(c: ChildProfile, checkpointed: bool) -> int:  # between a micro-batch's forward and its backward
@@ -175,7 +183,7 @@ def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, 
                 s: int) -> dict[str, float]:
     kids = tuple(c for lo, hi in chunks for c in prof.children[lo:hi])
     micro = train.global_batch // lay.dp // lay.n_microbatches
-    mask = checkpointed(prof.children) if lay.activation_checkpointing else [False] * len(prof.children)
+    mask = checkpointed(prof.children, lay.checkpoint_every) if lay.activation_checkpointing else [False] * len(prof.children)
     ckpt = [mask[i] for lo, hi in chunks for i in range(lo, hi)]
     head = len(prof.children) - 1  # torchtitan keeps the output head in bf16 (filter fqn != "output")
     features = timing.Features(float8=tuple(train.float8 and i != head for lo, hi in chunks for i in range(lo, hi)),

@@ -82,7 +82,7 @@ def candidates(hw: Hardware, train: Training, pinned: dict[str, int] | None = No
                     micro = divisors(max(train.global_batch // (rep * shard), 1)) if pp > 1 else [1]
                     for m in micro:
                         for ac in (False, True, "op"):
-                            lay = Layout(rep, shard, tp, pp, cp, m, ac)
+                            lay = Layout(rep, shard, tp, pp, cp, m, ac, pinned.get("checkpoint_every", 1))
                             if all(getattr(lay, k) == v for k, v in pinned.items()):
                                 found.append(lay)
     return found
