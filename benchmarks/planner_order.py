@@ -149,7 +149,7 @@ def _run_worker(rank: int, world: int, args: argparse.Namespace, lay: Any, run_d
     torch.set_num_threads(args.threads)
     timer = _step_timer()
     trainer = Trainer(accelerator="cpu", devices=world, strategy=_strategy(lay), precision="32",
-                      activation_checkpointing=lay.activation_checkpointing, max_steps=args.warmup + args.steps,
+                      activation_checkpointing=lay.checkpointing_config(), max_steps=args.warmup + args.steps,
                       logger=False, enable_progress_bar=False, enable_checkpointing=False,
                       enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
                       log_every_n_steps=10**6, run_dir=run_dir, callbacks=[timer])

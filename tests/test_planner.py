@@ -86,6 +86,8 @@ def test_activation_checkpointing_keeps_block_inputs_only() -> None:
     half = estimate(Layout(activation_checkpointing=True, checkpoint_every=2), train, prof, hw)
     assert ckpt.memory["activations"] < half.memory["activations"] < full.memory["activations"]
     assert half.layout.label() == "single +AC(every 2)"
+    assert half.layout.checkpointing_config() == {"mode": "full", "every": 2}
+    assert ckpt.layout.checkpointing_config() is True and op.layout.checkpointing_config() == {"mode": "op", "every": 1}
 
 
 def test_op_checkpointing_profile_replays_the_strategys_selection() -> None:
@@ -205,7 +207,31 @@ def test_pipeline_gathers_m_plus_one_times_and_reduces_once() -> None:
     assert t["dp"] == pytest.approx(2 * 0.5 + 3 * 0.5 + 1.0)
     assert t["compute"] == pytest.approx(12.0)
     assert t["bubble"] == pytest.approx(12.0 * 1 / 4)  # (p-1)/m of the work: 1/5 of the pipelined time
-    assert t["pp"] == pytest.approx(2 * 4 * 0.01)
+    assert t["pp"] == pytest.approx(4 * 0.01)
+
+
+def test_pipeline_sends_and_traffic_per_axis_by_hand() -> None:
+    """A stage sends its output forward and its input's gradient back (neither at the model's ends); the
+    bytes a rank sends per step, by axis, as the time equations move them."""
+    from polytrain.parallel.planner import volume
+
+    kids = tuple(ChildProfile(name=str(i), kind="B", params=1000, tp_params=800, saved_bytes=0, input_bytes=0,
+                              output_bytes=10 * (i + 1), flops=1, tp_allreduce_bytes=200) for i in range(3))
+    assert T.boundary_sends(kids, [(0, 2)]) == [20] and T.boundary_sends(kids, [(2, 3)]) == [20]
+    assert T.boundary_sends(kids, [(0, 1), (2, 3)]) == [10, 20]  # interleaved: stages 0 and 2 of 3
+    assert T.boundary_sends(kids, [(1, 2)]) == [20, 10]
+    sent = volume.stage_traffic(kids[:1], [False], T.Features(), micro=2, n_microbatches=4, tp=2, dp_shard=4,
+                                dp_replicate=2, pp=2, cp=1, boundary_bytes=20, param_bytes=2, master_bytes=4, op=False)
+    local = 800 / 2 + 200
+    assert sent == pytest.approx({
+        "tp": 4 * 2 * 200 * 2 * (1 / 2) * 2,  # m x mb x payload x 2(t-1)/t, forward and backward
+        "dp_shard": 5 * local * 2 * 3 / 4 + local * 4 * 3 / 4,  # m + 1 gathers under a pipeline, one reduce
+        "dp_replicate": 2 * local / 4 * 4 * 1 / 2,  # the shard's all-reduce
+        "pp": 4 * 2 * 20})
+    checkpointed = volume.stage_traffic(kids[:1], [True], T.Features(), micro=2, n_microbatches=4, tp=2, dp_shard=1,
+                                        dp_replicate=1, pp=1, cp=1, boundary_bytes=0, param_bytes=2, master_bytes=4,
+                                        op=False)
+    assert checkpointed == pytest.approx({"tp": 4 * 2 * 200 * 3})  # the recompute's collectives too
 
 
 def test_free_compute_exposes_every_collective() -> None:

@@ -8,11 +8,11 @@ flight, the cut by parameter count is uneven), and the step waits for the slowes
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.pipeline_split import balance
-from polytrain.parallel.planner import timing
+from polytrain.parallel.planner import timing, volume
 from polytrain.parallel.planner.hardware import Hardware
 from polytrain.parallel.planner.profile import ChildProfile, ModelProfile
 
@@ -44,6 +44,15 @@ class Layout:
     @property
     def fsdp(self) -> int:
         return self.dp_shard * self.cp
+
+    def checkpointing_config(self) -> bool | dict[str, int | str]:
+        """This layout's checkpointing as ``trainer.activation_checkpointing`` takes it."""
+        if not self.activation_checkpointing:
+            return False
+        mode = "op" if self.activation_checkpointing == "op" else "full"
+        if mode == "full" and self.checkpoint_every == 1:
+            return True
+        return {"mode": mode, "every": self.checkpoint_every}
 
     def label(self) -> str:
         parts = [f"{n}{v}" for n, v in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
@@ -96,6 +105,7 @@ class Estimate:
     samples_per_s: float
     tokens_per_s: float
     bubble: float
+    traffic: dict[str, float] = field(default_factory=dict)  # bytes a rank sends per step, by axis (the busiest)
 
     @property
     def total_memory(self) -> int:
@@ -179,8 +189,9 @@ def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, chunks: list
     }
 
 
-def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, chunks: list[tuple[int, int]],
-                s: int) -> dict[str, float]:
+def _stage_units(lay: Layout, train: Training, prof: ModelProfile, chunks: list[tuple[int, int]]
+                 ) -> tuple[tuple[ChildProfile, ...], list[bool], timing.Features, int]:
+    """A pipeline rank's children, which of them are checkpointed, the held-fixed features, the micro-batch."""
     kids = tuple(c for lo, hi in chunks for c in prof.children[lo:hi])
     micro = train.global_batch // lay.dp // lay.n_microbatches
     mask = checkpointed(prof.children, lay.checkpoint_every) if lay.activation_checkpointing else [False] * len(prof.children)
@@ -188,13 +199,28 @@ def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, 
     head = len(prof.children) - 1  # torchtitan keeps the output head in bf16 (filter fqn != "output")
     features = timing.Features(float8=tuple(train.float8 and i != head for lo, hi in chunks for i in range(lo, hi)),
                                fp8_gather=train.fsdp_float8_all_gather, async_tp=train.async_tp)
+    return kids, ckpt, features, micro
+
+
+def _stage_traffic(lay: Layout, train: Training, prof: ModelProfile, chunks: list[tuple[int, int]]) -> dict[str, float]:
+    kids, ckpt, features, micro = _stage_units(lay, train, prof, chunks)
+    return volume.stage_traffic(
+        kids, ckpt, features, micro=micro, n_microbatches=lay.n_microbatches, tp=lay.tp, dp_shard=lay.dp_shard,
+        dp_replicate=lay.dp_replicate, pp=lay.pp, cp=lay.cp,
+        boundary_bytes=sum(timing.boundary_sends(prof.children, chunks)), param_bytes=prof.param_bytes,
+        master_bytes=MASTER_BYTES[train.precision], op=lay.activation_checkpointing == "op")
+
+
+def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, chunks: list[tuple[int, int]],
+                s: int) -> dict[str, float]:
+    kids, ckpt, features, micro = _stage_units(lay, train, prof, chunks)
     units = timing.unit_times(kids, ckpt, micro, tp=lay.tp, fsdp=lay.dp_shard, replicate=lay.dp_replicate,
                               cp=lay.cp, param_bytes=prof.param_bytes, master_bytes=MASTER_BYTES[train.precision],
                               hw=hw, ddp=_runs_ddp(lay), features=features,
                               op_checkpointing=lay.activation_checkpointing == "op")
     # Pipeline neighbours are world / pp ranks apart: on several nodes some pair crosses, and all wait for it.
     bw, lat = timing.link(hw, lay.world_size)
-    p2p = micro * max(prof.children[hi - 1].output_bytes for _, hi in chunks) / bw + lat
+    p2p = sum(micro * n / bw + lat for n in timing.boundary_sends(prof.children, chunks))
     return timing.stage_time(units, pp=lay.pp, stage=s, n_microbatches=lay.n_microbatches,
                              stages_per_rank=len(chunks), p2p=p2p)
 
@@ -219,5 +245,9 @@ def estimate(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware) -> 
     bubble = timing.bubble_fraction(lay.pp, lay.n_microbatches, train.stages_per_rank if lay.pp > 1 else 1)
     step = sum(time.values())
     samples = train.global_batch / step
+    traffic: dict[str, float] = {}
+    for chunks in _chunks(lay, train, prof):  # per axis, the most any pipeline rank sends
+        for axis, n in _stage_traffic(lay, train, prof, chunks).items():
+            traffic[axis] = max(traffic.get(axis, 0.0), n)
     return Estimate(layout=lay, memory=memory, time=time, step_time=step, samples_per_s=samples,
-                    tokens_per_s=samples * prof.seq_len, bubble=bubble)
+                    tokens_per_s=samples * prof.seq_len, bubble=bubble, traffic=traffic)

@@ -143,7 +143,7 @@ def format_table(plan: Plan, top: int = 10, show_rejected: int = 20) -> str:
     big = any(e.total_memory >= GiB for e in shown)
     unit, div = ("GiB", GiB) if big else ("MiB", 1024**2)
     head = (f"{'#':>3}  {'layout':<40} {'params':>7} {'grads':>7} {'optim':>7} {'fsdp':>6} {'activ':>7} "
-            f"{'total':>7}  {'step s':>9} {'bubble':>6}  {'tokens/s':>11} {'samples/s':>10}")
+            f"{'total':>7}  {'step s':>9} {'bubble':>6}  {'tokens/s':>11} {'samples/s':>10} {'sent/step':>10}")
     lines = [f"per-rank memory in {unit}; {len(plan.ranked)} layouts fit, {len(plan.rejected)} rejected", head]
     for i, est in enumerate(shown, 1):
         m = est.memory
@@ -151,7 +151,7 @@ def format_table(plan: Plan, top: int = 10, show_rejected: int = 20) -> str:
             f"{i:>3}  {est.layout.label():<40} {m['params'] / div:>7.2f} {m['grads'] / div:>7.2f} "
             f"{m['optimizer'] / div:>7.2f} {m['fsdp_buffers'] / div:>6.2f} {m['activations'] / div:>7.2f} "
             f"{est.total_memory / div:>7.2f}  {est.step_time:>9.4g} {est.bubble:>6.0%}  "
-            f"{est.tokens_per_s:>11.4g} {est.samples_per_s:>10.4g}")
+            f"{est.tokens_per_s:>11.4g} {est.samples_per_s:>10.4g} {_bytes(sum(est.traffic.values())):>10}")
     # A reason shared by a layout's checkpointing variants is listed once, without the variant
     reasons: dict[tuple[Any, ...], str] = {}
     for r in plan.rejected:
@@ -168,7 +168,16 @@ def format_table(plan: Plan, top: int = 10, show_rejected: int = 20) -> str:
 
 def describe_time(est: Estimate) -> str:
     parts = ", ".join(f"{k} {v:.4g}s" for k, v in est.time.items() if v > 0 or k == "compute")
-    return f"{est.layout.label()}: step {est.step_time:.4g}s = {parts}; bubble {est.bubble:.0%}"
+    sent = ", ".join(f"{k} {_bytes(v)}" for k, v in est.traffic.items())
+    return (f"{est.layout.label()}: step {est.step_time:.4g}s = {parts}; bubble {est.bubble:.0%}"
+            + (f"; sent per rank and step: {sent}" if sent else ""))
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def world_check(hw: Hardware, pinned: dict[str, int]) -> None:

@@ -233,8 +233,8 @@ def unit_times(kids: tuple[ChildProfile, ...], ckpt: list[bool], micro: int, *, 
 
 def stage_time(u: Units, *, pp: int, stage: int, n_microbatches: int, stages_per_rank: int,
                p2p: float) -> dict[str, float]:
-    """Seconds per step of one pipeline rank, by term; ``p2p`` is one send of a micro-batch's boundary
-    activation (its gradient comes back as large). Without a pipeline: one forward, one backward.
+    """Seconds per step of one pipeline rank, by term; ``p2p`` is what the rank sends for one micro-batch
+    (``boundary_sends``). Without a pipeline: one forward, one backward.
 
     Under a pipeline (torch's ``PipelineStage`` with FSDP2) gradients are not reduced until the last
     micro-batch, then once (exposed: the first rank finishes last), and a backward leaves the unit
@@ -252,4 +252,17 @@ def stage_time(u: Units, *, pp: int, stage: int, n_microbatches: int, stages_per
     b_exposed = backward_with_collectives(u, reduces=False) - sum(u.bwd)
     exposed = f_gathers * f_exposed + b_gathers * b_exposed + sum(u.reduce)
     bubble = work * (pp - 1) / (stages_per_rank * m)  # fraction / (1 - fraction) of the pipelined work
-    return {**terms, "dp": exposed, "pp": 2 * stages_per_rank * m * p2p, "bubble": bubble}
+    return {**terms, "dp": exposed, "pp": m * p2p, "bubble": bubble}
+
+
+def boundary_sends(children: tuple[ChildProfile, ...], chunks: list[tuple[int, int]]) -> list[int]:
+    """Bytes a pipeline rank sends per sample for each micro-batch, one entry a send: per stage it holds,
+    its output forward (not the last stage's: the loss stays) and its input's gradient backward (not the
+    first stage's), each the size of the boundary activation."""
+    sends = []
+    for lo, hi in chunks:
+        if hi < len(children):
+            sends.append(children[hi - 1].output_bytes)
+        if lo > 0:
+            sends.append(children[lo - 1].output_bytes)
+    return sends

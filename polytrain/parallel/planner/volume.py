@@ -1,0 +1,53 @@
+"""Bytes one rank sends per optimizer step, by parallel axis (``Estimate.traffic``): what the time
+equations of docs/strategies/planner.md move, before bandwidth and latency turn it into seconds.
+
+A ring all-gather or reduce-scatter of ``S`` bytes over ``N`` ranks sends ``S (N-1)/N`` from each rank,
+an all-reduce twice that.
+"""
+
+from __future__ import annotations
+
+from polytrain.parallel.planner.profile import ChildProfile
+from polytrain.parallel.planner.timing import Features
+
+
+def ring_bytes(nbytes: float, ranks: int) -> float:
+    return nbytes * (ranks - 1) / ranks if ranks > 1 else 0.0
+
+
+def _tp_passes(c: ChildProfile, checkpointed: bool, op: bool) -> float:
+    """Passes of a child's TP collectives per micro-batch: forward, backward, and the recompute's
+    (per-op checkpointing keeps the reduce-scatters' outputs: half under sequence parallelism)."""
+    if not checkpointed:
+        return 2.0
+    return 2.5 if op and c.sequence_parallel else 3.0
+
+
+def stage_traffic(kids: tuple[ChildProfile, ...], ckpt: list[bool], features: Features, *, micro: int,
+                  n_microbatches: int, tp: int, dp_shard: int, dp_replicate: int, pp: int, cp: int,
+                  boundary_bytes: int, param_bytes: int, master_bytes: int,
+                  op: bool) -> dict[str, float]:
+    """Bytes per step one rank of a pipeline stage holding ``kids`` sends over each axis of degree > 1:
+    ``tp`` (row-parallel outputs, ``2 (t-1)/t`` of the payload a pass; float8 gathers at 1 byte under
+    sequence parallelism), ``dp_shard`` (FSDP over ``dp_shard x cp``: two gathers a unit, forward and
+    backward, ``m + 1`` under a pipeline, and one reduce-scatter), ``dp_replicate`` (the shard's
+    all-reduce), ``pp`` (``boundary_bytes`` a sample: what ``timing.boundary_sends`` counts, per micro-batch)."""
+    m, shard = n_microbatches, dp_shard * cp
+    out: dict[str, float] = {}
+    if tp > 1:
+        out["tp"] = m * sum(
+            micro * c.tp_allreduce_bytes * 2 * (tp - 1) / tp * (0.75 if features.f8(i) and c.sequence_parallel else 1.0)
+            * _tp_passes(c, k, op) for i, (c, k) in enumerate(zip(kids, ckpt)))
+    local = [c.tp_params / tp + (c.params - c.tp_params) for c in kids]
+    if shard > 1:
+        gathers = m + 1 if pp > 1 else 2
+        fp8 = [features.fp8_gather and features.f8(i) for i in range(len(kids))]
+        gathered = [n * param_bytes - (c.linear_params * (param_bytes - 1) if f else 0)
+                    for n, c, f in zip(local, kids, fp8)]
+        out["dp_shard"] = sum(gathers * ring_bytes(g, shard) + ring_bytes(n * master_bytes, shard)
+                              for g, n in zip(gathered, local))
+    if dp_replicate > 1:
+        out["dp_replicate"] = sum(2 * ring_bytes(n / shard * master_bytes, dp_replicate) for n in local)
+    if pp > 1:
+        out["pp"] = float(m * micro * boundary_bytes)
+    return out
