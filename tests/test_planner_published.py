@@ -1,0 +1,92 @@
+"""The planner against torchtitan's published Llama-3 layouts (tests/planner_llama.py: the public shapes
+on the meta device, each run's batch, sequence, float8, async-TP and schedule settings;
+docs/strategies/planner.md, "Published layouts")."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from polytrain.parallel.planner import Training, hardware, profiler, rank
+from polytrain.parallel.planner.search import best_per_degrees
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from planner_llama import LLAMA3, PUBLISHED, PublishedRun, build  # noqa: E402
+
+
+def _rank_of(plan, degrees: tuple[int, int, int, int]) -> int | None:
+    for i, est in enumerate(best_per_degrees(plan), 1):
+        lay = est.layout
+        if (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp) == degrees:
+            return i
+    return None
+
+
+def test_llama3_shapes_are_the_published_sizes() -> None:
+    sizes = {name: sum(p.numel() for p in build(name).parameters()) / 1e9 for name in LLAMA3}
+    assert sizes["8B"] == pytest.approx(8.03, abs=0.01)
+    assert sizes["70B"] == pytest.approx(70.55, abs=0.05)
+    assert sizes["405B"] == pytest.approx(405.8, abs=0.5)
+
+
+def _llama_plan(run: PublishedRun, pinned: dict[str, int] | None = None):
+    hw = hardware("h100", run.gpus // 8, 8, memory_bytes=run.device_gib * 1024**3)
+    train = Training(global_batch=run.global_batch, pp_schedule=run.pp_schedule, stages_per_rank=run.stages_per_rank,
+                     float8=run.float8, fsdp_float8_all_gather=run.fsdp_float8_all_gather, async_tp=run.async_tp)
+    return rank(hw, train, _llama_profiler(run.name, run.seq_len), pinned)
+
+
+@functools.cache
+def _llama_profiler(name: str, seq_len: int) -> Any:
+    """One profiler per model and sequence (cached per TP degree): the runs share their traces."""
+    x = torch.zeros(1, seq_len, dtype=torch.long)
+    return profiler(build(name), x, x)
+
+
+@pytest.mark.parametrize("key", ["8B-config", "8B"])
+def test_llama3_8b_on_8_h100_ranks_fsdp8_in_the_top_three(key: str) -> None:
+    """torchtitan's llama3_8b config (local batch 1, sequence 8192) on 8 x H100 80GB, and its published run
+    (local batch 2 on 96 GB, per-op selective checkpointing): FSDP 8 is in the top three, with per-op
+    checkpointing as the run had it (full checkpointing recomputes a whole forward; without any, local
+    batch 2 does not fit)."""
+    plan = _llama_plan(PUBLISHED[key])
+    assert _rank_of(plan, (1, 8, 1, 1)) <= 3
+    best_fsdp8 = next(e for e in plan.ranked if e.layout.dp_shard == 8 and e.layout.dp_replicate == 1)
+    assert best_fsdp8.layout.activation_checkpointing == "op"
+    assert any("crosses the node boundary" in r.reason for r in plan.rejected) is False  # tp <= 8 on one node
+    assert any("out of memory by" in r.reason for r in plan.rejected)
+
+
+@pytest.mark.parametrize("key", ["8B", "70B", "405B"])
+def test_llama3_published_runs_fit_and_rank(key: str) -> None:
+    """Each run of torchtitan's Dec 2024 benchmarks (planner_llama.PUBLISHED) with its own batch, schedule,
+    float8 and async-TP settings: the published layout fits the run's 96 GB H100s and is ranked. 70B (35th)
+    and 405B (7th) do not reach the top three; planner.md's "Published layouts" table gives every rank
+    and why."""
+    run = PUBLISHED[key]
+    plan = _llama_plan(run)
+    assert _rank_of(plan, run.degrees) is not None
+    if key != "8B":  # 70B and 405B ran with full activation checkpointing: that variant fits too
+        assert _rank_of(_llama_plan(run, {"activation_checkpointing": True}), run.degrees) is not None
+    if run.gpus > 8:
+        assert any("crosses the node boundary" in r.reason for r in plan.rejected)
+    if key == "405B":  # 256 samples cannot feed 512 data-parallel ranks: why the run needed TP and PP
+        assert any(r.layout.dp == 512 and "not divisible by dp=512" in r.reason for r in plan.rejected)
+
+
+def test_llama3_70b_with_async_tp_and_full_ac_ranks_in_the_top_three() -> None:
+    """Table 4's second run, "2D + AsyncTP" (FSDP 32 x TP 8, float8, async TP), with its full activation
+    checkpointing pinned as a config setting pins it (``plan: true`` does the same): the published layout
+    is in the top three. Caveat (planner.md): the async-TP term hides all but 0.02 s of TP's 3.1 s here and
+    predicts 1077 tok/s/GPU against the run's 876: it over-states async TP's gain (20 % vs the published
+    5.7 %), and the same layout without async TP ranks 13th with checkpointing pinned."""
+    from planner_llama import PUBLISHED_VARIANTS
+
+    run = PUBLISHED_VARIANTS["70B-async-tp"]
+    assert _rank_of(_llama_plan(run, {"activation_checkpointing": True}), run.degrees) <= 3
