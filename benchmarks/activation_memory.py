@@ -58,12 +58,12 @@ GOAL = 0.20  # |predicted / measured peak - 1| for the planner's activation term
 MODES: dict[str, tuple[Any, bool | str]] = {"off": (False, False), "full": (True, True), "op": ({"mode": "op"}, "op")}
 
 
-def measure(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+def memory_probe(cuda: bool) -> Any:
+    """A callback measuring the second training step's peak (and, on CPU, what forward left held) and
+    the time of the steps after it."""
     import torch
 
-    from polytrain import Callback, Trainer
-
-    cuda = args.device == "cuda"
+    from polytrain import Callback
 
     class Probe(Callback):
         def __init__(self) -> None:
@@ -107,8 +107,14 @@ def measure(args: argparse.Namespace, mode: str) -> dict[str, Any]:
                 events = json.load(open(fh.name, encoding="utf-8"))["traceEvents"]
             self.peak, self.held = peak_and_held(events)
 
+    return Probe()
+
+
+def measure(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    from polytrain import Trainer
+
     module = build_module(args)
-    probe = Probe()
+    probe = memory_probe(args.device == "cuda")
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(strategy="single", accelerator=args.device, precision=args.precision,
                           max_steps=args.steps + 2, logger=False, enable_checkpointing=False,
