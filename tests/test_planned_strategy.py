@@ -108,8 +108,6 @@ def test_pinned_degrees_are_kept_and_auto_ones_planned() -> None:
 def test_the_planned_checkpointing_mode_is_the_one_that_runs(run_dir: str) -> None:
     """The config's ``activation_checkpointing`` mode pins the planner's (``op`` stays per-op), and a layout
     whose ``chosen`` says ``op`` builds per-op checkpointed blocks."""
-    from polytrain.parallel.activation_checkpointing import checkpointing_mode
-
     trainer = Trainer(accelerator="cpu", strategy={"name": "parallel", "plan": True}, logger=False,
                       activation_checkpointing={"mode": "op"})
     launch = SimpleNamespace(world_size=2, num_nodes=1, accelerator="cpu", env=SimpleNamespace(global_rank=1))
@@ -127,12 +125,20 @@ def test_the_planned_checkpointing_mode_is_the_one_that_runs(run_dir: str) -> No
     assert planned[1]["activation_checkpointing"] is True and planned[2]["activation_checkpointing"] is True
     assert planned[2]["memory_bytes"] > planned[1]["memory_bytes"]
 
+    # In a process of its own: the fit's process group outlives it (the next Trainer of a job reuses it)
+    assert run_distributed(_fit_chosen_op, 1, run_dir, timeout=120.0) == [[None, "op", "op", None, None]]
+
+
+def _fit_chosen_op(rank: int, world: int, run_dir: str) -> list[str | None]:
+    """The checkpointing mode of each child after a fit whose stored plan (``chosen``) says ``op``."""
+    from polytrain.parallel.activation_checkpointing import checkpointing_mode
+
     chosen = {"world_size": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 1, "n_microbatches": 1,
               "activation_checkpointing": "op"}
     trainer = _trainer(run_dir, {"name": "parallel", "plan": True, "chosen": chosen}, 1)
     module = _module()
     trainer.fit(module)
-    assert [checkpointing_mode(m) for m in module.net] == [None, "op", "op", None, None]  # the two blocks
+    return [checkpointing_mode(m) for m in module.net]  # the two blocks: op
 
 
 def test_bad_values_name_what_is_valid() -> None:
