@@ -199,6 +199,30 @@ def test_pipeline_gathers_m_plus_one_times_and_reduces_once() -> None:
     assert t["pp"] == pytest.approx(4 * 0.01)
 
 
+def test_without_resharding_after_forward_a_unit_gathers_once_a_step() -> None:
+    """FSDP's reshard_after_forward=False (the default under a pipeline, as torchtitan sets it): the first
+    forward gathers, nothing gathers again; every unit stays gathered (memory) until its backward."""
+    u = T.Units(fwd=[1.0, 1.0], bwd=[2.0, 2.0], gather=[0.5, 3.0], reduce=[1.0, 1.0])
+    kept = T.stage_time(u, pp=1, stage=0, n_microbatches=1, stages_per_rank=1, p2p=0.0, reshard_after_forward=False)
+    # forward 0.5 + max(1, 3) + 1; backward, no gathers: max(2, r1=1) + max(2, 0) + r0 = 5; work 6
+    assert kept["dp"] == pytest.approx(4.5 + 5.0 - 6.0)
+    piped = T.stage_time(u, pp=2, stage=0, n_microbatches=4, stages_per_rank=1, p2p=0.0, reshard_after_forward=False)
+    assert piped["dp"] == pytest.approx((0.5 + 3.0 + 1.0 - 2.0) + 2.0)  # one forward's exposed gathers, the reduces
+    module = _gpt()
+    x = torch.zeros(1, 32, dtype=torch.long)
+    prof = profiler(module, x, x)(1)
+    hw = hardware("cpu", 1, 8)
+    lay = Layout(dp_shard=4)
+    default = estimate(lay, Training(global_batch=8, precision="32"), prof, hw)
+    kept_est = estimate(lay, Training(global_batch=8, precision="32", reshard_after_forward=False), prof, hw)
+    assert kept_est.memory["fsdp_buffers"] > default.memory["fsdp_buffers"]
+    assert kept_est.traffic["dp_shard"] < default.traffic["dp_shard"]
+    piped_default = estimate(Layout(dp_shard=4, pp=2, n_microbatches=2), Training(global_batch=8, precision="32"), prof, hw)
+    piped_reshard = estimate(Layout(dp_shard=4, pp=2, n_microbatches=2),
+                             Training(global_batch=8, precision="32", reshard_after_forward=True), prof, hw)
+    assert piped_default.traffic["dp_shard"] < piped_reshard.traffic["dp_shard"]  # m + 1 gathers against 1
+
+
 def test_pipeline_sends_and_traffic_per_axis_by_hand() -> None:
     """A stage sends its output forward and its input's gradient back (neither at the model's ends); the
     bytes a rank sends per step, by axis, as the time equations move them."""
@@ -257,15 +281,15 @@ def test_plan_cli_prints_the_ranked_table() -> None:
 
 
 def test_plans_cost_the_configs_pipeline_schedule() -> None:
-    """The schedule the run will use is the one costed; one the planner does not model is refused unless
-    there is no pipeline."""
+    """The schedule and FSDP resharding the run will use are the ones costed; a schedule the planner does not
+    model is refused unless there is no pipeline."""
     from polytrain.core.errors import ConfigError
     from polytrain.trainer.planned import schedule_settings
 
-    assert schedule_settings({}) == {"pp_schedule": "1f1b", "stages_per_rank": 1}
-    assert schedule_settings({"schedule": "interleaved_1f1b", "stages_per_rank": 2}) == \
-        {"pp_schedule": "interleaved_1f1b", "stages_per_rank": 2}
-    assert schedule_settings({"schedule": "gpipe", "pp": 1}) == {}
+    assert schedule_settings({}) == {"pp_schedule": "1f1b", "stages_per_rank": 1, "reshard_after_forward": None}
+    assert schedule_settings({"schedule": "interleaved_1f1b", "stages_per_rank": 2, "reshard_after_forward": False}) \
+        == {"pp_schedule": "interleaved_1f1b", "stages_per_rank": 2, "reshard_after_forward": False}
+    assert schedule_settings({"schedule": "gpipe", "pp": 1}) == {"reshard_after_forward": None}
     with pytest.raises(ConfigError, match=r"not schedule='zero_bubble'; choose one of them, or pin pp: 1"):
         schedule_settings({"schedule": "zero_bubble", "pp": "auto"})
     cmd = [sys.executable, "-m", "polytrain", "plan", "-c", os.path.join(ROOT, "examples/gpt/config_composed.yaml"),

@@ -44,7 +44,9 @@ APPLY_ORDER = ("tensor_parallel", "activation_checkpointing", "compile", "data_p
 @dataclass
 class FSDPSettings:
     wrap_modules: list[str] | None = None  # class names of the FSDP units; None: the largest container's children
-    reshard_after_forward: bool = True
+    # None: True, except under a pipeline, where PipelineStage keeps every unit gathered after its first
+    # backward anyway and resharding after forward would gather it again for every micro-batch
+    reshard_after_forward: bool | None = None
     cpu_offload: bool = False
 
 
@@ -146,8 +148,9 @@ def parallelize(part: nn.Module, roots: list[nn.Module], dims: ParallelDims, lay
         apply_compile(compile_targets(part, compile_options, scope, wrap_modules, roots), compile_options)
         applied.steps.append("compile")
     if mode == "fsdp":
+        reshard = layout.fsdp.reshard_after_forward
         apply_fsdp(part, roots, dims.get_mesh("fsdp"), autocast_dtype, layout.fsdp.wrap_modules,
-                   layout.fsdp.reshard_after_forward, layout.fsdp.cpu_offload, device_type)
+                   dims.pp == 1 if reshard is None else reshard, layout.fsdp.cpu_offload, device_type)
         applied.steps.append("data_parallel")
     return applied
 

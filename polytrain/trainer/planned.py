@@ -125,14 +125,16 @@ def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamod
 
 
 def schedule_settings(options: dict[str, Any]) -> dict[str, Any]:
-    """The pipeline schedule the run will use (``schedule``, ``stages_per_rank`` of strategy ``parallel``),
-    as the planner's ``Training`` takes it: plans must cost the schedule that runs. The planner models
-    1F1B and interleaved 1F1B; another schedule is refused unless ``pp`` is pinned to 1."""
+    """The pipeline schedule and FSDP resharding the run will use (``schedule``, ``stages_per_rank``,
+    ``reshard_after_forward`` of strategy ``parallel``), as the planner's ``Training`` takes them: plans
+    must cost what runs. The planner models 1F1B and interleaved 1F1B; another schedule is refused unless
+    ``pp`` is pinned to 1."""
     schedule = options.get("schedule", "1f1b")
+    reshard = {"reshard_after_forward": options.get("reshard_after_forward")}
     if schedule in PLANNED_SCHEDULES:
-        return {"pp_schedule": schedule, "stages_per_rank": int(options.get("stages_per_rank", 1) or 1)}
+        return {"pp_schedule": schedule, "stages_per_rank": int(options.get("stages_per_rank", 1) or 1), **reshard}
     if options.get("pp") == 1:
-        return {}
+        return reshard
     raise ConfigError(f"trainer.strategy: the planner costs the pipeline schedules {', '.join(PLANNED_SCHEDULES)}, "
                       f"not schedule={schedule!r}; choose one of them, or pin pp: 1 (no pipeline)")
 

@@ -80,6 +80,12 @@ class Training:
     float8: bool = False
     fsdp_float8_all_gather: bool = False  # torchtitan's enable_fsdp_float8_all_gather (needs float8)
     async_tp: bool = False  # torchtitan's enable_async_tensor_parallel (micro-pipelined TP collectives)
+    # FSDP's reshard_after_forward (the strategy option): False keeps each unit gathered from its forward to
+    # its backward, one gather a step; None (the default, and torchtitan's rule): False under a pipeline only
+    reshard_after_forward: bool | None = None
+
+    def reshards(self, pp: int) -> bool:
+        return pp == 1 if self.reshard_after_forward is None else self.reshard_after_forward
 
     def __post_init__(self) -> None:
         if self.fsdp_float8_all_gather and not self.float8:
@@ -146,15 +152,19 @@ def _runs_ddp(lay: Layout) -> bool:
     return lay.dp_replicate > 1 and lay.fsdp == 1 and lay.tp == 1 and lay.pp == 1
 
 
-def _fsdp_buffers(lay: Layout, prof: ModelProfile, stage_params: float, unit: int, master: int) -> int:
+def _fsdp_buffers(lay: Layout, prof: ModelProfile, stage_params: float, unit: int, master: int,
+                  reshard_after_forward: bool) -> int:
     """FSDP gathers one unit (and prefetches the next) in the compute dtype; its gradient arrives whole.
     Under a pipeline, torch's ``PipelineStage`` turns gradient sync and resharding after backward off
     until the last micro-batch: every unit of the stage stays gathered, its gradient accumulated
-    unsharded in the reduce dtype (``master``)."""
+    unsharded in the reduce dtype (``master``). Without resharding after forward every unit stays
+    gathered from its forward to its backward."""
     if lay.fsdp == 1:
         return 0
     if lay.pp > 1:
         return math.ceil(stage_params * (prof.param_bytes + master))
+    if not reshard_after_forward:
+        return math.ceil(stage_params * prof.param_bytes + unit * master)
     return math.ceil(unit * (2 * prof.param_bytes + master))
 
 
@@ -184,7 +194,7 @@ def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, chunks: list
         # gradients (gradient_as_bucket_view off, the strategy's default).
         "grads": math.ceil(held * master) * (2 if _runs_ddp(lay) else 1),
         "optimizer": math.ceil(held * master * OPTIMIZER_STATES[train.optimizer]),
-        "fsdp_buffers": _fsdp_buffers(lay, prof, held * lay.fsdp, units, master),
+        "fsdp_buffers": _fsdp_buffers(lay, prof, held * lay.fsdp, units, master, train.reshards(lay.pp)),
         "activations": activations,
     }
 
@@ -208,7 +218,8 @@ def _stage_traffic(lay: Layout, train: Training, prof: ModelProfile, chunks: lis
         kids, ckpt, features, micro=micro, n_microbatches=lay.n_microbatches, tp=lay.tp, dp_shard=lay.dp_shard,
         dp_replicate=lay.dp_replicate, pp=lay.pp, cp=lay.cp,
         boundary_bytes=sum(timing.boundary_sends(prof.children, chunks)), param_bytes=prof.param_bytes,
-        master_bytes=MASTER_BYTES[train.precision], op=lay.activation_checkpointing == "op")
+        master_bytes=MASTER_BYTES[train.precision], op=lay.activation_checkpointing == "op",
+        reshard_after_forward=train.reshards(lay.pp))
 
 
 def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, chunks: list[tuple[int, int]],
@@ -222,7 +233,7 @@ def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, 
     bw, lat = timing.link(hw, lay.world_size)
     p2p = sum(micro * n / bw + lat for n in timing.boundary_sends(prof.children, chunks))
     return timing.stage_time(units, pp=lay.pp, stage=s, n_microbatches=lay.n_microbatches,
-                             stages_per_rank=len(chunks), p2p=p2p)
+                             stages_per_rank=len(chunks), p2p=p2p, reshard_after_forward=train.reshards(lay.pp))
 
 
 def _chunks(lay: Layout, train: Training, prof: ModelProfile) -> list[list[tuple[int, int]]]:

@@ -232,22 +232,23 @@ def unit_times(kids: tuple[ChildProfile, ...], ckpt: list[bool], micro: int, *, 
 
 
 def stage_time(u: Units, *, pp: int, stage: int, n_microbatches: int, stages_per_rank: int,
-               p2p: float) -> dict[str, float]:
+               p2p: float, reshard_after_forward: bool = True) -> dict[str, float]:
     """Seconds per step of one pipeline rank, by term; ``p2p`` is what the rank sends for one micro-batch
     (``boundary_sends``). Without a pipeline: one forward, one backward.
 
     Under a pipeline (torch's ``PipelineStage`` with FSDP2) gradients are not reduced until the last
     micro-batch, then once (exposed: the first rank finishes last), and a backward leaves the unit
     gathered: only an operation that follows a forward gathers, ``m + 1`` of the ``2 m`` (the warm-up
-    forwards, ``min(m, p - s)``, and the backwards after them)."""
+    forwards, ``min(m, p - s)``, and the backwards after them). Without resharding after forward a unit
+    is gathered once a step: by the first forward."""
     m = n_microbatches
     work = m * (sum(u.fwd) + sum(u.bwd))  # the compute stream's busy time, collectives of TP included
     terms = {"compute": work - m * u.tp, "tp": m * u.tp}
     if pp == 1:
-        busy = forward_with_gathers(u) + backward_with_collectives(u)
+        busy = forward_with_gathers(u) + backward_with_collectives(u, gathers=reshard_after_forward)
         return {**terms, "dp": busy - work, "pp": 0.0, "bubble": 0.0}
-    f_gathers = min(m, pp - stage)
-    b_gathers = m + 1 - f_gathers
+    f_gathers = min(m, pp - stage) if reshard_after_forward else 1
+    b_gathers = m + 1 - f_gathers if reshard_after_forward else 0
     f_exposed = forward_with_gathers(u) - sum(u.fwd)
     b_exposed = backward_with_collectives(u, reduces=False) - sum(u.bwd)
     exposed = f_gathers * f_exposed + b_gathers * b_exposed + sum(u.reduce)

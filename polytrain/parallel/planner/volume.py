@@ -26,11 +26,11 @@ def _tp_passes(c: ChildProfile, checkpointed: bool, op: bool) -> float:
 def stage_traffic(kids: tuple[ChildProfile, ...], ckpt: list[bool], features: Features, *, micro: int,
                   n_microbatches: int, tp: int, dp_shard: int, dp_replicate: int, pp: int, cp: int,
                   boundary_bytes: int, param_bytes: int, master_bytes: int,
-                  op: bool) -> dict[str, float]:
+                  op: bool, reshard_after_forward: bool = True) -> dict[str, float]:
     """Bytes per step one rank of a pipeline stage holding ``kids`` sends over each axis of degree > 1:
     ``tp`` (row-parallel outputs, ``2 (t-1)/t`` of the payload a pass; float8 gathers at 1 byte under
     sequence parallelism), ``dp_shard`` (FSDP over ``dp_shard x cp``: two gathers a unit, forward and
-    backward, ``m + 1`` under a pipeline, and one reduce-scatter), ``dp_replicate`` (the shard's
+    backward, ``m + 1`` under a pipeline, one without resharding after forward; one reduce-scatter), ``dp_replicate`` (the shard's
     all-reduce), ``pp`` (``boundary_bytes`` a sample: what ``timing.boundary_sends`` counts, per micro-batch)."""
     m, shard = n_microbatches, dp_shard * cp
     out: dict[str, float] = {}
@@ -40,7 +40,7 @@ def stage_traffic(kids: tuple[ChildProfile, ...], ckpt: list[bool], features: Fe
             * _tp_passes(c, k, op) for i, (c, k) in enumerate(zip(kids, ckpt)))
     local = [c.tp_params / tp + (c.params - c.tp_params) for c in kids]
     if shard > 1:
-        gathers = m + 1 if pp > 1 else 2
+        gathers = (m + 1 if pp > 1 else 2) if reshard_after_forward else 1
         fp8 = [features.fp8_gather and features.f8(i) for i in range(len(kids))]
         gathered = [n * param_bytes - (c.linear_params * (param_bytes - 1) if f else 0)
                     for n, c, f in zip(local, kids, fp8)]

@@ -1,0 +1,49 @@
+"""FSDP under a pipeline (strategy ``parallel``): how often a unit is gathered in a step."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from polytrain import Trainer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from distributed import run_distributed  # noqa: E402
+from test_composition import BATCH, GPT, SIZE, strategy  # noqa: E402 - the composition tests' model and layouts
+
+
+def _gathers_in_one_step(rank: int, world: int, root: str, reshard: bool | None) -> int:
+    """FSDP all-gathers (of a unit's parameters) this rank issues in one pp2 x dp_shard2 step of 4 micro-batches."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
+
+    calls = [0]
+    original = param_group.foreach_all_gather
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    param_group.foreach_all_gather = counting
+    options = {**strategy("pp2_dp2"), **({} if reshard is None else {"reshard_after_forward": reshard})}
+    torch.manual_seed(0)
+    trainer = Trainer(accelerator="cpu", devices=world, strategy=options, max_steps=1, seed=0, logger=False,
+                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, limit_val_batches=0, run_dir=os.path.join(root, str(reshard)),
+                      timeout=120.0)
+    trainer.fit(GPT(batch_size=BATCH // 2, **SIZE))
+    return calls[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_pipeline_does_not_gather_fsdp_units_for_every_micro_batch(tmp_path: Any) -> None:
+    """Under a pipeline FSDP keeps a unit gathered after its forward (PipelineStage keeps it gathered after
+    backward anyway): one gather a step instead of one per micro-batch (m + 1), as torchtitan does; the
+    option still turns resharding back on."""
+    default = run_distributed(_gathers_in_one_step, 4, str(tmp_path), None, timeout=280)
+    resharding = run_distributed(_gathers_in_one_step, 4, str(tmp_path), True, timeout=280)
+    assert all(0 < d < r for d, r in zip(default, resharding)), (default, resharding)
