@@ -47,3 +47,29 @@ def test_a_pipeline_does_not_gather_fsdp_units_for_every_micro_batch(tmp_path: A
     default = run_distributed(_gathers_in_one_step, 4, str(tmp_path), None, timeout=280)
     resharding = run_distributed(_gathers_in_one_step, 4, str(tmp_path), True, timeout=280)
     assert all(0 < d < r for d, r in zip(default, resharding)), (default, resharding)
+
+
+def _validate_and_save(rank: int, world: int, root: str, reshard: bool | None) -> tuple[Any, float]:
+    """pp2 x dp_shard2, validation after every step (units left gathered by a forward without backward),
+    checkpoints written by ModelCheckpoint and after fit; the full weights on rank 0 and the last val loss."""
+    options = {**strategy("pp2_dp2"), **({} if reshard is None else {"reshard_after_forward": reshard})}
+    torch.manual_seed(0)
+    trainer = Trainer(accelerator="cpu", devices=world, strategy=options, max_steps=3, seed=0, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
+                      limit_val_batches=1, val_check_interval=1, run_dir=os.path.join(root, str(reshard)),
+                      timeout=120.0)
+    trainer.fit(GPT(batch_size=BATCH // 2, **SIZE))
+    trainer.save_checkpoint(os.path.join(root, f"{reshard}.ckpt"))
+    state = trainer.strategy.module_state_dict()
+    return ({k: v.detach().clone() for k, v in state.items()} or None), float(trainer.callback_metrics["val/loss"])
+
+
+@pytest.mark.timeout(300)
+def test_validation_and_checkpoints_match_with_and_without_resharding(tmp_path: Any) -> None:
+    kept = run_distributed(_validate_and_save, 4, str(tmp_path), None, timeout=280)
+    resharded = run_distributed(_validate_and_save, 4, str(tmp_path), True, timeout=280)
+    assert [r[1] for r in kept] == [r[1] for r in resharded]
+    weights, reference = kept[0][0], resharded[0][0]
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[k], reference[k]) for k in weights)
+    assert os.listdir(os.path.join(tmp_path, "None", "version_0", "checkpoints"))  # ModelCheckpoint wrote
