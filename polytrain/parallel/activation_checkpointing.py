@@ -49,7 +49,7 @@ def resolve_checkpointing(spec: Any, key: str = "trainer.activation_checkpointin
 
     ``true`` checkpoints every block; a class name or a list of them chooses the blocks; a mapping may
     also say ``every: n`` (every n-th block: less recompute, more memory) and ``mode: op`` (per-op
-    selective: a block keeps its matmul and attention outputs and recomputes the rest, ``op_policy``)."""
+    selective: a block keeps its matmul and attention outputs and recomputes the rest, ``OpSelection``)."""
     if spec is None or spec is False:
         return None
     if spec is True:

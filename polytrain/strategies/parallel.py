@@ -80,7 +80,7 @@ class ParallelOptions:
     sequential: str | None = None  # attribute holding the nn.Sequential; None: the only one
     # --- FSDP (dp_shard x cp > 1, or under tp with dp > 1)
     wrap_modules: list[str] | None = None
-    reshard_after_forward: bool | None = None  # None: true, false under a pipeline (one gather a step)
+    reshard_after_forward: bool | None = None  # None: true, false under a pipeline (no gather per micro-batch)
     cpu_offload: bool = False
     sync_batchnorm: bool = False
     backend: str | None = None  # None: nccl on CUDA, gloo on CPU
