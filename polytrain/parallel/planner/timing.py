@@ -162,6 +162,18 @@ def recompute_time(c: ChildProfile, micro: int, cp: int, hw: Hardware, f8: bool,
     return compute, tf * (0.5 if c.sequence_parallel else 1.0)
 
 
+def tp_pass_bytes(c: ChildProfile, micro: int, tp: int, f8: bool) -> float:
+    """Bytes one rank sends in a pass of a child's TP collectives: ``2 (t-1)/t`` of the payload; x 3/4 under
+    float8 with sequence parallelism (the all-gathers, half the bytes, in float8)."""
+    return micro * c.tp_allreduce_bytes * 2 * (tp - 1) / tp * (0.75 if f8 and c.sequence_parallel else 1.0)
+
+
+def gathered_bytes(c: ChildProfile, local: float, param_bytes: int, fp8_gather: bool) -> float:
+    """Bytes of a unit's ``local`` parameters as FSDP gathers them: the compute dtype, its Linear weights at
+    1 byte under the float8 all-gather."""
+    return local * param_bytes - (c.linear_params * (param_bytes - 1) if fp8_gather else 0)
+
+
 def tp_time(c: ChildProfile, micro: int, tp: int, hw: Hardware, f8: bool, async_tp: bool,
             matmul: float) -> tuple[float, float]:
     """(forward, backward) seconds of a child's TP collectives on the compute stream.
@@ -179,7 +191,7 @@ def tp_time(c: ChildProfile, micro: int, tp: int, hw: Hardware, f8: bool, async_
     k = tp_collectives(c)
     # Forward: the block's input cast before its gather (PrepareFloat8ModuleInput); backward: the gradient
     # of a row-parallel output cast before the gather that is its reduce-scatter's twin (_NoopFwToFloat8Bw).
-    wire = micro * c.tp_allreduce_bytes * 2 * (tp - 1) / tp / bw * (0.75 if f8 and c.sequence_parallel else 1.0)
+    wire = tp_pass_bytes(c, micro, tp, f8) / bw
     if async_tp and c.sequence_parallel:
         exposed = max(0.0, wire - matmul * (tp - 1) / tp) + 2 * k * lat
         return exposed, exposed
@@ -196,7 +208,7 @@ def fsdp_times(c: ChildProfile, tp: int, shard: int, replicate: int, param_bytes
     if not local:  # no parameters: not an FSDP unit, nothing to gather or reduce
         return 0.0, 0.0
     (dp_bw, dp_lat), (rep_bw, rep_lat) = links
-    gathered = local * param_bytes - (c.linear_params * (param_bytes - 1) if fp8_gather else 0)
+    gathered = gathered_bytes(c, local, param_bytes, fp8_gather)
     r = ring_time(local * master_bytes, shard, dp_bw, dp_lat)
     if replicate > 1:
         r += 2 * ring_time(local / shard * master_bytes, replicate, rep_bw, 0.0 if ddp else rep_lat)

@@ -8,7 +8,7 @@ an all-reduce twice that.
 from __future__ import annotations
 
 from polytrain.parallel.planner.profile import ChildProfile
-from polytrain.parallel.planner.timing import Features
+from polytrain.parallel.planner.timing import Features, gathered_bytes, tp_pass_bytes
 
 
 def ring_bytes(nbytes: float, ranks: int) -> float:
@@ -36,14 +36,12 @@ def stage_traffic(kids: tuple[ChildProfile, ...], ckpt: list[bool], features: Fe
     out: dict[str, float] = {}
     if tp > 1:
         out["tp"] = m * sum(
-            micro * c.tp_allreduce_bytes * 2 * (tp - 1) / tp * (0.75 if features.f8(i) and c.sequence_parallel else 1.0)
-            * _tp_passes(c, k, op) for i, (c, k) in enumerate(zip(kids, ckpt)))
+            tp_pass_bytes(c, micro, tp, features.f8(i)) * _tp_passes(c, k, op) for i, (c, k) in enumerate(zip(kids, ckpt)))
     local = [c.tp_params / tp + (c.params - c.tp_params) for c in kids]
     if shard > 1:
         gathers = (m + 1 if pp > 1 else 2) if reshard_after_forward else 1
         fp8 = [features.fp8_gather and features.f8(i) for i in range(len(kids))]
-        gathered = [n * param_bytes - (c.linear_params * (param_bytes - 1) if f else 0)
-                    for n, c, f in zip(local, kids, fp8)]
+        gathered = [gathered_bytes(c, n, param_bytes, f) for n, c, f in zip(local, kids, fp8)]
         out["dp_shard"] = sum(gathers * ring_bytes(g, shard) + ring_bytes(n * master_bytes, shard)
                               for g, n in zip(gathered, local))
     if dp_replicate > 1:
