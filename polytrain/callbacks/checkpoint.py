@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -12,6 +11,7 @@ from typing import Any
 from polytrain.callbacks.base import Callback
 from polytrain.callbacks.time_trigger import TimeTrigger
 from polytrain.checkpoint.layout import checkpoint_dir, write_latest_pointer
+from polytrain.core.files import temporary_sibling
 
 log = logging.getLogger("polytrain")
 
@@ -281,9 +281,7 @@ class ModelCheckpoint(Callback):
         write_latest_pointer(self.dirpath, path)
         if self.save_last and trainer.strategy.replicated and not os.path.basename(path).startswith("last"):
             last = self._last_link
-            tmp = last + ".tmp"
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            tmp = temporary_sibling(last)
             os.link(path, tmp)  # no second write: a hard link to the file just saved
             os.replace(tmp, last)
         for old in doomed:

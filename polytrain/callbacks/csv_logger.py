@@ -4,10 +4,12 @@ as new names appear), the hyperparameters in ``hparams.yaml`` beside it."""
 from __future__ import annotations
 
 import csv
+import io
 import os
 from typing import Any
 
 from polytrain.callbacks.loggers import DirectoryLogger, DummyExperiment, prefixed, write_hparams_yaml
+from polytrain.core.files import replace_text
 
 
 class CSVExperiment:
@@ -64,12 +66,11 @@ class CSVExperiment:
             return
         self._unwritten = False
         os.makedirs(self.log_dir, exist_ok=True)
-        tmp = self.metrics_file_path + ".tmp"
-        with open(tmp, "w", newline="", encoding="utf-8") as fh:
-            writer = csv.DictWriter(fh, fieldnames=self.metrics_keys)
-            writer.writeheader()
-            writer.writerows(self.metrics)
-        os.replace(tmp, self.metrics_file_path)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self.metrics_keys)
+        writer.writeheader()
+        writer.writerows(self.metrics)
+        replace_text(self.metrics_file_path, text.getvalue())
 
 
 class CSVLogger(DirectoryLogger):

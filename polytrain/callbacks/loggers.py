@@ -19,6 +19,7 @@ import yaml
 
 from polytrain.callbacks.base import Callback
 from polytrain.checkpoint.layout import next_version, version_name
+from polytrain.core.files import replace_text
 from polytrain.core.rank_zero import rank_zero_only
 
 
@@ -233,7 +234,4 @@ class DirectoryLogger(Logger):
 
 def write_hparams_yaml(path: str, params: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        yaml.safe_dump(params, fh, sort_keys=False)
-    os.replace(tmp, path)
+    replace_text(path, yaml.safe_dump(params, sort_keys=False))

@@ -7,6 +7,9 @@ ones); a ``latest`` file names the newest one written. ``resume: last`` takes th
 recently that holds a complete checkpoint, and in it the newest *complete* one: a file that loads,
 or a directory whose metadata was committed last. A torn newer one is skipped with a warning, never
 loaded. A root that holds ``checkpoints/`` itself (written before runs were versioned) is a run too.
+
+A new run's version directory is claimed by creating it exclusively (``claim_next_version``): two runs
+started together into one root never get the same ``version_N``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from polytrain.checkpoint.reading import META_FILE
 from polytrain.checkpoint.unpickler import METADATA_FILE
+from polytrain.core.files import replace_text
 
 log = logging.getLogger("polytrain")
 
@@ -43,6 +47,20 @@ def next_version(root: str) -> int:
         return 0
     taken = [int(m.group(1)) for m in map(_VERSION.match, os.listdir(root)) if m is not None]
     return max(taken) + 1 if taken else 0
+
+
+def claim_next_version(root: str) -> int:
+    """Create ``<root>/version_<n>`` for the next free ``n`` and return ``n``. The directory is created
+    exclusively: when another run created that one first (runs started together), the next ``n`` is
+    tried, so no two runs ever share a version directory."""
+    os.makedirs(root, exist_ok=True)
+    n = next_version(root)
+    while True:
+        try:
+            os.mkdir(os.path.join(root, version_name(n)))
+            return n
+        except FileExistsError:
+            n += 1
 
 
 def version_of(name: str) -> int | str:
@@ -111,10 +129,7 @@ def find_resumable(ckpt_dir: str) -> str | None:
 
 
 def write_latest_pointer(ckpt_dir: str, path: str) -> None:
-    tmp = os.path.join(ckpt_dir, f".{LATEST_POINTER}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(os.path.basename(path))
-    os.replace(tmp, os.path.join(ckpt_dir, LATEST_POINTER))
+    replace_text(os.path.join(ckpt_dir, LATEST_POINTER), os.path.basename(path))
 
 
 def runs_newest_first(root: str) -> list[str]:

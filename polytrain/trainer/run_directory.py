@@ -1,8 +1,8 @@
 """Where a Trainer's run writes, settled once when a stage starts, identically on every rank.
 
 Each run gets a directory of its own under the root, as Lightning's loggers give one:
-``<run_dir>/version_<n>`` (the next free ``n``), or ``<run_dir>/<version>`` when ``trainer.version`` names
-one. When the first logger is a file logger built by the user (``TensorBoardLogger(save_dir, name)``), its
+``<run_dir>/version_<n>`` (the next free ``n``, claimed by creating the directory exclusively, so runs
+started together never share one), or ``<run_dir>/<version>`` when ``trainer.version`` names one. When the first logger is a file logger built by the user (``TensorBoardLogger(save_dir, name)``), its
 ``<save_dir>/<name>`` is the root instead, as in Lightning. The run's logs and its ``checkpoints/`` live
 there, so a new run never writes over an earlier run's files, never moves its ``latest`` pointer, and
 ``resume: last`` never mixes two runs' checkpoints. A fit that resumes from a checkpoint of a run under
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from polytrain.callbacks.loggers import DirectoryLogger
 from polytrain.checkpoint.layout import (
+    claim_next_version,
     holds_files,
     next_version,
     resolve_resume,
@@ -28,7 +29,7 @@ from polytrain.checkpoint.layout import (
     version_of,
 )
 from polytrain.checkpoint.replicated import agree_on_error
-from polytrain.core.errors import ConfigError
+from polytrain.core.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
@@ -55,7 +56,7 @@ def settle_run_directory(trainer: Trainer, stage: str, ckpt_path: str | None, pr
     decision: Any = None
     if strategy.is_global_zero:
         try:
-            decision = _decide(trainer, stage, ckpt_path, previous)
+            decision = _decide(trainer, stage, ckpt_path, previous, _writes(trainer, stage))
         except Exception as err:  # noqa: BLE001 - every rank raises it, after the broadcast below
             decision = err
     decision = strategy.broadcast(decision)
@@ -79,9 +80,10 @@ def _writes(trainer: Trainer, stage: str) -> bool:
     return bool(trainer.loggers) or (stage == "fit" and trainer.checkpoint_callback is not None)
 
 
-def _decide(trainer: Trainer, stage: str, ckpt_path: str | None,
-            previous: RunDirectory | None) -> tuple[RunDirectory, list[int | str]]:
-    """Global rank 0 only: the run's directory, the checkpoint a fit resumes from, each file logger's version."""
+def _decide(trainer: Trainer, stage: str, ckpt_path: str | None, previous: RunDirectory | None,
+            writes: bool) -> tuple[RunDirectory, list[int | str]]:
+    """Global rank 0 only: the run's directory, the checkpoint a fit resumes from, each file logger's version.
+    A run that writes claims a new version directory as it picks it."""
     root, version = run_root(trainer)
     choice = ckpt_path if ckpt_path is not None else trainer.config.resume
     resume_from = resolve_path(trainer, choice) if stage == "fit" else None
@@ -99,11 +101,22 @@ def _decide(trainer: Trainer, stage: str, ckpt_path: str | None,
                 f"write over its files. Continue that run with resume=last (ckpt_path='last'), pick another "
                 f"version (the next free one is version_{next_version(root)}), or leave the version unset")
     else:
-        path = os.path.join(root, version_name(next_version(root)))
+        path = os.path.join(root, version_name(_new_version(trainer, root, writes)))
     name = version_of(os.path.basename(path))
     versions = [name if os.path.abspath(lg.root_dir) == os.path.abspath(root) else
-                (lg.asked_version if lg.asked_version is not None else next_version(lg.root_dir)) for lg in _directory_loggers(trainer)]
+                (lg.asked_version if lg.asked_version is not None else _new_version(trainer, lg.root_dir, writes))
+                for lg in _directory_loggers(trainer)]
     return RunDirectory(path, resume_from), versions
+
+
+def _new_version(trainer: Trainer, root: str, claim: bool) -> int:
+    """The next free version under ``root``; claimed (its directory created, exclusively) when ``claim``."""
+    if not claim:
+        return next_version(root)
+    try:
+        return claim_next_version(root)
+    except OSError as err:
+        raise CheckpointError(_unwritable(trainer, root, err)) from None
 
 
 def resolve_path(trainer: Trainer, choice: str | None) -> str | None:
@@ -130,6 +143,10 @@ def _create(trainer: Trainer, path: str) -> None:
             if not os.access(path, os.W_OK | os.X_OK):
                 raise PermissionError(13, "Permission denied")
         except OSError as err:
-            error = (f"cannot write trainer.run_dir={trainer.run_dir} (this run's directory: {path}): "
-                     f"{err.strerror or err}. Point trainer.run_dir at a writable directory")
+            error = _unwritable(trainer, path, err)
     agree_on_error(error, trainer.strategy.collective_device)
+
+
+def _unwritable(trainer: Trainer, path: str, err: OSError) -> str:
+    return (f"cannot write trainer.run_dir={trainer.run_dir} (this run's directory: {path}): "
+            f"{err.strerror or err}. Point trainer.run_dir at a writable directory")
