@@ -404,6 +404,6 @@ def test_fsdp_resume_mid_epoch_is_bitwise_equal_to_an_uninterrupted_run(tmp_path
         assert run["error"] is not None and "plain-file" in run["error"]
     assert ranks[0]["error"] == ranks[1]["error"]
     ckpt = tmp_path / "part" / "version_0" / "checkpoints" / "epoch=1-step=18"
-    assert sorted(os.listdir(ckpt)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert sorted(os.listdir(ckpt)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json", "meta.pt"]
     meta = torch.load(ckpt / "meta.pt", weights_only=True)
     assert meta["loop"]["global_step"] == 18 and meta["loop"]["batch_in_epoch"] == 6 and "model" not in meta

@@ -469,7 +469,7 @@ def test_fit_ckpt_path_last(tmp_path: Any, caplog: Any) -> None:
         trainer = Trainer(**QUIET, default_root_dir=str(tmp_path / "root"), logger=False, max_epochs=1)
         module = Recorder()
         trainer.fit(module, ckpt_path="last")
-    assert "holds no complete checkpoint; starting from scratch" in caplog.text
+    assert "holds no checkpoint; starting from scratch" in caplog.text
     assert module.trained()[0] == (0, 0) and trainer.global_step == 9
     resumed = Recorder()
     Trainer(**QUIET, default_root_dir=str(tmp_path / "root"), logger=False, max_epochs=2).fit(resumed,

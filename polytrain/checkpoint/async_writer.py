@@ -38,9 +38,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from polytrain.checkpoint.reading import META_FILE, quiet_single_process
-from polytrain.checkpoint.replicated import agree_on_error, atomic_save
-from polytrain.checkpoint.sharded import commit_dir, temporary_dir_for, write_error
+from polytrain.checkpoint.failures import (
+    FILE,
+    SHARDED,
+    Failure,
+    agree_on_error,
+    describe_write_failure,
+    payload_bytes,
+)
+from polytrain.checkpoint.reading import quiet_single_process
+from polytrain.checkpoint.replicated import atomic_save
+from polytrain.checkpoint.sharded import complete_directory, dcp_failure, temporary_dir_for
 from polytrain.checkpoint.state import TENSOR_KEYS
 from polytrain.core import collectives as C
 from polytrain.core import lazy
@@ -162,6 +170,14 @@ def _test_hooks() -> None:
         raise OSError(28, f"No space left on device (injected by {FAIL_RANK_ENV})")
 
 
+class _Failed(Exception):
+    """A background save whose failure is already described (possibly another rank's)."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
 class AsyncCheckpointWriter:
     """One background write at a time. ``save_file``/``save_sharded`` and ``finish`` are collectives:
     every rank calls them in the same order."""
@@ -169,7 +185,7 @@ class AsyncCheckpointWriter:
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._path: str | None = None
-        self._error: str | None = None
+        self._error: str | Failure | None = None  # this rank's failure, or another rank's it knows of
         self._pending = False  # set on every rank by an async save: `finish` then agrees (a collective)
         self._done = False  # this rank's write finished without error (guarded by _lock)
         self._after: list[Callable[[], None]] = []
@@ -252,7 +268,7 @@ class AsyncCheckpointWriter:
                     raise local_error
                 atomic_save(staged, path)
 
-            self._start(path, write, deferred)
+            self._start(path, write, deferred, FILE, payload_bytes(staged))
         self._pending = True
 
     def save_sharded(self, state: dict[str, Any], path: str,
@@ -272,29 +288,38 @@ class AsyncCheckpointWriter:
             with quiet_single_process():
                 future = dcp.async_save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
 
-            def save_shards(local_error: BaseException | None) -> None:
-                future.result()
+            def save_shards(local_error: BaseException | None) -> str | None:
+                """This rank's failure, in one line (None: none here)."""
+                try:
+                    future.result()
+                except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - gathered after
+                    return dcp_failure(err, path, tensors)
                 if local_error is not None:
-                    raise local_error
+                    return describe_write_failure(local_error, path, SHARDED, payload_bytes(tensors))
+                return None
         else:
             staged = stage(tensors, self._shard_buffers, deferred, updated_storages(updated_by or []))
 
-            def save_shards(local_error: BaseException | None) -> None:
+            def save_shards(local_error: BaseException | None) -> str | None:
                 # Every rank enters DCP's collectives, a rank whose staging failed too: its planner raises,
                 # and DCP fails the save on every rank (no rank is left waiting for it).
                 planner = None if local_error is None else _failing_planner(local_error)
-                with quiet_single_process():
-                    dcp.save(staged, storage_writer=writer, planner=planner, process_group=group,
-                             no_dist=group is None)
+                try:
+                    with quiet_single_process():
+                        dcp.save(staged, storage_writer=writer, planner=planner, process_group=group,
+                                 no_dist=group is None)
+                except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - gathered after
+                    return dcp_failure(err, path, staged)
+                return None
         meta = stage({k: v for k, v in state.items() if k not in TENSOR_KEYS}) if C.rank() == 0 else None
 
         def write(local_error: BaseException | None) -> None:
-            save_shards(local_error)  # DCP's last collective has run: every rank's shards are on disk
-            if meta is not None:
-                atomic_save(meta, os.path.join(tmp, META_FILE))
-                commit_dir(tmp, path)
+            own = save_shards(local_error)  # DCP's last collective has run: every rank's shards are on disk
+            failure = complete_directory(tmp, path, meta, own, background_group=group)
+            if failure is not None:
+                raise _Failed(failure)
 
-        self._start(path, write, deferred, cleanup=tmp if C.rank() == 0 else None)
+        self._start(path, write, deferred, SHARDED, None, cleanup=tmp if C.rank() == 0 else None)
         self._pending = True
 
     def _save_group(self) -> Any:
@@ -307,8 +332,8 @@ class AsyncCheckpointWriter:
             self._group, self._group_of = dist.new_group(backend="gloo"), default
         return self._group
 
-    def _start(self, path: str, write: Callable[[BaseException | None], None], deferred: Copies,
-               cleanup: str | None = None) -> None:
+    def _start(self, path: str, write: Callable[[BaseException | None], None], deferred: Copies, kind: str,
+               needed: int | None, cleanup: str | None = None) -> None:
         """Run ``write`` in the writer thread after the deferred copies; it gets the error of those (or of
         the test hooks) and must raise it, after any collective the other ranks' writes enter."""
         self._path, self._error, self._done, self._after = path, None, False, []
@@ -333,7 +358,7 @@ class AsyncCheckpointWriter:
                 for action in actions:
                     action()
             except BaseException as err:  # noqa: BLE001 - agreed on and raised by every rank in finish()
-                self._error = write_error(path, err)
+                self._error = err.failure if isinstance(err, _Failed) else describe_write_failure(err, path, kind, needed)
                 if cleanup is not None and os.path.isdir(cleanup):
                     shutil.rmtree(cleanup, ignore_errors=True)
 

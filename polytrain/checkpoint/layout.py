@@ -4,9 +4,15 @@ Each run writes into its own version directory under the root (``<run_dir>/versi
 the user gave), as Lightning's loggers do, so a new run never writes over an earlier one's files.
 ``<version>/checkpoints/`` holds ``.ckpt`` files (replicated strategies) and DCP directories (sharded
 ones); a ``latest`` file names the newest one written. ``resume: last`` takes the run written most
-recently that holds a complete checkpoint, and in it the newest *complete* one: a file that loads,
-or a directory whose metadata was committed last. A torn newer one is skipped with a warning, never
-loaded. A root that holds ``checkpoints/`` itself (written before runs were versioned) is a run too.
+recently that holds a complete checkpoint, and in it the newest *complete* one: verified against its
+checksums (``integrity``: a file's zip records, a directory's manifest) and loadable. A torn or damaged
+newer one is skipped with a warning naming it, never loaded. A root that holds ``checkpoints/`` itself
+(written before runs were versioned) is a run too.
+
+When checkpoints exist but none is complete, ``last`` refuses to start (it means "continue"), naming
+what it found, and so does the config's ``resume: last`` when there is no checkpoint at all; ``resume:
+auto`` starts fresh. Only Lightning's ``fit(ckpt_path="last")`` with no checkpoint at all warns and
+starts fresh, as Lightning does.
 
 A new run's version directory is claimed by creating it exclusively (``claim_next_version``): two runs
 started together into one root never get the same ``version_N``.
@@ -20,8 +26,10 @@ import re
 
 import torch
 
+from polytrain.checkpoint.integrity import verify_directory, verify_file
 from polytrain.checkpoint.reading import META_FILE
 from polytrain.checkpoint.unpickler import METADATA_FILE
+from polytrain.core.errors import CheckpointError, ConfigError
 from polytrain.core.files import replace_text
 
 log = logging.getLogger("polytrain")
@@ -87,15 +95,28 @@ def holds_files(path: str) -> list[str]:
     return sorted(n for n in os.listdir(path) if not n.startswith("."))
 
 
-def is_complete(path: str) -> bool:
-    """A file that loads, or a sharded directory whose metadata was committed last."""
-    if os.path.isdir(path):
-        return os.path.exists(os.path.join(path, METADATA_FILE)) and os.path.exists(os.path.join(path, META_FILE))
+def damage(path: str) -> str | None:
+    """Why ``path`` is not a complete checkpoint (None: it is). A file: its records match their CRC-32s
+    and it loads (weights only); a sharded directory: DCP's metadata and the payload are there and every
+    file matches the manifest's size and checksum."""
     try:
+        if os.path.isdir(path):
+            missing = [n for n in (METADATA_FILE, META_FILE) if not os.path.exists(os.path.join(path, n))]
+            if missing:
+                return f"{', '.join(missing)} missing"
+            verify_directory(path)
+            return None
+        verify_file(path)
         torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return True
-    except Exception:  # noqa: BLE001 - torn, truncated or refused: not a resume candidate
-        return False
+        return None
+    except CheckpointError as err:
+        return str(err)
+    except Exception as err:  # noqa: BLE001 - torn, truncated or refused: not a resume candidate
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+
+
+def is_complete(path: str) -> bool:
+    return damage(path) is None
 
 
 def candidates(ckpt_dir: str) -> list[str]:
@@ -116,15 +137,19 @@ def candidates(ckpt_dir: str) -> list[str]:
     return entries
 
 
-def find_resumable(ckpt_dir: str) -> str | None:
-    """The newest complete checkpoint; a torn newer one is skipped with a warning."""
+def find_resumable(ckpt_dir: str, rejected: list[str] | None = None) -> str | None:
+    """The newest complete checkpoint; a torn or damaged newer one is skipped with a warning naming it
+    (and added to ``rejected``, with why)."""
     for i, path in enumerate(candidates(ckpt_dir)):
-        if is_complete(path):
+        why = damage(path)
+        if why is None:
             if i:
                 log.warning("resuming from %s: %d newer checkpoint(s) in %s are incomplete or corrupt",
                             path, i, ckpt_dir)
             return path
-        log.warning("checkpoint %s is incomplete or corrupt; trying an older one", path)
+        log.warning("checkpoint %s is incomplete or corrupt (%s); trying an older one", path, why)
+        if rejected is not None:
+            rejected.append(f"{os.path.basename(path)} ({why})")
     return None
 
 
@@ -145,22 +170,36 @@ def runs_newest_first(root: str) -> list[str]:
     return sorted(runs, key=written, reverse=True)
 
 
-def resolve_resume(resume: str | None, root: str, version: int | str | None = None) -> str | None:
+def resolve_resume(resume: str | None, root: str, version: int | str | None = None,
+                   last_may_start_fresh: bool = False) -> str | None:
     """``None`` | ``"last"`` | ``"auto"`` | a path -> the checkpoint to load (or None). ``last``/``auto``
     look in one run: ``version`` when given, else the run under ``root`` written most recently that
-    holds a complete checkpoint; the log says which run and which file."""
+    holds a complete checkpoint; the log says which run and which file. ``last`` with nothing to load
+    raises, unless ``last_may_start_fresh`` and there is no checkpoint at all (Lightning's
+    ``ckpt_path="last"``)."""
     if resume is None:
         return None
     if resume in ("last", "auto"):
         runs = [os.path.join(root, version_name(version))] if version is not None else runs_newest_first(root)
+        rejected: list[str] = []
         for run in runs:
-            path = find_resumable(checkpoint_dir(run))
+            path = find_resumable(checkpoint_dir(run), rejected)
             if path is not None:
                 log.warning("resume=%r: continuing the run in %s from %s", resume, run, os.path.basename(path))
                 return path
+        if resume == "last" and last_may_start_fresh and not rejected:
+            log.warning("ckpt_path='last' but %s holds no checkpoint; starting from scratch",
+                        runs[0] if version is not None else root)
+            return None
         if resume == "last":
             where = runs[0] if version is not None else root
-            log.warning("resume='last' but %s holds no complete checkpoint; starting from scratch", where)
+            found = f"its checkpoints cannot be loaded: {'; '.join(rejected)}" if rejected else "it holds no checkpoint"
+            raise ConfigError(f"resume='last' continues a run, but there is nothing to continue in {where}: {found}. "
+                              f"Start fresh with resume=auto (a fresh start when there is no checkpoint) or no "
+                              f"resume, or name a checkpoint file")
+        if rejected:
+            log.warning("resume='auto': no checkpoint under %s can be loaded (%s); starting from scratch",
+                        root, "; ".join(rejected))
         return None
     if not os.path.exists(resume):
         raise FileNotFoundError(f"checkpoint to resume from does not exist: {resume}")

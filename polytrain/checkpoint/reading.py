@@ -1,7 +1,8 @@
 """Reading a whole checkpoint into one process as full CPU tensors, with no process group: a
 replicated ``.ckpt`` file, a bare ``state_dict`` written by a plain loop, a Lightning checkpoint (its
-weights and hyperparameters), or a sharded (DCP) directory. Used by replicated strategies (every rank reads the whole file), by sharded ones
-loading a replicated file, and by ``polytrain checkpoint consolidate``.
+weights and hyperparameters), or a sharded (DCP) directory. Used by replicated strategies (every rank
+reads the whole file), by sharded ones loading a replicated file, and by ``polytrain checkpoint
+consolidate``. Every checkpoint is verified against its checksums first (``integrity``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from polytrain.checkpoint.integrity import verify_directory, verify_file
 from polytrain.checkpoint.unpickler import METADATA_FILE, safe_load_planner, safe_reader
 from polytrain.core import lazy
 from polytrain.core.errors import CheckpointError
@@ -34,6 +36,7 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     any process group. Never unpickles without restriction."""
     if os.path.isdir(path):
         return read_sharded(path)
+    verify_file(path)
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -53,7 +56,9 @@ def read_checkpoint(path: str) -> dict[str, Any]:
 
 
 def check_complete(path: str) -> None:
-    """Both files present, and ``.metadata`` passes the allow-list before DCP ever reads it."""
+    """Both files present, and ``.metadata`` passes the allow-list before DCP ever reads it. The
+    manifest's checksums are checked separately (``integrity.verify_directory``): over every file when
+    one process reads the directory, split over the ranks when each reads its shards."""
     missing = [n for n in (METADATA_FILE, META_FILE) if not os.path.exists(os.path.join(path, n))]
     if missing:
         raise CheckpointError(f"sharded checkpoint {path} is incomplete: {', '.join(missing)} missing (a save that "
@@ -77,15 +82,27 @@ def read_meta(path: str) -> dict[str, Any]:
 def read_sharded(path: str) -> dict[str, Any]:
     """The whole checkpoint as full (unsharded) CPU tensors; needs no process group."""
     check_complete(path)
+    verify_directory(path)
     state: dict[str, Any] = {}
     try:
         # Not dcp.load: it loads into a copy holding only the keys passed in, so an empty dict
         # (filled by the empty planner) comes back empty. The inner loader fills `state` itself.
         with quiet_single_process():
             lazy.dcp().state_dict_loader._load_state_dict(state, storage_reader=safe_reader(path), planner=safe_load_planner(empty=True), no_dist=True)
-    except Exception as err:  # noqa: BLE001 - DCP wraps refusals and torn shards alike
-        raise CheckpointError(f"sharded checkpoint {path} cannot be loaded safely: {err}") from None
+    except (Exception, lazy.dcp().CheckpointException) as err:  # noqa: BLE001 - DCP wraps refusals and torn shards alike
+        raise CheckpointError(f"sharded checkpoint {path} cannot be loaded safely: {dcp_reason(err)}") from None
     return {**read_meta(path), **state}
+
+
+def dcp_reason(err: BaseException) -> str:
+    """One line for a DCP failure: its first rank's error (DCP's own text is a traceback per rank)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (inner, _) = min(failures.items())
+        text = str(inner).strip().splitlines()
+        return f"{type(inner).__name__} on rank {rank}: {text[0] if text else '(no message)'}"
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
 
 
 @contextmanager

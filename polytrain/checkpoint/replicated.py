@@ -1,8 +1,10 @@
-"""Checkpoint files: global rank 0 writes one file atomically, every rank reads it whole. Also the two
-pieces every checkpoint write shares: ``atomic_save`` and ``agree_on_error``.
+"""Checkpoint files: global rank 0 writes one file atomically, every rank reads it whole (after checking
+every record against its CRC-32: ``integrity.verify_file``). Also ``atomic_save``, the write every
+checkpoint file shares.
 
-A write failure on rank 0 (full disk, read-only directory) is agreed on by all ranks, so each
-one raises the same clear error instead of some waiting at a barrier forever.
+A write failure on rank 0 (full disk, file-size limit, read-only directory) is agreed on by all ranks,
+so each one raises the same one-line ``CheckpointError`` naming the cause (``failures``) instead of some
+waiting at a barrier forever.
 
 File format: ``model`` is a plain ``state_dict`` (``torch.load(path)["model"]`` loads into a plain
 ``nn.Module``); ``optimizer`` is every optimizer's state flattened and keyed by parameter name
@@ -17,10 +19,12 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from polytrain.checkpoint.failures import FILE, agree_on_error, describe_write_failure, payload_bytes
 from polytrain.checkpoint.reading import read_checkpoint
 from polytrain.checkpoint.state import Loaded
 from polytrain.core import collectives as C
@@ -28,12 +32,13 @@ from polytrain.core.errors import CheckpointError
 
 
 def atomic_save(obj: Any, path: str) -> None:
-    """Write to a temporary file in the same directory, fsync, then rename over ``path``."""
+    """Write to a temporary file in the same directory, fsync, then rename over ``path``. Every record
+    carries its CRC-32 (torch's default, kept on here: loads verify them)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".ckpt", dir=directory)
     try:
-        with os.fdopen(fd, "wb") as fh:
+        with os.fdopen(fd, "wb") as fh, _checksummed():
             torch.save(obj, fh)
             fh.flush()
             os.fsync(fh.fileno())
@@ -44,14 +49,17 @@ def atomic_save(obj: Any, path: str) -> None:
         raise
 
 
-def agree_on_error(error: str | None, device: torch.device | None = None) -> None:
-    """Every rank raises if any rank failed; the first failing rank's message is shown by all. ``device``:
-    where the agreement's tensor lives (default: what the default group's backend takes)."""
-    failed = C.any_rank(error is not None, device if device is not None else C.default_device())
-    if failed:
-        messages = C.all_gather_object(error)
-        first = next((i, m) for i, m in enumerate(messages) if m is not None)
-        raise CheckpointError(f"checkpoint failed on rank {first[0]}: {first[1]}")
+@contextlib.contextmanager
+def _checksummed() -> Iterator[None]:
+    """torch.save with CRC-32s even where the user switched them off (``set_crc32_options``)."""
+    if torch.serialization.get_crc32_options():
+        yield
+        return
+    torch.serialization.set_crc32_options(True)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(False)
 
 
 def save_file(state: dict[str, Any], path: str) -> None:
@@ -60,9 +68,8 @@ def save_file(state: dict[str, Any], path: str) -> None:
     if C.rank() == 0:
         try:
             atomic_save(state, path)
-        except OSError as err:
-            error = (f"cannot write {path}: {err.strerror or err}. Point trainer.run_dir at a writable "
-                     f"directory with free space")
+        except Exception as err:  # noqa: BLE001 - torch reports a full disk as a RuntimeError: agreed on below
+            error = describe_write_failure(err, path, FILE, payload_bytes(state))
     agree_on_error(error)
 
 

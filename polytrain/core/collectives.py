@@ -32,6 +32,11 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def world_size(group: Any = None) -> int:
+    """Processes in ``group`` (the default group: all of them; 1 without a process group)."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
 def default_device() -> torch.device:
     """Where the default group's small control tensors live: the current GPU under NCCL, else the CPU."""
     if active() and dist.get_backend() == "nccl":
@@ -92,13 +97,16 @@ def all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     return torch.stack(out)
 
 
-def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+def all_gather_object(obj: Any, group: Any = None, background: bool = False) -> list[Any]:
     """Every rank's ``obj`` (picklable). Plain CPU tensors inside dicts, lists and tuples travel as raw
     bytes: pickle would write a tensor's storage through ``torch.save`` and read it back through
-    ``torch.load``, for a checkpoint's RNG states at every save."""
+    ``torch.load``, for a checkpoint's RNG states at every save. ``background``: called from a thread
+    of its own over a group of its own (a checkpoint writer), so the divergence guard, which follows
+    the training thread's collectives, does not count it."""
     if not active(group):
         return [obj]
-    check_in("all_gather_object", group)
+    if not background:
+        check_in("all_gather_object", group)
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, _pack(obj), group=group)
     return [_unpack(item) for item in out]

@@ -82,7 +82,7 @@ def _checkpoint_plan(trainer: Trainer, stage: str, ckpt_path: str | None) -> tup
     choice = ckpt_path if ckpt_path is not None else trainer.config.resume
     if stage != "fit" or choice is None:
         return None, None
-    path = resolve_path(trainer, choice)
+    path = resolve_path(trainer, choice, ckpt_path is not None)
     if path is None:
         return None, None
     if os.path.isdir(path):

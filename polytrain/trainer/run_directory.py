@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from polytrain.callbacks.loggers import DirectoryLogger
+from polytrain.checkpoint.failures import agree_on_error
 from polytrain.checkpoint.layout import (
     claim_next_version,
     holds_files,
@@ -28,7 +29,6 @@ from polytrain.checkpoint.layout import (
     version_name,
     version_of,
 )
-from polytrain.checkpoint.replicated import agree_on_error
 from polytrain.core.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ def _decide(trainer: Trainer, stage: str, ckpt_path: str | None, previous: RunDi
     A run that writes claims a new version directory as it picks it."""
     root, version = run_root(trainer)
     choice = ckpt_path if ckpt_path is not None else trainer.config.resume
-    resume_from = resolve_path(trainer, choice) if stage == "fit" else None
+    resume_from = resolve_path(trainer, choice, ckpt_path is not None) if stage == "fit" else None
     adopted = run_of_checkpoint(resume_from, root) if resume_from is not None else None
     if adopted:  # a run under the root: continue it there
         path = os.path.join(root, adopted)
@@ -119,8 +119,10 @@ def _new_version(trainer: Trainer, root: str, claim: bool) -> int:
         raise CheckpointError(_unwritable(trainer, root, err)) from None
 
 
-def resolve_path(trainer: Trainer, choice: str | None) -> str | None:
-    """``None`` | ``"last"`` | ``"auto"`` | ``"best"`` | a path -> the checkpoint to load (global rank 0)."""
+def resolve_path(trainer: Trainer, choice: str | None, argument: bool = False) -> str | None:
+    """``None`` | ``"last"`` | ``"auto"`` | ``"best"`` | a path -> the checkpoint to load (global rank 0).
+    ``argument``: the choice came as ``ckpt_path`` (Lightning's argument, whose ``"last"`` starts fresh when
+    there is no checkpoint at all), not as the config's ``resume``."""
     if choice == "best":
         callback = trainer.checkpoint_callback
         best = getattr(callback, "best_model_path", None)
@@ -130,7 +132,7 @@ def resolve_path(trainer: Trainer, choice: str | None) -> str | None:
                               f"fit with checkpointing enabled first (monitor=... ranks them), or pass a path or 'last'")
         return best
     root, version = run_root(trainer)
-    return resolve_resume(choice, root, version)
+    return resolve_resume(choice, root, version, last_may_start_fresh=argument)
 
 
 def _create(trainer: Trainer, path: str) -> None:

@@ -28,6 +28,7 @@ from .helpers import (
     run_script_args,
     torchrun,
     trials,
+    with_small_tmpfs,
     write_config,
 )
 
@@ -37,6 +38,7 @@ KILL_STEP = 5  # killed in training_step once 5 optimizer steps are done; the ne
 FAIL_STEP = 3  # the deliberate exception / the stuck rank
 STUCK_TIMEOUT = 10.0  # trainer.timeout for the stuck-rank scenario
 CKPT_KILL_MODES = ("mid_write", "before_rename", "after_rename")
+DISK_FAULT_STRATEGIES = (("single", 1), ("ddp", 2), ("fsdp", 2))
 
 
 def build_jobs(root: Path) -> list[Job]:
@@ -108,6 +110,15 @@ def build_jobs(root: Path) -> list[Job]:
     add("ckpt/enospc", [sys.executable, str(SCRIPTS / "ckpt_fault.py"), str(out / "run"), "enospc", "4"], job_env(), out,
         timeout=150.0, meta={"save_number": 4})
 
+    # 4b. a full file system and a file-size limit under sync and async saves (single, ddp x2, fsdp x2)
+    for strategy, world in DISK_FAULT_STRATEGIES:
+        out = root / f"disk-{strategy}"
+        out.mkdir(parents=True, exist_ok=True)
+        script = [sys.executable, str(SCRIPTS / "disk_fault.py"), str(out), strategy, str(world)]
+        wrapped = with_small_tmpfs(out / "full-fs", script)
+        add(f"disk/{strategy}", wrapped or script, job_env(), out, timeout=400.0,
+            meta={"strategy": strategy, "world": world, "full_fs": wrapped is not None})
+
     # 7. the CLI refuses a bad config before any worker starts (devices=2 would start two)
     for i, (override, key) in enumerate([("trainer.max_epoch=3", "max_epoch"),
                                           ("trainer.strategy.bucket_cap_mb=lots", "bucket_cap_mb")]):
@@ -121,7 +132,8 @@ def build_jobs(root: Path) -> list[Job]:
 
 # Which scenarios each test module inspects: a partial run (one file, -k) starts only those.
 JOB_PREFIXES = {"test_elastic": ("elastic/",), "test_failures": ("fail/", "stuck/"),
-                "test_checkpoints": ("unwritable/", "ckpt/"), "test_config_safety": ("config/",)}
+                "test_checkpoints": ("unwritable/", "ckpt/"), "test_config_safety": ("config/",),
+                "test_disk_faults": ("disk/",)}
 _background: dict[str, Any] = {}
 
 

@@ -100,6 +100,23 @@ def run_script_args(out_dir: str | Path, trainer: dict[str, Any], module: dict[s
             "--every-n-steps", str(every_n_steps), "--top-k", str(top_k)]
 
 
+def with_small_tmpfs(mount_point: str | Path, cmd: list[str], size: str = "32m") -> list[str] | None:
+    """``cmd`` run in a mount namespace of its own where ``mount_point`` is a tmpfs of ``size`` (a file system
+    the job can fill without touching the machine's), or None where no mount namespace can be made (as
+    root: ``unshare -m``; otherwise a user namespace, ``unshare -rm``)."""
+    flags = ["-m"] if os.geteuid() == 0 else ["-r", "-m"]
+    try:
+        probe = subprocess.run(["unshare", *flags, "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt 2>/dev/null "
+                                "|| mount -t tmpfs -o size=1m tmpfs /tmp"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if probe.returncode != 0:
+        return None
+    os.makedirs(mount_point, exist_ok=True)
+    return ["unshare", *flags, "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$@"', str(mount_point),
+            *cmd, "--full-fs", str(mount_point)]
+
+
 def polytrain_cli(config: str | Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "polytrain", "fit", "--config", str(config), *overrides]
 
