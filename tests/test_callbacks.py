@@ -279,11 +279,12 @@ def test_csv_logger_rows(make_trainer: MakeTrainer, run_dir: str) -> None:
     trainer.fit(TinyModule(n=8, batch_size=4, val_n=4, lr=0.05))
     assert any(isinstance(cb, CSVLogger) for cb in trainer.callbacks)
     rows = read_csv(os.path.join(run_dir, "version_0", "metrics.csv"))
-    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
-    assert all(r["train/loss"] for r in rows)
-    # Validation's epoch value lands on the row of the step it was computed at.
-    assert [bool(r["val/loss"]) for r in rows] == [False, True, False, True]
-    assert float(rows[-1]["val/loss"]) == pytest.approx(float(trainer.callback_metrics["val/loss"]))
+    # A row per log_metrics call, as Lightning: the training step's, then each validation's of its own, at
+    # the step it was computed at and with its epoch.
+    assert [(int(r["step"]), r["epoch"]) for r in rows if r["train/loss"]] == [(1, "0"), (2, "0"), (3, "1"), (4, "1")]
+    validation = [r for r in rows if r["val/loss"]]
+    assert [(int(r["step"]), r["epoch"], r["train/loss"]) for r in validation] == [(2, "0", ""), (4, "1", "")]
+    assert float(validation[-1]["val/loss"]) == pytest.approx(float(trainer.callback_metrics["val/loss"]))
 
 
 def test_csv_logger_resume_keeps_earlier_rows(quiet_kwargs: dict[str, Any], run_dir: str) -> None:
@@ -292,13 +293,14 @@ def test_csv_logger_resume_keeps_earlier_rows(quiet_kwargs: dict[str, Any], run_
     kwargs = {**quiet_kwargs, "logger": "csv", "enable_checkpointing": True}
     Trainer(**kwargs, max_epochs=1).fit(TinyModule(n=8, val_n=None, lr=0.05))
     first = read_csv(os.path.join(run_dir, "version_0", "metrics.csv"))
-    assert [int(r["step"]) for r in first] == [1, 2]
+    assert [int(r["step"]) for r in first if r["train/loss"]] == [1, 2]
 
     resumed = Trainer(**kwargs, max_epochs=2)
     resumed.fit(TinyModule(n=8, val_n=None, lr=0.05), ckpt_path="last")
     rows = read_csv(os.path.join(run_dir, "version_0", "metrics.csv"))
-    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
-    assert rows[:2] == first  # the resumed run did not overwrite what came before the checkpoint
+    assert [int(r["step"]) for r in rows if r["train/loss"]] == [1, 2, 3, 4]
+    # The resumed run did not overwrite what came before the checkpoint.
+    assert [{k: r[k] for k in first[0]} for r in rows[:len(first)]] == first
 
 
 def test_tensorboard_logger_writes_scalars(make_trainer: MakeTrainer, run_dir: str) -> None:
@@ -348,11 +350,11 @@ class StepLRModule(TinyModule):
 def test_learning_rate_monitor_logs_lr(make_trainer: MakeTrainer, run_dir: str) -> None:
     trainer = make_trainer(max_epochs=1, logger="csv", callbacks=[LearningRateMonitor()])
     trainer.fit(StepLRModule(n=12, batch_size=4, val_n=None))
-    rows = read_csv(os.path.join(run_dir, "version_0", "metrics.csv"))
+    rows = [r for r in read_csv(os.path.join(run_dir, "version_0", "metrics.csv")) if r.get("lr-SGD")]
     assert [int(r["step"]) for r in rows] == [1, 2, 3]
-    # Logged after the optimizer and scheduler stepped: lr after `step` scheduler steps.
+    # As Lightning: logged before the step, the rate that step uses (step n: after n - 1 scheduler steps).
     for r in rows:
-        assert float(r["lr-SGD"]) == pytest.approx(0.1 * 0.5 ** int(r["step"]))
+        assert float(r["lr-SGD"]) == pytest.approx(0.1 * 0.5 ** (int(r["step"]) - 1))
 
 
 def test_learning_rate_monitor_epoch_interval(make_trainer: MakeTrainer, run_dir: str) -> None:
@@ -361,11 +363,11 @@ def test_learning_rate_monitor_epoch_interval(make_trainer: MakeTrainer, run_dir
     trainer.fit(StepLRModule(n=8, batch_size=4, val_n=None))
     rows = read_csv(os.path.join(run_dir, "version_0", "metrics.csv"))
     lrs = {int(r["step"]): float(r["lr-SGD"]) for r in rows if r.get("lr-SGD")}
-    assert lrs == {0: pytest.approx(0.1), 2: pytest.approx(0.1 * 0.5**2)}
+    assert lrs == {1: pytest.approx(0.1), 3: pytest.approx(0.1 * 0.5**2)}  # at the step that comes next
 
 
 def test_learning_rate_monitor_bad_interval() -> None:
-    with pytest.raises(ValueError, match="step, epoch"):
+    with pytest.raises(ValueError, match="step, epoch, None"):
         LearningRateMonitor(logging_interval="batch")
 
 

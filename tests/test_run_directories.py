@@ -209,7 +209,8 @@ trainer:
     assert fit.returncode == 0, fit.stderr[-3000:]
     metrics = run_dir / "version_0" / "metrics.csv"
     rows = _rows(str(metrics))
-    assert len(rows) == 8  # a row per step (the epoch values join their step's row)
+    # A row per step, one per epoch's validation, one for the fit's goodput (a row per log_metrics call).
+    assert len(rows) == 8 + 2 + 1 and len([r for r in rows if r.get("train/loss")]) == 8
     test = subprocess.run([sys.executable, "-m", "polytrain", "test", "-c", str(config), "--ckpt", "last"], env=env,
                           capture_output=True, text=True, timeout=240)
     assert test.returncode == 0, test.stderr[-3000:]

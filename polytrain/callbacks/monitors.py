@@ -10,46 +10,97 @@ import torch
 from polytrain.callbacks.base import Callback
 
 
-def _log(trainer: Any, metrics: dict[str, float]) -> None:
+def _log(trainer: Any, metrics: dict[str, float], step: int) -> None:
     # In callback_metrics on every rank (as Lightning's LearningRateMonitor puts its rates there), to the
     # loggers from the logging rank.
     trainer.callback_metrics.update({name: torch.tensor(value) for name, value in metrics.items()})
     if trainer.is_logging_rank:
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, trainer.global_step)
+            logger.log_metrics(metrics, step)
 
 
 class LearningRateMonitor(Callback):
-    """Logs ``lr-<Optimizer>[/pg<i>]`` on logging steps or once per epoch."""
+    """Lightning's ``LearningRateMonitor(logging_interval=None, log_momentum=False, log_weight_decay=False)``.
 
-    def __init__(self, logging_interval: str = "step") -> None:
-        if logging_interval not in ("step", "epoch"):
-            raise ValueError(f"LearningRateMonitor logging_interval={logging_interval!r}; valid: step, epoch")
+    Logs each optimizer's rate as ``lr-<Optimizer>`` (``-1``, ``-2`` for more optimizers of one class, a
+    scheduler config's ``name`` instead when it has one, ``/pg1``, ``/pg2`` or the group's ``name`` for
+    several parameter groups), with ``-momentum`` and ``-weight_decay`` beside it when asked, to the
+    loggers and into ``callback_metrics``:
+
+    - ``logging_interval="step"``: before the batch whose optimizer step is a logged one (step n with n a
+      multiple of ``log_every_n_steps``), so the value is the rate step n uses, logged at step n, beside
+      that step's loss;
+    - ``"epoch"``: when each training epoch starts, at the step that comes next;
+    - ``None``: rates of step-interval schedulers per logged step, of epoch-interval ones per epoch, of
+      optimizers without a scheduler both.
+
+    Without a logger the rates still reach ``callback_metrics`` (Lightning refuses such a Trainer; a config
+    run with ``trainer.logger=false`` keeps its callbacks here).
+    """
+
+    def __init__(self, logging_interval: str | None = None, log_momentum: bool = False,
+                 log_weight_decay: bool = False) -> None:
+        if logging_interval not in (None, "step", "epoch"):
+            raise ValueError(f"LearningRateMonitor logging_interval={logging_interval!r}; valid: step, epoch, None")
         self.logging_interval = logging_interval
+        self.log_momentum = log_momentum
+        self.log_weight_decay = log_weight_decay
 
-    @staticmethod
-    def learning_rates(trainer: Any) -> dict[str, float]:
-        out = {}
-        for i, opt in enumerate(trainer.strategy.optimizers):
-            name = f"lr-{type(opt).__name__}" + (f"-{i}" if len(trainer.strategy.optimizers) > 1 else "")
-            groups = opt.param_groups
-            for j, group in enumerate(groups):
-                out[name + (f"/pg{j}" if len(groups) > 1 else "")] = float(group["lr"])
-        return out
-
-    _last_step = -1
-
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step
-        # Once per optimizer step: micro-batches of an accumulation window share the step number.
-        if self.logging_interval == "step" and step and step % trainer.config.log_every_n_steps == 0 \
-                and step != self._last_step:
-            self._last_step = step
-            _log(trainer, self.learning_rates(trainer))
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        every = trainer.config.log_every_n_steps
+        upcoming = trainer.global_step + 1  # the step this batch belongs to (its rate is set by now)
+        if self.logging_interval != "epoch" and every and (upcoming % every == 0 or trainer.should_stop):
+            _log(trainer, self.rates(trainer, "step" if self.logging_interval is None else "any"), upcoming)
 
     def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
-        if self.logging_interval == "epoch":
-            _log(trainer, self.learning_rates(trainer))
+        if self.logging_interval != "step":
+            _log(trainer, self.rates(trainer, "epoch" if self.logging_interval is None else "any"),
+                 trainer.global_step + 1)
+
+    def rates(self, trainer: Any, interval: str) -> dict[str, float]:
+        """The values to log: optimizers whose scheduler steps per ``interval`` (``any``: all), and every
+        optimizer without a scheduler."""
+        out: dict[str, float] = {}
+        for optimizer, scheduled_per, names in _named_optimizers(trainer):
+            if scheduled_per is not None and interval not in (scheduled_per, "any"):
+                continue
+            uses_betas = "betas" in optimizer.defaults
+            for group, name in zip(optimizer.param_groups, names):
+                out[name] = group["lr"]
+                if self.log_momentum:
+                    out[f"{name}-momentum"] = group["betas"][0] if uses_betas else group.get("momentum", 0)
+                if self.log_weight_decay:
+                    out[f"{name}-weight_decay"] = group["weight_decay"]
+        return out
+
+
+def _named_optimizers(trainer: Any) -> list[tuple[Any, str | None, list[str]]]:
+    """``(optimizer, its scheduler's interval or None, one name per parameter group)``, named as Lightning
+    names them: scheduled optimizers first, in the schedulers' order, then the others."""
+    out: list[tuple[Any, str | None, list[str]]] = []
+    count: dict[type, int] = {}
+    seen: list[Any] = []
+
+    def named(optimizer: Any, name: str, counted: bool) -> list[str]:
+        seen.append(optimizer)
+        kind = type(optimizer)
+        if counted:
+            count[kind] = count.get(kind, 0) + 1
+        if count.get(kind, 0) > 1:
+            name = f"{name}-{count[kind] - 1}"
+        groups = optimizer.param_groups
+        if len(groups) > 1:
+            return [f"{name}/{group.get('name', f'pg{i + 1}')}" for i, group in enumerate(groups)]
+        return [f"{name}/{groups[0]['name']}" if groups[0].get("name") else name]
+
+    for config in trainer.lr_scheduler_configs:
+        optimizer = config.scheduler.optimizer
+        name = config.name if config.name is not None else f"lr-{type(optimizer).__name__}"
+        out.append((optimizer, config.interval, named(optimizer, name, config.name is None)))
+    for optimizer in trainer.strategy.optimizers:
+        if not any(optimizer is s for s in seen):
+            out.append((optimizer, None, named(optimizer, f"lr-{type(optimizer).__name__}", True)))
+    return out
 
 
 class ThroughputMonitor(Callback):
@@ -72,5 +123,5 @@ class ThroughputMonitor(Callback):
             elapsed = time.perf_counter() - self._t0
             if elapsed > 0:
                 rate = self._samples * trainer.strategy.dp_size / elapsed
-                _log(trainer, {"throughput/samples_per_sec": rate})
+                _log(trainer, {"throughput/samples_per_sec": rate}, trainer.global_step)
             self._t0, self._samples = time.perf_counter(), 0

@@ -21,6 +21,7 @@ _LOADER_STAGE = {"validate": "val", "test": "test", "predict": "predict"}
 def run_stage(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: bool = True,
               verbose: bool = False) -> Any:
     """The stage's loop, after ``Trainer`` set it up (``lifecycle.begin``), then its tear-down."""
+    trainer.metrics.reset()
     if stage == "fit":
         with torch.autograd.set_detect_anomaly(trainer.config.detect_anomaly):  # as Lightning: the fit loop only
             trainer.profiler.start()
@@ -60,7 +61,6 @@ def _evaluate(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: 
         warnings.warn(f"trainer.{stage}() without a model after fit evaluates the best checkpoint ({best}), as "
                       f"Lightning does; pass the model (current weights) or ckpt_path to choose", stacklevel=4)
         ckpt_path = "best"
-    trainer.metrics.reset_callback_metrics()
     if ckpt_path is not None:
         ckpt.load_weights(trainer, ckpt_path)
     with torch.no_grad():  # as Lightning: the loader is asked for inside the (gradient-free) evaluation

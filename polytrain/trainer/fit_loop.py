@@ -347,7 +347,7 @@ class FitLoop:
             finally:
                 self.sanity_checking = False
             hooks.callbacks("on_sanity_check_end")
-            self.t.metrics.reset_after_sanity_check()
+            self.t.metrics.reset()
 
     def _run_validation(self) -> None:
         t, data = self.t, self.data

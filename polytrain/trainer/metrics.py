@@ -334,13 +334,11 @@ class MetricCollector:
         self.results.pop(stage, None)
         self._fresh_by_stage.pop(stage, None)
 
-    def reset_callback_metrics(self) -> None:
-        """A standalone validate/test starts with no metrics of an earlier stage."""
-        self.callback.clear()
-
-    def reset_after_sanity_check(self) -> None:
-        """As Lightning: what the sanity check logged was readable in its hooks (``callback_metrics``), and
-        is gone once it ends, with everything logged before it."""
+    def reset(self) -> None:
+        """As Lightning: every stage (``fit``, ``validate``, ``test``, ``predict``) starts with empty
+        ``callback_metrics``, ``logged_metrics`` and ``progress_bar_metrics`` (after ``test()`` they hold
+        the test's values only), and so does the fit after its sanity check (what the check logged was
+        readable in its hooks only)."""
         self.callback.clear()
         self.logged.clear()
         self.progress_bar.clear()
