@@ -17,7 +17,7 @@ from torch.multiprocessing import ProcessRaisedException
 
 from polytrain.checkpoint.consolidate import consolidate
 from polytrain.core.errors import ConfigError
-from polytrain.core.rng import seed_everything
+from polytrain.core.rng import seed_all
 from polytrain.plan_cli import add_parser as add_plan_parser
 from polytrain.plan_cli import run_plan
 from polytrain.strategies.launcher import launch_elastic, launch_spawn, plan_launch
@@ -55,7 +55,7 @@ def run_worker(config: dict[str, Any], command: str, ckpt: str | None) -> Any:
     config_dir = config.get("config_dir")
     if config["trainer"]["seed"] is not None:
         # Same seed on every rank while the module is built: replicas start identical.
-        seed_everything(config["trainer"]["seed"])
+        seed_all(config["trainer"]["seed"])
     module = instantiate(config["module"], "module", config_dir)
     datamodule = instantiate(config["data"], "data", config_dir) if config.get("data") else None
     trainer = Trainer.from_config(config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -19,6 +19,8 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 from polytrain import TrainModule  # noqa: E402 - after the sys.path insertion on purpose
+
+SEED_VARIABLES = ("PL_GLOBAL_SEED", "POLYTRAIN_SEED")  # what seed_everything leaves in the environment
 
 # Tiny models train in microseconds; thread start-up would dominate on a 2-core machine.
 torch.set_num_threads(1)
@@ -92,9 +94,11 @@ class TinyModule(TrainModule):
 
 
 @pytest.fixture(autouse=True)
-def _seeded() -> None:
+def _seeded() -> Iterator[None]:
     """Every test starts from the same random state, whatever ran before it: polytrain does not
-    reseed when trainer.seed is unset (it leaves the user's streams alone), so the test must."""
+    reseed when trainer.seed is unset (it leaves the user's streams alone), so the test must. A seed a
+    test left with ``seed_everything`` (``PL_GLOBAL_SEED``: a request for Lightning's seeding) is taken
+    away again, so it cannot change the tests after it."""
     import random
 
     import numpy as np
@@ -102,6 +106,12 @@ def _seeded() -> None:
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
+    saved = {name: os.environ.pop(name, None) for name in SEED_VARIABLES}
+    yield
+    for name, value in saved.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
 
 
 @pytest.fixture

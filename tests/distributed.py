@@ -23,6 +23,8 @@ def free_port() -> int:
 
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
+    for name in ("PL_GLOBAL_SEED", "POLYTRAIN_SEED"):  # a seed_everything of the process that started the
+        os.environ.pop(name, None)  # fork server asks for Lightning's seeding: only fn's own call may
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

@@ -57,7 +57,7 @@ def _fit_example(path: str, run_dir: str) -> dict[str, Any]:
     module = instantiate(config["module"], "module", config.get("config_dir"))
     trainer = Trainer.from_config(config)
     recorder = _LossRecorder()
-    trainer.base_callbacks.append(recorder)  # what fit() merges with the module's configure_callbacks()
+    trainer.callbacks.append(recorder)  # what fit() merges with the module's configure_callbacks()
     trainer.fit(module)
     return {"metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "steps": trainer.global_step,
             "losses": recorder.losses,

@@ -27,18 +27,34 @@ except ImportError:  # pragma: no cover - numpy ships with most torch installs
     np = None
 
 
+SEED_VARIABLE = "PL_GLOBAL_SEED"  # Lightning's: where seed_everything leaves its seed for every process
+
+
 def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
-    """Seed Python's, numpy's and torch's generators (Lightning's signature; ``seed=None`` reads
-    ``PL_GLOBAL_SEED``, else 0). ``workers`` is accepted for Lightning code: DataLoader workers get
-    torch's per-worker seeds from the seeded base seed either way."""
+    """Seed Python's, numpy's and torch's generators, and leave the seed in ``PL_GLOBAL_SEED`` (Lightning's
+    signature; ``seed=None`` reads ``PL_GLOBAL_SEED``, else 0). A user who calls it has asked for
+    Lightning's seeding: a multi-process stage re-seeds every process from it (``user_seed``).
+    ``workers`` is accepted for Lightning code: DataLoader workers get torch's per-worker seeds from the
+    seeded base seed either way."""
     if seed is None:
-        seed = int(os.environ.get("PL_GLOBAL_SEED", os.environ.get("POLYTRAIN_SEED", "0")))
-    os.environ["PL_GLOBAL_SEED"] = os.environ["POLYTRAIN_SEED"] = str(seed)
+        seed = int(os.environ.get(SEED_VARIABLE, os.environ.get("POLYTRAIN_SEED", "0")))
+    os.environ[SEED_VARIABLE] = os.environ["POLYTRAIN_SEED"] = str(seed)
+    seed_all(seed)
+    return seed
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators (``trainer.seed``'s seeding: no variable is left)."""
     random.seed(seed)
     seed_torch(seed)
     if np is not None:
         np.random.seed(seed % 2**32)
-    return seed
+
+
+def user_seed() -> int | None:
+    """The seed the user gave ``seed_everything`` in this process (or its launcher), or None."""
+    value = os.environ.get(SEED_VARIABLE)
+    return int(value) if value not in (None, "") else None
 
 
 def seed_torch(seed: int) -> None:
@@ -102,18 +118,22 @@ class isolate_rng:  # noqa: N801 - used like a function, as torch.random.fork_rn
         restore_rng_state(self._state)
 
 
-def training_streams(seed: int | None, dp_rank: int, global_rank: int) -> None:
+def training_streams(seed: int | None, dp_rank: int, global_rank: int, lightning_seed: int | None = None) -> None:
     """The streams training steps draw from (called once, before the first training batch).
 
     The default stream becomes per data-parallel rank: ``fork_stream(dp_rank)`` with no seed, else
-    ``seed_everything(seed + dp_rank)``. The sharded-region stream (``sharded_rng``) is per global
-    rank: seeded ``seed + SHARDED_SEED_OFFSET + global_rank``, or, with no seed, from a hash of the
-    shared stream and the rank (nothing is drawn from the default stream for it)."""
-    if seed is None:
+    ``seed_all(seed + dp_rank)``. The sharded-region stream (``sharded_rng``) is per global rank:
+    seeded ``seed + SHARDED_SEED_OFFSET + global_rank``, or, with no seed, from a hash of the shared
+    stream and the rank (nothing is drawn from the default stream for it). ``lightning_seed`` (no
+    ``seed``; the user called ``seed_everything``): Lightning's seeding, where every rank keeps the one
+    stream it was re-seeded with, so replicas draw what Lightning's draw."""
+    if seed is None and lightning_seed is not None:
+        seed_sharded_stream(lightning_seed + SHARDED_SEED_OFFSET + global_rank)
+    elif seed is None:
         seed_sharded_stream(_derived_seed(b"sharded", global_rank))
         fork_stream(dp_rank)
     else:
-        seed_everything(seed + dp_rank)
+        seed_all(seed + dp_rank)
         seed_sharded_stream(seed + SHARDED_SEED_OFFSET + global_rank)
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -47,6 +48,49 @@ def prepare_manual_backward(ddp: DistributedDataParallel, loss: torch.Tensor) ->
     # uses; the others are marked ready at once, so this backward's all-reduce completes.
     used = list(_find_tensors(loss)) if ddp.find_unused_parameters and not ddp.static_graph else []
     ddp.reducer.prepare_for_backward(used)
+
+
+_UNUSED = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
+
+
+def naming_unused_parameters(step: Callable[..., Any], ddp: DistributedDataParallel) -> Callable[..., Any]:
+    """``step`` (a training step through DDP), with DDP's error for parameters no loss used (raised in the
+    next step's forward: "Expected to have finished reduction in the prior iteration ...", parameters by
+    index) replaced by one naming them and the fix."""
+
+    def step_naming_unused(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return step(*args, **kwargs)
+        except RuntimeError as err:
+            found = _UNUSED.search(str(err))
+            if "Expected to have finished reduction in the prior iteration" not in str(err) or found is None:
+                raise
+            raise RuntimeError(unused_parameters_message(ddp, int(found.group(1)), found.group(2).split())) from err
+
+    return step_naming_unused
+
+
+def unused_parameters_message(ddp: DistributedDataParallel, rank: int, indices: list[str]) -> str:
+    # DDP's parameter indices: named_parameters' order, trainable ones, those it was told to ignore left out.
+    names = [name.removeprefix("module.") for name, p in ddp.module.named_parameters()
+             if p.requires_grad and name not in ddp.parameters_to_ignore]
+    unused = [names[int(i)] if int(i) < len(names) else f"#{i}" for i in indices]
+    return (f"training_step's loss did not use every parameter: on rank {rank}, {', '.join(unused)} got no gradient "
+            f"in the last step, so DDP could not finish reducing the gradients. If that is intended (parameters "
+            f"used in some steps only, or not at all), use strategy='ddp_find_unused_parameters_true' (in a config: "
+            f"strategy: {{name: ddp, find_unused_parameters: true}}); if not, make the loss use them, or freeze them "
+            f"(requires_grad=False)")
+
+
+def sync_buffers_for_evaluation(ddp: DistributedDataParallel) -> None:
+    """Before an evaluation pass, on every rank: what DDP's first forward of it would do. Evaluation runs
+    the step beside DDP, not through it, yet DDP (as Lightning runs it) broadcasts rank 0's buffers (the
+    BatchNorm running statistics) in the first forward after a training forward, or in its very first
+    one, and no more until training forwards again. Doing it here, before the batches, keeps a rank with
+    fewer evaluation batches (none, even) from leaving the others in that broadcast."""
+    if ddp.will_sync_module_buffers():
+        ddp._sync_buffers()
+        ddp.require_forward_param_sync = False  # as DDP's forward under no_grad leaves it
 
 
 @contextlib.contextmanager

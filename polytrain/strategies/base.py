@@ -259,6 +259,10 @@ class Strategy(CollectiveVerbs, ABC):
 
         return autocast_step
 
+    def prepare_evaluation(self) -> None:
+        """Every rank, before an evaluation pass's first batch (whatever number of batches it has): what a
+        wrapper would do in its first evaluation forward (DDP broadcasts rank 0's buffers)."""
+
     def eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
         # Evaluation runs on the unwrapped module: no gradient hooks, no buffer broadcasts, so a
         # rank with fewer evaluation batches cannot leave the others waiting in a collective.

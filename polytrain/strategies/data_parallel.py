@@ -16,6 +16,7 @@ window), ``clip_norm`` (None: the strategy's plain clipping applies), ``manual_s
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +24,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from polytrain.data.padding import PaddingState
-from polytrain.parallel.ddp import ddp_kwargs, forward_without_reducer, prepare_manual_backward
+from polytrain.parallel.ddp import (
+    ddp_kwargs,
+    forward_without_reducer,
+    naming_unused_parameters,
+    prepare_manual_backward,
+    sync_buffers_for_evaluation,
+)
 from polytrain.parallel.fsdp import clip_sharded_grad_norm, no_gradient_sync
 
 
@@ -48,6 +55,13 @@ class NoDataParallel:
     def prepare_manual_backward(self, model: nn.Module, loss: torch.Tensor) -> None:
         return None
 
+    def prepare_evaluation(self, model: nn.Module) -> None:
+        return None
+
+    def checked_step(self, step: Callable[..., Any], model: nn.Module) -> Callable[..., Any]:
+        """The training step as the backend runs it (its errors explained where the backend can)."""
+        return step
+
 
 class DDPBackend(NoDataParallel):
     name = "ddp"
@@ -68,6 +82,12 @@ class DDPBackend(NoDataParallel):
 
     def prepare_manual_backward(self, model: nn.Module, loss: torch.Tensor) -> None:
         prepare_manual_backward(model, loss)
+
+    def prepare_evaluation(self, model: nn.Module) -> None:
+        sync_buffers_for_evaluation(model)
+
+    def checked_step(self, step: Callable[..., Any], model: nn.Module) -> Callable[..., Any]:
+        return naming_unused_parameters(step, model)
 
 
 class FSDPBackend(NoDataParallel):

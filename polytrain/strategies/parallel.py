@@ -119,6 +119,7 @@ class ParallelStrategy(Strategy):
         self._init_rng: torch.Tensor | None = None
         self._eval_step: Callable[..., Any] = super().eval_step
         self._no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        self._prepare_evaluation: Callable[[], None] = lambda: None
         self._clip_norm: Callable[[torch.optim.Optimizer, float], torch.Tensor | None] | None = None
 
     @classmethod
@@ -299,6 +300,7 @@ class ParallelStrategy(Strategy):
             self._eval_step, self._no_sync = pipeline.eval_step, pipeline.no_sync
         else:
             self._no_sync = functools.partial(backend.no_sync, self.model)
+            self._prepare_evaluation = functools.partial(backend.prepare_evaluation, self.model)
             if backend.padding is not None:
                 # Through the sharded root (its forward gathers parameters): every rank runs as many
                 # evaluation forwards as the others (process_dataloader's EvalBatches).
@@ -340,7 +342,7 @@ class ParallelStrategy(Strategy):
             return super().training_step(batch, batch_idx)
 
     def _bind_training_step(self) -> Callable[[Any, int], Any]:
-        step = super()._bind_training_step()
+        step = self.backend.checked_step(super()._bind_training_step(), self.model)
         return step if self.dims.cp <= 1 else context_parallel_training_step(step, self.dims.get_mesh("cp"), self.module)
 
     def prepare_manual_backward(self, loss: torch.Tensor) -> None:
@@ -348,6 +350,9 @@ class ParallelStrategy(Strategy):
 
     def eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
         return self._eval_step(stage, batch, batch_idx)
+
+    def prepare_evaluation(self) -> None:
+        self._prepare_evaluation()
 
     def _routed_eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
         # Tensor parallel: through the router (no collectives of its own): its hook makes the replicated

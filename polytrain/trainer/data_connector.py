@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
 from polytrain.core.errors import ConfigError
-from polytrain.core.rng import restore_rng_state
+from polytrain.core.rng import restore_rng_state, user_seed
 from polytrain.data.loaders import (
     iterator_rng_state,
     loader_length,
@@ -84,7 +84,8 @@ def request_loader(trainer: Trainer, stage: str, resumed_dp: int | None = None) 
                             num_workers=loader.num_workers, collate_fn=loader.collate_fn,
                             pin_memory=loader.pin_memory, drop_last=loader.drop_last)
     strategy, cfg = trainer.strategy, trainer.config
-    seed = cfg.seed if cfg.seed is not None else 0
+    # The user's seed_everything seed when trainer.seed is unset, as Lightning seeds its DistributedSampler.
+    seed = cfg.seed if cfg.seed is not None else (user_seed() or 0)
     use_sampler = cfg.use_distributed_sampler
     if use_sampler is True and stage == "train" and resumed_dp not in (None, strategy.dp_size):
         use_sampler = "always"  # an N-rank epoch resumed on one rank continues in the N-rank order

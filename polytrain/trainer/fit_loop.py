@@ -22,7 +22,7 @@ import torch
 
 from polytrain.core import heartbeat
 from polytrain.core.errors import ConfigError, EmptyDataError
-from polytrain.core.rng import isolate_rng, training_streams
+from polytrain.core.rng import isolate_rng, training_streams, user_seed
 from polytrain.data.stateful import select_rank_state
 from polytrain.trainer import checkpoint as ckpt
 from polytrain.trainer.data_connector import (
@@ -46,6 +46,7 @@ from polytrain.trainer.progress import EpochData, FitProgress, Resumed, Stopping
 from polytrain.trainer.schedule import ValidationSchedule
 
 if TYPE_CHECKING:
+    from polytrain.trainer.config import TrainerConfig
     from polytrain.trainer.trainer import Trainer
 
 EPOCH_ONLY = (False, True)  # self.log defaults in epoch-level hooks
@@ -57,7 +58,8 @@ log = logging.getLogger("polytrain")
 class FitLoop:
     """A Trainer's fits: their position (``progress``), stop requests, what a resume left, the loaders."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: TrainerConfig) -> None:
+        self.config = config  # the Trainer's options: max_epochs and min_epochs below read and write them
         self.progress = FitProgress()
         self.stopping = Stopping()
         self.resumed = Resumed()
@@ -69,6 +71,23 @@ class FitLoop:
         self.lr_scheduler_configs: list[Any] = []
         self.t: Any = None  # the Trainer, while a fit runs
         self.goodput = Goodput()
+
+    # Lightning's trainer.fit_loop.max_epochs / min_epochs: raised between two fits, the second trains on.
+    @property
+    def max_epochs(self) -> int | None:
+        return self.config.max_epochs
+
+    @max_epochs.setter
+    def max_epochs(self, value: int | None) -> None:
+        self.config.max_epochs = value
+
+    @property
+    def min_epochs(self) -> int | None:
+        return self.config.min_epochs
+
+    @min_epochs.setter
+    def min_epochs(self, value: int | None) -> None:
+        self.config.min_epochs = value
 
     # ------------------------------------------------------------------ the fit
     def run(self, trainer: Trainer, ckpt_path: str | None) -> None:
@@ -96,12 +115,16 @@ class FitLoop:
         # Training steps get a stream per data-parallel rank (tensor/pipeline peers of a replica share it),
         # and sharded regions (polytrain.layers.sharded_rng) one per global rank.
         strategy = trainer.strategy
-        training_streams(cfg.seed, strategy.dp_rank, strategy.global_rank)
+        lightning_seed = user_seed() if trainer.world_size > 1 else None  # the user's seed_everything
+        training_streams(cfg.seed, strategy.dp_rank, strategy.global_rank, lightning_seed)
         self.progress.train_batch_size = getattr(data.train_loader, "batch_size", None)
         self.schedule = ValidationSchedule(cfg, data.num_training_batches)
         self._bind_phases()
         self._started, self._multi_rank = time.monotonic(), trainer.world_size > 1
         self._loaded = {"train": self.progress.epoch, "val": self.progress.epoch}  # reload_dataloaders_every_...
+        # As Lightning, a fit that starts past epoch 0 without a checkpoint (a second fit of this Trainer) asks
+        # the loader for a new iterator when its first epoch starts: the one made here is dropped then.
+        self._renew_first = self.progress.epoch > 0 and self.resumed.loop is None
         self._first: tuple[Any, int] | None = self._epoch_iterator()
         if not sanity:  # as Lightning: without a sanity check the val loader is asked for here
             self._request_val()
@@ -124,11 +147,12 @@ class FitLoop:
         return request_loader(self.t, "train", saved.get("dp_size") if saved is not None else None)
 
     def _setup_optimization(self) -> None:
-        """configure_optimizers (unless the strategy holds optimizers already), then the fit's batch step."""
+        """configure_optimizers, then the fit's batch step. As Lightning, every fit builds its optimizers
+        anew: a second fit of the same Trainer (a fine-tuning or SWA phase) starts from fresh optimizer state
+        unless it resumes a checkpoint."""
         t, strategy, module = self.t, self.t.strategy, self.t.module
-        if not strategy.optimizers:
-            optimizers, self.lr_scheduler_configs = parse_optimizers(t.hooks.module("configure_optimizers"))
-            strategy.setup_optimizers(optimizers)
+        optimizers, self.lr_scheduler_configs = parse_optimizers(t.hooks.module("configure_optimizers"))
+        strategy.setup_optimizers(optimizers)
         if not module.automatic_optimization and t.config.gradient_clip_val is not None:
             raise ConfigError(f"trainer.gradient_clip_val={t.config.gradient_clip_val} does nothing under manual "
                               f"optimisation ({type(module).__name__}.automatic_optimization is False): call "
@@ -200,7 +224,7 @@ class FitLoop:
         return t.profiler.iterator("get batch", self.goodput.fetching(iterator)), start
 
     def _run_epoch(self) -> None:
-        t, p, first = self.t, self.progress, self._first
+        t, p, first = self.t, self.progress, None if self._renew_first else self._first
         self._first = None
         if first is None and self._reload_due("train"):
             self.data.train_loader = self.request_train_loader()

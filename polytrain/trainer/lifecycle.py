@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from polytrain.callbacks.base import Callback
 from polytrain.callbacks.checkpoint import ModelCheckpoint
 from polytrain.core.errors import ConfigError, RankFailedError
-from polytrain.core.rng import capture_rng_state, restore_rng_state, seed_everything
+from polytrain.core.rng import capture_rng_state, restore_rng_state, seed_all, user_seed
 from polytrain.trainer.datamodule import DataModule
 from polytrain.trainer.hooks import (
     CALLBACK_HOOKS,
@@ -38,10 +38,16 @@ log = logging.getLogger("polytrain")
 
 
 def seed(trainer: Trainer) -> None:
-    """``trainer.seed``: everything built before training sees the same stream on every rank."""
+    """Every stage starts here. ``trainer.seed``: everything built before training sees the same stream on
+    every rank. Without it, under several processes: when the user called ``seed_everything``, every rank
+    is re-seeded from that seed, as Lightning's multi-process strategies do at each stage; otherwise rank
+    0's stream is shared, whatever the user seeded (or not) there."""
     strategy = trainer.strategy
     if trainer.config.seed is not None:
-        seed_everything(trainer.config.seed)  # identical on every rank while things are built; per rank in training
+        seed_all(trainer.config.seed)  # identical on every rank while things are built; per rank in training
+        return
+    if strategy.world_size > 1 and user_seed() is not None:
+        seed_all(user_seed())
         return
     if strategy.world_size > 1:
         # Whatever the user seeded (or not) on rank 0, every rank builds from the same stream.

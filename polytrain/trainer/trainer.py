@@ -60,8 +60,7 @@ class Trainer:
         self.config: TrainerConfig = validate_trainer_config(kwargs)
         if "strategy" in objects:
             self.config.strategy = objects["strategy"]
-        self.base_callbacks: list[Callback] = build_callbacks(self.config, callback_objects, objects.get("logger"))
-        self.callbacks: list[Callback] = list(self.base_callbacks)
+        self.callbacks: list[Callback] = build_callbacks(self.config, callback_objects, objects.get("logger"))
         self.strategy: Strategy | None = None
         self.module: TrainModule | None = None
         self.datamodule: DataModule | None = None
@@ -69,7 +68,7 @@ class Trainer:
         self.profiler = build_profiler(self.config.profiler, self)  # trainer.profiler; a pass-through by default
         self.hooks: Hooks | None = None  # the running stage's hook funnel
         self.transfer_batch: Any = None  # the running stage's batch mover (the batch-transfer hooks, if any)
-        self.fit_loop = FitLoop()  # loop state: trainer/progress.py
+        self.fit_loop = FitLoop(self.config)  # loop state: trainer/progress.py
         self.eval_progress = EvalProgress()
         self.predict_loop = PredictionRecord()  # what prediction writers read (Lightning's name)
         self.given_loaders: dict[str, Any] = {}
@@ -368,11 +367,13 @@ class Trainer:
             raise
 
     def _begin_stage(self, ckpt_path: str | None) -> None:
-        """The stage's callbacks (the module's ``configure_callbacks`` merged in, after seeding, as
-        Lightning), its hook funnel and batch mover; then everything before its loop."""
-        lifecycle.seed(self)
-        self.callbacks = lifecycle.merge_callbacks(self.base_callbacks, self.hooks.module("configure_callbacks"))
+        """The stage's callbacks (the module's ``configure_callbacks`` merged in), its seeding (after them,
+        where Lightning's multi-process strategies re-seed), its hook funnel and batch mover; then everything
+        before its loop."""
+        # From the current list, as Lightning: a callback appended to trainer.callbacks between two stages stays.
+        self.callbacks = lifecycle.merge_callbacks(self.callbacks, self.hooks.module("configure_callbacks"))
         self.hooks = Hooks(self, self.module, self.callbacks, self.datamodule, self.profiler.instrument)
+        lifecycle.seed(self)
         self._run_directory = settle_run_directory(self, self.stage, ckpt_path, self._run_directory)
         lifecycle.begin(self, self.stage)
         self.transfer_batch = lifecycle.batch_transfer(self)
