@@ -32,9 +32,11 @@ shows where two such lists part.
 
 from __future__ import annotations
 
+import csv
 import functools
 import hashlib
 import importlib.util
+import inspect
 import logging
 import os
 import re
@@ -52,6 +54,7 @@ import torch
 
 MODULES_FILE = Path(__file__).with_name("modules.py")
 SURFACE_FILE = Path(__file__).with_name("surface_modules.py")  # the names around the module (loggers, ...)
+DETAIL_FILE = Path(__file__).with_name("detail_modules.py")  # the details real projects hit
 MARKER = "# <framework>"
 FRAMEWORK_LINES = {
     "lightning": "import lightning.pytorch as pl  # <framework>",
@@ -143,7 +146,7 @@ def load_modules(framework: str, path: Path = MODULES_FILE) -> types.ModuleType:
 
 def case_builder(framework: str, case: str) -> tuple[types.ModuleType, Callable[..., dict[str, Any]]]:
     """The framework namespace and the function that builds ``case`` (from either modules file)."""
-    for path in (MODULES_FILE, SURFACE_FILE):
+    for path in (MODULES_FILE, SURFACE_FILE, DETAIL_FILE):
         ns = load_modules(framework, path)
         if case in ns.CASES:
             return ns, ns.CASES[case]
@@ -522,7 +525,7 @@ def run_case(framework: str, case: str, *, case_kwargs: Mapping[str, Any] | None
         kwargs = dict(case_kwargs or {})
         if case == "autoencoder":
             kwargs.setdefault("data_dir", os.path.join(root_dir, "data"))
-        if case == "surface":
+        if "save_dir" in inspect.signature(build_case).parameters:
             kwargs.setdefault("save_dir", root_dir)
         built = build_case(**kwargs)
         model, datamodule = built["model"], built.get("datamodule")
@@ -548,6 +551,7 @@ def run_case(framework: str, case: str, *, case_kwargs: Mapping[str, Any] | None
 
         trainer = make_trainer({})
         outputs: dict[str, Any] = {}
+        after_stage: list[dict[str, Any]] = []
         for stage in stages:
             name, stage_kwargs = (stage, {}) if isinstance(stage, str) else (stage[0], dict(stage[1]))
             stage_kwargs = {k: v.replace("{root}", root_dir) if isinstance(v, str) else v for k, v in stage_kwargs.items()}
@@ -557,12 +561,23 @@ def run_case(framework: str, case: str, *, case_kwargs: Mapping[str, Any] | None
             if name == "save_checkpoint":
                 trainer.save_checkpoint(stage_kwargs.get("path", os.path.join(root_dir, "saved.ckpt")))
                 continue
+            if name == "call":  # the case's own step between Trainer calls (change the Trainer, add a callback)
+                built["calls"][stage_kwargs["fn"]](trainer, model)
+                continue
             if name in ("fit", "validate", "test", "predict"):
                 if datamodule is not None:
                     stage_kwargs.setdefault("datamodule", datamodule)
-                result = getattr(trainer, name)(model, **stage_kwargs)
+                expect_error = stage_kwargs.pop("expect_error", False)
+                try:
+                    result = getattr(trainer, name)(model, **stage_kwargs)
+                except Exception as err:  # noqa: BLE001 - a case that fails on purpose records why
+                    if not expect_error:
+                        raise
+                    after_stage.append({"stage": name, "error": f"{type(err).__name__}: {err}"})
+                    break
                 if name != "fit":
                     outputs.setdefault(name, []).append(_detached(result))
+                after_stage.append(snapshot(name, trainer, model))
                 continue
             raise ValueError(f"unknown stage {name!r}")
     finally:
@@ -573,7 +588,8 @@ def run_case(framework: str, case: str, *, case_kwargs: Mapping[str, Any] | None
                              "seen_in_hooks": list(getattr(model, "seen_in_hooks", [])),
                              "rank_zero_notes": list(getattr(model, "rank_zero_notes", [])),
                              "log_dir": trainer.log_dir, "root_dir": root_dir,
-                             "logger_dirs": {type(lg).__name__: lg.log_dir for lg in trainer.loggers}}
+                             "logger_dirs": {type(lg).__name__: lg.log_dir for lg in trainer.loggers},
+                             "after_stage": after_stage, "optimizer_builds": getattr(model, "optimizer_builds", None)}
     for cb in user_callbacks:
         if hasattr(cb, "images"):
             extra["images"] = [img.clone() for img in cb.images]
@@ -586,6 +602,23 @@ def run_case(framework: str, case: str, *, case_kwargs: Mapping[str, Any] | None
         outputs=outputs, global_step=int(trainer.global_step), current_epoch=int(trainer.current_epoch),
         extra=extra,
     )
+
+
+def snapshot(stage: str, trainer: Any, model: Any) -> dict[str, Any]:
+    """What a user can read after a Trainer call: the three metrics dicts, the weights and buffers, the
+    step and epoch, and the rows of the CSV logger's file (read back from disk, as written so far)."""
+    rows = None
+    for lg in trainer.loggers:
+        if type(lg).__name__ == "CSVLogger":
+            lg.save()  # what a user reading the file after the call sees: it is written at stage end anyway
+            path = os.path.join(lg.log_dir, "metrics.csv")
+            if os.path.exists(path):
+                with open(path, newline="", encoding="utf-8") as fh:
+                    rows = list(csv.DictReader(fh))
+    return {"stage": stage, "metrics": {name: _floats(getattr(trainer, name, {}) or {})
+                                        for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics")},
+            "state_dict": {k: v.detach().clone() for k, v in type(model).state_dict(model).items()},
+            "global_step": int(trainer.global_step), "current_epoch": int(trainer.current_epoch), "csv": rows}
 
 
 def describe_sampler(loader: Any) -> dict[str, Any] | None:

@@ -32,9 +32,9 @@ def test_surface_module_differs_only_in_the_framework_line() -> None:
 
 
 def _csv_values(log_dir: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Every (name, value) the CSV logger wrote, and the epoch beside each training loss. Rows aside:
-    polytrain merges the values of one step into one row and counts optimizer steps from 1, Lightning
-    writes a row per call and counts batches from 0 (docs/migrating-from-lightning.md)."""
+    """Every (name, value) the CSV logger wrote, and the epoch beside each training loss. Steps aside:
+    polytrain counts optimizer steps from 1, Lightning batches from 0 (docs/migrating-from-lightning.md;
+    test_lightning_details.py compares the rows themselves)."""
     with open(os.path.join(log_dir, "metrics.csv"), newline="", encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
     values = sorted((k, v) for row in rows for k, v in row.items()
