@@ -10,7 +10,6 @@ Afterwards: twenty version directories, one per run, and every file still holds 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 import queue
@@ -20,19 +19,10 @@ from typing import Any
 import pytest
 import torch
 from distributed import _get_context
+from test_run_directories import _snapshot as file_hashes
 
 RUNS = 20
 pytestmark = [pytest.mark.timeout(600)]
-
-
-def _hashes(directory: str) -> dict[str, str]:
-    out = {}
-    for here, _, files in os.walk(directory):
-        for name in files:
-            path = os.path.join(here, name)
-            with open(path, "rb") as fh:
-                out[os.path.relpath(path, directory)] = hashlib.sha256(fh.read()).hexdigest()
-    return out
 
 
 def _run(index: int, root: str, barrier: Any, results: Any) -> None:
@@ -59,7 +49,7 @@ def _run(index: int, root: str, barrier: Any, results: Any) -> None:
         trainer.fit(module)
         weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
         # Plain pickle: the queue's own tensor pickling shares storages that die with this process.
-        results.put((index, "ok", pickle.dumps((trainer.log_dir, _hashes(trainer.log_dir), weights))))
+        results.put((index, "ok", pickle.dumps((trainer.log_dir, file_hashes(trainer.log_dir), weights))))
     except BaseException as err:  # noqa: BLE001 - the test shows it
         import traceback
 
@@ -97,7 +87,7 @@ def test_twenty_runs_started_together_get_twenty_versions_and_keep_every_file(tm
     assert sorted(os.listdir(root)) == sorted(f"version_{i}" for i in range(RUNS))
     for index, (log_dir, written, weights) in done.items():
         assert written, f"run {index} wrote nothing into {log_dir}"
-        assert _hashes(log_dir) == written, f"run {index}: files in {log_dir} changed after it ended"
+        assert file_hashes(log_dir) == written, f"run {index}: files in {log_dir} changed after it ended"
         names = set(written)
         assert {"metrics.csv", "goodput.jsonl", "checkpoints/last.ckpt", "checkpoints/latest"} <= names, names
         assert any(n.startswith("events.out.tfevents") for n in names), names

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +29,7 @@ from polytrain.checkpoint.reading import read_checkpoint
 from polytrain.checkpoint.state import Loaded
 from polytrain.core import collectives as C
 from polytrain.core.errors import CheckpointError
+from polytrain.core.files import replacing
 
 
 def atomic_save(obj: Any, path: str) -> None:
@@ -36,17 +37,10 @@ def atomic_save(obj: Any, path: str) -> None:
     carries its CRC-32 (torch's default, kept on here: loads verify them)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".ckpt", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh, _checksummed():
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    # A hidden .tmp-* name: never a resume candidate, whatever a crash leaves behind.
+    temporary = os.path.join(directory, f".tmp-{uuid.uuid4().hex[:12]}.ckpt")
+    with replacing(path, binary=True, durable=True, temporary=temporary) as fh, _checksummed():
+        torch.save(obj, fh)
 
 
 @contextlib.contextmanager
