@@ -112,6 +112,31 @@ def test_resume_last_continues_the_newest_run_in_its_directory_and_says_which(ru
     assert resumed.global_step == 8 and int(rows[-1]["step"]) == 8
 
 
+def test_resume_last_takes_the_newest_step_recorded_inside_not_the_newest_file_time(tmp_path: Any) -> None:
+    """A run copied elsewhere (``cp -r``: file times are the copy's, the last.ckpt hard link becomes a file of
+    its own) whose ``latest`` names last.ckpt, and last.ckpt torn: the newest complete checkpoint is the one
+    with the highest step recorded inside, whatever the file times say."""
+    import shutil
+
+    original = tmp_path / "original"
+    Trainer(**_kwargs(str(original), max_epochs=3, callbacks=[ModelCheckpoint(every_n_epochs=1, save_top_k=-1)])).fit(
+        TinyModule())
+    copied = tmp_path / "copied"
+    shutil.copytree(original, copied, copy_function=shutil.copyfile)
+    ckpt_dir = copied / "version_0" / "checkpoints"
+    names = sorted(n for n in os.listdir(ckpt_dir) if n.startswith("epoch="))
+    assert names == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
+    for age, name in enumerate(names):  # the copy left the oldest checkpoint the newest file
+        os.utime(ckpt_dir / name, (2_000_000_000 - 1000 * age,) * 2)
+    (ckpt_dir / "latest").write_text("last.ckpt")
+    with open(ckpt_dir / "last.ckpt", "r+b") as fh:
+        fh.truncate(100)
+    resumed = Trainer(**_kwargs(str(copied), max_epochs=4, resume="last"))
+    resumed.fit(TinyModule())
+    assert os.path.basename(resumed.ckpt_path) == "epoch=2-step=12.ckpt"
+    assert resumed.global_step == 16
+
+
 def test_resume_last_with_a_named_version_looks_only_in_that_run(run_dir: str, caplog: Any) -> None:
     Trainer(**_kwargs(run_dir, max_epochs=1)).fit(TinyModule())  # version_0, step 4
     Trainer(**_kwargs(run_dir, max_epochs=2)).fit(TinyModule())  # version_1, step 8 (newer)

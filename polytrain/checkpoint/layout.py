@@ -120,21 +120,41 @@ def is_complete(path: str) -> bool:
 
 
 def candidates(ckpt_dir: str) -> list[str]:
-    """Checkpoints in ``ckpt_dir``, the one named by the ``latest`` pointer first, then newest first."""
+    """Checkpoints in ``ckpt_dir``, newest first by the step recorded inside each (file times lie once a
+    run is copied); on a tie the one the ``latest`` pointer names, then the newest file. A checkpoint
+    whose step cannot be read (a torn file) is placed by the step in its name, so it is tried, found
+    damaged and named, where it would have stood."""
     if not os.path.isdir(ckpt_dir):
         return []
     entries = [os.path.join(ckpt_dir, n) for n in os.listdir(ckpt_dir)
                if not n.startswith(".") and n != LATEST_POINTER and (n.endswith(".ckpt") or
                                                                        os.path.isdir(os.path.join(ckpt_dir, n)))]
-    entries.sort(key=lambda p: os.path.getmtime(p), reverse=True)
-    pointer = os.path.join(ckpt_dir, LATEST_POINTER)
+    pointer, named = os.path.join(ckpt_dir, LATEST_POINTER), None
     if os.path.exists(pointer):
         with open(pointer, encoding="utf-8") as fh:
             named = os.path.join(ckpt_dir, fh.read().strip())
-        if named in entries:
-            entries.remove(named)
-            entries.insert(0, named)
+    steps = {path: recorded_step(path) for path in entries}
+    entries.sort(key=lambda p: (steps[p], p == named, os.path.getmtime(p)), reverse=True)
     return entries
+
+
+_NAMED_STEP = re.compile(r"step=(\d+)")
+
+
+def recorded_step(path: str) -> int:
+    """The global step a checkpoint was written at: its loop state (a file's pickle, read with its tensors
+    memory-mapped, or a directory's payload), else the ``step=N`` in its name, else -1."""
+    try:
+        if os.path.isdir(path):
+            data = torch.load(os.path.join(path, META_FILE), map_location="cpu", weights_only=True)
+        else:
+            data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        loop = data.get("loop") if isinstance(data, dict) else None
+        step = loop.get("global_step") if isinstance(loop, dict) else data.get("global_step")
+        return int(step)
+    except Exception:  # noqa: BLE001 - torn, foreign or refused: its name says what it was
+        found = _NAMED_STEP.findall(os.path.basename(path))
+        return int(found[-1]) if found else -1
 
 
 def find_resumable(ckpt_dir: str, rejected: list[str] | None = None) -> str | None:
