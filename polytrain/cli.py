@@ -22,6 +22,7 @@ from polytrain.plan_cli import add_parser as add_plan_parser
 from polytrain.plan_cli import run_plan
 from polytrain.strategies.launcher import launch_elastic, launch_spawn, plan_launch
 from polytrain.trainer.config import TrainerConfig, instantiate, load_config
+from polytrain.trainer.run_directory import checkpoint_for_launch
 from polytrain.trainer.trainer import Trainer
 
 STAGES = ("fit", "validate", "test", "predict")
@@ -33,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     for stage in STAGES:
         p = sub.add_parser(stage, help=f"{stage} a TrainModule described by a YAML config")
         p.add_argument("--config", "-c", required=True, help="YAML file with module:, data: (or datamodule:) and trainer:")
-        p.add_argument("--ckpt", default=None, help="checkpoint: a path, 'last' or 'auto'")
+        p.add_argument("--ckpt", default=None, help="checkpoint: a path (a file or a sharded directory), 'last' "
+                       "(the newest of the newest run), 'best' (the best a ModelCheckpoint recorded) or 'auto'")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_epochs=3")
     ck = sub.add_parser("checkpoint", help="checkpoint utilities")
     ck_sub = ck.add_subparsers(dest="action", required=True)
@@ -108,18 +110,24 @@ def main(argv: list[str] | None = None) -> int:
         # One line: YAML parser errors carry multi-line source excerpts.
         print(f"polytrain: config error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    _setup_logging(int(os.environ.get("RANK", "0")))  # the check below says which checkpoint it took
+    try:
+        ckpt = checkpoint_for_launch(args.command, args.ckpt, trainer_cfg)
+    except ConfigError as err:
+        print(f"polytrain {args.command}: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
     if plan.method == "here":
-        run_worker(config, args.command, args.ckpt)
+        run_worker(config, args.command, ckpt)
         return 0
     if plan.method in ("spawn", "fork"):
         try:
-            launch_spawn(plan, run_worker, (config, args.command, args.ckpt))
+            launch_spawn(plan, run_worker, (config, args.command, ckpt))
         except ProcessRaisedException as err:  # the first failing worker's traceback; the others were stopped
             print(f"polytrain: a worker failed and the job was ended.{str(err).rstrip()}", file=sys.stderr)
             return 1
         return 0
     try:
-        launch_elastic(plan, _elastic_entry, (config, args.command, args.ckpt), trainer_cfg.max_restarts)
+        launch_elastic(plan, _elastic_entry, (config, args.command, ckpt), trainer_cfg.max_restarts)
     except ChildFailedError as err:
         print(err.format_msg(), file=sys.stderr)
         return 1

@@ -99,12 +99,13 @@ def test_resume_last_continues_the_newest_run_in_its_directory_and_says_which(ru
     Trainer(**_kwargs(run_dir, max_epochs=1)).fit(TinyModule(lr=0.05))  # version_1, written later
     rows_before = _rows(os.path.join(run_dir, "version_1", "metrics.csv"))
 
-    with caplog.at_level(logging.WARNING, logger="polytrain"):
+    with caplog.at_level(logging.INFO, logger="polytrain"):
         resumed = Trainer(**_kwargs(run_dir, max_epochs=2, resume="last"))
         resumed.fit(TinyModule(lr=0.05))
     run1 = os.path.join(run_dir, "version_1")
     assert resumed.log_dir == run1 and resumed.ckpt_path.startswith(os.path.join(run1, "checkpoints"))
-    assert f"continuing the run in {run1}" in caplog.text
+    said = [r for r in caplog.records if f"continuing the run in {run1}" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO]  # what a resume does, not a warning
     assert _snapshot(os.path.join(run_dir, "version_0")) == run0
     assert sorted(os.listdir(run_dir)) == ["version_0", "version_1"]
     rows = _rows(os.path.join(run1, "metrics.csv"))
@@ -242,4 +243,4 @@ trainer:
     assert "Test metric" in test.stdout and "test/loss" in test.stdout
     assert _rows(str(metrics)) == rows  # every row of the fit is still there
     assert _rows(str(run_dir / "version_1" / "metrics.csv"))[-1]["test/loss"]
-    assert "continuing the run in" in test.stderr and "version_0" in test.stderr  # which checkpoint it read
+    assert "test: the newest checkpoint of the run in" in test.stderr and "version_0" in test.stderr  # which it read

@@ -455,7 +455,8 @@ def test_ckpt_path_best_and_last(tmp_path: Any) -> None:
 
 def test_ckpt_path_best_without_a_checkpoint_is_a_clear_error(tmp_path: Any) -> None:
     trainer, module = fit(tmp_path, Scored())  # enable_checkpointing=False
-    with pytest.raises(ConfigError, match="ckpt_path='best'.*no ModelCheckpoint"):
+    with pytest.raises(ConfigError, match="ckpt_path='best' loads the best checkpoint a ModelCheckpoint recorded, "
+                                          "and no run under .* recorded one"):
         trainer.validate(module, ckpt_path="best")
     # Without a monitor (Lightning's meaning): "best" is the newest checkpoint the callback kept.
     trainer, module = fit(tmp_path, Scored(), max_epochs=2, enable_checkpointing=True)

@@ -190,37 +190,79 @@ def runs_newest_first(root: str) -> list[str]:
     return sorted(runs, key=written, reverse=True)
 
 
+# What a checkpoint is taken for, as the messages say it.
+_VERBS = {"fit": "resume from", "validate": "validate", "test": "test", "predict": "predict with"}
+
+
+def verb_for(stage: str) -> str:
+    return _VERBS.get(stage, stage)
+
+
 def resolve_resume(resume: str | None, root: str, version: int | str | None = None,
-                   last_may_start_fresh: bool = False) -> str | None:
+                   last_may_start_fresh: bool = False, stage: str = "fit") -> str | None:
     """``None`` | ``"last"`` | ``"auto"`` | a path -> the checkpoint to load (or None). ``last``/``auto``
     look in one run: ``version`` when given, else the run under ``root`` written most recently that
     holds a complete checkpoint; the log says which run and which file. ``last`` with nothing to load
     raises, unless ``last_may_start_fresh`` and there is no checkpoint at all (Lightning's
-    ``ckpt_path="last"``)."""
+    ``ckpt_path="last"``). ``stage``: what the checkpoint is for (the words of the log and errors)."""
     if resume is None:
         return None
+    verb = verb_for(stage)
     if resume in ("last", "auto"):
         runs = [os.path.join(root, version_name(version))] if version is not None else runs_newest_first(root)
         rejected: list[str] = []
         for run in runs:
             path = find_resumable(checkpoint_dir(run), rejected)
             if path is not None:
-                log.warning("resume=%r: continuing the run in %s from %s", resume, run, os.path.basename(path))
+                doing = "continuing the run in" if stage == "fit" else f"{stage}: the newest checkpoint of the run in"
+                log.info("%s=%r: %s %s, %s", "resume" if stage == "fit" else "ckpt_path", resume, doing, run,
+                         os.path.basename(path))
                 return path
-        if resume == "last" and last_may_start_fresh and not rejected:
-            log.warning("ckpt_path='last' but %s holds no checkpoint; starting from scratch",
-                        runs[0] if version is not None else root)
+        where = runs[0] if version is not None else root
+        if resume == "last" and last_may_start_fresh and stage == "fit" and not rejected:
+            log.warning("ckpt_path='last' but %s holds no checkpoint; starting from scratch", where)
             return None
-        if resume == "last":
-            where = runs[0] if version is not None else root
+        if resume == "last" or stage != "fit":
             found = f"its checkpoints cannot be loaded: {'; '.join(rejected)}" if rejected else "it holds no checkpoint"
-            raise ConfigError(f"resume='last' continues a run, but there is nothing to continue in {where}: {found}. "
-                              f"Start fresh with resume=auto (a fresh start when there is no checkpoint) or no "
-                              f"resume, or name a checkpoint file")
+            if stage == "fit":
+                raise ConfigError(f"resume='last' continues a run, but there is nothing to continue in {where}: "
+                                  f"{found}. Start fresh with resume=auto (a fresh start when there is no "
+                                  f"checkpoint) or no resume, or name a checkpoint file")
+            raise ConfigError(f"ckpt_path={resume!r}: there is no checkpoint to {verb} in {where}: {found}. "
+                              f"Fit first, or name a checkpoint file")
         if rejected:
             log.warning("resume='auto': no checkpoint under %s can be loaded (%s); starting from scratch",
                         root, "; ".join(rejected))
         return None
     if not os.path.exists(resume):
-        raise FileNotFoundError(f"checkpoint to resume from does not exist: {resume}")
+        raise ConfigError(f"the checkpoint to {verb} does not exist: {resume}. {existing_checkpoints(root)}")
     return resume
+
+
+def existing_checkpoints(root: str, limit: int = 6) -> str:
+    """One sentence naming the checkpoints under ``root`` (the newest run's first), for an error."""
+    found = [os.path.relpath(path, root) for run in runs_newest_first(root) for path in candidates(checkpoint_dir(run))]
+    if not found:
+        return f"There is no checkpoint under {root}"
+    more = f" and {len(found) - limit} more" if len(found) > limit else ""
+    return f"Checkpoints under {root}: {', '.join(found[:limit])}{more}"
+
+
+def recorded_best(root: str, version: int | str | None = None) -> str | None:
+    """The best checkpoint a run's ModelCheckpoint recorded (in the state its newest complete checkpoint
+    holds), when it still exists: ``ckpt_path="best"`` in a process that did not run the fit."""
+    runs = [os.path.join(root, version_name(version))] if version is not None else runs_newest_first(root)
+    for run in runs:
+        newest = find_resumable(checkpoint_dir(run))
+        if newest is None:
+            continue
+        try:
+            meta = os.path.join(newest, META_FILE) if os.path.isdir(newest) else newest
+            payload = torch.load(meta, map_location="cpu", weights_only=True, mmap=not os.path.isdir(newest))
+        except Exception:  # noqa: BLE001 - complete a moment ago; a file replaced since is no record
+            continue
+        for key, state in (payload.get("callbacks") or {}).items():
+            best = state.get("best_model_path") if key.startswith("ModelCheckpoint") and isinstance(state, dict) else None
+            if best and os.path.exists(best):
+                return best
+    return None

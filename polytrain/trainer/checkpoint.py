@@ -148,7 +148,7 @@ def load_weights(trainer: Trainer, ckpt_path: str) -> None:
     path: Any = None
     if strategy.is_global_zero:
         try:
-            path = resolve_path(trainer, ckpt_path)
+            path = resolve_path(trainer, ckpt_path, stage=trainer.stage)
         except Exception as err:  # noqa: BLE001 - every rank raises it, after the broadcast below
             path = err
     path = strategy.broadcast(path)

@@ -22,16 +22,21 @@ from polytrain.callbacks.loggers import DirectoryLogger
 from polytrain.checkpoint.failures import agree_on_error
 from polytrain.checkpoint.layout import (
     claim_next_version,
+    damage,
+    existing_checkpoints,
     holds_files,
     next_version,
+    recorded_best,
     resolve_resume,
     run_of_checkpoint,
+    verb_for,
     version_name,
     version_of,
 )
 from polytrain.core.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
+    from polytrain.trainer.config import TrainerConfig
     from polytrain.trainer.trainer import Trainer
 
 
@@ -119,20 +124,53 @@ def _new_version(trainer: Trainer, root: str, claim: bool) -> int:
         raise CheckpointError(_unwritable(trainer, root, err)) from None
 
 
-def resolve_path(trainer: Trainer, choice: str | None, argument: bool = False) -> str | None:
+def resolve_path(trainer: Trainer, choice: str | None, argument: bool = False, stage: str = "fit") -> str | None:
     """``None`` | ``"last"`` | ``"auto"`` | ``"best"`` | a path -> the checkpoint to load (global rank 0).
     ``argument``: the choice came as ``ckpt_path`` (Lightning's argument, whose ``"last"`` starts fresh when
-    there is no checkpoint at all), not as the config's ``resume``."""
-    if choice == "best":
-        callback = trainer.checkpoint_callback
-        best = getattr(callback, "best_model_path", None)
-        if not best:
-            why = "there is no ModelCheckpoint callback" if callback is None else "it has not saved a checkpoint yet"
-            raise ConfigError(f"ckpt_path='best' loads the best checkpoint of the ModelCheckpoint callback, but {why}; "
-                              f"fit with checkpointing enabled first (monitor=... ranks them), or pass a path or 'last'")
-        return best
+    there is no checkpoint at all), not as the config's ``resume``; ``stage``: what the checkpoint is for."""
     root, version = run_root(trainer)
-    return resolve_resume(choice, root, version, last_may_start_fresh=argument)
+    if choice == "best":
+        return best_checkpoint(getattr(trainer.checkpoint_callback, "best_model_path", None), root, version)
+    return resolve_resume(choice, root, version, last_may_start_fresh=argument, stage=stage)
+
+
+def checkpoint_for_launch(stage: str, ckpt: str | None, config: TrainerConfig) -> str | None:
+    """The launching process's check of a stage's checkpoint, before any worker starts: ``--ckpt`` (for a
+    fit, else ``trainer.resume``) resolved as the workers will resolve it, so a missing, damaged or absent
+    checkpoint is one line and exit 2, not a traceback from every worker. Returns what the workers take:
+    for an evaluation the resolved path (``best`` from the run's records then means the same file on every
+    rank); for a fit the choice as given (a restarted fit resolves ``last``/``auto`` again, to the newest
+    checkpoint of that moment). Where loggers given as objects choose the root, only a path is checked."""
+    choice = ckpt if ckpt is not None else (config.resume if stage == "fit" else None)
+    if choice is None:
+        return ckpt
+    root, version = config.run_dir, config.version
+    if choice in ("last", "auto", "best") and _loggers_choose_the_root(config):
+        return ckpt
+    if choice == "best":
+        path = best_checkpoint(None, root, version)
+    else:
+        path = resolve_resume(choice, root, version, last_may_start_fresh=ckpt is not None, stage=stage)
+    why = damage(path) if path is not None and choice not in ("last", "auto") else None  # last/auto: verified
+    if why is not None:
+        raise ConfigError(f"the checkpoint to {verb_for(stage)} cannot be used: {why}")
+    return ckpt if stage == "fit" else path
+
+
+def _loggers_choose_the_root(config: TrainerConfig) -> bool:
+    loggers = config.logger if isinstance(config.logger, (list, tuple)) else [config.logger]
+    return any(not isinstance(lg, (str, bool, type(None))) for lg in loggers)
+
+
+def best_checkpoint(kept: str | None, root: str, version: int | str | None) -> str:
+    """``ckpt_path="best"``: the ModelCheckpoint callback's best (``kept``) after a fit of this Trainer, else
+    the best the run's own checkpoints recorded (a new process: ``polytrain test --ckpt best``)."""
+    best = kept or recorded_best(root, version)
+    if not best:
+        raise ConfigError(f"ckpt_path='best' loads the best checkpoint a ModelCheckpoint recorded, and no run under "
+                          f"{root} recorded one. Fit with checkpointing enabled first (monitor=... ranks them), or "
+                          f"pass a path or 'last'. {existing_checkpoints(root)}")
+    return best
 
 
 def _create(trainer: Trainer, path: str) -> None:
