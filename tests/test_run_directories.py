@@ -75,10 +75,35 @@ def test_evaluation_in_a_new_trainer_writes_its_own_files(run_dir: str, stage: s
     getattr(evaluator, stage)(TinyModule(), ckpt_path=os.path.join(run0, "checkpoints", "last.ckpt"), **(
         {} if stage == "predict" else {"verbose": False}))
     assert _snapshot(run0) == before  # metrics.csv keeps its rows; nothing in the run changed
-    assert evaluator.log_dir == os.path.join(run_dir, "version_1")
+    # Told apart from trainings (TensorBoard lists it as what it is): <stage>_<n>, not the next version_<n>.
+    assert evaluator.log_dir == os.path.join(run_dir, f"{stage}_0")
+    assert sorted(os.listdir(run_dir)) == sorted(["version_0", f"{stage}_0"])
     if stage != "predict":
-        rows = _rows(os.path.join(run_dir, "version_1", "metrics.csv"))
+        rows = _rows(os.path.join(run_dir, f"{stage}_0", "metrics.csv"))
         assert rows and any(k.startswith(("test", "val")) for k in rows[0])
+
+
+def test_a_stage_that_fails_before_writing_leaves_no_directory(run_dir: str, tmp_path: Any) -> None:
+    """Failed attempts do not clutter run_dir: a validate whose checkpoint is torn, and a fit whose module
+    fails in setup, raise and leave no empty directory behind; the next run still gets the next number."""
+    from polytrain.core.errors import CheckpointError
+
+    Trainer(**_kwargs(run_dir)).fit(TinyModule())
+    torn = tmp_path / "torn.ckpt"
+    torn.write_bytes(open(os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt"), "rb").read()[:500])
+    with pytest.raises(CheckpointError, match="torn.ckpt"):
+        Trainer(**_kwargs(run_dir)).validate(TinyModule(), ckpt_path=str(torn), verbose=False)
+
+    class FailsInSetup(TinyModule):
+        def setup(self, stage: str) -> None:
+            raise RuntimeError("no data here")
+
+    with pytest.raises(RuntimeError, match="no data here"):
+        Trainer(**_kwargs(run_dir)).fit(FailsInSetup())
+    assert sorted(os.listdir(run_dir)) == ["version_0"]
+    second = Trainer(**_kwargs(run_dir, max_epochs=1))
+    second.fit(TinyModule())
+    assert second.log_dir == os.path.join(run_dir, "version_1")
 
 
 def test_the_same_trainer_logs_a_later_stage_beside_its_fit(run_dir: str) -> None:
@@ -242,5 +267,5 @@ trainer:
     assert test.returncode == 0, test.stderr[-3000:]
     assert "Test metric" in test.stdout and "test/loss" in test.stdout
     assert _rows(str(metrics)) == rows  # every row of the fit is still there
-    assert _rows(str(run_dir / "version_1" / "metrics.csv"))[-1]["test/loss"]
+    assert _rows(str(run_dir / "test_0" / "metrics.csv"))[-1]["test/loss"]
     assert "test: the newest checkpoint of the run in" in test.stderr and "version_0" in test.stderr  # which it read

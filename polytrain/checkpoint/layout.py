@@ -49,24 +49,26 @@ def version_name(version: int | str) -> str:
     return version if isinstance(version, str) else f"version_{version}"
 
 
-def next_version(root: str) -> int:
-    """One more than the highest ``version_<n>`` under ``root`` (0 for none): never an existing one."""
+def next_version(root: str, kind: str = "version") -> int:
+    """One more than the highest ``<kind>_<n>`` under ``root`` (0 for none): never an existing one."""
     if not os.path.isdir(root):
         return 0
-    taken = [int(m.group(1)) for m in map(_VERSION.match, os.listdir(root)) if m is not None]
+    pattern = re.compile(rf"^{re.escape(kind)}_(\d+)$")
+    taken = [int(m.group(1)) for m in map(pattern.match, os.listdir(root)) if m is not None]
     return max(taken) + 1 if taken else 0
 
 
-def claim_next_version(root: str) -> int:
-    """Create ``<root>/version_<n>`` for the next free ``n`` and return ``n``. The directory is created
+def claim_next_version(root: str, kind: str = "version") -> str:
+    """Create ``<root>/<kind>_<n>`` for the next free ``n`` and return its name. The directory is created
     exclusively: when another run created that one first (runs started together), the next ``n`` is
-    tried, so no two runs ever share a version directory."""
+    tried, so no two runs ever share a directory. ``kind``: ``version`` for a fit (Lightning's name),
+    ``validate``/``test``/``predict`` for an evaluation of a new Trainer, told apart from trainings."""
     os.makedirs(root, exist_ok=True)
-    n = next_version(root)
+    n = next_version(root, kind)
     while True:
         try:
-            os.mkdir(os.path.join(root, version_name(n)))
-            return n
+            os.mkdir(os.path.join(root, f"{kind}_{n}"))
+            return f"{kind}_{n}"
         except FileExistsError:
             n += 1
 

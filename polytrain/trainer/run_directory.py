@@ -14,6 +14,7 @@ one broadcast, so file systems that differ between nodes cannot split the ranks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,17 @@ if TYPE_CHECKING:
 class RunDirectory:
     path: str  # the run's directory: its logs, and its checkpoints under checkpoints/
     resume_from: str | None = None  # the checkpoint a fit continues from (None: a fresh start)
+    claimed: bool = False  # this stage created the directory: a failure before anything is written removes it
+
+
+def discard_if_unused(trainer: Trainer, run: RunDirectory | None) -> None:
+    """After a stage failed: the directory it claimed goes again if nothing was written into it, so failed
+    attempts leave no empty ``version_<n>`` behind. Global rank 0, which created it; no collective (the
+    other ranks may be gone)."""
+    unused = run is not None and run.claimed and os.path.isdir(run.path) and not os.listdir(run.path)
+    if unused and trainer.is_global_zero:
+        with contextlib.suppress(OSError):  # a file arrived after all: the run is kept
+            os.rmdir(run.path)
 
 
 def run_root(trainer: Trainer) -> tuple[str, int | str | None]:
@@ -90,6 +102,7 @@ def _decide(trainer: Trainer, stage: str, ckpt_path: str | None, previous: RunDi
     """Global rank 0 only: the run's directory, the checkpoint a fit resumes from, each file logger's version.
     A run that writes claims a new version directory as it picks it."""
     root, version = run_root(trainer)
+    claimed, kind = False, "version"
     choice = ckpt_path if ckpt_path is not None else trainer.config.resume
     resume_from = resolve_path(trainer, choice, ckpt_path is not None) if stage == "fit" else None
     adopted = run_of_checkpoint(resume_from, root) if resume_from is not None else None
@@ -105,23 +118,25 @@ def _decide(trainer: Trainer, stage: str, ckpt_path: str | None, previous: RunDi
                 f"version {version!r}: {path} already holds a run ({', '.join(existing)}); a fresh fit there would "
                 f"write over its files. Continue that run with resume=last (ckpt_path='last'), pick another "
                 f"version (the next free one is version_{next_version(root)}), or leave the version unset")
-    else:
-        path = os.path.join(root, version_name(_new_version(trainer, root, writes)))
+    else:  # a new run: a fit is a version_<n>; an evaluation of a new Trainer a <stage>_<n>, told apart
+        kind = "version" if stage == "fit" else stage
+        path = os.path.join(root, version_name(_new_version(trainer, root, writes, kind)))
+        claimed = writes
     name = version_of(os.path.basename(path))
     versions = [name if os.path.abspath(lg.root_dir) == os.path.abspath(root) else
-                (lg.asked_version if lg.asked_version is not None else _new_version(trainer, lg.root_dir, writes))
+                (lg.asked_version if lg.asked_version is not None else _new_version(trainer, lg.root_dir, writes, kind))
                 for lg in _directory_loggers(trainer)]
-    return RunDirectory(path, resume_from), versions
+    return RunDirectory(path, resume_from, claimed), versions
 
 
-def _new_version(trainer: Trainer, root: str, claim: bool) -> int:
-    """The next free version under ``root``; claimed (its directory created, exclusively) when ``claim``."""
-    if not claim:
-        return next_version(root)
+def _new_version(trainer: Trainer, root: str, claim: bool, kind: str = "version") -> int | str:
+    """The next free ``<kind>_<n>`` under ``root`` (``version_<n>`` as the number ``n``, Lightning's version),
+    claimed (its directory created, exclusively) when ``claim``."""
     try:
-        return claim_next_version(root)
+        name = claim_next_version(root, kind) if claim else f"{kind}_{next_version(root, kind)}"
     except OSError as err:
         raise CheckpointError(_unwritable(trainer, root, err)) from None
+    return version_of(name)
 
 
 def resolve_path(trainer: Trainer, choice: str | None, argument: bool = False, stage: str = "fit") -> str | None:

@@ -45,7 +45,7 @@ from polytrain.trainer.optimization import clip_gradients
 from polytrain.trainer.planned import agree_on_plan, plan_layout
 from polytrain.trainer.profiler import build_profiler
 from polytrain.trainer.progress import EvalProgress
-from polytrain.trainer.run_directory import RunDirectory, settle_run_directory
+from polytrain.trainer.run_directory import RunDirectory, discard_if_unused, settle_run_directory
 from polytrain.trainer.targets import check_run_targets
 
 log = logging.getLogger("polytrain")
@@ -361,6 +361,7 @@ class Trainer:
             heartbeat.failed(exc, self.global_step)  # peers waiting on this rank learn why, and where
             self.hooks.callbacks("on_exception", exc)
             self.hooks.datamodule("on_exception", exc)
+            discard_if_unused(self, self._run_directory)
             explained = heartbeat.explain(exc)  # a collective timeout -> which rank stopped, and where
             if explained is not None:
                 raise explained from exc
