@@ -21,7 +21,7 @@ from polytrain.core.rng import seed_all
 from polytrain.plan_cli import add_parser as add_plan_parser
 from polytrain.plan_cli import run_plan
 from polytrain.strategies.launcher import launch_elastic, launch_spawn, plan_launch
-from polytrain.trainer.config import TrainerConfig, instantiate, load_config
+from polytrain.trainer.config import TrainerConfig, elastic_warning, instantiate, load_config
 from polytrain.trainer.run_directory import checkpoint_for_launch
 from polytrain.trainer.trainer import Trainer
 
@@ -75,9 +75,10 @@ def run_worker(config: dict[str, Any], command: str, ckpt: str | None) -> Any:
 
 
 def _print_metrics(trainer: Any) -> None:
+    # Four significant digits: a loss of 0.000194 is printed as such, not as 0.0000.
     shown = {k: float(v) for k, v in trainer.callback_metrics.items() if k.split("/")[0].startswith(("val", "train"))}
     if shown:
-        print("final metrics: " + "  ".join(f"{k}={v:.4f}" for k, v in sorted(shown.items())), flush=True)
+        print("final metrics: " + "  ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items())), flush=True)
 
 
 def _elastic_entry(config: dict[str, Any], command: str, ckpt: str | None) -> None:
@@ -110,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         # One line: YAML parser errors carry multi-line source excerpts.
         print(f"polytrain: config error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    warning = elastic_warning(trainer_cfg)
+    if warning is not None:
+        print(f"polytrain: warning: {warning}", file=sys.stderr)
     _setup_logging(int(os.environ.get("RANK", "0")))  # the check below says which checkpoint it took
     try:
         ckpt = checkpoint_for_launch(args.command, args.ckpt, trainer_cfg)

@@ -45,7 +45,9 @@ def test_help():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("override, named", [
     ("trainer.max_epoch=3", ["trainer has no key 'max_epoch'", "did you mean 'max_epochs'"]),
-    ("trainer.strategy=dpp", ["unknown strategy 'dpp'", "ddp"]),
+    ("trainer.strategy=dpp", ["unknown strategy 'dpp' (did you mean 'dp' or 'ddp'?)"]),
+    ("trainer.precision=bf16-mixd", ["trainer.precision='bf16-mixd' is not valid (did you mean 'bf16-mixed'?)"]),
+    ("trainer.accelerator=cpuu", ["trainer.accelerator='cpuu' is not valid (did you mean 'cpu'?)"]),
     ("trainer.strategy.find_unused=true", ["strategy 'ddp' has no option 'find_unused'", "find_unused_parameters"]),
     ("modle.lr=0.1", ["config has no key 'modle'", "did you mean 'module'"]),
     # The module's own keywords, checked against TinyRegressor.__init__ in the launching process.

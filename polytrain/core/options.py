@@ -14,9 +14,10 @@ from omegaconf.errors import OmegaConfBaseException
 from polytrain.core.errors import ConfigError
 
 
-def suggest(key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
+def suggest(key: str, valid: list[str], n: int = 1) -> str:
+    """`` (did you mean 'x'?); valid: ...`` (up to ``n`` guesses: short names like ``dpp`` are near several)."""
+    close = difflib.get_close_matches(key, valid, n=n)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
     return f"{hint}; valid: {', '.join(valid)}"
 
 
@@ -29,7 +30,9 @@ def check_keys(data: dict[str, Any], valid: list[str], where: str) -> None:
 
 def check_choice(value: Any, choices: tuple[str, ...], where: str) -> None:
     if value not in choices:
-        raise ConfigError(f"{where}={value!r} is not valid; choose one of: {', '.join(choices)}")
+        close = difflib.get_close_matches(str(value), list(choices), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"{where}={value!r} is not valid{hint}; choose one of: {', '.join(choices)}")
 
 
 def validate_dataclass(cls: type, data: dict[str, Any], where: str) -> Any:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from polytrain.core.errors import ConfigError
-from polytrain.core.options import validate_dataclass
+from polytrain.core.options import suggest, validate_dataclass
 from polytrain.core.precision import Precision
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.plan_spec import split_plan, wants_plan, with_plan
@@ -112,7 +112,7 @@ def available_strategies() -> list[str]:
 def strategy_class(name: str) -> type:
     cls = _lookup(name)
     if cls is None:
-        raise ConfigError(f"unknown strategy '{name}'; valid: {', '.join(available_strategies())}")
+        raise ConfigError(f"unknown strategy '{name}'{suggest(name, available_strategies(), n=2)}")
     return cls
 
 

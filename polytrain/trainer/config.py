@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from polytrain.core.errors import ConfigError
-from polytrain.core.nodes import node_range
+from polytrain.core.nodes import is_elastic_range, node_range
 from polytrain.core.options import check_choice, check_keys, validate_dataclass
 from polytrain.parallel.activation_checkpointing import resolve_checkpointing
 from polytrain.parallel.compile import resolve_compile
@@ -219,6 +219,27 @@ def parse_max_time(value: Any) -> float:
 
 def check_profiler_spec(spec: Any) -> None:
     check_profiler_options(spec)  # the names and each profiler's options (trainer/profiler.py)
+
+
+def elastic_warning(cfg: TrainerConfig) -> str | None:
+    """What an elastic config (``max_restarts`` > 0, or a node range) lacks to continue after a restart:
+    ``resume: auto`` (or ``last``), and checkpoints taken during an epoch. Without them every restart, and
+    every lost or joining node, starts the training over, silently."""
+    if not (cfg.max_restarts or is_elastic_range(cfg.num_nodes)):
+        return None
+    missing = [] if cfg.resume in ("auto", "last") else ["trainer.resume: auto"]
+    if not any(_checkpoints_within_epochs(spec) for spec in cfg.callbacks):
+        missing.append("a ModelCheckpoint with every_n_train_steps (or train_time_interval) in trainer.callbacks")
+    if not missing:
+        return None
+    why = f"trainer.max_restarts={cfg.max_restarts}" if cfg.max_restarts else f"trainer.num_nodes={cfg.num_nodes}"
+    return (f"{why} restarts the workers after a failure, but each restart will start the training over: add "
+            f"{' and '.join(missing)} so it continues from the newest checkpoint (docs/reliability.md)")
+
+
+def _checkpoints_within_epochs(spec: Any) -> bool:
+    named = isinstance(spec, dict) and str(spec.get("_target_", "")).rsplit(".", 1)[-1] == "ModelCheckpoint"
+    return named and bool(spec.get("every_n_train_steps") or spec.get("train_time_interval"))
 
 
 def _check_logger_and_callbacks(cfg: TrainerConfig) -> None:
