@@ -3,6 +3,7 @@ that cannot continue after a restart gets."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -54,3 +55,50 @@ def test_the_cli_prints_the_elastic_warning_as_one_line(tmp_path: Path) -> None:
     assert result.returncode == 0, result.describe()
     warnings = [line for line in result.stderr.splitlines() if line.startswith("polytrain: warning:")]
     assert len(warnings) == 1 and "trainer.max_restarts=1 restarts the workers" in warnings[0], result.describe()
+
+
+# --------------------------------------------------------------------------- callback options and _target_s
+
+DIGITS = Path(__file__).resolve().parent.parent / "examples" / "digits"
+
+
+@pytest.mark.parametrize("override", ["trainer.callbacks.ModelCheckpoint.async_save=true",
+                                      "trainer.callbacks.1.async_save=true", "trainer.callbacks.-1.async_save=true"])
+def test_a_callback_option_is_set_by_class_name_or_index(override: str) -> None:
+    config = load_config(str(DIGITS / "config.yaml"), [override])
+    [checkpoint] = [cb for cb in config["trainer"]["callbacks"] if cb["_target_"].endswith("ModelCheckpoint")]
+    assert checkpoint["async_save"] is True and checkpoint["monitor"] == "val/acc"  # the rest of it kept
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.callbacks.EarlyStoping.patience=3",
+     "trainer.callbacks.EarlyStoping: trainer.callbacks has no entry of class EarlyStoping; its entries: "
+     "0: LearningRateMonitor, 1: ModelCheckpoint. Name an entry by its class or its index, or set the whole list: "
+     "trainer.callbacks=[...]"),
+    ("trainer.callbacks.5.async_save=true", "trainer.callbacks.5: trainer.callbacks has 2 entries (0 to 1)"),
+    ("trainer.callbacks.ModelCheckpoint.asyncsave=true",
+     "trainer.callbacks[1]: polytrain.callbacks.ModelCheckpoint() got an unexpected keyword 'asyncsave'; "
+     "did you mean 'async_save'?"),
+])
+def test_a_bad_callback_override_is_one_line_naming_the_key(override: str, message: str) -> None:
+    from polytrain.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(str(DIGITS / "config.yaml"), [override])
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_copied_config_finds_its_target_from_the_working_directory(tmp_path: Path) -> None:
+    """The example's config copied anywhere, run with the ``polytrain`` command from the example's folder:
+    ``digits_module`` is found in the working directory, and a callback option is set on the command line."""
+    copied = tmp_path / "elsewhere" / "my.yaml"
+    copied.parent.mkdir()
+    shutil.copyfile(DIGITS / "config.yaml", copied)
+    command = Path(sys.executable).parent / "polytrain"
+    result = run([str(command), "fit", "-c", str(copied), f"trainer.run_dir={tmp_path / 'run'}", "trainer.devices=1",
+                  "trainer.strategy=single", "trainer.fast_dev_run=true", "trainer.enable_progress_bar=false",
+                  "trainer.callbacks.ModelCheckpoint.async_save=true"], timeout=150, cwd=DIGITS)
+    assert result.returncode == 0, result.describe()
+    assert "final metrics:" in result.stdout

@@ -51,6 +51,10 @@ def validate_dataclass(cls: type, data: dict[str, Any], where: str) -> Any:
         raise ConfigError(
             f"{where}.{key}: {str(getattr(err, 'msg', err)).splitlines()[0]} (expected {expected})"
         ) from None
+    except (TypeError, ValueError) as err:  # OmegaConf's own: a mapping where a list belongs, and the like
+        nested = [f"{where}.{k} ({type(v).__name__})" for k, v in data.items() if isinstance(v, (dict, list))]
+        raise ConfigError(f"{where}: {str(err).splitlines()[0]}: a mapping where a list belongs, or the reverse, "
+                          f"in one of {', '.join(nested) or 'its keys'}") from None
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:
         raise ConfigError(f"{where} is missing required value(s): {', '.join(missing)}")

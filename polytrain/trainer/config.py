@@ -10,9 +10,9 @@ the objects are built only where they run (in the workers).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ from polytrain.parallel.activation_checkpointing import resolve_checkpointing
 from polytrain.parallel.compile import resolve_compile
 from polytrain.strategies.registry import normalize_strategy, validate_strategy_spec
 from polytrain.trainer.profiler import check_profiler_options
-from polytrain.trainer.targets import check_arguments, check_run_targets, import_target
+from polytrain.trainer.targets import check_arguments, check_run_targets, import_target, search_from
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
 PRECISION_ALIASES = {"32-true": "32", "16": "16-mixed", "bf16": "bf16-mixed"}  # Lightning's other spellings
@@ -316,16 +316,45 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
-    node = data
-    for part in path[:-1]:
+    """``a.b.c=value`` into the nested config. A list (``trainer.callbacks``) is entered by index
+    (``callbacks.1.async_save``) or by the class its entry builds (``callbacks.ModelCheckpoint.async_save``)."""
+    node: Any = data
+    for depth, part in enumerate(path[:-1]):
+        if isinstance(node, list):
+            node = node[_list_entry(node, part, ".".join(path[:depth]))]
+            continue
         child = node.get(part)
         if part == "strategy" and isinstance(child, str):
             child = {"name": child}  # trainer.strategy.X=... on a shorthand "ddp"
-        if not isinstance(child, dict):
+        if not isinstance(child, (dict, list)):
             child = {}
         node[part] = child
         node = child
-    node[path[-1]] = value
+    if isinstance(node, list):
+        node[_list_entry(node, path[-1], ".".join(path[:-1]))] = value
+    else:
+        node[path[-1]] = value
+
+
+def _list_entry(entries: list[Any], part: str, where: str) -> int:
+    """The position ``part`` names in a list: an index, or the one entry whose ``_target_`` is that class."""
+    if part.lstrip("-").isdigit():
+        index = int(part)
+        if not -len(entries) <= index < len(entries):
+            raise ConfigError(f"{where}.{part}: {where} has {len(entries)} entries (0 to {len(entries) - 1})")
+        return index % len(entries)
+    classes = [str(e.get("_target_", "")).rsplit(".", 1)[-1] if isinstance(e, dict) else "" for e in entries]
+    found = [i for i, name in enumerate(classes) if name == part]
+    if len(found) == 1:
+        return found[0]
+    present = ", ".join(f"{i}: {name or '?'}" for i, name in enumerate(classes)) or "none"
+    if found:
+        raise ConfigError(f"{where}.{part}: {where} has {len(found)} entries of class {part} (at {found}); name "
+                          f"one by its index, e.g. {where}.{found[0]}.<option>=...")
+    close = difflib.get_close_matches(part, [c for c in classes if c], n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise ConfigError(f"{where}.{part}: {where} has no entry of class {part}{hint}; its entries: {present}. Name "
+                      f"an entry by its class or its index, or set the whole list: {where}=[...]")
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
@@ -375,8 +404,7 @@ def trainer_to_dict(cfg: TrainerConfig) -> dict[str, Any]:
 
 def instantiate(spec: dict[str, Any], where: str, config_dir: str | None = None) -> Any:
     """Import ``spec['_target_']`` and call it with the remaining keys. This runs code."""
-    if config_dir and config_dir not in sys.path:
-        sys.path.insert(0, config_dir)
+    search_from(config_dir)
     spec = dict(spec)
     target = spec.pop("_target_", None)
     if not isinstance(target, str):

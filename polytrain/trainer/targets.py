@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import os
 import pkgutil
 import sys
 from typing import Any
@@ -37,6 +38,15 @@ def _sibling_modules(missing: str) -> list[str]:
     return [info.name for info in pkgutil.iter_modules(getattr(parent, "__path__", []))]
 
 
+def search_from(config_dir: str | None) -> None:
+    """Where ``_target_`` modules are imported from: the config's own directory first (a module next to the
+    config), then the working directory (as ``python -m`` would; the ``polytrain`` command alone would
+    not), then ``sys.path`` (installed packages, ``PYTHONPATH``). The same in the launcher and the workers."""
+    for directory in (os.getcwd(), config_dir):  # inserted in front: the config's directory ends up first
+        if directory and directory not in sys.path:
+            sys.path.insert(0, directory)
+
+
 def import_target(target: str, where: str = "_target_") -> Any:
     """The object ``target`` (``package.module.Attr``) names; a ``ConfigError`` naming the module or the
     attribute that failed otherwise."""
@@ -49,7 +59,8 @@ def import_target(target: str, where: str = "_target_") -> Any:
         missing = err.name or module_name
         hint = _did_you_mean(missing.rpartition(".")[2], _sibling_modules(missing))
         raise ConfigError(f"{where}: _target_ '{target}': cannot import module '{module_name}' (no module named "
-                          f"'{missing}'{hint}); check the path, or run from the directory that holds it") from None
+                          f"'{missing}'{hint}); it is looked for next to the config, in the working directory "
+                          f"({os.getcwd()}) and on sys.path (PYTHONPATH)") from None
     except ImportError as err:
         raise ConfigError(f"{where}: _target_ '{target}': cannot import module '{module_name}': {err}") from None
     if not hasattr(module, attr):
@@ -89,8 +100,7 @@ def check_spec(spec: Any, where: str, config_dir: str | None = None) -> None:
     ``_target_`` mappings too), without calling anything."""
     if not isinstance(spec, dict) or not isinstance(spec.get("_target_"), str):
         raise ConfigError(f"{where} must be a mapping with _target_: package.Class (and its keyword arguments)")
-    if config_dir and config_dir not in sys.path:
-        sys.path.insert(0, config_dir)  # what instantiate does in the workers: targets resolve the same way
+    search_from(config_dir)  # what instantiate does in the workers: targets resolve the same way
     kwargs = {k: v for k, v in spec.items() if k != "_target_"}
     for key, value in kwargs.items():
         if isinstance(value, dict) and "_target_" in value:
