@@ -269,3 +269,46 @@ def test_collectives_demo_under_torchrun(tmp_path: Any) -> None:
     for demo, values in expected.items():
         for rank, value in enumerate(values):
             assert results.get((rank, demo)) == value, f"{demo} on rank {rank}\n{proc.stdout}\n{proc.stderr}"
+
+
+# --------------------------------------------------------------------------- README: as printed
+
+
+def _readme_block(heading: str, language: str = "python") -> str:
+    """The first ``language`` code block after ``heading`` in README.md."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
+        text = fh.read()
+    after = text[text.index(heading):]
+    start = after.index(f"```{language}\n") + len(f"```{language}\n")
+    return after[start:after.index("```", start)]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_readme_module_runs_as_printed_and_validates(tmp_path: Any) -> None:
+    """README.md's "Writing a module" block saved as a script and run as it is: two DDP workers, three
+    epochs, and its validation_step runs (it has a val_dataloader)."""
+    import csv
+
+    script = tmp_path / "classifier.py"
+    script.write_text(_readme_block("## Writing a module"), encoding="utf-8")
+    _run([sys.executable, str(script)], str(tmp_path), timeout=240)
+    with open(tmp_path / "runs" / "default" / "version_0" / "metrics.csv", encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["epoch"] for r in rows if r.get("val/acc")] == ["0", "1", "2"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_readme_test_and_validate_commands_run_as_printed(tmp_path: Any) -> None:
+    readme = os.path.join(ROOT, "README.md")
+    run_dir = tmp_path / "run"
+    quiet = [f"trainer.run_dir={run_dir}", "trainer.enable_progress_bar=false"]
+    _polytrain("fit", "-c", "examples/digits/config.yaml", "trainer.max_epochs=2", *quiet, cwd=ROOT, timeout=240)
+    for marker, folder in (("--ckpt best", "test_0"), ("--ckpt last", "validate_0")):
+        proc = _polytrain(*documented_command(readme, marker), *quiet, cwd=ROOT, timeout=240)
+        assert "metric" in proc.stdout and "val/acc" in proc.stdout, proc.stdout  # the results table
+        assert (run_dir / folder / "metrics.csv").exists()
+    assert sorted(os.listdir(run_dir)) == ["test_0", "validate_0", "version_0"]
