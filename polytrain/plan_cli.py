@@ -73,7 +73,7 @@ def run_plan(args: argparse.Namespace) -> int:
           f"{hw.nodes} x {hw.devices_per_node} {args.hardware} ({hw.memory_bytes / 1024**3:.0f} GiB each); "
           f"global batch {global_batch}, precision {precision}, optimizer {train.optimizer}, attention {attention}, "
           f"pipeline schedule {train.pp_schedule}")
-    print(format_table(plan, top=args.top))
+    print(format_table(plan, top=args.top, capacity=hw.memory_bytes))
     if plan.ranked:
         print("best: " + describe_time(plan.best))
         return 0

@@ -137,21 +137,44 @@ def best_per_degrees(plan: Plan) -> list[Estimate]:
     return out
 
 
-def format_table(plan: Plan, top: int = 10, show_rejected: int = 20) -> str:
-    """The ranked layouts, per-rank memory by term (GiB, or MiB for small models), then the rejected ones."""
+# The memory bar: one letter per term, each cell a BAR_WIDTH-th of a device's memory.
+BAR_TERMS = (("params", "P"), ("grads", "G"), ("optimizer", "O"), ("fsdp_buffers", "F"), ("activations", "A"))
+BAR_WIDTH = 20
+
+
+def memory_bar(memory: dict[str, int], capacity: float, width: int = BAR_WIDTH) -> str:
+    """A rank's memory by term drawn as ``width`` cells of ``capacity / width`` bytes: ``P`` parameters,
+    ``G`` gradients, ``O`` optimizer state, ``F`` FSDP's gathered buffers, ``A`` activations, ``.`` free.
+    Cells are rounded on the running total, so the bar's length is the total's, to half a cell."""
+    cells: list[str] = []
+    used = 0.0
+    for key, letter in BAR_TERMS:
+        used += memory.get(key, 0) / capacity * width
+        cells.extend(letter * max(0, min(width, round(used)) - len(cells)))
+    return "".join(cells) + "." * (width - len(cells))
+
+
+def format_table(plan: Plan, top: int = 10, show_rejected: int = 20, capacity: float | None = None) -> str:
+    """The ranked layouts, per-rank memory by term (GiB, or MiB for small models; with ``capacity``, a
+    device's memory in bytes, also drawn as a bar), then the rejected ones."""
     shown = best_per_degrees(plan)[:top]
     big = any(e.total_memory >= GiB for e in shown)
     unit, div = ("GiB", GiB) if big else ("MiB", 1024**2)
+    bar_head = "  memory of a device" if capacity else ""
     head = (f"{'#':>3}  {'layout':<40} {'params':>7} {'grads':>7} {'optim':>7} {'fsdp':>6} {'activ':>7} "
-            f"{'total':>7}  {'step s':>9} {'bubble':>6}  {'tokens/s':>11} {'samples/s':>10} {'sent/step':>10}")
+            f"{'total':>7}  {'step s':>9} {'bubble':>6}  {'tokens/s':>11} {'samples/s':>10} {'sent/step':>10}{bar_head}")
     lines = [f"per-rank memory in {unit}; {len(plan.ranked)} layouts fit, {len(plan.rejected)} rejected", head]
     for i, est in enumerate(shown, 1):
         m = est.memory
+        bar = f"  {memory_bar(m, capacity)}" if capacity else ""
         lines.append(
             f"{i:>3}  {est.layout.label():<40} {m['params'] / div:>7.2f} {m['grads'] / div:>7.2f} "
             f"{m['optimizer'] / div:>7.2f} {m['fsdp_buffers'] / div:>6.2f} {m['activations'] / div:>7.2f} "
             f"{est.total_memory / div:>7.2f}  {est.step_time:>9.4g} {est.bubble:>6.0%}  "
-            f"{est.tokens_per_s:>11.4g} {est.samples_per_s:>10.4g} {_bytes(sum(est.traffic.values())):>10}")
+            f"{est.tokens_per_s:>11.4g} {est.samples_per_s:>10.4g} {_bytes(sum(est.traffic.values())):>10}{bar}")
+    if capacity and shown:
+        lines.append(f"     memory bar: {BAR_WIDTH} cells of {capacity / BAR_WIDTH / GiB:.3g} GiB each: P params, "
+                     f"G grads, O optimizer state, F FSDP's gathered buffers, A activations, . free")
     # A reason shared by a layout's checkpointing variants is listed once, without the variant
     reasons: dict[tuple[Any, ...], str] = {}
     for r in plan.rejected:

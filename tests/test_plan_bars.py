@@ -1,0 +1,26 @@
+"""``polytrain plan`` draws each layout's per-rank memory by term as a bar of a device's memory."""
+
+from __future__ import annotations
+
+from polytrain.parallel.planner.estimate import Estimate
+from polytrain.parallel.planner.search import BAR_WIDTH, Layout, Plan, format_table, memory_bar
+
+GiB = 1024**3
+
+
+def test_the_bar_draws_each_term_in_proportion_to_the_device() -> None:
+    memory = {"params": 10, "grads": 10, "optimizer": 20, "fsdp_buffers": 0, "activations": 40}
+    assert memory_bar(memory, capacity=100, width=10) == "PGOOAAAA.."
+    assert memory_bar({**memory, "activations": 500}, capacity=100, width=10) == "PGOOAAAAAA"  # capped at the width
+    assert memory_bar({"params": 0}, capacity=100, width=10) == ".........."
+
+
+def test_the_table_shows_the_bars_and_their_legend() -> None:
+    memory = {"params": 8 * GiB, "grads": 8 * GiB, "optimizer": 16 * GiB, "fsdp_buffers": 4 * GiB,
+              "activations": 24 * GiB}
+    est = Estimate(Layout(dp_shard=8), memory, {"compute": 1.0}, 1.0, 8.0, 8192.0, 0.0)
+    lines = format_table(Plan(ranked=[est]), capacity=80 * GiB).splitlines()
+    assert lines[1].endswith("memory of a device")
+    assert lines[2].endswith("  PPGGOOOOFAAAAAA.....") and BAR_WIDTH == 20
+    assert lines[3].strip().startswith("memory bar: 20 cells of 4 GiB each: P params, G grads, O optimizer state")
+    assert "memory of a device" not in format_table(Plan(ranked=[est]))  # no capacity, no bar
