@@ -12,7 +12,7 @@ MIN_STAMP := $(MIN_VENV)/.installed-dev
 TORCH_MIN := 2.11.*
 TORCHVISION_MIN := 0.26.*
 
-.PHONY: install dev train test test-torch-min test-fast test-reliability lint bench clean
+.PHONY: install dev train test test-torch-min test-fast test-reliability lint bench figures clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -63,10 +63,18 @@ reliability: $(DEV_STAMP)
 	$(PY) -m tests.reliability.summary
 
 lint: $(DEV_STAMP)
-	$(VENV)/bin/ruff check polytrain tests examples benchmarks
+	$(VENV)/bin/ruff check polytrain tests examples benchmarks docs
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
+
+# The pictures in the docs: the digits example trained afresh into runs/figures, its curves drawn from its
+# own metrics.csv (README), and the SVG drawings (docs/architecture.md, docs/strategies/composition.md).
+figures: $(DEV_STAMP)
+	rm -rf runs/figures
+	$(VENV)/bin/polytrain fit --config examples/digits/config.yaml trainer.run_dir=runs/figures trainer.enable_progress_bar=false
+	$(PY) docs/figures/curves.py runs/figures/version_0/metrics.csv docs/figures/digits-curves.png
+	$(PY) docs/figures/diagrams.py
 
 clean:
 	rm -rf $(VENV) $(MIN_VENV) runs .pytest_cache
