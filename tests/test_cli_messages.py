@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
 from procs import POLYTRAIN, TINY_CONFIG, run  # noqa: E402
 
-from polytrain.cli import _print_metrics  # noqa: E402
+from polytrain.commands import _print_metrics  # noqa: E402
 from polytrain.trainer.config import TrainerConfig, elastic_warning, load_config  # noqa: E402
 
 
@@ -102,3 +102,15 @@ def test_a_copied_config_finds_its_target_from_the_working_directory(tmp_path: P
                   "trainer.callbacks.ModelCheckpoint.async_save=true"], timeout=150, cwd=DIGITS)
     assert result.returncode == 0, result.describe()
     assert "final metrics:" in result.stdout
+
+
+@pytest.mark.parametrize("args", [["--help"], ["fit", "--help"], ["validate"]])
+def test_help_and_a_malformed_command_answer_without_importing_torch(args: list[str]) -> None:
+    """``--help`` (and a command line argparse refuses) parse before anything heavy loads: no torch."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "polytrain", *args], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == (2 if args == ["validate"] else 0), done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "argparse" in imported and "torch" not in imported and "polytrain.commands" not in imported
