@@ -18,9 +18,11 @@ def _parser(plan: bool = False) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for stage in STAGES:
         p = sub.add_parser(stage, help=f"{stage} a TrainModule described by a YAML config")
-        p.add_argument("--config", "-c", required=True, help="YAML file with module:, data: (or datamodule:) and trainer:")
-        p.add_argument("--ckpt", default=None, help="checkpoint: a path (a file or a sharded directory), 'last' "
-                       "(the newest of the newest run), 'best' (the best a ModelCheckpoint recorded) or 'auto'")
+        p.add_argument("--config", "-c", required=True,
+                       help="YAML file with module:, data: (or datamodule:) and trainer:")
+        p.add_argument("--ckpt", default=None,
+                       help="checkpoint: a path (a file or a sharded directory), 'last' (the newest of "
+                            "the newest run), 'best' (the best a ModelCheckpoint recorded) or 'auto'")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_epochs=3")
     ck = sub.add_parser("checkpoint", help="checkpoint utilities")
     ck_sub = ck.add_subparsers(dest="action", required=True)
@@ -30,7 +32,8 @@ def _parser(plan: bool = False) -> argparse.ArgumentParser:
     if plan:  # the planner's options (hardware presets) load torch: only when planning
         importlib.import_module("polytrain.plan_cli").add_parser(sub)
     else:
-        sub.add_parser("plan", help="rank parallel layouts for a config's model on given hardware", add_help=False)
+        sub.add_parser("plan", help="rank parallel layouts for a config's model on given hardware",
+                       add_help=False)
     return parser
 
 

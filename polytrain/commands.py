@@ -54,7 +54,8 @@ def run_worker(config: dict[str, Any], command: str, ckpt: str | None) -> Any:
 
 def _print_metrics(trainer: Any) -> None:
     # Four significant digits: a loss of 0.000194 is printed as such, not as 0.0000.
-    shown = {k: float(v) for k, v in trainer.callback_metrics.items() if k.split("/")[0].startswith(("val", "train"))}
+    shown = {k: float(v) for k, v in trainer.callback_metrics.items()
+             if k.split("/")[0].startswith(("val", "train"))}
     if shown:
         print("final metrics: " + "  ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items())), flush=True)
 

@@ -41,7 +41,8 @@ class LearningRateMonitor(Callback):
     def __init__(self, logging_interval: str | None = None, log_momentum: bool = False,
                  log_weight_decay: bool = False) -> None:
         if logging_interval not in (None, "step", "epoch"):
-            raise ValueError(f"LearningRateMonitor logging_interval={logging_interval!r}; valid: step, epoch, None")
+            raise ValueError(f"LearningRateMonitor logging_interval={logging_interval!r}; "
+                             f"valid: step, epoch, None")
         self.logging_interval = logging_interval
         self.log_momentum = log_momentum
         self.log_weight_decay = log_weight_decay

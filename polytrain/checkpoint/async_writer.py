@@ -358,7 +358,10 @@ class AsyncCheckpointWriter:
                 for action in actions:
                     action()
             except BaseException as err:  # noqa: BLE001 - agreed on and raised by every rank in finish()
-                self._error = err.failure if isinstance(err, _Failed) else describe_write_failure(err, path, kind, needed)
+                if isinstance(err, _Failed):
+                    self._error = err.failure
+                else:
+                    self._error = describe_write_failure(err, path, kind, needed)
                 if cleanup is not None and os.path.isdir(cleanup):
                     shutil.rmtree(cleanup, ignore_errors=True)
 

@@ -43,7 +43,8 @@ class Failure:
     message: str
 
 
-def agree_on_error(error: str | Failure | None, device: torch.device | None = None, group: Any = None) -> None:
+def agree_on_error(error: str | Failure | None, device: torch.device | None = None,
+                   group: Any = None) -> None:
     """Every rank raises if any rank failed, with the first failing rank's message. ``error``: this rank's
     own failure (a string), a failure it knows of on another rank (a ``Failure``), or None. ``device``:
     where the agreement's tensor lives (default: what the default group's backend takes)."""

@@ -60,8 +60,8 @@ def verify_file(path: str) -> None:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist") from None
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {path} is damaged: {err} (torch's zip records fail their size or "
-                              f"CRC-32 check). Load an older checkpoint; resume: last skips damaged ones") from None
+        why = f"{err} (torch's zip records fail their size or CRC-32 check)"
+        raise damaged(f"checkpoint {path}", why) from None
     except OSError as err:
         raise CheckpointError(f"checkpoint {path} cannot be read: {err.strerror or err}") from None
 
@@ -71,7 +71,8 @@ def files_written_by(directory: str, rank: int, world_size: int) -> list[str]:
     (``__<rank>_<n>.distcp``); global rank 0 also takes every other file (``.metadata``, the payload)."""
     names = []
     for name in sorted(os.listdir(directory)):
-        if name.startswith(".tmp-") or name == MANIFEST_FILE or not os.path.isfile(os.path.join(directory, name)):
+        skipped = name.startswith(".tmp-") or name == MANIFEST_FILE
+        if skipped or not os.path.isfile(os.path.join(directory, name)):
             continue
         match = _SHARD.match(name)
         owner = int(match.group(1)) if match and int(match.group(1)) < world_size else 0
@@ -101,8 +102,8 @@ def read_manifest(directory: str) -> dict[str, dict[str, int]] | None:
         files = data["files"]
         return {str(k): {"size": int(v["size"]), "crc32": int(v["crc32"])} for k, v in files.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise CheckpointError(f"sharded checkpoint {directory} is damaged: its {MANIFEST_FILE} cannot be read "
-                              f"({err}). Load an older checkpoint; resume: last skips damaged ones") from None
+        why = f"its {MANIFEST_FILE} cannot be read ({err})"
+        raise damaged(f"sharded checkpoint {directory}", why) from None
 
 
 def verify_directory(directory: str, part: tuple[int, int] = (0, 1), sums: bool = True) -> None:
@@ -114,15 +115,17 @@ def verify_directory(directory: str, part: tuple[int, int] = (0, 1), sums: bool 
     index, count = part
     for name in sorted(manifest)[index::count]:
         expected, path = manifest[name], os.path.join(directory, name)
+        where = f"sharded checkpoint {directory}"
         try:
             size = os.path.getsize(path)
         except OSError:
-            raise CheckpointError(f"sharded checkpoint {directory} is damaged: {name} is missing. Load an older "
-                                  f"checkpoint; resume: last skips damaged ones") from None
+            raise damaged(where, f"{name} is missing") from None
         if size != expected["size"]:
-            raise CheckpointError(f"sharded checkpoint {directory} is damaged: {name} holds {size} bytes, its "
-                                  f"manifest says {expected['size']}. Load an older checkpoint; resume: last "
-                                  f"skips damaged ones")
+            raise damaged(where, f"{name} holds {size} bytes, its manifest says {expected['size']}")
         if sums and crc32_of(path)["crc32"] != expected["crc32"]:
-            raise CheckpointError(f"sharded checkpoint {directory} is damaged: {name} fails its CRC-32 check. "
-                                  f"Load an older checkpoint; resume: last skips damaged ones")
+            raise damaged(where, f"{name} fails its CRC-32 check")
+
+
+def damaged(what: str, why: str) -> CheckpointError:
+    return CheckpointError(f"{what} is damaged: {why}. Load an older checkpoint; resume: last skips "
+                           f"damaged ones")

@@ -216,20 +216,24 @@ def resolve_resume(resume: str | None, root: str, version: int | str | None = No
         for run in runs:
             path = find_resumable(checkpoint_dir(run), rejected)
             if path is not None:
-                doing = "continuing the run in" if stage == "fit" else f"{stage}: the newest checkpoint of the run in"
-                log.info("%s=%r: %s %s, %s", "resume" if stage == "fit" else "ckpt_path", resume, doing, run,
-                         os.path.basename(path))
+                if stage == "fit":
+                    log.info("resume=%r: continuing the run in %s, %s", resume, run, os.path.basename(path))
+                else:
+                    log.info("ckpt_path=%r: %s: the newest checkpoint of the run in %s, %s", resume, stage,
+                             run, os.path.basename(path))
                 return path
         where = runs[0] if version is not None else root
         if resume == "last" and last_may_start_fresh and stage == "fit" and not rejected:
             log.warning("ckpt_path='last' but %s holds no checkpoint; starting from scratch", where)
             return None
         if resume == "last" or stage != "fit":
-            found = f"its checkpoints cannot be loaded: {'; '.join(rejected)}" if rejected else "it holds no checkpoint"
+            found = "it holds no checkpoint"
+            if rejected:
+                found = f"its checkpoints cannot be loaded: {'; '.join(rejected)}"
             if stage == "fit":
-                raise ConfigError(f"resume='last' continues a run, but there is nothing to continue in {where}: "
-                                  f"{found}. Start fresh with resume=auto (a fresh start when there is no "
-                                  f"checkpoint) or no resume, or name a checkpoint file")
+                raise ConfigError(f"resume='last' continues a run, but there is nothing to continue in "
+                                  f"{where}: {found}. Start fresh with resume=auto (a fresh start when there "
+                                  f"is no checkpoint) or no resume, or name a checkpoint file")
             raise ConfigError(f"ckpt_path={resume!r}: there is no checkpoint to {verb} in {where}: {found}. "
                               f"Fit first, or name a checkpoint file")
         if rejected:
@@ -243,7 +247,8 @@ def resolve_resume(resume: str | None, root: str, version: int | str | None = No
 
 def existing_checkpoints(root: str, limit: int = 6) -> str:
     """One sentence naming the checkpoints under ``root`` (the newest run's first), for an error."""
-    found = [os.path.relpath(path, root) for run in runs_newest_first(root) for path in candidates(checkpoint_dir(run))]
+    found = [os.path.relpath(path, root) for run in runs_newest_first(root)
+             for path in candidates(checkpoint_dir(run))]
     if not found:
         return f"There is no checkpoint under {root}"
     more = f" and {len(found) - limit} more" if len(found) > limit else ""
@@ -264,7 +269,8 @@ def recorded_best(root: str, version: int | str | None = None) -> str | None:
         except Exception:  # noqa: BLE001 - complete a moment ago; a file replaced since is no record
             continue
         for key, state in (payload.get("callbacks") or {}).items():
-            best = state.get("best_model_path") if key.startswith("ModelCheckpoint") and isinstance(state, dict) else None
+            recorded = key.startswith("ModelCheckpoint") and isinstance(state, dict)
+            best = state.get("best_model_path") if recorded else None
             if best and os.path.exists(best):
                 return best
     return None

@@ -89,8 +89,9 @@ def read_sharded(path: str) -> dict[str, Any]:
         # (filled by the empty planner) comes back empty. The inner loader fills `state` itself.
         with quiet_single_process():
             lazy.dcp().state_dict_loader._load_state_dict(state, storage_reader=safe_reader(path), planner=safe_load_planner(empty=True), no_dist=True)
-    except (Exception, lazy.dcp().CheckpointException) as err:  # noqa: BLE001 - DCP wraps refusals and torn shards alike
-        raise CheckpointError(f"sharded checkpoint {path} cannot be loaded safely: {dcp_reason(err)}") from None
+    except (Exception, lazy.dcp().CheckpointException) as err:  # noqa: BLE001 - refusals, torn shards
+        reason = dcp_reason(err)
+        raise CheckpointError(f"sharded checkpoint {path} cannot be loaded safely: {reason}") from None
     return {**read_meta(path), **state}
 
 

@@ -62,7 +62,7 @@ def save_file(state: dict[str, Any], path: str) -> None:
     if C.rank() == 0:
         try:
             atomic_save(state, path)
-        except Exception as err:  # noqa: BLE001 - torch reports a full disk as a RuntimeError: agreed on below
+        except Exception as err:  # noqa: BLE001 - a full disk reaches here as a RuntimeError: agreed on below
             error = describe_write_failure(err, path, FILE, payload_bytes(state))
     agree_on_error(error)
 

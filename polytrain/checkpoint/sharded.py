@@ -154,7 +154,7 @@ def save_sharded(state: dict[str, Any], path: str) -> None:
         try:
             with quiet_single_process():
                 dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not C.active())
-        except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - gathered, so every rank raises it
+        except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - gathered: every rank raises it
             own = dcp_failure(err, path, tensors)
         payload = {k: v for k, v in state.items() if k not in TENSOR_KEYS} if C.rank() == 0 else None
         agree_on_error(complete_directory(tmp, path, payload, own))
@@ -191,7 +191,7 @@ def _read_dcp_into(path: str, into: dict[str, Any], payload: dict[str, Any]) -> 
         # Tensors are filled in place (each rank reads only its shards); other values are replaced.
         with quiet_single_process():
             dcp.load(into, storage_reader=safe_reader(path), planner=safe_load_planner(empty=False), no_dist=not C.active())
-    except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - the same aggregated error on every rank
+    except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - the same error on every rank
         raise CheckpointError(f"sharded checkpoint {path} cannot be loaded: {dcp_reason(err)}") from None
     saved = {k[len("model."):] for k in safe_reader(path).read_metadata().state_dict_metadata if k.startswith("model.")}
     return Loaded(payload, into["model"], into.get("optimizer"), None, saved, in_place=True)

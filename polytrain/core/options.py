@@ -15,7 +15,8 @@ from polytrain.core.errors import ConfigError
 
 
 def suggest(key: str, valid: list[str], n: int = 1) -> str:
-    """`` (did you mean 'x'?); valid: ...`` (up to ``n`` guesses: short names like ``dpp`` are near several)."""
+    """`` (did you mean 'x'?); valid: ...`` (up to ``n`` guesses: a short name like ``dpp`` is near
+    several)."""
     close = difflib.get_close_matches(key, valid, n=n)
     hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
     return f"{hint}; valid: {', '.join(valid)}"
@@ -53,8 +54,8 @@ def validate_dataclass(cls: type, data: dict[str, Any], where: str) -> Any:
         ) from None
     except (TypeError, ValueError) as err:  # OmegaConf's own: a mapping where a list belongs, and the like
         nested = [f"{where}.{k} ({type(v).__name__})" for k, v in data.items() if isinstance(v, (dict, list))]
-        raise ConfigError(f"{where}: {str(err).splitlines()[0]}: a mapping where a list belongs, or the reverse, "
-                          f"in one of {', '.join(nested) or 'its keys'}") from None
+        raise ConfigError(f"{where}: {str(err).splitlines()[0]}: a mapping where a list belongs, or the "
+                          f"reverse, in one of {', '.join(nested) or 'its keys'}") from None
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:
         raise ConfigError(f"{where} is missing required value(s): {', '.join(missing)}")

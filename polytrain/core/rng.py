@@ -118,7 +118,8 @@ class isolate_rng:  # noqa: N801 - used like a function, as torch.random.fork_rn
         restore_rng_state(self._state)
 
 
-def training_streams(seed: int | None, dp_rank: int, global_rank: int, lightning_seed: int | None = None) -> None:
+def training_streams(seed: int | None, dp_rank: int, global_rank: int,
+                     lightning_seed: int | None = None) -> None:
     """The streams training steps draw from (called once, before the first training batch).
 
     The default stream becomes per data-parallel rank: ``fork_stream(dp_rank)`` with no seed, else

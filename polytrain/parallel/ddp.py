@@ -65,7 +65,8 @@ def naming_unused_parameters(step: Callable[..., Any], ddp: DistributedDataParal
             found = _UNUSED.search(str(err))
             if "Expected to have finished reduction in the prior iteration" not in str(err) or found is None:
                 raise
-            raise RuntimeError(unused_parameters_message(ddp, int(found.group(1)), found.group(2).split())) from err
+            rank, indices = int(found.group(1)), found.group(2).split()
+            raise RuntimeError(unused_parameters_message(ddp, rank, indices)) from err
 
     return step_naming_unused
 
@@ -75,10 +76,11 @@ def unused_parameters_message(ddp: DistributedDataParallel, rank: int, indices: 
     names = [name.removeprefix("module.") for name, p in ddp.module.named_parameters()
              if p.requires_grad and name not in ddp.parameters_to_ignore]
     unused = [names[int(i)] if int(i) < len(names) else f"#{i}" for i in indices]
-    return (f"training_step's loss did not use every parameter: on rank {rank}, {', '.join(unused)} got no gradient "
-            f"in the last step, so DDP could not finish reducing the gradients. If that is intended (parameters "
-            f"used in some steps only, or not at all), use strategy='ddp_find_unused_parameters_true' (in a config: "
-            f"strategy: {{name: ddp, find_unused_parameters: true}}); if not, make the loss use them, or freeze them "
+    return (f"training_step's loss did not use every parameter: on rank {rank}, {', '.join(unused)} got no "
+            f"gradient in the last step, so DDP could not finish reducing the gradients. If that is intended "
+            f"(parameters used in some steps only, or not at all), use "
+            f"strategy='ddp_find_unused_parameters_true' (in a config: strategy: {{name: ddp, "
+            f"find_unused_parameters: true}}); if not, make the loss use them, or freeze them "
             f"(requires_grad=False)")
 
 

@@ -229,10 +229,13 @@ def elastic_warning(cfg: TrainerConfig) -> str | None:
         return None
     missing = [] if cfg.resume in ("auto", "last") else ["trainer.resume: auto"]
     if not any(_checkpoints_within_epochs(spec) for spec in cfg.callbacks):
-        missing.append("a ModelCheckpoint with every_n_train_steps (or train_time_interval) in trainer.callbacks")
+        missing.append("a ModelCheckpoint with every_n_train_steps (or train_time_interval) in "
+                       "trainer.callbacks")
     if not missing:
         return None
-    why = f"trainer.max_restarts={cfg.max_restarts}" if cfg.max_restarts else f"trainer.num_nodes={cfg.num_nodes}"
+    why = f"trainer.num_nodes={cfg.num_nodes}"
+    if cfg.max_restarts:
+        why = f"trainer.max_restarts={cfg.max_restarts}"
     return (f"{why} restarts the workers after a failure, but each restart will start the training over: add "
             f"{' and '.join(missing)} so it continues from the newest checkpoint (docs/reliability.md)")
 
@@ -317,7 +320,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
     """``a.b.c=value`` into the nested config. A list (``trainer.callbacks``) is entered by index
-    (``callbacks.1.async_save``) or by the class its entry builds (``callbacks.ModelCheckpoint.async_save``)."""
+    (``callbacks.1.async_save``) or by the class its entry builds
+    (``callbacks.ModelCheckpoint.async_save``)."""
     node: Any = data
     for depth, part in enumerate(path[:-1]):
         if isinstance(node, list):
@@ -349,12 +353,12 @@ def _list_entry(entries: list[Any], part: str, where: str) -> int:
         return found[0]
     present = ", ".join(f"{i}: {name or '?'}" for i, name in enumerate(classes)) or "none"
     if found:
-        raise ConfigError(f"{where}.{part}: {where} has {len(found)} entries of class {part} (at {found}); name "
-                          f"one by its index, e.g. {where}.{found[0]}.<option>=...")
+        raise ConfigError(f"{where}.{part}: {where} has {len(found)} entries of class {part} (at {found}); "
+                          f"name one by its index, e.g. {where}.{found[0]}.<option>=...")
     close = difflib.get_close_matches(part, [c for c in classes if c], n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
-    raise ConfigError(f"{where}.{part}: {where} has no entry of class {part}{hint}; its entries: {present}. Name "
-                      f"an entry by its class or its index, or set the whole list: {where}=[...]")
+    raise ConfigError(f"{where}.{part}: {where} has no entry of class {part}{hint}; its entries: {present}. "
+                      f"Name an entry by its class or its index, or set the whole list: {where}=[...]")
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> dict[str, Any]:

@@ -86,7 +86,7 @@ def run_eval_pass(trainer: Trainer, loader: Any, stage: str, limit: int | None, 
         hooks(f"on_{word}_start")
         hooks(f"on_{word}_epoch_start")
         metrics.eval_epoch_level = False
-        trainer.strategy.prepare_evaluation()  # every rank: a wrapper's first evaluation forward (DDP's buffers)
+        trainer.strategy.prepare_evaluation()  # every rank: what a wrapper's first evaluation forward does
         for batch_idx, batch in enumerate(iterator):
             if limit is not None and batch_idx >= limit:
                 break

@@ -122,8 +122,8 @@ class FitLoop:
         self._bind_phases()
         self._started, self._multi_rank = time.monotonic(), trainer.world_size > 1
         self._loaded = {"train": self.progress.epoch, "val": self.progress.epoch}  # reload_dataloaders_every_...
-        # As Lightning, a fit that starts past epoch 0 without a checkpoint (a second fit of this Trainer) asks
-        # the loader for a new iterator when its first epoch starts: the one made here is dropped then.
+        # As Lightning, a fit that starts past epoch 0 without a checkpoint (a second fit of this Trainer)
+        # asks the loader for a new iterator when its first epoch starts: the one made here is dropped then.
         self._renew_first = self.progress.epoch > 0 and self.resumed.loop is None
         self._first: tuple[Any, int] | None = self._epoch_iterator()
         if not sanity:  # as Lightning: without a sanity check the val loader is asked for here

@@ -2,7 +2,9 @@
 
 Each run gets a directory of its own under the root, as Lightning's loggers give one:
 ``<run_dir>/version_<n>`` (the next free ``n``, claimed by creating the directory exclusively, so runs
-started together never share one), or ``<run_dir>/<version>`` when ``trainer.version`` names one. When the first logger is a file logger built by the user (``TensorBoardLogger(save_dir, name)``), its
+started together never share one), or ``<run_dir>/<version>`` when ``trainer.version`` names one; an
+evaluation of a new Trainer gets ``<run_dir>/<stage>_<n>``, told apart from trainings. When the first
+logger is a file logger built by the user (``TensorBoardLogger(save_dir, name)``), its
 ``<save_dir>/<name>`` is the root instead, as in Lightning. The run's logs and its ``checkpoints/`` live
 there, so a new run never writes over an earlier run's files, never moves its ``latest`` pointer, and
 ``resume: last`` never mixes two runs' checkpoints. A fit that resumes from a checkpoint of a run under
@@ -123,8 +125,9 @@ def _decide(trainer: Trainer, stage: str, ckpt_path: str | None, previous: RunDi
         path = os.path.join(root, version_name(_new_version(trainer, root, writes, kind)))
         claimed = writes
     name = version_of(os.path.basename(path))
-    versions = [name if os.path.abspath(lg.root_dir) == os.path.abspath(root) else
-                (lg.asked_version if lg.asked_version is not None else _new_version(trainer, lg.root_dir, writes, kind))
+    versions = [name if os.path.abspath(lg.root_dir) == os.path.abspath(root)
+                else lg.asked_version if lg.asked_version is not None
+                else _new_version(trainer, lg.root_dir, writes, kind)
                 for lg in _directory_loggers(trainer)]
     return RunDirectory(path, resume_from, claimed), versions
 
@@ -139,7 +142,8 @@ def _new_version(trainer: Trainer, root: str, claim: bool, kind: str = "version"
     return version_of(name)
 
 
-def resolve_path(trainer: Trainer, choice: str | None, argument: bool = False, stage: str = "fit") -> str | None:
+def resolve_path(trainer: Trainer, choice: str | None, argument: bool = False,
+                 stage: str = "fit") -> str | None:
     """``None`` | ``"last"`` | ``"auto"`` | ``"best"`` | a path -> the checkpoint to load (global rank 0).
     ``argument``: the choice came as ``ckpt_path`` (Lightning's argument, whose ``"last"`` starts fresh when
     there is no checkpoint at all), not as the config's ``resume``; ``stage``: what the checkpoint is for."""
@@ -182,9 +186,9 @@ def best_checkpoint(kept: str | None, root: str, version: int | str | None) -> s
     the best the run's own checkpoints recorded (a new process: ``polytrain test --ckpt best``)."""
     best = kept or recorded_best(root, version)
     if not best:
-        raise ConfigError(f"ckpt_path='best' loads the best checkpoint a ModelCheckpoint recorded, and no run under "
-                          f"{root} recorded one. Fit with checkpointing enabled first (monitor=... ranks them), or "
-                          f"pass a path or 'last'. {existing_checkpoints(root)}")
+        raise ConfigError(f"ckpt_path='best' loads the best checkpoint a ModelCheckpoint recorded, and no "
+                          f"run under {root} recorded one. Fit with checkpointing enabled first (monitor=... "
+                          f"ranks them), or pass a path or 'last'. {existing_checkpoints(root)}")
     return best
 
 

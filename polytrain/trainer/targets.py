@@ -58,9 +58,9 @@ def import_target(target: str, where: str = "_target_") -> Any:
     except ModuleNotFoundError as err:
         missing = err.name or module_name
         hint = _did_you_mean(missing.rpartition(".")[2], _sibling_modules(missing))
-        raise ConfigError(f"{where}: _target_ '{target}': cannot import module '{module_name}' (no module named "
-                          f"'{missing}'{hint}); it is looked for next to the config, in the working directory "
-                          f"({os.getcwd()}) and on sys.path (PYTHONPATH)") from None
+        raise ConfigError(f"{where}: _target_ '{target}': cannot import module '{module_name}' (no module "
+                          f"named '{missing}'{hint}); it is looked for next to the config, in the working "
+                          f"directory ({os.getcwd()}) and on sys.path (PYTHONPATH)") from None
     except ImportError as err:
         raise ConfigError(f"{where}: _target_ '{target}': cannot import module '{module_name}': {err}") from None
     if not hasattr(module, attr):

@@ -371,7 +371,7 @@ class Trainer:
         """The stage's callbacks (the module's ``configure_callbacks`` merged in), its seeding (after them,
         where Lightning's multi-process strategies re-seed), its hook funnel and batch mover; then everything
         before its loop."""
-        # From the current list, as Lightning: a callback appended to trainer.callbacks between two stages stays.
+        # From the current list, as Lightning: a callback appended to trainer.callbacks between stages stays.
         self.callbacks = lifecycle.merge_callbacks(self.callbacks, self.hooks.module("configure_callbacks"))
         self.hooks = Hooks(self, self.module, self.callbacks, self.datamodule, self.profiler.instrument)
         lifecycle.seed(self)

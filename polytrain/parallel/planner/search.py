@@ -162,7 +162,8 @@ def format_table(plan: Plan, top: int = 10, show_rejected: int = 20, capacity: f
     unit, div = ("GiB", GiB) if big else ("MiB", 1024**2)
     bar_head = "  memory of a device" if capacity else ""
     head = (f"{'#':>3}  {'layout':<40} {'params':>7} {'grads':>7} {'optim':>7} {'fsdp':>6} {'activ':>7} "
-            f"{'total':>7}  {'step s':>9} {'bubble':>6}  {'tokens/s':>11} {'samples/s':>10} {'sent/step':>10}{bar_head}")
+            f"{'total':>7}  {'step s':>9} {'bubble':>6}  {'tokens/s':>11} {'samples/s':>10} {'sent/step':>10}"
+            f"{bar_head}")
     lines = [f"per-rank memory in {unit}; {len(plan.ranked)} layouts fit, {len(plan.rejected)} rejected", head]
     for i, est in enumerate(shown, 1):
         m = est.memory
@@ -171,10 +172,12 @@ def format_table(plan: Plan, top: int = 10, show_rejected: int = 20, capacity: f
             f"{i:>3}  {est.layout.label():<40} {m['params'] / div:>7.2f} {m['grads'] / div:>7.2f} "
             f"{m['optimizer'] / div:>7.2f} {m['fsdp_buffers'] / div:>6.2f} {m['activations'] / div:>7.2f} "
             f"{est.total_memory / div:>7.2f}  {est.step_time:>9.4g} {est.bubble:>6.0%}  "
-            f"{est.tokens_per_s:>11.4g} {est.samples_per_s:>10.4g} {_bytes(sum(est.traffic.values())):>10}{bar}")
+            f"{est.tokens_per_s:>11.4g} {est.samples_per_s:>10.4g} {_bytes(sum(est.traffic.values())):>10}"
+            f"{bar}")
     if capacity and shown:
-        lines.append(f"     memory bar: {BAR_WIDTH} cells of {capacity / BAR_WIDTH / GiB:.3g} GiB each: P params, "
-                     f"G grads, O optimizer state, F FSDP's gathered buffers, A activations, . free")
+        lines.append(f"     memory bar: {BAR_WIDTH} cells of {capacity / BAR_WIDTH / GiB:.3g} GiB each: "
+                     f"P params, G grads, O optimizer state, F FSDP's gathered buffers, A activations, "
+                     f". free")
     # A reason shared by a layout's checkpointing variants is listed once, without the variant
     reasons: dict[tuple[Any, ...], str] = {}
     for r in plan.rejected:
