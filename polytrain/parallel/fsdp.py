@@ -55,7 +55,25 @@ def blocks_to_wrap(module: nn.Module, names: list[str] | None) -> list[nn.Module
     if not containers:
         return []
     largest = max(containers, key=lambda m: sum(p.numel() for p in m.parameters()))
-    return [child for child in largest.children() if next(child.parameters(), None) is not None]
+    holders = _holders(module)
+    return [child for child in largest.children()
+            if next(child.parameters(), None) is not None and not _shares_outside(child, holders)]
+
+
+def _holders(module: nn.Module) -> dict[int, set[int]]:
+    """Each parameter (by id) -> the modules (by id) that hold it directly: more than one for a tie."""
+    out: dict[int, set[int]] = {}
+    for sub in module.modules():
+        for p in sub.parameters(recurse=False):
+            out.setdefault(id(p), set()).add(id(sub))
+    return out
+
+
+def _shares_outside(block: nn.Module, holders: dict[int, set[int]]) -> bool:
+    """A parameter of ``block`` is also held outside it (a head tied to an embedding): FSDP must not make
+    it a unit of its own, or the tie would sit in two units; it stays with the root, which takes both."""
+    inside = {id(m) for m in block.modules()}
+    return any(holders[id(p)] - inside for p in block.parameters())
 
 
 def broadcast_module(module: nn.Module, device: torch.device) -> None:
