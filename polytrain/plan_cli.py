@@ -17,6 +17,7 @@ from polytrain.parallel.planner import PRESETS, Training, format_table, hardware
 from polytrain.parallel.planner.search import describe_time
 from polytrain.trainer.config import instantiate, load_config
 from polytrain.trainer.planned import first_batch, optimizer_kind, schedule_settings
+from polytrain.trainer.trainer import Trainer
 
 
 def add_parser(sub: Any) -> None:
@@ -24,8 +25,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--config", "-c", required=True, help="the YAML config whose module: is planned")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--devices-per-node", type=int, default=8)
-    p.add_argument("--hardware", choices=sorted(PRESETS), default="h100",
-                   help="figures for peak FLOPs, bandwidths, latencies (docs/strategies/planner.md)")
+    p.add_argument("--hardware", choices=sorted(PRESETS), default=None,
+                   help="figures for peak FLOPs, bandwidths, latencies (docs/strategies/planner.md); default: "
+                        "cpu when the config's trainer.accelerator is cpu, else h100")
     p.add_argument("--device-memory", default=None, help="per device, e.g. 80GiB (default: the preset's)")
     p.add_argument("--efficiency", type=float, default=None, help="fraction of peak FLOPs reached (MFU)")
     p.add_argument("--peak-tflops", type=float, default=None)
@@ -50,12 +52,17 @@ def _config_dp(trainer: dict[str, Any], world: int) -> int:
 def run_plan(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     trainer = config["trainer"]
+    preset = args.hardware or ("cpu" if trainer.get("accelerator") == "cpu" else "h100")
+    chosen = "" if args.hardware else f" (from trainer.accelerator={trainer.get('accelerator')})"
     with torch.device("meta"):
         module = instantiate(config["module"], "module", config.get("config_dir"))
+    # configure_optimizers may read self.trainer (its max_epochs, say): a Trainer of the config, never fitted.
+    module._attach(Trainer.from_config(config))
+    optimizer, assumed = optimizer_kind(module)
     data = instantiate(config["data"], "data", config.get("config_dir")) if config.get("data") else None
     x, y = first_batch((data if data is not None else module).train_dataloader())
     gbps = {k: getattr(args, f"{k}_node_gbps") for k in ("intra", "inter")}
-    hw = hardware(args.hardware, args.nodes, args.devices_per_node,
+    hw = hardware(preset, args.nodes, args.devices_per_node,
                   memory_bytes=parse_bytes(args.device_memory) if args.device_memory else None,
                   efficiency=args.efficiency, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
                   intra_bw=gbps["intra"] * 1e9 if gbps["intra"] else None,
@@ -65,14 +72,15 @@ def run_plan(args: argparse.Namespace) -> int:
     global_batch = args.global_batch or x.shape[0] * _config_dp(trainer, world)
     precision = str(trainer.get("precision", "32"))
     options = trainer.get("strategy") if isinstance(trainer.get("strategy"), dict) else {}
-    train = Training(global_batch=global_batch, precision=precision, optimizer=optimizer_kind(module),
+    train = Training(global_batch=global_batch, precision=precision, optimizer=optimizer,
                      **schedule_settings(options))
     attention = args.attention
     plan = plan_module(module, x[:1], hw, train, target=None if y is None else y[:1], attention=attention)
+    optimizer_said = f"{train.optimizer} (assumed: {assumed})" if assumed else train.optimizer
     print(f"plan for {type(module).__name__} ({sum(p.numel() for p in module.parameters()):,} parameters) on "
-          f"{hw.nodes} x {hw.devices_per_node} {args.hardware} ({hw.memory_bytes / 1024**3:.0f} GiB each); "
-          f"global batch {global_batch}, precision {precision}, optimizer {train.optimizer}, attention {attention}, "
-          f"pipeline schedule {train.pp_schedule}")
+          f"{hw.nodes} x {hw.devices_per_node} {preset}{chosen} ({hw.memory_bytes / 1024**3:.0f} GiB each); "
+          f"global batch {global_batch}, precision {precision}, optimizer {optimizer_said}, attention "
+          f"{attention}, pipeline schedule {train.pp_schedule}")
     print(format_table(plan, top=args.top, capacity=hw.memory_bytes))
     if plan.ranked:
         print("best: " + describe_time(plan.best))

@@ -39,17 +39,20 @@ OPTIMIZERS = {"Adam": "adam", "AdamW": "adamw"}
 PRECISIONS = {"32-true": "32", "bf16": "bf16-mixed", "16": "16-mixed"}
 
 
-def optimizer_kind(module: Any) -> str:
-    """The planner's name for the optimizer ``module.configure_optimizers()`` builds (AdamW if it cannot)."""
+def optimizer_kind(module: Any) -> tuple[str, str | None]:
+    """The planner's name for the optimizer ``module.configure_optimizers()`` builds, and None; or AdamW and
+    why it is assumed (the module cannot build its optimizer here, or builds one the planner does not know)."""
     try:
         made = module.configure_optimizers()
-    except Exception:  # noqa: BLE001 - a module that cannot build its optimizer here plans as AdamW
-        return "adamw"
+    except Exception as err:  # noqa: BLE001 - a module that cannot build its optimizer here plans as AdamW
+        return "adamw", f"configure_optimizers() raised {type(err).__name__}: {str(err).splitlines()[0][:80]}"
     opt = made[0] if isinstance(made, (tuple, list)) else made.get("optimizer") if isinstance(made, dict) else made
     name = type(opt).__name__
     if name == "SGD":
-        return "sgd_momentum" if opt.defaults.get("momentum", 0) else "sgd"
-    return OPTIMIZERS.get(name, "adamw")
+        return ("sgd_momentum" if opt.defaults.get("momentum", 0) else "sgd"), None
+    if name not in OPTIMIZERS:
+        return "adamw", f"{name} is not one the planner knows ({', '.join(sorted([*OPTIMIZERS, 'SGD']))})"
+    return OPTIMIZERS[name], None
 
 
 def first_batch(loader: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -110,7 +113,7 @@ def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamod
     other = math.prod(pinned.get(k, 1) for k in ("tp", "pp", "cp"))
     global_batch = spec.get("global_batch") or x.shape[0] * max(world // other, 1)
     precision = PRECISIONS.get(str(config.precision), str(config.precision))
-    training = Training(global_batch=global_batch, precision=precision, optimizer=optimizer_kind(module),
+    training = Training(global_batch=global_batch, precision=precision, optimizer=optimizer_kind(module)[0],
                         **schedule_settings(spec))
     # flash: the SDPA kernel torch runs on CUDA (bf16) and on CPU (fp32 too); math would count its s x s matrix
     profile_at = profiler(module, x[:1], None if y is None else y[:1], "flash", spec.get("sequential"))

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from polytrain.core.errors import ConfigError
 from polytrain.parallel.pipeline_split import find_sequential
 from polytrain.parallel.planner.estimate import Estimate, Layout, Training, estimate
 from polytrain.parallel.planner.hardware import PRESETS, Hardware, hardware, parse_bytes
@@ -34,13 +35,24 @@ def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | No
     seq = on_meta(seq)
     hook = getattr(module, "tensor_parallel_plan", None)
     plan = style_names(hook()) if callable(hook) else None
+    # The strategy refuses tensor parallelism for a module that does not say how to split its layers; so
+    # does the planner, in the same words, instead of costing a split that will not happen.
+    splits = callable(hook) or callable(getattr(module, "parallelize", None))
     example = example.to("meta")
     loss_fn = getattr(module, "pipeline_loss", None)
     loss = None
     if callable(loss_fn) and target is not None:
         target = target.to("meta")
         loss = functools.partial(_apply_loss, loss_fn, target)
-    return functools.cache(lambda tp: profile_sequential(seq, example, tp, plan, seq_name, loss, attention))
+
+    @functools.cache
+    def at(tp: int) -> ModelProfile:
+        if tp > 1 and not splits:
+            raise ConfigError(f"{type(module).__name__} has no tensor-parallel plan: define "
+                              f"tensor_parallel_plan() or parallelize(tp_mesh)")
+        return profile_sequential(seq, example, tp, plan, seq_name, loss, attention)
+
+    return at
 
 
 def on_meta(module: nn.Module) -> nn.Module:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
 from polytrain.parallel.planner.estimate import Estimate
 from polytrain.parallel.planner.search import BAR_WIDTH, Layout, Plan, format_table, memory_bar
 
@@ -24,3 +30,20 @@ def test_the_table_shows_the_bars_and_their_legend() -> None:
     assert lines[2].endswith("  PPGGOOOOFAAAAAA.....") and BAR_WIDTH == 20
     assert lines[3].strip().startswith("memory bar: 20 cells of 4 GiB each: P params, G grads, O optimizer state")
     assert "memory of a device" not in format_table(Plan(ranked=[est]))  # no capacity, no bar
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_the_digits_plan_names_its_cpu_its_sgd_and_ranks_no_tensor_parallel_layout() -> None:
+    """The example has no tensor-parallel plan, runs on CPU and builds SGD with momentum (reading
+    self.trainer in configure_optimizers): the plan says so, and every tp > 1 layout is rejected in the words
+    the strategy uses."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-m", "polytrain", "plan", "-c", "examples/digits/config.yaml", "--nodes",
+                           "1", "--devices-per-node", "2"], cwd=root, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "on 1 x 2 cpu (from trainer.accelerator=cpu)" in lines[0] and "optimizer sgd_momentum," in lines[0]
+    table = lines[3:lines.index(next(line for line in lines if "memory bar:" in line))]
+    assert table and not any(row.split()[1].startswith("tp") for row in table), table
+    assert any("tp2" in line and "has no tensor-parallel plan" in line for line in lines), lines
