@@ -26,9 +26,12 @@ def test_the_table_shows_the_bars_and_their_legend() -> None:
               "activations": 24 * GiB}
     est = Estimate(Layout(dp_shard=8), memory, {"compute": 1.0}, 1.0, 8.0, 8192.0, 0.0)
     lines = format_table(Plan(ranked=[est]), capacity=80 * GiB).splitlines()
+    assert lines[0] == ("1 sets of degrees fit (the fastest of their 1 variants shown, first 1), 0 rejected; "
+                        "per-rank memory in GiB")
     assert lines[1].endswith("memory of a device")
     assert lines[2].endswith("  PPGGOOOOFAAAAAA.....") and BAR_WIDTH == 20
-    assert lines[3].strip().startswith("memory bar: 20 cells of 4 GiB each: P params, G grads, O optimizer state")
+    assert lines[3].strip().startswith("columns: memory a rank holds by term")  # the axes' legend
+    assert lines[4].strip().startswith("memory bar: 20 cells of 4 GiB each: P params, G grads, O optimizer state")
     assert "memory of a device" not in format_table(Plan(ranked=[est]))  # no capacity, no bar
 
 
@@ -44,6 +47,6 @@ def test_the_digits_plan_names_its_cpu_its_sgd_and_ranks_no_tensor_parallel_layo
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert "on 1 x 2 cpu (from trainer.accelerator=cpu)" in lines[0] and "optimizer sgd_momentum," in lines[0]
-    table = lines[3:lines.index(next(line for line in lines if "memory bar:" in line))]
+    table = lines[2:lines.index(next(line for line in lines if "columns:" in line))]
     assert table and not any(row.split()[1].startswith("tp") for row in table), table
     assert any("tp2" in line and "has no tensor-parallel plan" in line for line in lines), lines

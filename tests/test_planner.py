@@ -273,7 +273,7 @@ def test_plan_cli_prints_the_ranked_table() -> None:
            "--hardware", "cpu", "--nodes", "1", "--devices-per-node", "8", "--top", "5"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert "layouts fit" in out.stdout and "best:" in out.stdout
+    assert "sets of degrees fit" in out.stdout and "best:" in out.stdout
     assert "layers of the Sequential" in out.stdout  # pp beyond the children, with its reason
     assert "1F1B: 1 micro-batches are fewer than the pp=2 stages" in out.stdout  # torch's Schedule1F1B refuses it
     assert "attention flash" in out.stdout  # the kernel torch runs on CPU too, the default

@@ -157,14 +157,18 @@ def memory_bar(memory: dict[str, int], capacity: float, width: int = BAR_WIDTH) 
 def format_table(plan: Plan, top: int = 10, show_rejected: int = 20, capacity: float | None = None) -> str:
     """The ranked layouts, per-rank memory by term (GiB, or MiB for small models; with ``capacity``, a
     device's memory in bytes, also drawn as a bar), then the rejected ones."""
-    shown = best_per_degrees(plan)[:top]
+    fitting = best_per_degrees(plan)
+    shown = fitting[:top]
     big = any(e.total_memory >= GiB for e in shown)
     unit, div = ("GiB", GiB) if big else ("MiB", 1024**2)
     bar_head = "  memory of a device" if capacity else ""
     head = (f"{'#':>3}  {'layout':<40} {'params':>7} {'grads':>7} {'optim':>7} {'fsdp':>6} {'activ':>7} "
             f"{'total':>7}  {'step s':>9} {'bubble':>6}  {'tokens/s':>11} {'samples/s':>10} {'sent/step':>10}"
             f"{bar_head}")
-    lines = [f"per-rank memory in {unit}; {len(plan.ranked)} layouts fit, {len(plan.rejected)} rejected", head]
+    reasons = _rejections(plan)
+    # Counted as listed: sets of degrees, each shown once in its fastest variant (micro-batches, checkpointing).
+    lines = [f"{len(fitting)} sets of degrees fit (the fastest of their {len(plan.ranked)} variants shown, first "
+             f"{len(shown)}), {len(reasons)} rejected; per-rank memory in {unit}", head]
     for i, est in enumerate(shown, 1):
         m = est.memory
         bar = f"  {memory_bar(m, capacity)}" if capacity else ""
@@ -174,11 +178,23 @@ def format_table(plan: Plan, top: int = 10, show_rejected: int = 20, capacity: f
             f"{est.total_memory / div:>7.2f}  {est.step_time:>9.4g} {est.bubble:>6.0%}  "
             f"{est.tokens_per_s:>11.4g} {est.samples_per_s:>10.4g} {_bytes(sum(est.traffic.values())):>10}"
             f"{bar}")
+    if shown:
+        lines.append("     columns: memory a rank holds by term (parameters, gradients, optimizer state, FSDP's "
+                     "gathered buffers, activations at the peak) and in total; step s: predicted seconds per "
+                     "optimizer step; bubble: a pipeline's idle share; tokens/s and samples/s for the whole "
+                     "job; sent/step: bytes the busiest rank sends per step")
     if capacity and shown:
         lines.append(f"     memory bar: {BAR_WIDTH} cells of {capacity / BAR_WIDTH / GiB:.3g} GiB each: "
                      f"P params, G grads, O optimizer state, F FSDP's gathered buffers, A activations, "
                      f". free")
-    # A reason shared by a layout's checkpointing variants is listed once, without the variant
+    if reasons and show_rejected:
+        lines.append(f"rejected (first {min(show_rejected, len(reasons))} of {len(reasons)}):")
+        lines += [f"     {label:<40} {key[-1]}" for key, label in list(reasons.items())[:show_rejected]]
+    return "\n".join(lines)
+
+
+def _rejections(plan: Plan) -> dict[tuple[Any, ...], str]:
+    """Each rejected layout with its reason, a reason its checkpointing variants share listed once."""
     reasons: dict[tuple[Any, ...], str] = {}
     for r in plan.rejected:
         lay = r.layout
@@ -186,10 +202,7 @@ def format_table(plan: Plan, top: int = 10, show_rejected: int = 20, capacity: f
         first = reasons.setdefault(key, lay.label())
         if first != lay.label():
             reasons[key] = Layout(*key[:6]).label()
-    if reasons and show_rejected:
-        lines.append(f"rejected (first {min(show_rejected, len(reasons))} of {len(reasons)}):")
-        lines += [f"     {label:<40} {key[-1]}" for key, label in list(reasons.items())[:show_rejected]]
-    return "\n".join(lines)
+    return reasons
 
 
 def describe_time(est: Estimate) -> str:
