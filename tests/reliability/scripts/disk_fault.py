@@ -70,6 +70,9 @@ class Fault(Callback):
         if trainer.global_step != FAULT_STEP or self.struck:
             return
         self.struck = True
+        # The step-2 save may still be writing in the background (async): the fault is for the next save, so
+        # it waits for that one first (every rank calls finish: it agrees on the outcome).
+        trainer.strategy.checkpoint_io.finish()
         if self.kind == "enospc" and trainer.global_rank == 0:
             fill(self.full_fs)
             self.filled = True
