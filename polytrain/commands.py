@@ -72,6 +72,14 @@ def _consolidate(source: str, output: str) -> int:
     return 0
 
 
+def root_cause(err: ChildFailedError) -> str:
+    """``rank R: Type: message`` of the first worker that failed (its error file's first line)."""
+    rank, failure = err.get_first_failure()
+    message = failure.message
+    text = str(message.get("message", "") if isinstance(message, dict) else message).strip()
+    return f"rank {rank}: {text.splitlines()[0] if text else f'exit code {failure.exitcode}'}"
+
+
 def run(args: argparse.Namespace) -> int:
     """A parsed command line, run: ``checkpoint``, ``plan``, or a stage (its config and checkpoint checked
     here, then the workers started). The exit code."""
@@ -108,11 +116,14 @@ def run(args: argparse.Namespace) -> int:
             launch_spawn(plan, run_worker, (config, args.command, ckpt))
         except ProcessRaisedException as err:  # the first failing worker's traceback; the others were stopped
             print(f"polytrain: a worker failed and the job was ended.{str(err).rstrip()}", file=sys.stderr)
+            print(f"polytrain: {args.command} failed: {str(err).rstrip().splitlines()[-1].strip()}", file=sys.stderr)
             return 1
         return 0
     try:
         launch_elastic(plan, _elastic_entry, (config, args.command, ckpt), trainer_cfg.max_restarts)
     except ChildFailedError as err:
         print(err.format_msg(), file=sys.stderr)
+        # Last, where it is read first: the root cause in one line.
+        print(f"polytrain: {args.command} failed on {root_cause(err)}", file=sys.stderr)
         return 1
     return 0

@@ -170,13 +170,21 @@ def test_cifar10_documented_offline_command_runs_on_cpu(tmp_path: Any) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_cifar10_failed_download_shows_the_download_error_on_two_processes(tmp_path: Any) -> None:
-    """No network: local rank 0's download raises; the job ends with that error and where it was raised,
-    not with the waiting rank's view of it."""
+    """No network and a mistyped data_root: local rank 0's download raises; the job ends with that error (not
+    with the waiting rank's view of it), said in one sentence on the last line, and the mistyped path is not
+    left behind."""
+    typo = tmp_path / "dat" / "cifar"
     proc = _polytrain("fit", "-c", os.path.join(CIFAR_DIR, "config.yaml"), *_quiet(str(tmp_path / "run")),
-                      "module.dataset_class=offline_cifar.UnreachableCIFAR10", f"module.data_root={tmp_path}",
+                      "module.dataset_class=offline_cifar.UnreachableCIFAR10", f"module.data_root={typo}",
                       "module.num_workers=0", "trainer.precision=32", cwd=str(tmp_path), expect_rc=1)
-    assert "URLError: <urlopen error [Errno -3] Temporary failure in name resolution" in proc.stderr, proc.stderr
-    assert "in download" in proc.stderr and "in prepare_data" in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (f"polytrain: fit failed on rank 0: RuntimeError: module.data_root={typo}: CIFAR-10 is not "
+                    f"there, and downloading it failed (URLError: <urlopen error [Errno -3] Temporary failure in "
+                    f"name resolution (fetching https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz)>). Point "
+                    f"module.data_root at your copy, run where the download can reach the internet, or train on "
+                    f"stand-in pictures with module.fake=true"), proc.stderr[-3000:]
+    assert "in prepare_data" in proc.stderr, proc.stderr
+    assert not (tmp_path / "dat").exists()
 
 
 # --------------------------------------------------------------------------- README: resuming the default job

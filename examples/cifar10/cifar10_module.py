@@ -2,14 +2,16 @@
 
 The module owns its data. With ``fake: false`` it reads torchvision's CIFAR-10, downloading it
 once per node in ``prepare_data`` (Lightning's hook: the Trainer calls it on local rank 0 while the
-other ranks wait at a barrier, DESIGN rule 5; if the download fails, every rank stops with its
-traceback). With ``fake: true`` it trains on ``torchvision.datasets.FakeData`` pictures of the same
+other ranks wait at a barrier, DESIGN rule 5; if the download fails, every rank stops with one sentence
+naming data_root, and the directories the attempt created are removed). With ``fake: true`` it trains on ``torchvision.datasets.FakeData`` pictures of the same
 shape, which needs no network (smoke tests, offline machines).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 from typing import Any
 
 import torch
@@ -49,6 +51,15 @@ def train_transform() -> transforms.Compose:
 
 def eval_transform() -> transforms.Compose:
     return transforms.Compose([transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)])
+
+
+def _missing_directories(path: str) -> list[str]:
+    """The directories of ``path`` that do not exist yet, deepest first (what a download would create)."""
+    missing, current = [], os.path.abspath(path)
+    while not os.path.exists(current):
+        missing.append(current)
+        current = os.path.dirname(current)
+    return missing
 
 
 def _import(dotted: str) -> Any:
@@ -116,12 +127,24 @@ class CIFAR10ResNet(TrainModule):
     # ------------------------------------------------------------------ data
     def prepare_data(self) -> None:
         """Download CIFAR-10 (nothing to do with ``fake``). The Trainer runs this on local rank 0 of each
-        node while the other ranks wait at a barrier, so no rank reads half-written files; if it raises
-        (no network), every rank stops and the error shown is this one, with its traceback."""
-        if not self.fake:
-            dataset_cls = _import(self.dataset_class)
+        node while the other ranks wait at a barrier, so no rank reads half-written files. If the data is
+        not at ``data_root`` and the download fails (no network, or a mistyped path), the directories the
+        attempt created are removed again and every rank stops with one sentence saying so."""
+        if self.fake:
+            return
+        dataset_cls = _import(self.dataset_class)
+        created = _missing_directories(self.data_root)
+        try:
             for train in (True, False):
                 dataset_cls(self.data_root, train=train, download=True)
+        except Exception as err:  # noqa: BLE001 - said in one sentence below, with what to do
+            for directory in created:  # deepest first: only what this attempt made, and only if empty
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)
+            raise RuntimeError(f"module.data_root={self.data_root}: CIFAR-10 is not there, and downloading it "
+                               f"failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
+                               f"Point module.data_root at your copy, run where the download can reach the "
+                               f"internet, or train on stand-in pictures with module.fake=true") from None
 
     def _datasets(self) -> tuple[Dataset, Dataset]:
         if self._data is None:

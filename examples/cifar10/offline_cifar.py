@@ -92,4 +92,5 @@ class UnreachableCIFAR10(CIFAR10):
     def download(self) -> None:
         if self._check_integrity():
             return
+        os.makedirs(self.root, exist_ok=True)  # as torchvision's download_and_extract_archive does, before fetching
         raise urllib.error.URLError(f"[Errno -3] Temporary failure in name resolution (fetching {self.url})")
