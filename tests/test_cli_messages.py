@@ -114,3 +114,23 @@ def test_help_and_a_malformed_command_answer_without_importing_torch(args: list[
     assert done.returncode == (2 if args == ["validate"] else 0), done.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
     assert "argparse" in imported and "torch" not in imported and "polytrain.commands" not in imported
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("trainer.max_epoch=3", "trainer has no key 'max_epoch' (did you mean 'max_epochs'?); valid: accelerator,"),
+    ("trainer.precision=fp17", "trainer.precision='fp17' is not valid; choose one of: 32, 16-mixed,"),
+    ("modul.hidden=8", "config has no key 'modul' (did you mean 'module'?); valid: module, data,"),
+    ("trainer.max_time=12h", "trainer.max_time='12h'; write it as DD:HH:MM:SS"),
+])
+def test_a_typo_in_the_config_answers_in_one_line_before_torch_loads(override: str, message: str) -> None:
+    """The file, its sections and the trainer keys are checked by ``trainer/config_file.py`` before the command
+    imports torch: a typo costs a tenth of a second, not the seconds torch takes to load."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "polytrain", "fit", "-c",
+                           str(DIGITS / "config.yaml"), override], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    said = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert len(said) == 1 and said[0].startswith(f"polytrain: config error: {message}"), said
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "yaml.loader" in imported and "torch" not in imported and "polytrain.commands" not in imported

@@ -4,221 +4,55 @@ Every section is a dataclass. Unknown keys, wrong types and missing values are r
 any process group starts, naming the key and the valid choices. ``_target_`` entries import and
 call arbitrary code: a config is code, treat it like a script you would run. Loading a config
 imports every ``_target_`` and matches its arguments against the signature (trainer/targets.py);
-the objects are built only where they run (in the workers).
+the objects are built only where they run (in the workers). Reading the file and the checks that need
+no torch are ``config_file.py`` (``polytrain`` runs them first); the ones here need the strategies,
+``torch.compile``'s signature, the profilers and the ``_target_`` classes.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import os
-import re
-from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from polytrain.core.errors import ConfigError
-from polytrain.core.nodes import is_elastic_range, node_range
-from polytrain.core.options import check_choice, check_keys, validate_dataclass
+from polytrain.core.nodes import is_elastic_range
 from polytrain.parallel.activation_checkpointing import resolve_checkpointing
 from polytrain.parallel.compile import resolve_compile
 from polytrain.strategies.registry import normalize_strategy, validate_strategy_spec
+from polytrain.trainer.config_file import (
+    ACCELERATORS,
+    LAUNCHERS,
+    LOGGERS,
+    PRECISION_ALIASES,
+    PRECISIONS,
+    TrainerConfig,
+    check_sections,
+    check_trainer_section,
+    parse_max_time,
+    parse_yaml,
+    read_config,
+    trainer_to_dict,
+)
 from polytrain.trainer.profiler import check_profiler_options
 from polytrain.trainer.targets import check_arguments, check_run_targets, import_target, search_from
 
-PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
-PRECISION_ALIASES = {"32-true": "32", "16": "16-mixed", "bf16": "bf16-mixed"}  # Lightning's other spellings
-ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
-LAUNCHERS = ("auto", "elastic", "spawn", "fork", "none")
-CLIP_ALGORITHMS = ("norm", "value")
-NAN_POLICIES = ("error", "skip")
-LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")  # mlflow/wandb: optional extras, polytrain[mlflow|wandb]
-# An anchor/alias "billion laughs" document is small on disk but huge once expanded.
-MAX_YAML_NODES = 100_000
-
-
-@dataclass
-class TrainerConfig:
-    """The ``trainer:`` section; ``Trainer(**kwargs)`` takes exactly these keywords. Names and meanings
-    are Lightning's where it has the option (docs/config.md lists them all)."""
-
-    accelerator: str = "auto"
-    devices: Any = "auto"  # "auto", a positive int (processes per node; GPUs for dp), or a list of GPU indices
-    num_nodes: Any = 1  # nodes in the job, or a "MIN:MAX" range for elastic training (torchrun's --nnodes)
-    strategy: Any = "auto"  # a name, or a mapping {name: ..., <that strategy's options>}
-    precision: str = "32"
-    max_epochs: int | None = None
-    min_epochs: int | None = None  # a stop request (early stopping) waits until this many epochs ran
-    max_steps: int = -1
-    min_steps: int | None = None
-    max_time: Any = None  # "DD:HH:MM:SS" or {"hours": 2, ...}: stop cleanly (and checkpoint) after that long
-    limit_train_batches: Any = None  # a number of batches, or a fraction of the epoch (0.25)
-    limit_val_batches: Any = None
-    limit_test_batches: Any = None
-    limit_predict_batches: Any = None
-    overfit_batches: Any = 0  # train (in order) and validate on this many batches, or fraction
-    val_check_interval: Any = None  # validate every N training batches, or fraction of an epoch
-    check_val_every_n_epoch: int | None = 1  # None: val_check_interval counts batches across epochs
-    num_sanity_val_steps: int = 2  # validation batches before training (-1: all, 0: none)
-    fast_dev_run: Any = False  # True or N: N batches of every loop, one epoch, no checkpoints or loggers
-    reload_dataloaders_every_n_epochs: int = 0
-    accumulate_grad_batches: int = 1
-    gradient_clip_val: float | None = None
-    gradient_clip_algorithm: str | None = None  # "norm" (the default when None) or "value"
-    log_every_n_steps: int = 50
-    seed: int | None = None  # None: polytrain leaves your RNG alone (docs/reproducibility.md)
-    deterministic: bool = False
-    benchmark: bool | None = None  # torch.backends.cudnn.benchmark (None: leave it as it is)
-    detect_anomaly: bool = False
-    sync_batchnorm: bool = False  # cross-process BatchNorm, for strategies that have the option
-    run_dir: str = "runs/default"
-    default_root_dir: str | None = None  # Lightning's name for run_dir
-    # Each run writes into <run_dir>/version_<n> (the next free n); a number or a name picks the directory
-    version: Any = None
-    enable_progress_bar: bool = True
-    enable_checkpointing: bool = True
-    enable_model_summary: bool = True
-    logger: Any = True  # True (TensorBoard + CSV), False, "tensorboard", "csv", ..., or a list of those
-    callbacks: list[Any] = field(default_factory=list)
-    profiler: Any = None  # None, "simple", "torch", or {name: torch, ...} (docs/profiler.md)
-    compile: Any = False  # true, or a mapping of torch.compile keywords (+ modules: [Block]) (docs/compile.md)
-    activation_checkpointing: Any = False  # true, block class name(s), or {modules: [Block], every: 1, mode: full/op}
-    launcher: str = "auto"
-    max_restarts: int = 0
-    timeout: float = 1800.0  # seconds a collective may wait before the job is ended
-    resume: str | None = None  # None, "last", "auto" (last if one exists) or a path
-    # true: inject a DistributedSampler when data-parallel ranks > 1 (Lightning); "always": also on one
-    # rank, which then reads the order N ranks read together; false: never
-    use_distributed_sampler: Any = True
-    nan_policy: str = "error"
-    detect_divergence: bool = False
-
-
-@dataclass
-class RunConfig:
-    """A whole job: what to train (``module``), optional ``data`` (or ``datamodule:``, Lightning CLI's name), and
-    the ``trainer`` section."""
-
-    module: dict[str, Any] = field(default_factory=dict)
-    data: dict[str, Any] | None = None
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+__all__ = ["ACCELERATORS", "LAUNCHERS", "LOGGERS", "PRECISIONS", "PRECISION_ALIASES", "ConfigError",
+           "TrainerConfig", "elastic_warning", "instantiate", "load_config", "parse_max_time", "parse_yaml",
+           "trainer_to_dict", "validate_run_config", "validate_trainer_config"]
 
 
 def validate_trainer_config(data: dict[str, Any]) -> TrainerConfig:
+    """``config_file.check_trainer_section``, then what needs torch: the strategy's options, the profiler,
+    ``torch.compile``'s keywords, activation checkpointing."""
     data = dict(data)
-    if hasattr(data.get("max_time"), "total_seconds"):  # a timedelta: OmegaConf holds plain values only
-        data["max_time"] = {"seconds": data["max_time"].total_seconds()}
     if "strategy" in data:
         data["strategy"] = normalize_strategy(data["strategy"])
-    if "precision" in data and data["precision"] is not None:
-        data["precision"] = PRECISION_ALIASES.get(str(data["precision"]), str(data["precision"]))
-    cfg: TrainerConfig = validate_dataclass(TrainerConfig, data, "trainer")
-    check_choice(cfg.precision, PRECISIONS, "trainer.precision")
-    check_choice(cfg.accelerator, ACCELERATORS, "trainer.accelerator")
-    check_choice(cfg.launcher, LAUNCHERS, "trainer.launcher")
-    if cfg.gradient_clip_algorithm is not None:
-        check_choice(cfg.gradient_clip_algorithm, CLIP_ALGORITHMS, "trainer.gradient_clip_algorithm")
-    check_choice(cfg.nan_policy, NAN_POLICIES, "trainer.nan_policy")
-    _check_logger_and_callbacks(cfg)  # else they would fail only inside the workers
-    _check_counts(cfg)
-    _check_lightning_options(cfg)
-    if cfg.gradient_clip_val is not None and cfg.gradient_clip_val <= 0:
-        raise ConfigError(f"trainer.gradient_clip_val={cfg.gradient_clip_val} must be positive (or null)")
-    if cfg.timeout <= 0:
-        raise ConfigError(f"trainer.timeout={cfg.timeout} must be a positive number of seconds")
-    if cfg.default_root_dir is not None:
-        cfg.run_dir = cfg.default_root_dir
-    cfg.strategy = validate_strategy_spec(normalize_strategy(cfg.strategy), cfg.accelerator)
-    return cfg
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_counts(cfg: TrainerConfig) -> None:
-    devices = cfg.devices
-    if not (devices == "auto" or (_is_int(devices) and devices > 0) or (
-            isinstance(devices, list) and devices and all(_is_int(d) and d >= 0 for d in devices))):
-        raise ConfigError(f"trainer.devices={devices!r} is not valid; use 'auto', a positive integer, or a list of "
-                          f"GPU indices such as [0, 1]")
-    node_range(cfg.num_nodes)  # raises with the fix for a bad count or range
-    for name in ("accumulate_grad_batches", "log_every_n_steps"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"trainer.{name}={getattr(cfg, name)} must be at least 1")
-    for name in ("max_epochs", "check_val_every_n_epoch"):
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"trainer.{name}={value} must be at least 1 (or null)")
-    for name in ("min_epochs", "min_steps", "reload_dataloaders_every_n_epochs"):
-        value = getattr(cfg, name)
-        if value is not None and value < 0:
-            raise ConfigError(f"trainer.{name}={value} must not be negative")
-    if cfg.num_sanity_val_steps < -1:
-        raise ConfigError(f"trainer.num_sanity_val_steps={cfg.num_sanity_val_steps}; use -1 (all), 0 (none) or N")
-
-
-def _check_batches_option(name: str, value: Any, allow_none: bool = True) -> None:
-    """A number of batches (int >= 0) or a fraction (float in [0, 1])."""
-    if value is None and allow_none:
-        return
-    if _is_int(value) and value >= 0:
-        return
-    if isinstance(value, float) and (0.0 <= value <= 1.0 or (value > 1 and value.is_integer())):
-        return
-    raise ConfigError(f"trainer.{name}={value!r} is not valid; give a number of batches (e.g. 10) or a fraction "
-                      f"of the epoch in [0, 1] (e.g. 0.25)")
-
-
-def _check_lightning_options(cfg: TrainerConfig) -> None:
-    version = cfg.version
-    if not (version is None or (_is_int(version) and version >= 0)
-            or (isinstance(version, str) and version and os.sep not in version and version not in (".", ".."))):
-        raise ConfigError(f"trainer.version={version!r}; give a number n (the directory version_<n>) or a directory "
-                          f"name without '{os.sep}', or leave it unset for the next free version_<n>")
-    for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
-        _check_batches_option(name, getattr(cfg, name))
-    _check_batches_option("overfit_batches", cfg.overfit_batches, allow_none=False)
-    if cfg.use_distributed_sampler not in (True, False, "always"):
-        raise ConfigError(f"trainer.use_distributed_sampler={cfg.use_distributed_sampler!r}; use true, false or "
-                          f"'always'")
-    interval = cfg.val_check_interval
-    if interval is not None and not ((_is_int(interval) and interval >= 1) or
-                                     (isinstance(interval, float) and 0.0 < interval <= 1.0)):
-        raise ConfigError(f"trainer.val_check_interval={interval!r}; give a number of training batches (>= 1) or a "
-                          f"fraction of the epoch in (0, 1]")
-    if not (isinstance(cfg.fast_dev_run, bool) or (_is_int(cfg.fast_dev_run) and cfg.fast_dev_run >= 0)):
-        raise ConfigError(f"trainer.fast_dev_run={cfg.fast_dev_run!r}; use true, false, or a number of batches")
-    if cfg.max_time is not None:
-        parse_max_time(cfg.max_time)
+    cfg = check_trainer_section(data)
     if cfg.profiler is not None:
-        check_profiler_spec(cfg.profiler)
+        check_profiler_options(cfg.profiler)  # the names and each profiler's options (trainer/profiler.py)
     resolve_compile(cfg.compile)
     resolve_checkpointing(cfg.activation_checkpointing)
-
-
-def parse_max_time(value: Any) -> float:
-    """``"DD:HH:MM:SS"`` or a mapping of ``days``/``hours``/``minutes``/``seconds`` -> seconds."""
-    if isinstance(value, str):
-        parts = value.split(":")
-        if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
-            raise ConfigError(f"trainer.max_time={value!r}; write it as DD:HH:MM:SS, e.g. 00:12:00:00 for 12 hours")
-        days, hours, minutes, seconds = (int(p) for p in parts)
-        return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
-    if isinstance(value, dict):
-        units = {"weeks": 604800, "days": 86400, "hours": 3600, "minutes": 60, "seconds": 1}
-        unknown = [k for k in value if k not in units]
-        if unknown:
-            raise ConfigError(f"trainer.max_time has unknown unit(s) {unknown}; valid: {', '.join(units)}")
-        return float(sum(units[k] * float(v) for k, v in value.items()))
-    if hasattr(value, "total_seconds"):
-        return float(value.total_seconds())
-    raise ConfigError(f"trainer.max_time={value!r}; use DD:HH:MM:SS or a mapping such as {{hours: 12}}")
-
-
-def check_profiler_spec(spec: Any) -> None:
-    check_profiler_options(spec)  # the names and each profiler's options (trainer/profiler.py)
+    cfg.strategy = validate_strategy_spec(normalize_strategy(cfg.strategy), cfg.accelerator)
+    return cfg
 
 
 def elastic_warning(cfg: TrainerConfig) -> str | None:
@@ -245,162 +79,20 @@ def _checkpoints_within_epochs(spec: Any) -> bool:
     return named and bool(spec.get("every_n_train_steps") or spec.get("train_time_interval"))
 
 
-def _check_logger_and_callbacks(cfg: TrainerConfig) -> None:
-    names = [cfg.logger] if isinstance(cfg.logger, str) else cfg.logger
-    if not (cfg.logger is None or isinstance(cfg.logger, bool)
-            or (isinstance(names, list) and all(isinstance(n, str) and n in LOGGERS for n in names))):
-        raise ConfigError(f"trainer.logger={cfg.logger!r} is not valid; use true, false, one of "
-                          f"{', '.join(LOGGERS)}, or a list of them")
-    for i, spec in enumerate(cfg.callbacks):
-        if not (isinstance(spec, dict) and isinstance(spec.get("_target_"), str)):
-            raise ConfigError(f"trainer.callbacks[{i}]={spec!r} is not valid; each callback must be a mapping "
-                              f"with _target_: package.Class (and its keyword arguments)")
-
-
-# --------------------------------------------------------------------------- YAML loading
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader already refuses ``!!python/*`` tags; this one also bounds alias expansion and reads
-    ``1:4`` as the string it looks like (YAML 1.1 would make it the base-60 integer 64: a node range
-    ``num_nodes: 1:4`` asking for 64 nodes)."""
-
-
-_YAML_INT = "tag:yaml.org,2002:int"
-_DECIMAL_INT = re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$")
-_StrictLoader.yaml_implicit_resolvers = {
-    first: [(tag, _DECIMAL_INT if tag == _YAML_INT else regexp) for tag, regexp in resolvers]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-
-
-def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
-    key = id(node)
-    if key in memo:
-        return memo[key]
-    memo[key] = 1  # guards against recursive aliases
-    size = 1
-    if isinstance(node, yaml.SequenceNode):
-        size += sum(_expanded_size(child, memo) for child in node.value)
-    elif isinstance(node, yaml.MappingNode):
-        size += sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
-    memo[key] = size
-    return size
-
-
-def parse_yaml(text: str, source: str = "<config>") -> dict[str, Any]:
-    try:
-        loader = _StrictLoader(text)
-        try:
-            node = loader.get_single_node()
-            if node is None:
-                return {}
-            size = _expanded_size(node, {})
-            if size > MAX_YAML_NODES:
-                raise ConfigError(
-                    f"{source}: the document expands to {size} nodes through anchors/aliases "
-                    f"(limit {MAX_YAML_NODES}); refusing it as a likely alias bomb"
-                )
-            data = loader.construct_document(node)
-        finally:
-            loader.dispose()
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{source}: not valid YAML or uses a forbidden tag: {err}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping (module:, trainer:, ...)")
-    return data
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise ConfigError(f"override '{item}' must look like key=value, e.g. trainer.max_epochs=3")
-    key, raw = item.split("=", 1)
-    value = parse_yaml(f"v: {raw}", f"override '{item}'")["v"] if raw.strip() else ""
-    return key.strip().split("."), value
-
-
-def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
-    """``a.b.c=value`` into the nested config. A list (``trainer.callbacks``) is entered by index
-    (``callbacks.1.async_save``) or by the class its entry builds
-    (``callbacks.ModelCheckpoint.async_save``)."""
-    node: Any = data
-    for depth, part in enumerate(path[:-1]):
-        if isinstance(node, list):
-            node = node[_list_entry(node, part, ".".join(path[:depth]))]
-            continue
-        child = node.get(part)
-        if part == "strategy" and isinstance(child, str):
-            child = {"name": child}  # trainer.strategy.X=... on a shorthand "ddp"
-        if not isinstance(child, (dict, list)):
-            child = {}
-        node[part] = child
-        node = child
-    if isinstance(node, list):
-        node[_list_entry(node, path[-1], ".".join(path[:-1]))] = value
-    else:
-        node[path[-1]] = value
-
-
-def _list_entry(entries: list[Any], part: str, where: str) -> int:
-    """The position ``part`` names in a list: an index, or the one entry whose ``_target_`` is that class."""
-    if part.lstrip("-").isdigit():
-        index = int(part)
-        if not -len(entries) <= index < len(entries):
-            raise ConfigError(f"{where}.{part}: {where} has {len(entries)} entries (0 to {len(entries) - 1})")
-        return index % len(entries)
-    classes = [str(e.get("_target_", "")).rsplit(".", 1)[-1] if isinstance(e, dict) else "" for e in entries]
-    found = [i for i, name in enumerate(classes) if name == part]
-    if len(found) == 1:
-        return found[0]
-    present = ", ".join(f"{i}: {name or '?'}" for i, name in enumerate(classes)) or "none"
-    if found:
-        raise ConfigError(f"{where}.{part}: {where} has {len(found)} entries of class {part} (at {found}); "
-                          f"name one by its index, e.g. {where}.{found[0]}.<option>=...")
-    close = difflib.get_close_matches(part, [c for c in classes if c], n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    raise ConfigError(f"{where}.{part}: {where} has no entry of class {part}{hint}; its entries: {present}. "
-                      f"Name an entry by its class or its index, or set the whole list: {where}=[...]")
-
-
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     """Merge a YAML file and ``key=value`` overrides into one validated plain dict."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = parse_yaml(fh.read(), str(path))
-        except OSError as err:
-            raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
-        data.setdefault("config_dir", os.path.dirname(os.path.abspath(path)))
-    for item in overrides or []:
-        keys, value = parse_override(item)
-        _set_path(data, keys, value)
-    return validate_run_config(data)
+    return validate_run_config(read_config(path, overrides))
 
 
 def validate_run_config(data: dict[str, Any]) -> dict[str, Any]:
-    data = dict(data)
-    config_dir = data.pop("config_dir", None)
-    if "datamodule" in data:  # Lightning CLI's name for the section
-        if data.get("data") is not None:
-            raise ConfigError("config has both data: and datamodule: sections; they are the same thing (the "
-                              "DataModule to use), keep one")
-        data["data"] = data.pop("datamodule")
-    check_keys(data, ["module", "data", "datamodule", "trainer"], "config")
-    if not data.get("module") or "_target_" not in data["module"]:
-        raise ConfigError("config.module must name the TrainModule to train: module: {_target_: pkg.Class, ...}")
-    for section in ("module", "data"):
-        if data.get(section) is not None and not (isinstance(data[section], dict) and "_target_" in data[section]):
-            raise ConfigError(f"config.{section} must be a mapping with a _target_ key")
-    trainer = validate_trainer_config(data.get("trainer") or {})
-    out = {"module": data["module"], "data": data.get("data"), "trainer": trainer_to_dict(trainer)}
+    sections = check_sections(data)
+    config_dir = sections.pop("config_dir", None)
+    trainer = validate_trainer_config(sections.get("trainer") or {})
+    out = {"module": sections["module"], "data": sections.get("data"), "trainer": trainer_to_dict(trainer)}
     if config_dir:
         out["config_dir"] = config_dir
     check_run_targets(out)  # imported and matched against their signatures here, built only in the workers
     return out
-
-
-def trainer_to_dict(cfg: TrainerConfig) -> dict[str, Any]:
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 
 # --------------------------------------------------------------------------- _target_
