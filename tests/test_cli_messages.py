@@ -121,10 +121,14 @@ def test_help_and_a_malformed_command_answer_without_importing_torch(args: list[
     ("trainer.precision=fp17", "trainer.precision='fp17' is not valid; choose one of: 32, 16-mixed,"),
     ("modul.hidden=8", "config has no key 'modul' (did you mean 'module'?); valid: module, data,"),
     ("trainer.max_time=12h", "trainer.max_time='12h'; write it as DD:HH:MM:SS"),
+    ("trainer.strategy=ddpp", "unknown strategy 'ddpp' (did you mean 'ddp' or 'dp'?); valid: auto, single,"),
+    ("trainer.strategy.bucket_cap=1", "strategy 'ddp' has no option 'bucket_cap'; valid: backend,"),
+    ("trainer.strategy={name: parallel, schedule: gpipee}", "pipeline schedule='gpipee' is not known; valid:"),
 ])
 def test_a_typo_in_the_config_answers_in_one_line_before_torch_loads(override: str, message: str) -> None:
-    """The file, its sections and the trainer keys are checked by ``trainer/config_file.py`` before the command
-    imports torch: a typo costs a tenth of a second, not the seconds torch takes to load."""
+    """The file, its sections, the trainer keys and the strategy's name and options are checked by
+    ``trainer/config_file.py`` (with ``strategies/options.py``) before the command imports torch: a typo costs
+    a tenth of a second, not the seconds torch takes to load."""
     import subprocess
 
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "polytrain", "fit", "-c",

@@ -139,6 +139,38 @@ def test_auto_strategy_takes_no_options() -> None:
         validate_strategy_spec({"name": "auto", "static_graph": True})
 
 
+def test_the_torch_free_strategy_options_are_the_registered_classes_options() -> None:
+    """``polytrain`` checks a config's strategy against ``strategies/options.py`` before torch loads; the
+    workers build from the registered classes. Both must know the same names, options and Lightning
+    strings, or a config would pass one check and fail (or be read differently by) the other."""
+    from polytrain.strategies import options
+    from polytrain.strategies.registry import _STRATEGIES, lightning_names, strategy_class
+
+    assert list(options.OPTIONS) == list(_STRATEGIES)
+    for name, options_class in options.OPTIONS.items():
+        assert strategy_class(name).Options is options_class, name
+    assert lightning_names() == options.LIGHTNING_NAMES
+    for alias, spec in options.LIGHTNING_NAMES.items():
+        assert options.check_strategy_spec(options.spec_mapping(alias)) == \
+            options.check_strategy_spec(spec), alias
+
+
+@pytest.mark.parametrize("spec", [
+    "dpp", {"name": "ddp", "bucket_cap": 1}, {"name": "ddp", "bucket_cap_mb": "huge"},
+    {"name": "auto", "static_graph": True}, {"name": "parallel", "schedule": "gpipee"},
+    {"name": "parallel", "cp": 0}, {"name": "model_parallel", "mode": "layers", "tp": 2},
+    {"name": "pipeline", "schedule": "zbv", "stages_per_rank": 1},
+])
+def test_the_torch_free_check_says_what_the_full_check_says(spec: Any) -> None:
+    from polytrain.strategies import options
+
+    with pytest.raises(ConfigError) as full:
+        validate_trainer_config({"strategy": spec})
+    with pytest.raises(ConfigError) as first:
+        options.check_strategy_spec(options.spec_mapping(spec))
+    assert str(first.value) == str(full.value)
+
+
 # --------------------------------------------------------------------------- load_config
 
 

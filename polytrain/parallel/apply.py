@@ -33,11 +33,11 @@ from torch import nn
 from polytrain.core.errors import ConfigError
 from polytrain.parallel import tensor_parallel as tp_fn
 from polytrain.parallel.activation_checkpointing import apply_activation_checkpointing
+from polytrain.parallel.choices import DATA_PARALLEL
 from polytrain.parallel.compile import apply_compile, compile_targets
 from polytrain.parallel.dims import ParallelDims
 from polytrain.parallel.fsdp import apply_fsdp
 
-DATA_PARALLEL = ("auto", "fsdp", "ddp", "all_reduce", "none")
 APPLY_ORDER = ("tensor_parallel", "activation_checkpointing", "compile", "data_parallel")
 
 

@@ -13,44 +13,7 @@ import torch
 import torch.distributed as dist
 
 from polytrain.core import lazy
-from polytrain.core.errors import ConfigError
-
-# name -> (class in torch.distributed.pipelining.schedules, several stages per rank, stage placement)
-SCHEDULES: dict[str, tuple[str, bool, str]] = {
-    "gpipe": ("ScheduleGPipe", False, "loop"),
-    "1f1b": ("Schedule1F1B", False, "loop"),
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", True, "loop"),
-    "zero_bubble": ("ScheduleInterleavedZeroBubble", True, "loop"),
-    "zbv": ("ScheduleZBVZeroBubble", True, "v"),
-}
-
-
-# Schedules that split each backward into an input-gradient and a weight-gradient pass. FSDP2 reduces
-# a unit's gradients from hooks that fire with the input gradients, before the weight pass has made
-# them (torch 2.11 and 2.15 alike): those layouts would train on partial gradients, so they are refused.
-SPLIT_BACKWARD = ("zero_bubble", "zbv")
-
-
-def check_schedule_with_fsdp(schedule: str) -> None:
-    if schedule in SPLIT_BACKWARD:
-        raise ConfigError(f"pipeline schedule={schedule!r} splits backward into input and weight passes, and FSDP "
-                          f"reduces a block's gradients before the weight pass has computed them; with dp_shard > 1 "
-                          f"(or tp with data parallelism) use gpipe, 1f1b or interleaved_1f1b, or keep {schedule} "
-                          f"without FSDP: tp alone, or replicas with data_parallel: all_reduce")
-
-
-def check_schedule_options(schedule: str, stages_per_rank: int, n_microbatches: int | None) -> None:
-    """The schedule's name and its stage/micro-batch counts, checked at config load (no torch import)."""
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"pipeline schedule={schedule!r} is not known; valid: {', '.join(SCHEDULES)}")
-    for key, value in (("n_microbatches", n_microbatches), ("stages_per_rank", stages_per_rank)):
-        if value is not None and value < 1:
-            raise ConfigError(f"pipeline {key}={value} must be at least 1")
-    if not SCHEDULES[schedule][1] and stages_per_rank != 1:
-        raise ConfigError(f"pipeline schedule={schedule!r} runs one stage per rank but stages_per_rank="
-                          f"{stages_per_rank}; use interleaved_1f1b, zero_bubble or zbv")
-    if schedule == "zbv" and stages_per_rank != 2:
-        raise ConfigError(f"pipeline schedule='zbv' needs stages_per_rank=2, got {stages_per_rank}")
+from polytrain.parallel.choices import SCHEDULES
 
 
 def schedule_class(name: str) -> type | None:

@@ -5,33 +5,18 @@ A preset of ``parallel``: ``dp_replicate`` = every process, through DDP's wrappe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from polytrain.parallel.apply import Layout
+from polytrain.strategies.options import DDPOptions
 from polytrain.strategies.parallel import ParallelStrategy
 from polytrain.strategies.registry import register
-
-
-@dataclass
-class DDPOptions:
-    backend: str | None = None  # None: nccl on CUDA, gloo on CPU
-    find_unused_parameters: bool = False
-    static_graph: bool = False
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = False
-    broadcast_buffers: bool = True
-    sync_batchnorm: bool = False
 
 
 @register
 class DDPStrategy(ParallelStrategy):
     name = "ddp"
     Options = DDPOptions
-    aliases = {  # Lightning's strategy strings
-        "ddp_find_unused_parameters_true": {"find_unused_parameters": True},
-        "ddp_find_unused_parameters_false": {"find_unused_parameters": False},
-    }
 
     @classmethod
     def compose(cls, options: Any, num_nodes: int) -> Layout:

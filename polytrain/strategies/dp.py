@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,13 +19,9 @@ from polytrain.core.errors import ConfigError
 from polytrain.core.process_group import resolve_device
 from polytrain.parallel.compile import checkpoint_and_compile
 from polytrain.strategies.base import Strategy
+from polytrain.strategies.options import DataParallelOptions
 from polytrain.strategies.registry import register
 from polytrain.strategies.router import StepRouter
-
-
-@dataclass
-class DataParallelOptions:
-    output_device: int | None = None
 
 
 def _mean_replica_losses(output: Any) -> Any:

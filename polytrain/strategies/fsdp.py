@@ -9,24 +9,12 @@ rank, layers built on the meta device in ``configure_model``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from polytrain.parallel.apply import FSDPSettings, Layout
+from polytrain.strategies.options import FSDPOptions
 from polytrain.strategies.parallel import ParallelStrategy
 from polytrain.strategies.registry import register
-
-
-@dataclass
-class FSDPOptions:
-    # Class names of the submodules that become FSDP units (one all-gather each). None: every child
-    # of the model's largest nn.ModuleList/nn.Sequential (the "blocks"); the rest goes to the root.
-    wrap_modules: list[str] | None = None
-    reshard_after_forward: bool = True  # False: keep gathered blocks until backward (more memory, less traffic)
-    cpu_offload: bool = False  # sharded parameters, gradients and optimizer state live in CPU memory
-    dp_replicate: int | None = None  # HSDP replica groups; None: num_nodes (shard inside a node)
-    backend: str | None = None  # None: nccl on CUDA, gloo on CPU
-    sync_batchnorm: bool = False
 
 
 @register

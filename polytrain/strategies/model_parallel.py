@@ -13,49 +13,15 @@ drives (``strategies.layers``: not a mesh degree, so its own class, which this o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from polytrain.core.errors import ConfigError
 from polytrain.parallel.apply import Layout
 from polytrain.strategies.layers import LayerPlacementStrategy, find_sequential, processes_for
+from polytrain.strategies.options import ModelParallelOptions
 from polytrain.strategies.parallel import ParallelStrategy
 from polytrain.strategies.registry import register
 
 __all__ = ["ModelParallelOptions", "ModelParallelStrategy", "find_sequential"]
-
-MODES = ("layers", "tensor")
-
-
-@dataclass
-class ModelParallelOptions:
-    mode: str = "layers"  # "layers" (layers across a process's devices) | "tensor" (DeviceMesh tp)
-    backend: str | None = None  # None: nccl on CUDA, gloo on CPU
-    # --- mode: layers
-    devices_per_process: int = 2  # CPU: that many placements on the one CPU device (tests the path)
-    sequential: str | None = None  # attribute holding the nn.Sequential to place; None: the only one
-    split_points: list[int] | None = None  # first child index on devices 1..n-1; None: balance params
-    split_size: int | None = None  # micro-batch size for pipelining inside the process; None: off
-    find_unused_parameters: bool = False  # DDP across processes
-    # --- mode: tensor
-    tp: int | None = None  # tensor-parallel degree; None: the world size / (dp_replicate x dp_shard)
-    dp_shard: int = -1  # FSDP degree over the data dimension; -1: whatever tp leaves of the world
-    dp_replicate: int = 1  # HSDP replicas (a replicate x shard data-parallel mesh)
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"model_parallel mode={self.mode!r} is not valid; choose one of: {', '.join(MODES)}")
-        if self.mode == "layers":
-            if self.devices_per_process < 1:
-                raise ConfigError(f"model_parallel devices_per_process={self.devices_per_process} must be >= 1")
-            if self.tp is not None or self.dp_shard != -1 or self.dp_replicate != 1:
-                raise ConfigError(f"model_parallel options tp={self.tp}, dp_shard={self.dp_shard}, dp_replicate="
-                                  f"{self.dp_replicate} apply to mode: tensor; set mode: tensor or drop them")
-        elif self.split_size is not None or self.split_points is not None or self.sequential is not None:
-            raise ConfigError(f"model_parallel options split_size={self.split_size}, split_points="
-                              f"{self.split_points}, sequential={self.sequential!r} apply to mode: layers; "
-                              f"set mode: layers or drop them")
-
 
 def _option(options: Any, name: str) -> Any:
     if isinstance(options, dict):

@@ -20,7 +20,6 @@ import functools
 import gc
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,14 +30,12 @@ from polytrain.checkpoint.checkpoint_io import CheckpointIO, ReplicatedCheckpoin
 from polytrain.checkpoint.state import full_model_state, gathered_stage_state
 from polytrain.core.environment import ClusterEnvironment
 from polytrain.core.errors import ConfigError
-from polytrain.core.options import check_choice
 from polytrain.core.process_group import default_backend, init_process_group, resolve_device
 from polytrain.data.padding import EvalBatches
 from polytrain.layers.sync_batchnorm import convert_sync_batchnorm
 from polytrain.parallel import tensor_parallel as tp_fn
 from polytrain.parallel.activation_checkpointing import checkpoint_targets
 from polytrain.parallel.apply import (
-    DATA_PARALLEL,
     FSDPSettings,
     Layout,
     PipelineSettings,
@@ -46,50 +43,21 @@ from polytrain.parallel.apply import (
     local_plan,
     parallelize,
 )
+from polytrain.parallel.choices import SCHEDULES, check_schedule_with_fsdp
 from polytrain.parallel.context_parallel import check_context_parallel, context_parallel_training_step
 from polytrain.parallel.dims import ParallelDims
 from polytrain.parallel.dtensor_optim import support_fused_sgd
 from polytrain.parallel.fsdp import broadcast_module, materialize_meta
 from polytrain.parallel.pipeline_stage import (
-    SCHEDULES,
-    check_schedule_options,
-    check_schedule_with_fsdp,
     schedule_class,
 )
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.data_parallel import backend_for
+from polytrain.strategies.options import ParallelOptions
 from polytrain.strategies.pipelined import PipelineRunner
 from polytrain.strategies.registry import register
 from polytrain.strategies.router import StepResult, StepRouter
 from polytrain.strategies.sharded_eval import padded_eval_step
-
-
-@dataclass
-class ParallelOptions:
-    dp_replicate: int = 1  # replicas (HSDP across them when sharded); -1: inferred
-    dp_shard: int = -1  # FSDP degree; -1: whatever the other degrees leave of the world
-    tp: int = 1  # tensor parallel (the module's tensor_parallel_plan() or parallelize(tp_mesh))
-    pp: int = 1  # pipeline stages' ranks (the module's nn.Sequential is cut)
-    cp: int = 1  # context parallel (sequence split; CUDA with flash/efficient attention only)
-    data_parallel: str = "auto"  # auto | fsdp | ddp | all_reduce: how gradients meet across data ranks
-    # --- pipeline (pp > 1)
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble | zbv
-    n_microbatches: int | None = None  # None: the number of stages
-    stages_per_rank: int = 1
-    split_points: list[int] | None = None  # first child index of stages 1..n-1; None: balanced by parameters
-    sequential: str | None = None  # attribute holding the nn.Sequential; None: the only one
-    # --- FSDP (dp_shard x cp > 1, or under tp with dp > 1)
-    wrap_modules: list[str] | None = None
-    reshard_after_forward: bool | None = None  # None: true, false under a pipeline (no gather per micro-batch)
-    cpu_offload: bool = False
-    sync_batchnorm: bool = False
-    backend: str | None = None  # None: nccl on CUDA, gloo on CPU
-
-    def __post_init__(self) -> None:
-        check_choice(self.data_parallel, DATA_PARALLEL, "parallel data_parallel")
-        check_schedule_options(self.schedule, self.stages_per_rank, self.n_microbatches)
-        if self.cp != 1:
-            check_context_parallel(self.cp)
 
 
 @register

@@ -14,32 +14,16 @@ what it logs is copied to the other stages. See docs/strategies/pipeline.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from polytrain.core.errors import ConfigError
 from polytrain.parallel.apply import Layout, PipelineSettings
-from polytrain.parallel.pipeline_stage import SCHEDULES, check_schedule_options, schedule_class
+from polytrain.parallel.choices import SCHEDULES
+from polytrain.parallel.pipeline_stage import schedule_class
+from polytrain.strategies.options import PipelineOptions
 from polytrain.strategies.parallel import ParallelStrategy
 from polytrain.strategies.registry import register
 
 __all__ = ["SCHEDULES", "PipelineOptions", "PipelineStrategy", "schedule_class"]
-
-
-@dataclass
-class PipelineOptions:
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble | zbv
-    n_microbatches: int | None = None  # None: the number of stages (pp x stages_per_rank)
-    pp: int = -1  # pipeline degree; -1: the whole world (dp = world / pp)
-    stages_per_rank: int = 1  # > 1 for the interleaved / zero-bubble schedules (zbv: exactly 2)
-    split_points: list[int] | None = None  # first child index of stages 1..n-1; None: balance by params
-    sequential: str | None = None  # attribute holding the nn.Sequential; None: the only one
-    backend: str | None = None  # None: nccl on CUDA, gloo on CPU
-
-    def __post_init__(self) -> None:
-        check_schedule_options(self.schedule, self.stages_per_rank, self.n_microbatches)
-        if self.pp == 0 or self.pp < -1:
-            raise ConfigError(f"pipeline pp={self.pp} must be a positive degree or -1 (the whole world)")
 
 
 @register

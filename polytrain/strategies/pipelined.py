@@ -37,9 +37,9 @@ from polytrain.core.protocol import SilentRecords, captured_logs, extract_loss, 
 from polytrain.data.padding import PaddingState
 from polytrain.parallel import pipeline_split as S
 from polytrain.parallel.apply import PipelineSettings
+from polytrain.parallel.choices import SCHEDULES
 from polytrain.parallel.dims import ParallelDims
 from polytrain.parallel.pipeline_stage import (
-    SCHEDULES,
     recv_tensor,
     schedule_class,
     send_tensor,

@@ -21,21 +21,13 @@ from typing import Any
 
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.planner.hardware import PRESETS
+from polytrain.strategies.options import DEGREES, PLAN_KEYS, PLANNED_NAME
 
 AUTO = "auto"
-PLANNED_NAME = "parallel"
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
 PLANNED_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")  # cp: CUDA-only ring attention, pinned or 1
-PLAN_KEYS = ("plan", "global_batch", "hardware", "chosen")
 CHOSEN_REQUIRED = ("world_size", *DEGREES, "n_microbatches", "activation_checkpointing")
 CHOSEN_KEYS = (*CHOSEN_REQUIRED, "hardware", "memory_bytes", "step_s")
 WHERE = "trainer.strategy (parallel)"
-
-
-def wants_plan(name: str, options: dict[str, Any]) -> bool:
-    """Does ``{name, **options}`` ask the planner for something (to be checked by ``split_plan``)?"""
-    return name == PLANNED_NAME and (any(k in options for k in PLAN_KEYS) or
-                                     any(isinstance(options.get(k), str) for k in DEGREES))
 
 
 def is_planned(spec: Any) -> bool:

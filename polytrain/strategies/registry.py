@@ -5,10 +5,12 @@
         name = "mine"
         Options = MyOptions
 
-so a new strategy is one new file in ``polytrain/strategies/``. Modules are imported only when a
-name is asked for: ``polytrain.strategies.<name>`` first (one module for the usual names), then
-every module of the package (an alias such as Lightning's ``ddp_find_unused_parameters_true``, a
-strategy whose file is named differently, or the full list for an error message).
+so a new strategy is one new file in ``polytrain/strategies/``, and its options dataclass one entry
+of ``strategies/options.py`` (read without torch, so a config is checked before torch loads).
+Modules are imported only when a name is asked for: ``polytrain.strategies.<name>`` first (one
+module for the usual names), then every module of the package (a strategy whose file is named
+differently, or the full list for an error message). Lightning's aliases, such as
+``ddp_find_unused_parameters_true``, are listed in ``strategies/options.py``.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ from polytrain.core.errors import ConfigError
 from polytrain.core.options import suggest, validate_dataclass
 from polytrain.core.precision import Precision
 from polytrain.strategies.base import Strategy
-from polytrain.strategies.plan_spec import split_plan, wants_plan, with_plan
+from polytrain.strategies.options import LIGHTNING_NAMES, check_strategy_spec, spec_mapping, wants_plan
+from polytrain.strategies.plan_spec import split_plan, with_plan
 
 S = TypeVar("S", bound=type)
 PACKAGE = "polytrain.strategies"
 
 _CLASSES: dict[str, type] = {}
-_ALIASES: dict[str, dict[str, Any]] = {}  # alias -> {"name": strategy, **options}
+_ALIASES: dict[str, dict[str, Any]] = dict(LIGHTNING_NAMES)  # alias -> {"name": strategy, **options}
 _discovered = False
 
 
@@ -124,43 +127,42 @@ def lightning_names() -> dict[str, dict[str, Any]]:
 
 def normalize_strategy(value: Any) -> dict[str, Any]:
     """``"ddp"`` and ``{"name": "ddp", ...}`` both become the mapping form."""
-    if value is None:
-        return {"name": "auto"}
-    if isinstance(value, str):
-        if value != "auto" and _lookup(value) is None and value in _ALIASES:
-            return dict(_ALIASES[value])
-        return {"name": value}
-    if isinstance(value, dict):
-        return {"name": "auto", **value}
-    if hasattr(value, "items"):
-        return {"name": "auto", **dict(value.items())}
-    return value  # a Strategy instance passed to Trainer(strategy=...)
+    return spec_mapping(value, _ALIASES, names=_STRATEGIES)
+
+
+class _RegisteredOptions(Mapping):
+    """Every registered name -> its ``Options`` class, for ``options.check_strategy_spec``."""
+
+    def __getitem__(self, name: str) -> type:
+        return _STRATEGIES[name].Options
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_STRATEGIES)
+
+    def __len__(self) -> int:
+        return len(_STRATEGIES)
 
 
 def validate_strategy_spec(spec: Any, accelerator: str | None = None) -> Any:
-    """Check the name and the options of ``{name: ..., **options}``; a Strategy instance passes. With
-    ``accelerator``, also what the strategy can run there (``check_options``: context parallel on CPU)."""
+    """Check the name and the options of ``{name: ..., **options}`` (``options.check_strategy_spec``, over
+    every registered class); a Strategy instance passes. With ``accelerator``, also what the strategy can
+    run there (``check_options``: context parallel on CPU)."""
     if not isinstance(spec, dict):
         if isinstance(spec, Strategy):
             return spec
         raise ConfigError(f"trainer.strategy must be a name or a mapping, got {type(spec).__name__}")
     options = dict(spec)
     name = options.pop("name", "auto")
-    if name == "auto":
-        if options:
-            raise ConfigError(f"strategy 'auto' takes no options (got {', '.join(options)}); name a strategy")
-        return {"name": "auto"}
-    cls = strategy_class(name)
-    valid = [f.name for f in dataclasses.fields(cls.Options)]
-    if wants_plan(name, options):  # plan: true / 'auto' degrees (plan_spec.py): checked with auto at the defaults
-        plain, request = split_plan(options, valid)
+    if wants_plan(name, options):
+        # plan: true / 'auto' degrees (plan_spec.py): checked with the 'auto' degrees at their defaults
+        option_names = [f.name for f in dataclasses.fields(strategy_class(name).Options)]
+        plain, request = split_plan(options, option_names)
         return with_plan(validate_strategy_spec({"name": name, **plain}, accelerator), request)
-    unknown = [k for k in options if k not in valid]
-    if unknown:
-        raise ConfigError(f"strategy '{name}' has no option '{unknown[0]}'; valid: {', '.join(valid) or '(none)'}")
-    parsed = validate_dataclass(cls.Options, options, f"trainer.strategy ({name})")
+    name, parsed = check_strategy_spec(spec, _RegisteredOptions())
+    if name == "auto":
+        return {"name": "auto"}
     if accelerator is not None:
-        cls.check_options(parsed, "cuda" if accelerator in ("cuda", "gpu") or (
+        strategy_class(name).check_options(parsed, "cuda" if accelerator in ("cuda", "gpu") or (
             accelerator == "auto" and torch.cuda.is_available()) else "cpu")
     return {"name": name, **dataclasses.asdict(parsed)}
 

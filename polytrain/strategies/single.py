@@ -5,24 +5,18 @@ A preset of ``parallel`` with every degree 1 and no process group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from polytrain.parallel.apply import Layout
+from polytrain.strategies.options import SingleOptions
 from polytrain.strategies.parallel import ParallelStrategy
 from polytrain.strategies.registry import register
-
-
-@dataclass
-class SingleOptions:
-    device_index: int = 0  # which GPU when accelerator is cuda
 
 
 @register
 class SingleDeviceStrategy(ParallelStrategy):
     name = "single"
     Options = SingleOptions
-    aliases = {"single_device": {}}  # Lightning's name
 
     @classmethod
     def compose(cls, options: Any, num_nodes: int) -> Layout:

@@ -19,6 +19,7 @@ import yaml
 from polytrain.core.errors import ConfigError
 from polytrain.core.nodes import node_range
 from polytrain.core.options import check_choice, check_keys, validate_dataclass
+from polytrain.strategies.options import check_strategy_spec, spec_mapping, wants_plan
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
 PRECISION_ALIASES = {"32-true": "32", "16": "16-mixed", "bf16": "bf16-mixed"}  # Lightning's other spellings
@@ -367,10 +368,14 @@ def check_sections(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def first_check(path: str | os.PathLike, overrides: list[str] | None = None) -> None:
-    """What ``polytrain`` checks before it imports torch: the file, the overrides, the sections and the
-    trainer section's keys, types and choices. A ``ConfigError`` names what is wrong."""
+    """What ``polytrain`` checks before it imports torch: the file, the overrides, the sections, the
+    trainer section's keys, types and choices, and the strategy's name and options (a request to the
+    planner waits for ``config.py``). A ``ConfigError`` names what is wrong."""
     sections = check_sections(read_config(path, overrides))
-    check_trainer_section(sections.get("trainer") or {})
+    cfg = check_trainer_section(sections.get("trainer") or {})
+    spec = spec_mapping(cfg.strategy)
+    if isinstance(spec, dict) and not wants_plan(spec.get("name", "auto"), spec):
+        check_strategy_spec(spec)
 
 
 def trainer_to_dict(cfg: TrainerConfig) -> dict[str, Any]:
