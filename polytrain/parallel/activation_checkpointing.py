@@ -2,7 +2,8 @@
 recompute the rest during backward (``torch.utils.checkpoint``, non-reentrant).
 
 The blocks are the FSDP wrap policy's (``blocks_to_wrap``: the children of the largest
-``nn.ModuleList``/``nn.Sequential``, or the classes named), so one transformer block is one
+``nn.ModuleList``/``nn.Sequential`` and of the containers repeating its block, or the classes
+named), so one transformer block is one
 checkpointed region and one FSDP unit. Unless classes are named, the one-off layers among them
 (embeddings, final norm, LM head: classes that occur once) are left out when some class repeats:
 checkpointing them saves no memory (their inputs are kept anyway) and the head's recompute costs

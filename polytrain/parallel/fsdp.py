@@ -55,9 +55,30 @@ def blocks_to_wrap(module: nn.Module, names: list[str] | None) -> list[nn.Module
     if not containers:
         return []
     largest = max(containers, key=lambda m: sum(p.numel() for p in m.parameters()))
+    with_blocks = {id(largest)} | {id(c) for c in _repeating(largest, containers)}
+    chosen = [c for c in containers if id(c) in with_blocks]  # in model order
     holders = _holders(module)
-    return [child for child in largest.children()
+    return [child for container in chosen for child in container.children()
             if next(child.parameters(), None) is not None and not _shares_outside(child, holders)]
+
+
+def _repeating(largest: nn.Module, containers: list[nn.Module]) -> list[nn.Module]:
+    """The other containers of the largest one's block, when it holds one class repeated: ResNet's
+    ``layer1``..``layer3`` beside ``layer4`` (all Bottlenecks). Without them a third of ResNet-50
+    stays in the root's unit, gathered whole for the entire step."""
+    def block_classes(container: nn.Module) -> set[type]:
+        return {type(c) for c in container.children() if next(c.parameters(), None) is not None}
+
+    repeated = block_classes(largest)
+    if len(repeated) != 1:
+        return []  # a stack of different layers (Linear, Conv, ...) is not a repetition of a block
+    out: list[nn.Module] = []
+    taken = {id(m) for m in largest.modules()}
+    for container in containers:
+        if id(container) not in taken and block_classes(container) == repeated:
+            out.append(container)
+            taken |= {id(m) for m in container.modules()}
+    return out
 
 
 def _holders(module: nn.Module) -> dict[int, set[int]]:

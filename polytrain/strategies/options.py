@@ -46,7 +46,8 @@ class DDPOptions:
 @dataclass
 class FSDPOptions:
     # Class names of the submodules that become FSDP units (one all-gather each). None: every child
-    # of the model's largest nn.ModuleList/nn.Sequential (the "blocks"); the rest goes to the root.
+    # of the model's largest nn.ModuleList/nn.Sequential (the "blocks"), and of every other container
+    # repeating the same block class (ResNet's layer1..layer4); the rest goes to the root.
     wrap_modules: list[str] | None = None
     # False: keep gathered blocks until backward (more memory, less traffic)
     reshard_after_forward: bool = True

@@ -1,0 +1,168 @@
+"""Models nobody here wrote, held by a ``TrainModule`` as one attribute and left unchanged: Hugging
+Face's GPT-2 (its head tied to its embedding) and Llama (grouped-query attention), torchvision's
+ResNet-50 (BatchNorm everywhere) and ViT-B/16 (small images). Two gloo ranks train each under ddp
+and fsdp equal to a plain PyTorch loop on the same global batch, and a run stopped at its checkpoint
+and resumed ends on the same weights.
+
+The configurations are small and built here (nothing is downloaded); the torchvision models keep
+their published sizes (25.6M and 86.6M parameters), only the images are small.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+import transformers
+from distributed import run_distributed
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from polytrain import Trainer, TrainModule
+from polytrain.parallel.fsdp import blocks_to_wrap
+
+GLOBAL_BATCH, SAMPLES, STEPS, STOP_AT = 4, 8, 4, 2  # two steps an epoch, two epochs
+VOCAB, TOKENS, CLASSES = 64, 9, 10
+IMAGE = {"resnet50": 64, "vit_b_16": 32}  # ResNet-50's last BatchNorms see 2x2 pixels, not one
+LANGUAGE_MODELS = ("gpt2", "llama")
+
+
+def build_model(kind: str) -> nn.Module:
+    """The model as its library builds it, from a fixed seed; no dropout, so every run is one function."""
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                         bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(config)
+    if kind == "llama":
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=16)
+        return transformers.LlamaForCausalLM(config)
+    if kind == "resnet50":
+        # ResNet-50 at initialisation, on a few random images, amplifies rounding: float32 alone moves its
+        # first gradients by 1.5 % against float64 in one process, and each step multiplies a difference
+        # in the last digit by ~1e3. In float64 the runs compare computations, not roundings.
+        return torchvision.models.resnet50(num_classes=CLASSES).double()
+    if kind == "vit_b_16":
+        return torchvision.models.vit_b_16(image_size=IMAGE[kind], num_classes=CLASSES)
+    raise ValueError(kind)
+
+
+def dataset(kind: str) -> TensorDataset:
+    generator = torch.Generator().manual_seed(3)
+    if kind in LANGUAGE_MODELS:
+        return TensorDataset(torch.randint(0, VOCAB, (SAMPLES, TOKENS), generator=generator))
+    images = torch.randn(SAMPLES, 3, IMAGE[kind], IMAGE[kind], generator=generator)
+    if kind == "resnet50":
+        images = images.double()
+    return TensorDataset(images, torch.randint(0, CLASSES, (SAMPLES,), generator=generator))
+
+
+def loss_of(model: nn.Module, kind: str, batch: list[torch.Tensor]) -> torch.Tensor:
+    if kind in LANGUAGE_MODELS:
+        (tokens,) = batch
+        return model(input_ids=tokens, labels=tokens).loss  # the library's own shifted loss
+    images, labels = batch
+    return F.cross_entropy(model(images), labels)
+
+
+def optimizer_for(parameters: Any) -> torch.optim.Optimizer:
+    # Momentum: a resume that lost the optimizer's state would end elsewhere.
+    return torch.optim.SGD(parameters, lr=0.01, momentum=0.9)
+
+
+class HeldModel(TrainModule):
+    """What a user writes around a library's model: the model as one attribute, the loss, the data."""
+
+    def __init__(self, kind: str, batch_size: int) -> None:
+        super().__init__()
+        self.kind, self.batch_size = kind, batch_size
+        self.model = build_model(kind)
+        self.steps_run = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.steps_run += 1
+        return loss_of(self.model, self.kind, batch)
+
+    def configure_optimizers(self) -> Any:
+        return optimizer_for(self.parameters())
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(dataset(self.kind), batch_size=self.batch_size)
+
+
+@pytest.mark.parametrize("kind, units", [
+    ("gpt2", [f"transformer.h.{i}" for i in range(2)]),
+    ("llama", [f"model.layers.{i}" for i in range(2)]),
+    # every Bottleneck, not only the largest container's (layer4): the root keeps the stem and the head
+    ("resnet50", [f"layer{n}.{i}" for n, blocks in enumerate((3, 4, 6, 3), start=1) for i in range(blocks)]),
+    ("vit_b_16", [f"encoder.layers.encoder_layer_{i}" for i in range(12)]),
+])
+def test_fsdp_units_are_each_models_repeated_blocks(kind: str, units: list[str]) -> None:
+    model = build_model(kind)
+    names = {id(module): name for name, module in model.named_modules()}
+    assert [names[id(block)] for block in blocks_to_wrap(model, None)] == units
+
+
+def reference(kind: str) -> dict[str, torch.Tensor]:
+    """A plain PyTorch loop on the global batch."""
+    model = build_model(kind)
+    optimizer = optimizer_for(model.parameters())
+    for _ in range(STEPS * GLOBAL_BATCH // SAMPLES):
+        for batch in DataLoader(dataset(kind), batch_size=GLOBAL_BATCH):
+            optimizer.zero_grad()
+            loss_of(model, kind, batch).backward()
+            optimizer.step()
+    return {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _fit(kind: str, strategy: Any, world_size: int, run_dir: str, max_steps: int,
+         ckpt_path: str | None = None, save: bool = False) -> dict[str, Any]:
+    module = HeldModel(kind, GLOBAL_BATCH // world_size)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=max_steps,
+                      run_dir=run_dir, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=save, num_sanity_val_steps=0, timeout=120)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    state = trainer.strategy.module_state_dict()  # every rank: a collective under fsdp
+    return {"weights": {k: v.detach().clone() for k, v in state.items()}, "steps_run": module.steps_run}
+
+
+def _train_and_resume(rank: int, world_size: int, kind: str, strategy: Any, root: str) -> dict[str, Any]:
+    straight = _fit(kind, strategy, world_size, os.path.join(root, "straight"), STEPS)
+    stopped = os.path.join(root, "stopped")
+    _fit(kind, strategy, world_size, stopped, STOP_AT, save=True)  # its fit-end checkpoint is `last`
+    resumed = _fit(kind, strategy, world_size, stopped, STEPS, ckpt_path="last")
+    return {"straight": straight, "resumed": resumed}
+
+
+def _strategy(kind: str, name: str) -> Any:
+    # BatchNorm's statistics are the global batch's only when the ranks share them.
+    return {"name": name, "sync_batchnorm": True} if kind == "resnet50" else name
+
+
+def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == want.keys(), f"{what}: {sorted(got.keys() ^ want.keys())}"
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5, msg=f"{what}: {key}")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "resnet50", "vit_b_16"])
+def test_a_library_model_trains_and_resumes_equal_to_one_process(kind: str, strategy: str, tmp_path: Any) -> None:
+    want = reference(kind)
+    out = run_distributed(_train_and_resume, 2, kind, _strategy(kind, strategy), str(tmp_path), timeout=540)
+    for rank, result in enumerate(out):
+        assert result["straight"]["steps_run"] == STEPS
+        assert result["resumed"]["steps_run"] == STEPS - STOP_AT  # it went on from the checkpoint
+        if rank > 0 and not result["straight"]["weights"]:
+            continue  # a sharded strategy gathers the full state on rank 0 only
+        _assert_equal(result["straight"]["weights"], want, f"{strategy} rank {rank}")
+        _assert_equal(result["resumed"]["weights"], want, f"{strategy} rank {rank}, resumed at step {STOP_AT}")
+    assert out[0]["straight"]["weights"]
