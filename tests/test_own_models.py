@@ -23,7 +23,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import Trainer, TrainModule
+from polytrain.core.errors import ConfigError
 from polytrain.parallel.fsdp import blocks_to_wrap
+from polytrain.parallel.tensor_parallel import module_plan
 
 GLOBAL_BATCH, SAMPLES, STEPS, STOP_AT = 4, 8, 4, 2  # two steps an epoch, two epochs
 VOCAB, TOKENS, CLASSES = 64, 9, 10
@@ -123,13 +125,22 @@ def reference(kind: str) -> dict[str, torch.Tensor]:
 
 def _fit(kind: str, strategy: Any, world_size: int, run_dir: str, max_steps: int,
          ckpt_path: str | None = None, save: bool = False) -> dict[str, Any]:
-    module = HeldModel(kind, GLOBAL_BATCH // world_size)
+    tp = strategy.get("tp", 1) if isinstance(strategy, dict) else 1
+    module = HeldModel(kind, GLOBAL_BATCH // (world_size // tp))  # tensor-parallel peers share a batch
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=max_steps,
                       run_dir=run_dir, logger=False, enable_progress_bar=False, enable_model_summary=False,
                       enable_checkpointing=save, num_sanity_val_steps=0, timeout=120)
     trainer.fit(module, ckpt_path=ckpt_path)
+    split = sorted(name for name, param in module.named_parameters() if _split_over_tp(param))
     state = trainer.strategy.module_state_dict()  # every rank: a collective under fsdp
-    return {"weights": {k: v.detach().clone() for k, v in state.items()}, "steps_run": module.steps_run}
+    return {"weights": {k: v.detach().clone() for k, v in state.items()}, "steps_run": module.steps_run,
+            "split_over_tp": split}
+
+
+def _split_over_tp(param: torch.Tensor) -> bool:
+    mesh = getattr(param, "device_mesh", None)
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    return "tp" in names and param.placements[names.index("tp")].is_shard()
 
 
 def _train_and_resume(rank: int, world_size: int, kind: str, strategy: Any, root: str) -> dict[str, Any]:
@@ -145,6 +156,18 @@ def _strategy(kind: str, name: str) -> Any:
     return {"name": name, "sync_batchnorm": True} if kind == "resnet50" else name
 
 
+def _check_against_reference(kind: str, what: str, out: list[dict[str, Any]]) -> None:
+    want = reference(kind)
+    for rank, result in enumerate(out):
+        assert result["straight"]["steps_run"] == STEPS
+        assert result["resumed"]["steps_run"] == STEPS - STOP_AT  # it went on from the checkpoint
+        if rank > 0 and not result["straight"]["weights"]:
+            continue  # a sharded strategy gathers the full state on rank 0 only
+        _assert_equal(result["straight"]["weights"], want, f"{what} rank {rank}")
+        _assert_equal(result["resumed"]["weights"], want, f"{what} rank {rank}, resumed at step {STOP_AT}")
+    assert out[0]["straight"]["weights"]
+
+
 def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
     assert got.keys() == want.keys(), f"{what}: {sorted(got.keys() ^ want.keys())}"
     for key, value in want.items():
@@ -156,13 +179,43 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], w
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "resnet50", "vit_b_16"])
 def test_a_library_model_trains_and_resumes_equal_to_one_process(kind: str, strategy: str, tmp_path: Any) -> None:
-    want = reference(kind)
     out = run_distributed(_train_and_resume, 2, kind, _strategy(kind, strategy), str(tmp_path), timeout=540)
-    for rank, result in enumerate(out):
-        assert result["straight"]["steps_run"] == STEPS
-        assert result["resumed"]["steps_run"] == STEPS - STOP_AT  # it went on from the checkpoint
-        if rank > 0 and not result["straight"]["weights"]:
-            continue  # a sharded strategy gathers the full state on rank 0 only
-        _assert_equal(result["straight"]["weights"], want, f"{strategy} rank {rank}")
-        _assert_equal(result["resumed"]["weights"], want, f"{strategy} rank {rank}, resumed at step {STOP_AT}")
-    assert out[0]["straight"]["weights"]
+    _check_against_reference(kind, strategy, out)
+
+
+# Tensor parallel from the model's own plan (Llama's _tp_plan: attention and MLP projections split by
+# heads and features, the embedding by vocabulary rows, the head's logits gathered), alone and under FSDP.
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size, degrees", [(2, {"tp": 2}), (4, {"dp_shard": 2, "tp": 2})],
+                         ids=["tp2", "fsdp2_tp2"])
+def test_llama_trains_with_its_own_tensor_parallel_plan_equal_to_one_process(
+        world_size: int, degrees: dict[str, int], tmp_path: Any) -> None:
+    strategy = {"name": "parallel", **degrees}
+    out = run_distributed(_train_and_resume, world_size, "llama", strategy, str(tmp_path), timeout=540)
+    _check_against_reference("llama", str(degrees), out)
+    projections = [f"model.model.layers.{i}.{part}.weight" for i in range(2) for part in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    assert out[0]["straight"]["split_over_tp"] == sorted(
+        ["model.lm_head.weight", "model.model.embed_tokens.weight", *projections])
+
+
+def test_the_library_plan_is_translated_and_a_model_without_one_is_refused_in_words() -> None:
+    plan = module_plan(HeldModel("llama", GLOBAL_BATCH))
+    styles = {key: type(style).__name__ for key, style in plan.items()}
+    assert styles["model.model.layers.*.self_attn.q_proj"] == "ColwiseParallel"
+    assert styles["model.model.layers.*.mlp.down_proj"] == "RowwiseParallel"
+    assert styles["model.model.embed_tokens"] == "RowwiseParallel"
+    assert styles["model.lm_head"] == "ColwiseParallel"
+    with pytest.raises(ConfigError, match=r"the library model it holds has no plan of its own: model "
+                                          r"\(GPT2LMHeadModel\).*define tensor_parallel_plan"):
+        module_plan(HeldModel("gpt2", GLOBAL_BATCH))
+
+
+def test_a_tie_stays_whole_rather_than_split_on_one_side() -> None:
+    tied = HeldModel("llama", GLOBAL_BATCH)
+    tied.model.lm_head.weight = tied.model.model.embed_tokens.weight  # as tie_word_embeddings does
+    plan = module_plan(tied)
+    assert "model.lm_head" not in plan and "model.model.embed_tokens" not in plan
+    assert "model.model.layers.*.self_attn.q_proj" in plan

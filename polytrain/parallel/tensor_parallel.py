@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from polytrain.core import collectives as C
 from polytrain.core import lazy
 from polytrain.core.errors import ConfigError
+from polytrain.parallel.library_plans import library_models, library_plan
 
 
 class TensorParallelPlanError(ConfigError):
@@ -28,7 +29,8 @@ class TensorParallelPlanError(ConfigError):
 
 
 def module_plan(module: nn.Module) -> dict[str, Any] | None:
-    """The module's plan: ``tensor_parallel_plan()``'s dict, or None when it has ``parallelize(tp_mesh)``."""
+    """The module's plan: ``tensor_parallel_plan()``'s dict, or None when it has ``parallelize(tp_mesh)``;
+    without either, the plan of the Hugging Face models it holds (``library_plans``)."""
     hook = getattr(module, "tensor_parallel_plan", None)
     if callable(hook):
         plan = hook()
@@ -36,11 +38,33 @@ def module_plan(module: nn.Module) -> dict[str, Any] | None:
         return plan
     if callable(getattr(module, "parallelize", None)):
         return None
+    plan = without_ties(module, library_plan(module) or {})
+    if plan:
+        check_plan(module, plan)
+        return plan
+    held = ", ".join(f"{path or 'the module'} ({type(m).__name__})" for path, m in library_models(module))
+    library = f"; the library model it holds has no plan of its own: {held}" if held else ""
     raise TensorParallelPlanError(
-        f"model_parallel mode 'tensor' needs {type(module).__name__} to say how to split its layers: define "
-        f"tensor_parallel_plan(self) returning {{'submodule.name': ColwiseParallel(), ...}} or "
+        f"model_parallel mode 'tensor' needs {type(module).__name__} to say how to split its "
+        f"layers{library}: define tensor_parallel_plan(self) returning {{'submodule.name': ColwiseParallel(), ...}} or "
         f"parallelize(self, tp_mesh) applying torch.distributed.tensor.parallel itself"
     )
+
+
+def without_ties(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """``plan`` less the entries reaching a module whose parameter another module holds too (an
+    embedding tied to the head): sharding one holder would leave the other with the old tensor and
+    untie them silently. Both stay whole on every rank, tied, as any parameter no plan names."""
+    holders: dict[int, int] = {}
+    for sub in module.modules():
+        for param in sub.parameters(recurse=False):
+            holders[id(param)] = holders.get(id(param), 0) + 1
+    kept = {}
+    for key, style in plan.items():
+        reached = [module.get_submodule(name) for name in resolve_key(module, key)]
+        if not any(holders[id(p)] > 1 for sub in reached for p in sub.parameters(recurse=False)):
+            kept[key] = style
+    return kept
 
 
 def resolve_key(module: nn.Module, key: str) -> list[str]:

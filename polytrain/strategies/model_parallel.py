@@ -3,7 +3,8 @@
 ``mode: tensor`` — every process holds a slice of each large layer (Megatron-style tensor
 parallelism over the ``tp`` dimension of a ``DeviceMesh``), following the module's plan:
 ``tensor_parallel_plan(self) -> {submodule name: ColwiseParallel(), ...}`` or
-``parallelize(self, tp_mesh)``. With ``dp_shard > 1`` the result is also sharded with FSDP2 over
+``parallelize(self, tp_mesh)``, else the plan of a Hugging Face model it holds
+(``parallel/library_plans.py``). With ``dp_shard > 1`` the result is also sharded with FSDP2 over
 the data-parallel dimension (2D). Data follows the mesh: ranks of one tensor-parallel group see
 the same batch; the sampler splits over the data-parallel dimension only. A preset of ``parallel``.
 

@@ -110,7 +110,7 @@ class PipelineOptions:
 class ParallelOptions:
     dp_replicate: int = 1  # replicas (HSDP across them when sharded); -1: inferred
     dp_shard: int = -1  # FSDP degree; -1: whatever the other degrees leave of the world
-    tp: int = 1  # tensor parallel (the module's tensor_parallel_plan() or parallelize(tp_mesh))
+    tp: int = 1  # tensor parallel (tensor_parallel_plan(), parallelize(tp_mesh) or a held HF model's plan)
     pp: int = 1  # pipeline stages' ranks (the module's nn.Sequential is cut)
     cp: int = 1  # context parallel (sequence split; CUDA with flash/efficient attention only)
     data_parallel: str = "auto"  # auto | fsdp | ddp | all_reduce: how gradients meet across data ranks
