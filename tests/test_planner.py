@@ -388,3 +388,22 @@ def test_attention_defaults_to_the_flash_kernel() -> None:
     x = torch.zeros(1, 32, dtype=torch.long)
     saved = {k: sum(c.saved_bytes for c in profiler(module, x, x, k)(1).children) for k in ("flash", "math")}
     assert sum(c.saved_bytes for c in profiler(module, x, x)(1).children) == saved["flash"] < saved["math"]
+
+
+def test_a_tied_embedding_and_head_count_once_and_no_pipeline_splits_them() -> None:
+    """GPT-2's head shares its embedding's weight: stored once, so counted once (as the pipeline strategy
+    weighs children); a layout putting the two on different pipeline ranks is rejected in the
+    strategy's words, not ranked to fail at start."""
+    module = _gpt()
+    untied = sum(c.params for c in profiler(module, torch.zeros(1, 32, dtype=torch.long))(1).children)
+    module.net[6].weight = module.net[0].tok.weight  # (43, 128) both
+    x = torch.zeros(1, 32, dtype=torch.long)
+    prof = profiler(module, x, x)(1)
+    assert prof.params == sum(p.numel() for p in module.parameters()) == untied - 43 * 128
+    assert prof.ties == ((0, 6),)
+    hw, train = hardware("cpu", 1, 8), Training(global_batch=32, precision="32")
+    plan = plan_module(module, x, hw, train, target=x)
+    assert plan.ranked and all(e.layout.pp == 1 for e in plan.ranked)
+    pipelined = [r for r in plan.rejected if r.layout.pp > 1]
+    assert pipelined and any("tied weights cannot span pipeline ranks" in r.reason for r in pipelined)
+    assert "children 0 (pp rank 0) and 6 (pp rank 1) share a parameter" in " ".join(r.reason for r in pipelined)

@@ -76,6 +76,7 @@ class ModelProfile:
     children: tuple[ChildProfile, ...]
     seq_len: int
     param_bytes: int  # bytes per parameter as built (4 for fp32)
+    ties: tuple[tuple[int, int], ...] = ()  # (first, later) child indices sharing a parameter
 
     @property
     def params(self) -> int:
@@ -214,13 +215,28 @@ def _trace_child(child: nn.Module, x: Any, planned: dict[str, str], tp: int, see
     return traced
 
 
-def _param_counts(name: str, child: nn.Module, planned: dict[str, str]) -> tuple[int, int]:
-    """(parameters in layers the plan splits, the rest) of one child, shared ones counted once."""
+def _param_counts(name: str, child: nn.Module, planned: dict[str, str], counted: set[int]) -> tuple[int, int]:
+    """(parameters in layers the plan splits, the rest) of one child. A shared parameter counts once,
+    in the first child holding it (``counted`` holds those of the children before), as the pipeline
+    strategy weighs children and as a tied embedding and head are stored: once."""
     split = {id(p) for n, s in planned.items() if s in ("ColwiseParallel", "RowwiseParallel")
              and (n == name or n.startswith(name + ".")) for p in child.get_submodule(n[len(name) + 1:]).parameters()}
-    unique = {id(p): p for p in child.parameters()}
+    unique = {id(p): p for p in child.parameters() if id(p) not in counted}
+    counted.update(unique)
     return (sum(p.numel() for i, p in unique.items() if i in split),
             sum(p.numel() for i, p in unique.items() if i not in split))
+
+
+def _ties(seq: nn.Sequential) -> tuple[tuple[int, int], ...]:
+    """(first holder, later holder) child indices of every parameter two children share."""
+    first: dict[int, int] = {}
+    ties: set[tuple[int, int]] = set()
+    for index, child in enumerate(seq.children()):
+        for p in child.parameters():
+            holder = first.setdefault(id(p), index)
+            if holder != index:
+                ties.add((holder, index))
+    return tuple(sorted(ties))
 
 
 def _storages(tensors: Any) -> set[int]:
@@ -273,7 +289,8 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
     relative = {k[len(prefix) + 1:] if prefix else k: s for k, s in (plan or {}).items()
                 if not prefix or k.startswith(prefix + ".")}
     planned = _planned_modules(seq, relative)
-    counts = [_param_counts(name, child, planned) for name, child in seq.named_children()]  # before shrinking
+    counted: set[int] = set()
+    counts = [_param_counts(name, child, planned, counted) for name, child in seq.named_children()]  # unshrunk
     for name, style in planned.items():
         if tp > 1:
             _shrink(seq.get_submodule(name), style, tp, f"{prefix}.{name}" if prefix else name)
@@ -301,7 +318,7 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
     seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
     first = next(seq.parameters(), None)
     return ModelProfile(tp=tp, children=tuple(children), seq_len=seq_len,
-                        param_bytes=first.element_size() if first is not None else 4)
+                        param_bytes=first.element_size() if first is not None else 4, ties=_ties(seq))
 
 
 class _Fn(nn.Module):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polytrain.core.errors import ConfigError
-from polytrain.parallel.planner.estimate import Estimate, Layout, Training, estimate
+from polytrain.parallel.planner.estimate import Estimate, Layout, Training, estimate, rank_chunks
 from polytrain.parallel.planner.hardware import GiB, Hardware
 from polytrain.parallel.planner.profile import ModelProfile
 from polytrain.parallel.planner.timing import bubble_fraction, interleaved_rounds_ok
@@ -68,6 +68,21 @@ def _rejection(lay: Layout, hw: Hardware, train: Training, n_children: int) -> s
     return None
 
 
+def _tie_across_ranks(lay: Layout, train: Training, prof: ModelProfile) -> str | None:
+    """The pipeline strategy refuses a parameter shared by stages on different ranks (a tied embedding
+    and head: two copies trained apart); so does the planner, in the strategy's words."""
+    owner = {}
+    for pp_rank, chunks in enumerate(rank_chunks(prof, lay.pp, train.stages_per_rank)):
+        for first, end in chunks:
+            owner.update({index: pp_rank for index in range(first, end)})
+    for a, b in prof.ties:
+        if owner[a] != owner[b]:
+            names = prof.children[a].name, prof.children[b].name
+            return (f"children {names[0]} (pp rank {owner[a]}) and {names[1]} (pp rank {owner[b]}) share a "
+                    f"parameter: tied weights cannot span pipeline ranks")
+    return None
+
+
 def candidates(hw: Hardware, train: Training, pinned: dict[str, int] | None = None) -> list[Layout]:
     """Every layout of the world size agreeing with ``pinned`` degrees (e.g. ``{"tp": 8}``)."""
     pinned = pinned or {}
@@ -108,6 +123,8 @@ def rank(hw: Hardware, train: Training, profile_at: Callable[[int], ModelProfile
                 prof = profiles[lay.tp] = f"tp={lay.tp} does not split the model: {' '.join(str(err).split())[:160]}"
         if reason is None and isinstance(prof, str):
             reason = prof
+        if reason is None and lay.pp > 1:
+            reason = _tie_across_ranks(lay, train, prof)
         if reason is None:
             est = estimate(lay, train, prof, hw)
             if est.total_memory > usable:
