@@ -16,7 +16,7 @@ from polytrain.core.errors import ConfigError
 from polytrain.parallel.planner import PRESETS, Training, format_table, hardware, parse_bytes, plan_module
 from polytrain.parallel.planner.search import describe_time
 from polytrain.trainer.config import instantiate, load_config
-from polytrain.trainer.planned import first_batch, optimizer_kind, schedule_settings
+from polytrain.trainer.planned import as_built, first_batch, optimizer_kind, schedule_settings
 from polytrain.trainer.trainer import Trainer
 
 
@@ -58,6 +58,7 @@ def run_plan(args: argparse.Namespace) -> int:
         module = instantiate(config["module"], "module", config.get("config_dir"))
     # configure_optimizers may read self.trainer (its max_epochs, say): a Trainer of the config, never fitted.
     module._attach(Trainer.from_config(config))
+    module = as_built(module)  # the layers configure_model builds (on meta), as a fit would build them
     optimizer, assumed = optimizer_kind(module)
     data = instantiate(config["data"], "data", config.get("config_dir")) if config.get("data") else None
     x, y = first_batch((data if data is not None else module).train_dataloader())

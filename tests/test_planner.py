@@ -407,3 +407,62 @@ def test_a_tied_embedding_and_head_count_once_and_no_pipeline_splits_them() -> N
     pipelined = [r for r in plan.rejected if r.layout.pp > 1]
     assert pipelined and any("tied weights cannot span pipeline ranks" in r.reason for r in pipelined)
     assert "children 0 (pp rank 0) and 6 (pp rank 1) share a parameter" in " ".join(r.reason for r in pipelined)
+
+
+BUILT_LATE = '''
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from polytrain import TrainModule
+
+
+class BuiltLate(TrainModule):
+    """Its layers come from configure_model, as a large model's do (on the meta device under fsdp)."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.width = width
+
+    def configure_model(self):
+        if hasattr(self, "net"):
+            return
+        self.net = nn.Sequential(nn.Linear(self.width, self.width), nn.ReLU(), nn.Linear(self.width, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        data = TensorDataset(torch.randn(16, self.width), torch.randint(0, 4, (16,)))
+        return DataLoader(data, batch_size=4)
+'''
+
+
+def test_a_module_built_in_configure_model_is_planned_on_what_it_builds(tmp_path, monkeypatch) -> None:
+    """The planner configures a copy on the meta device: the layers and the SGD that configure_optimizers
+    builds from them are what it plans; the user's module is left to its own fit."""
+    from polytrain.trainer.planned import as_built
+
+    (tmp_path / "built_late.py").write_text(BUILT_LATE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from built_late import BuiltLate
+
+    module = BuiltLate()
+    built = as_built(module)
+    assert not hasattr(module, "net") and built.net[0].weight.is_meta
+    (tmp_path / "cfg.yaml").write_text("module: {_target_: built_late.BuiltLate, width: 16}\n"
+                                       "trainer: {accelerator: cpu, devices: 2, strategy: ddp}\n")
+    cmd = [sys.executable, "-m", "polytrain", "plan", "-c", str(tmp_path / "cfg.yaml"), "--nodes", "1",
+           "--devices-per-node", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    header = out.stdout.splitlines()[0]
+    assert "plan for BuiltLate (340 parameters)" in header and "optimizer sgd," in header, header
+    assert "best:" in out.stdout

@@ -13,6 +13,7 @@ rather than planning again (another world size plans again, and says so).
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -28,6 +29,8 @@ from polytrain.parallel.planner.search import world_check
 from polytrain.parallel.planner.timing import SCHEDULES as PLANNED_SCHEDULES
 from polytrain.strategies.launcher import LaunchPlan
 from polytrain.strategies.plan_spec import CHOSEN_REQUIRED, DEGREES, is_planned, pinned_degrees
+from polytrain.trainer.hooks import is_overridden
+from polytrain.trainer.module import TrainModule
 from polytrain.trainer.run_directory import resolve_path
 
 if TYPE_CHECKING:
@@ -53,6 +56,19 @@ def optimizer_kind(module: Any) -> tuple[str, str | None]:
     if name not in OPTIMIZERS:
         return "adamw", f"{name} is not one the planner knows ({', '.join(sorted([*OPTIMIZERS, 'SGD']))})"
     return OPTIMIZERS[name], None
+
+
+def as_built(module: Any) -> Any:
+    """``module`` with the layers its ``configure_model`` builds, for the planner to profile: a copy,
+    configured on the meta device (no memory for weights). The user's module is left as it is, to be
+    configured by its own fit on its strategy's device."""
+    if not is_overridden(module, "configure_model", TrainModule):
+        return module
+    built = copy.deepcopy(module)  # TrainModule.__getstate__ leaves the trainer out of the copy
+    built._attach(module.__dict__.get("_trainer"))  # configure_model may read self.trainer
+    with torch.device("meta"):
+        built.configure_model()
+    return built
 
 
 def first_batch(loader: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -113,10 +129,11 @@ def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamod
     other = math.prod(pinned.get(k, 1) for k in ("tp", "pp", "cp"))
     global_batch = spec.get("global_batch") or x.shape[0] * max(world // other, 1)
     precision = PRECISIONS.get(str(config.precision), str(config.precision))
-    training = Training(global_batch=global_batch, precision=precision, optimizer=optimizer_kind(module)[0],
+    built = as_built(module)
+    training = Training(global_batch=global_batch, precision=precision, optimizer=optimizer_kind(built)[0],
                         **schedule_settings(spec))
     # flash: the SDPA kernel torch runs on CUDA (bf16) and on CPU (fp32 too); math would count its s x s matrix
-    profile_at = profiler(module, x[:1], None if y is None else y[:1], "flash", spec.get("sequential"))
+    profile_at = profiler(built, x[:1], None if y is None else y[:1], "flash", spec.get("sequential"))
     plan = rank(hw, training, profile_at, pinned)
     best, lay = plan.best, plan.best.layout  # raises, with the first rejections, when nothing fits
     chosen: dict[str, Any] = {"world_size": world, **{k: getattr(lay, k) for k in DEGREES}}
