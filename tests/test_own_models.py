@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from polytrain import Trainer, TrainModule
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.fsdp import blocks_to_wrap
+from polytrain.parallel.planner import Training, hardware, plan_module
 from polytrain.parallel.tensor_parallel import module_plan
 
 GLOBAL_BATCH, SAMPLES, STEPS, STOP_AT = 4, 8, 4, 2  # two steps an epoch, two epochs
@@ -219,3 +220,57 @@ def test_a_tie_stays_whole_rather_than_split_on_one_side() -> None:
     plan = module_plan(tied)
     assert "model.lm_head" not in plan and "model.model.embed_tokens" not in plan
     assert "model.model.layers.*.self_attn.q_proj" in plan
+
+
+# --------------------------------------------------------------------------- the planner on them
+
+def _plan(kind: str) -> Any:
+    with torch.device("meta"):
+        module = HeldModel(kind, GLOBAL_BATCH)
+    tensors = dataset(kind).tensors
+    target = tensors[1][:1] if len(tensors) > 1 else None
+    train = Training(global_batch=GLOBAL_BATCH, precision="32", optimizer="sgd")
+    return module, plan_module(module, tensors[0][:1], hardware("cpu", 1, 4), train, target=target)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "resnet50", "vit_b_16"])
+def test_the_planner_plans_a_library_model_and_ranks_only_what_the_strategies_run(kind: str) -> None:
+    """No Sequential to cut: the model is profiled whole through its training_step (the loss included),
+    every data-parallel layout is ranked, a pipeline is rejected in the pipeline's words, tensor
+    parallelism where the model carries a plan (Llama) and rejected where it has none."""
+    module, plan = _plan(kind)
+    assert plan.ranked
+    assert plan_profile_params(module) == sum(p.numel() for p in module.parameters())  # GPT-2's tie once
+    assert all(e.layout.pp == 1 for e in plan.ranked)
+    assert any(r.layout.pp > 1 and "needs exactly one" in r.reason for r in plan.rejected)
+    tp_ranked = [e.layout for e in plan.ranked if e.layout.tp > 1]
+    if kind == "llama":
+        assert tp_ranked
+    else:
+        assert not tp_ranked
+        assert any(r.layout.tp > 1 and "has no tensor-parallel plan" in r.reason for r in plan.rejected)
+
+
+def plan_profile_params(module: nn.Module) -> int:
+    from polytrain.parallel.planner import profiler
+
+    tensors = dataset(module.kind).tensors
+    return profiler(module, tensors[0][:1], tensors[1][:1] if len(tensors) > 1 else None)(1).params
+
+
+def _train_layout(rank: int, world_size: int, degrees: dict[str, int], root: str) -> dict[str, Any]:
+    return _fit("llama", {"name": "parallel", **degrees}, world_size, root, STEPS)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_the_top_three_layouts_the_planner_ranks_for_llama_train_equal_to_one_process(tmp_path: Any) -> None:
+    _, plan = _plan("llama")
+    want = reference("llama")
+    for estimate in plan.ranked[:3]:
+        lay = estimate.layout
+        degrees = {k: getattr(lay, k) for k in ("dp_replicate", "dp_shard", "tp") if getattr(lay, k) > 1}
+        out = run_distributed(_train_layout, 4, degrees, str(tmp_path / lay.label().replace(" ", "")),
+                              timeout=300)
+        assert out[0]["steps_run"] == STEPS
+        _assert_equal(out[0]["weights"], want, lay.label())

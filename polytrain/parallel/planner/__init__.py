@@ -13,11 +13,13 @@ import torch
 from torch import nn
 
 from polytrain.core.errors import ConfigError
-from polytrain.parallel.pipeline_split import find_sequential
+from polytrain.parallel.library_plans import library_plan
+from polytrain.parallel.pipeline_split import PipelineSplitError, find_sequential
 from polytrain.parallel.planner.estimate import Estimate, Layout, Training, estimate
 from polytrain.parallel.planner.hardware import PRESETS, Hardware, hardware, parse_bytes
-from polytrain.parallel.planner.profile import ModelProfile, profile_sequential, style_names
+from polytrain.parallel.planner.profile import ModelProfile, profile_sequential, profile_whole, style_names
 from polytrain.parallel.planner.search import Plan, format_table, rank
+from polytrain.parallel.tensor_parallel import without_ties
 
 __all__ = ["PRESETS", "Estimate", "Hardware", "Layout", "ModelProfile", "Plan", "Training", "estimate",
            "format_table", "hardware", "on_meta", "parse_bytes", "plan_module", "profiler", "rank"]
@@ -31,13 +33,33 @@ def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | No
     meta); ``target`` one sample of the targets for ``module.pipeline_loss``, when the module has one.
     ``attention``: ``flash`` (torch's kernel for SDPA on CUDA in bf16 and on CPU, fp32 included) or ``math``.
     """
-    seq_name, seq = find_sequential(module, sequential)
-    seq = on_meta(seq)
     hook = getattr(module, "tensor_parallel_plan", None)
-    plan = style_names(hook()) if callable(hook) else None
+    if callable(hook):
+        plan: dict[str, str] | None = style_names(hook())
+    else:  # a Hugging Face model's own plan, as the strategy reads it (parallel/library_plans.py)
+        plan = style_names(without_ties(module, library_plan(module) or {})) or None
     # The strategy refuses tensor parallelism for a module that does not say how to split its layers; so
     # does the planner, in the same words, instead of costing a split that will not happen.
-    splits = callable(hook) or callable(getattr(module, "parallelize", None))
+    splits = plan is not None or callable(getattr(module, "parallelize", None))
+    try:
+        seq_name, seq = find_sequential(module, sequential)
+    except PipelineSplitError as err:
+        if sequential is not None:
+            raise
+        # No Sequential to cut: every layout but a pipeline runs the model as it is; profile it whole.
+        whole = on_meta(module)
+        batch = [t.to("meta") for t in (example, target) if t is not None]
+        why = " ".join(str(err).split())
+
+        @functools.cache
+        def whole_at(tp: int) -> ModelProfile:
+            if tp > 1 and not splits:
+                raise ConfigError(f"{type(module).__name__} has no tensor-parallel plan: define "
+                                  f"tensor_parallel_plan() or parallelize(tp_mesh)")
+            return profile_whole(whole, batch, why, tp, plan, attention)
+
+        return whole_at
+    seq = on_meta(seq)
     example = example.to("meta")
     loss_fn = getattr(module, "pipeline_loss", None)
     loss = None

@@ -173,7 +173,7 @@ def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, chunks: list
     kids = [c for lo, hi in chunks for c in prof.children[lo:hi]]
     master = MASTER_BYTES[train.precision]
     held = sum(_local_params(c, lay.tp) for c in kids) / lay.fsdp
-    units = max(_local_params(c, lay.tp) for c in kids)
+    units = max(c.fsdp_unit_params or _local_params(c, lay.tp) for c in kids)
     micro = train.global_batch // lay.dp // lay.n_microbatches
     # Micro-batches each of the rank's stages holds at its peak (1F1B: p - s; timing.in_flight)
     flights = timing.in_flight(lay.pp, lay.n_microbatches, s, train.pp_schedule, len(chunks))

@@ -41,6 +41,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.activation_checkpointing import OpSelection
+from polytrain.parallel.fsdp import blocks_to_wrap
 from polytrain.parallel.tensor_parallel import resolve_key
 
 
@@ -66,6 +67,9 @@ class ChildProfile:
     op_kept_bytes: int = 0  # the outputs it keeps (beyond the child's input)
     op_recompute_flops: int = 0  # forward FLOPs of the ops it recomputes
     op_recompute_matmul_flops: int = 0  # of those, matmuls (mm/addmm: Linear layers, float8 under float8)
+    # The largest FSDP unit inside it, as one TP rank holds it; 0: the child is one unit. A model profiled
+    # whole is sharded block by block (``blocks_to_wrap``), the rest in the root unit.
+    fsdp_unit_params: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,15 +81,33 @@ class ModelProfile:
     seq_len: int
     param_bytes: int  # bytes per parameter as built (4 for fp32)
     ties: tuple[tuple[int, int], ...] = ()  # (first, later) child indices sharing a parameter
+    # Set when the model has no Sequential to cut: it is profiled whole, through its training_step, as
+    # one child, and this says why (the pipeline strategy's own words, for the layouts it rules out).
+    whole: str | None = None
 
     @property
     def params(self) -> int:
         return sum(c.params for c in self.children)
 
 
+# A column-parallel layer whose output every rank needs whole (a Hugging Face LM head's
+# ``colwise_gather_output``): each rank computes its shard, then the shards are all-gathered.
+COLWISE_GATHERED = "ColwiseParallel, output gathered"
+SPLIT_STYLES = ("ColwiseParallel", COLWISE_GATHERED, "RowwiseParallel")
+
+
 def style_names(plan: dict[str, Any] | None) -> dict[str, str]:
-    """Plan key -> style class name (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ...)."""
-    return {key: type(style).__name__ for key, style in (plan or {}).items()}
+    """Plan key -> style class name (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ...;
+    ``COLWISE_GATHERED`` for a column-parallel layer with a replicated output)."""
+    return {key: _style_name(style) for key, style in (plan or {}).items()}
+
+
+def _style_name(style: Any) -> str:
+    name = type(style).__name__
+    output = getattr(style, "output_layouts", None)
+    if name == "ColwiseParallel" and output and output[0] is not None and output[0].is_replicate():
+        return COLWISE_GATHERED
+    return name
 
 
 def _planned_modules(root: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -99,16 +121,17 @@ def _planned_modules(root: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 
 def _shrink(linear: nn.Module, style: str, tp: int, name: str) -> None:
     """Replace a planned Linear's weights by the shard one TP rank holds (meta tensors)."""
-    if not isinstance(linear, nn.Linear) or style not in ("ColwiseParallel", "RowwiseParallel"):
+    if not isinstance(linear, nn.Linear) or style not in SPLIT_STYLES:
         return  # embeddings, norms and custom styles keep their shape: their outputs are replicated
     out_f, in_f = linear.weight.shape
-    dim = out_f if style == "ColwiseParallel" else in_f
+    colwise = style != "RowwiseParallel"
+    dim = out_f if colwise else in_f
     if dim % tp:
-        raise ConfigError(f"tp={tp} does not divide {name} ({style}): {'out' if style == 'ColwiseParallel' else 'in'}"
+        raise ConfigError(f"tp={tp} does not divide {name} ({style}): {'out' if colwise else 'in'}"
                           f"_features={dim}; choose a tp that divides it")
-    shape = (out_f // tp, in_f) if style == "ColwiseParallel" else (out_f, in_f // tp)
+    shape = (out_f // tp, in_f) if colwise else (out_f, in_f // tp)
     linear.weight = nn.Parameter(torch.empty(shape, device="meta", dtype=linear.weight.dtype))
-    if linear.bias is not None and style == "ColwiseParallel":
+    if linear.bias is not None and colwise:
         linear.bias = nn.Parameter(torch.empty(out_f // tp, device="meta", dtype=linear.bias.dtype))
 
 
@@ -180,7 +203,7 @@ def _linear_hooks(child: nn.Module, planned: dict[str, str], traced: _Traced) ->
     handles = []
     for name, sub in child.named_modules():
         if isinstance(sub, nn.Linear):
-            split = planned.get(name) in ("ColwiseParallel", "RowwiseParallel")
+            split = planned.get(name) in SPLIT_STYLES
 
             def hook(m: nn.Module, i: Any, o: Any, split: bool = split) -> None:
                 n = 2 * (i[0].numel() // m.weight.shape[1]) * m.weight.numel()  # in_features is not shrunk
@@ -200,6 +223,12 @@ def _trace_child(child: nn.Module, x: Any, planned: dict[str, str], tp: int, see
         sub = child.get_submodule(name)
         if style == "RowwiseParallel":
             handles.append(sub.register_forward_hook(lambda m, i, o: reduced.__setitem__(0, reduced[0] + _nbytes(o))))
+        elif style == COLWISE_GATHERED:
+            def gather(m: nn.Module, i: Any, o: torch.Tensor) -> torch.Tensor:
+                whole = o.new_empty(*o.shape[:-1], o.shape[-1] * tp)  # the shards, all-gathered
+                reduced[0] += _nbytes(whole)  # counted as an all-reduce's payload: an upper bound
+                return whole
+            handles.append(sub.register_forward_hook(gather))
         elif style == "SequenceParallel":
             handles.append(sub.register_forward_pre_hook(lambda m, i: setattr(counter, "in_sp", counter.in_sp + 1)))
             handles.append(sub.register_forward_hook(lambda m, i, o: setattr(counter, "in_sp", counter.in_sp - 1)))
@@ -219,8 +248,13 @@ def _param_counts(name: str, child: nn.Module, planned: dict[str, str], counted:
     """(parameters in layers the plan splits, the rest) of one child. A shared parameter counts once,
     in the first child holding it (``counted`` holds those of the children before), as the pipeline
     strategy weighs children and as a tied embedding and head are stored: once."""
-    split = {id(p) for n, s in planned.items() if s in ("ColwiseParallel", "RowwiseParallel")
-             and (n == name or n.startswith(name + ".")) for p in child.get_submodule(n[len(name) + 1:]).parameters()}
+    def relative(key: str) -> str | None:  # the planned module's name inside ``child``, or None: outside it
+        if not name:  # ``child`` is the whole model: the plan's keys are its own
+            return key
+        return key[len(name) + 1:] if key == name or key.startswith(f"{name}.") else None
+
+    split = {id(p) for n, s in planned.items() if s in SPLIT_STYLES and relative(n) is not None
+             for p in child.get_submodule(relative(n)).parameters()}
     unique = {id(p): p for p in child.parameters() if id(p) not in counted}
     counted.update(unique)
     return (sum(p.numel() for i, p in unique.items() if i in split),
@@ -319,6 +353,51 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
     first = next(seq.parameters(), None)
     return ModelProfile(tp=tp, children=tuple(children), seq_len=seq_len,
                         param_bytes=first.element_size() if first is not None else 4, ties=_ties(seq))
+
+
+def profile_whole(module: nn.Module, batch: list[torch.Tensor], why: str, tp: int = 1,
+                  plan: dict[str, str] | None = None, attention: str = "flash") -> ModelProfile:
+    """Profile ``module`` (on meta) as one child: its ``training_step`` on ``batch`` (one sample of each
+    tensor, meta), the loss included, at tensor-parallel degree ``tp`` (the plan's keys are relative to
+    ``module``). For a model with no ``nn.Sequential`` to cut (a Hugging Face model held as one
+    attribute): every layout but a pipeline can run it, and ``why`` says why not a pipeline."""
+    with _attention_kernel(attention):
+        module = copy.deepcopy(module) if tp > 1 else module
+        planned = _planned_modules(module, plan or {})
+        n_split, n_whole = _param_counts("", module, planned, set())  # before shrinking
+        for name, style in planned.items():
+            if tp > 1:
+                _shrink(module.get_submodule(name), style, tp, name)
+        blocks = [sum(p.numel() for p in block.parameters()) for block in blocks_to_wrap(module, None)]
+        root = sum(p.numel() for p in module.parameters()) - sum(blocks)  # local sizes: shrunk above
+        step = _TrainingStep(module, batch)
+        t = _trace_child(step, None, {f"module.{k}": v for k, v in planned.items()}, tp,
+                         _storages(module.parameters()))
+    linear_params = sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+    child = ChildProfile(name=type(module).__name__, kind=type(module).__name__, params=n_split + n_whole,
+                         tp_params=n_split, saved_bytes=t.saved, input_bytes=_nbytes(batch), output_bytes=0,
+                         flops=t.flops, tp_allreduce_bytes=t.reduced, linear_flops=t.linear_flops,
+                         tp_linear_flops=t.tp_linear_flops, linear_params=linear_params,
+                         op_kept_bytes=t.op_kept, op_recompute_flops=t.op_recompute,
+                         op_recompute_matmul_flops=t.op_recompute_matmul,
+                         fsdp_unit_params=max([root, *blocks]))
+    example = batch[0]
+    seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
+    first = next(module.parameters(), None)
+    return ModelProfile(tp=tp, children=(child,), seq_len=seq_len,
+                        param_bytes=first.element_size() if first is not None else 4, whole=why)
+
+
+class _TrainingStep(nn.Module):
+    """The module's ``training_step`` as a forward, for the trace: a dict's ``loss`` or the tensor."""
+
+    def __init__(self, module: nn.Module, batch: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.module, self.batch = module, batch
+
+    def forward(self, _: Any) -> torch.Tensor:
+        out = self.module.training_step(self.batch, 0)
+        return out["loss"] if isinstance(out, dict) else out
 
 
 class _Fn(nn.Module):

@@ -46,10 +46,16 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _rejection(lay: Layout, hw: Hardware, train: Training, n_children: int) -> str | None:
-    """Why ``lay`` cannot run at all (before any estimate), or None."""
+def _rejection(lay: Layout, hw: Hardware, train: Training, n_children: int, whole: str | None) -> str | None:
+    """Why ``lay`` cannot run at all (before any estimate), or None. ``whole``: why the model was profiled
+    whole (no Sequential to cut), which rules out a pipeline."""
     if lay.tp > hw.devices_per_node or hw.devices_per_node % lay.tp:
         return f"tp={lay.tp} crosses the node boundary ({hw.devices_per_node} devices per node)"
+    if whole is not None and lay.pp > 1:
+        return whole
+    if whole is not None and lay.activation_checkpointing:
+        return ("activation checkpointing is costed per child of an nn.Sequential, and this model is profiled "
+                "whole: pin the degrees and trainer.activation_checkpointing to run it without the planner")
     v = train.stages_per_rank if lay.pp > 1 else 1
     if lay.pp * v > n_children:
         stages = f"pp={lay.pp}" + (f" x {v} stages per rank" if v > 1 else "")
@@ -112,10 +118,11 @@ def rank(hw: Hardware, train: Training, profile_at: Callable[[int], ModelProfile
     plan = Plan()
     profiles: dict[int, ModelProfile | str] = {1: profile_at(1)}
     n_children = len(profiles[1].children)  # type: ignore[union-attr]
+    whole = profiles[1].whole  # type: ignore[union-attr]
     usable = int(hw.memory_bytes * hw.usable_memory)
     for lay in candidates(hw, train, pinned):
         prof = profiles.get(lay.tp)
-        reason = _rejection(lay, hw, train, n_children)
+        reason = _rejection(lay, hw, train, n_children, whole)
         if reason is None and prof is None:
             try:
                 prof = profiles[lay.tp] = profile_at(lay.tp)
