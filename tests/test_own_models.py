@@ -30,6 +30,7 @@ from polytrain.parallel.tensor_parallel import module_plan
 
 GLOBAL_BATCH, SAMPLES, STEPS, STOP_AT = 4, 8, 4, 2  # two steps an epoch, two epochs
 VOCAB, TOKENS, CLASSES = 64, 9, 10
+POSITIONS = 256  # room for the longer sequences tests/test_planner_measured.py measures
 IMAGE = {"resnet50": 64, "vit_b_16": 32}  # ResNet-50's last BatchNorms see 2x2 pixels, not one
 LANGUAGE_MODELS = ("gpt2", "llama")
 
@@ -38,13 +39,13 @@ def build_model(kind: str) -> nn.Module:
     """The model as its library builds it, from a fixed seed; no dropout, so every run is one function."""
     torch.manual_seed(0)
     if kind == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=POSITIONS, n_embd=32, n_layer=2, n_head=2,
                                          bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return transformers.GPT2LMHeadModel(config)
     if kind == "llama":
         config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                          max_position_embeddings=16)
+                                          max_position_embeddings=POSITIONS)
         return transformers.LlamaForCausalLM(config)
     if kind == "resnet50":
         # ResNet-50 at initialisation, on a few random images, amplifies rounding: float32 alone moves its
