@@ -14,6 +14,7 @@ import torch
 
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.planner import PRESETS, Training, format_table, hardware, parse_bytes, plan_module
+from polytrain.parallel.planner.profile import ATTENTION_KERNELS
 from polytrain.parallel.planner.search import describe_time
 from polytrain.trainer.config import instantiate, load_config
 from polytrain.trainer.planned import as_built, first_batch, optimizer_kind, schedule_settings
@@ -35,9 +36,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--inter-node-gbps", type=float, default=None, help="GB/s per device between nodes")
     p.add_argument("--global-batch", type=int, default=None,
                    help="samples per step (default: the dataloader's batch x the config's data-parallel size)")
-    p.add_argument("--attention", choices=("flash", "math"), default="flash",
-                   help="SDPA kernel whose saved tensors count (default: flash, the kernel torch runs on CUDA in "
-                        "bf16 and on CPU; math: the s x s matrix, e.g. for a model passing attn_mask)")
+    p.add_argument("--attention", choices=ATTENTION_KERNELS, default=None,
+                   help="SDPA kernel whose saved tensors count (default: what torch runs on the hardware: flash on "
+                        "a GPU; cpu on cpu, which is flash but math under dropout; math: the s x s matrix, e.g. "
+                        "for a model passing attn_mask)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
 
@@ -75,7 +77,7 @@ def run_plan(args: argparse.Namespace) -> int:
     options = trainer.get("strategy") if isinstance(trainer.get("strategy"), dict) else {}
     train = Training(global_batch=global_batch, precision=precision, optimizer=optimizer,
                      **schedule_settings(options))
-    attention = args.attention
+    attention = args.attention or ("cpu" if preset == "cpu" else "flash")
     plan = plan_module(module, x[:1], hw, train, target=None if y is None else y[:1], attention=attention)
     optimizer_said = f"{train.optimizer} (assumed: {assumed})" if assumed else train.optimizer
     print(f"plan for {type(module).__name__} ({sum(p.numel() for p in module.parameters()):,} parameters) on "

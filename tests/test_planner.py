@@ -276,7 +276,7 @@ def test_plan_cli_prints_the_ranked_table() -> None:
     assert "sets of degrees fit" in out.stdout and "best:" in out.stdout
     assert "layers of the Sequential" in out.stdout  # pp beyond the children, with its reason
     assert "1F1B: 1 micro-batches are fewer than the pp=2 stages" in out.stdout  # torch's Schedule1F1B refuses it
-    assert "attention flash" in out.stdout  # the kernel torch runs on CPU too, the default
+    assert "attention cpu" in out.stdout  # torch's pick on CPU (flash, math under dropout), the default
     assert "pipeline schedule 1f1b" in out.stdout  # the config's (the strategy's default)
 
 
@@ -466,3 +466,40 @@ def test_a_module_built_in_configure_model_is_planned_on_what_it_builds(tmp_path
     header = out.stdout.splitlines()[0]
     assert "plan for BuiltLate (340 parameters)" in header and "optimizer sgd," in header, header
     assert "best:" in out.stdout
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.qkv, self.dropout = torch.nn.Linear(32, 96), dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.view(*x.shape[:2], 4, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+        return out.transpose(1, 2).reshape(x.shape)
+
+
+class _AttentionModule(torch.nn.Module):
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(_Attention(dropout))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_cpu_kernel_is_flash_without_dropout_and_math_with_it(dropout: float) -> None:
+    """On CPU torch runs SDPA's flash kernel, but its math kernel under dropout (the s x s scores, their
+    softmax and the dropout mask are saved): the ``cpu`` trace counts what a real CPU step saves."""
+    from polytrain.parallel.planner.profile import _SavedCounter
+
+    torch.manual_seed(0)
+    module, batch = _AttentionModule(dropout), 4
+    x = torch.randn(batch, 128, 32)
+    counter = _SavedCounter({p.untyped_storage()._cdata for p in module.parameters()})
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+        module.net(x).sum()
+    measured = counter.total - x.numel() * 4  # the input: held by the batch anyway, counted apart
+    predicted = {kind: batch * profiler(module, x[:1], attention=kind)(1).children[0].saved_bytes - x.numel() * 4
+                 for kind in ("cpu", "flash")}
+    assert predicted["cpu"] == pytest.approx(measured, rel=0.05), (predicted, measured)  # meta: +4 % under dropout
+    if dropout:  # the flash trace would miss the s x s matrices
+        assert predicted["flash"] < 0.5 * measured

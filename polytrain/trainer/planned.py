@@ -132,8 +132,10 @@ def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamod
     built = as_built(module)
     training = Training(global_batch=global_batch, precision=precision, optimizer=optimizer_kind(built)[0],
                         **schedule_settings(spec))
-    # flash: the SDPA kernel torch runs on CUDA (bf16) and on CPU (fp32 too); math would count its s x s matrix
-    profile_at = profiler(built, x[:1], None if y is None else y[:1], "flash", spec.get("sequential"))
+    # The SDPA kernel torch will run: flash on CUDA; on CPU flash too (fp32 included), but math (its s x s
+    # matrices) under dropout
+    attention = "flash" if on_cuda else "cpu"
+    profile_at = profiler(built, x[:1], None if y is None else y[:1], attention, spec.get("sequential"))
     plan = rank(hw, training, profile_at, pinned)
     best, lay = plan.best, plan.best.layout  # raises, with the first rejections, when nothing fits
     chosen: dict[str, Any] = {"world_size": world, **{k: getattr(lay, k) for k in DEGREES}}

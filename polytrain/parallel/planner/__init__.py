@@ -31,7 +31,8 @@ def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | No
 
     A module not on meta is profiled through a meta copy of its Sequential. ``example`` is one sample of the Sequential's input (batch dimension 1, any device: it is moved to
     meta); ``target`` one sample of the targets for ``module.pipeline_loss``, when the module has one.
-    ``attention``: ``flash`` (torch's kernel for SDPA on CUDA in bf16 and on CPU, fp32 included) or ``math``.
+    ``attention``: ``flash`` (torch's kernel for SDPA on CUDA in bf16), ``cpu`` (torch's pick on CPU: flash,
+    fp32 included, but math under dropout) or ``math``.
     """
     hook = getattr(module, "tensor_parallel_plan", None)
     if callable(hook):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -288,13 +289,30 @@ def _flash_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: An
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
 
 
+ATTENTION_KERNELS = ("flash", "math", "cpu")
+
+
+def _cpu_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
+              is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+              math_kernel: Callable[..., torch.Tensor] = F.scaled_dot_product_attention) -> torch.Tensor:
+    """Torch's pick on CPU: the flash kernel, but the math kernel (the ``s x s`` matrices, the dropout mask)
+    under dropout, which the CPU flash kernel does not take. (On CUDA flash takes dropout too.)"""
+    if dropout_p > 0:
+        return math_kernel(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+    return _flash_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
 @contextlib.contextmanager
 def _attention_kernel(kind: str) -> Iterator[None]:
-    if kind not in ("flash", "math"):
-        raise ConfigError(f"attention kernel '{kind}' is not one of: flash (torch's pick on CUDA and CPU), math")
+    if kind not in ATTENTION_KERNELS:
+        raise ConfigError(f"attention kernel '{kind}' is not one of: flash (torch's pick on CUDA, and on CPU "
+                          f"without dropout), math, cpu (torch's pick on CPU: math under dropout)")
     original = F.scaled_dot_product_attention
     if kind == "flash":
         F.scaled_dot_product_attention = _flash_sdpa
+    elif kind == "cpu":
+        F.scaled_dot_product_attention = functools.partial(_cpu_sdpa, math_kernel=original)
     try:
         yield
     finally:
