@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.multiprocessing import ProcessRaisedException
 
 from polytrain.checkpoint.consolidate import consolidate
-from polytrain.core.errors import ConfigError
+from polytrain.core.errors import ConfigError, RankFailedError
 from polytrain.core.rng import seed_all
 from polytrain.plan_cli import run_plan
 from polytrain.strategies.launcher import launch_elastic, launch_spawn, plan_launch
@@ -73,11 +73,20 @@ def _consolidate(source: str, output: str) -> int:
 
 
 def root_cause(err: ChildFailedError) -> str:
-    """``rank R: Type: message`` of the first worker that failed (its error file's first line)."""
-    rank, failure = err.get_first_failure()
-    message = failure.message
-    text = str(message.get("message", "") if isinstance(message, dict) else message).strip()
-    return f"rank {rank}: {text.splitlines()[0] if text else f'exit code {failure.exitcode}'}"
+    """``rank R: Type: message`` of the worker whose own error ended the job (its error file's first line).
+
+    A rank that stops because another raised says so with a ``RankFailedError``, and may record it in the
+    same second as the rank that raised (error files carry whole seconds), or before it: those echoes are
+    passed over for the failure they echo. Ties go to the lowest rank."""
+    def first_line(failure: Any) -> str:
+        message = failure.message
+        text = str(message.get("message", "") if isinstance(message, dict) else message).strip()
+        return text.splitlines()[0] if text else f"exit code {failure.exitcode}"
+
+    in_order = sorted(err.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    own = [(rank, f) for rank, f in in_order if not first_line(f).startswith(f"{RankFailedError.__name__}:")]
+    rank, failure = (own or in_order)[0]
+    return f"rank {rank}: {first_line(failure)}"
 
 
 def run(args: argparse.Namespace) -> int:

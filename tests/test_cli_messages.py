@@ -138,3 +138,26 @@ def test_a_typo_in_the_config_answers_in_one_line_before_torch_loads(override: s
     assert len(said) == 1 and said[0].startswith(f"polytrain: config error: {message}"), said
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
     assert "yaml.loader" in imported and "torch" not in imported and "polytrain.commands" not in imported
+
+
+def test_the_root_cause_is_the_rank_that_raised_not_a_rank_that_stopped_for_it(tmp_path: Path) -> None:
+    """Error files carry whole seconds: the rank stopping because rank 0 raised (RankFailedError) can record
+    its error in the same second as rank 0, or earlier. The job's last line names rank 0's own error."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from polytrain.commands import root_cause
+
+    def failure(rank: int, message: str, timestamp: int) -> ProcessFailure:
+        made = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=1, error_file=str(tmp_path / "none"))
+        made.message, made.timestamp = {"message": message}, timestamp
+        return made
+
+    echo = "RankFailedError: prepare_data raised on rank 0, so every rank stops (this is rank 1). Rank 0's error:"
+    cause = "RuntimeError: module.data_root=/x: CIFAR-10 is not there\nTraceback ..."
+    for echo_time in (5, 6, 7):  # before, with and after the rank that raised
+        err = ChildFailedError("fit", {1: failure(1, echo, echo_time), 0: failure(0, cause, 6)})
+        assert root_cause(err) == "rank 0: RuntimeError: module.data_root=/x: CIFAR-10 is not there"
+    only_echoes = ChildFailedError("fit", {1: failure(1, echo, 6), 0: failure(0, echo.replace("1)", "0)"), 6)})
+    assert root_cause(only_echoes).startswith("rank 0: RankFailedError")
+    killed = ChildFailedError("fit", {0: failure(0, "", 6)})
+    assert root_cause(killed) == "rank 0: exit code 1"
