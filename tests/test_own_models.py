@@ -1,8 +1,9 @@
 """Models nobody here wrote, held by a ``TrainModule`` as one attribute and left unchanged: Hugging
 Face's GPT-2 (its head tied to its embedding) and Llama (grouped-query attention), torchvision's
 ResNet-50 (BatchNorm everywhere) and ViT-B/16 (small images). Two gloo ranks train each under ddp
-and fsdp equal to a plain PyTorch loop on the same global batch, and a run stopped at its checkpoint
-and resumed ends on the same weights.
+and fsdp equal to a plain PyTorch loop on the same global batch, and a run resumed from its
+checkpoint ends on the same weights; Llama also under its own tensor-parallel plan, alone and under
+FSDP. The planner plans each of them, and the top three layouts it ranks for Llama train.
 
 The configurations are small and built here (nothing is downloaded); the torchvision models keep
 their published sizes (25.6M and 86.6M parameters), only the images are small.
@@ -10,7 +11,6 @@ their published sizes (25.6M and 86.6M parameters), only the images are small.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -113,16 +113,20 @@ def test_fsdp_units_are_each_models_repeated_blocks(kind: str, units: list[str])
     assert [names[id(block)] for block in blocks_to_wrap(model, None)] == units
 
 
-def reference(kind: str) -> dict[str, torch.Tensor]:
-    """A plain PyTorch loop on the global batch."""
+def reference(kind: str) -> dict[int, dict[str, torch.Tensor]]:
+    """A plain PyTorch loop on the global batch: its weights after ``STOP_AT`` and after ``STEPS`` steps."""
     model = build_model(kind)
     optimizer = optimizer_for(model.parameters())
+    snapshots, step = {}, 0
     for _ in range(STEPS * GLOBAL_BATCH // SAMPLES):
         for batch in DataLoader(dataset(kind), batch_size=GLOBAL_BATCH):
             optimizer.zero_grad()
             loss_of(model, kind, batch).backward()
             optimizer.step()
-    return {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+            step += 1
+            if step in (STOP_AT, STEPS):
+                snapshots[step] = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    return snapshots
 
 
 def _fit(kind: str, strategy: Any, world_size: int, run_dir: str, max_steps: int,
@@ -146,11 +150,11 @@ def _split_over_tp(param: torch.Tensor) -> bool:
 
 
 def _train_and_resume(rank: int, world_size: int, kind: str, strategy: Any, root: str) -> dict[str, Any]:
-    straight = _fit(kind, strategy, world_size, os.path.join(root, "straight"), STEPS)
-    stopped = os.path.join(root, "stopped")
-    _fit(kind, strategy, world_size, stopped, STOP_AT, save=True)  # its fit-end checkpoint is `last`
-    resumed = _fit(kind, strategy, world_size, stopped, STEPS, ckpt_path="last")
-    return {"straight": straight, "resumed": resumed}
+    """Train ``STOP_AT`` steps (their fit-end checkpoint is ``last``), then resume from it to ``STEPS``: the
+    first fit shows the strategy equal to one process, the second that it goes on exactly."""
+    stopped = _fit(kind, strategy, world_size, root, STOP_AT, save=True)
+    resumed = _fit(kind, strategy, world_size, root, STEPS, ckpt_path="last")
+    return {"stopped": stopped, "resumed": resumed}
 
 
 def _strategy(kind: str, name: str) -> Any:
@@ -161,13 +165,13 @@ def _strategy(kind: str, name: str) -> Any:
 def _check_against_reference(kind: str, what: str, out: list[dict[str, Any]]) -> None:
     want = reference(kind)
     for rank, result in enumerate(out):
-        assert result["straight"]["steps_run"] == STEPS
+        assert result["stopped"]["steps_run"] == STOP_AT
         assert result["resumed"]["steps_run"] == STEPS - STOP_AT  # it went on from the checkpoint
-        if rank > 0 and not result["straight"]["weights"]:
+        if rank > 0 and not result["stopped"]["weights"]:
             continue  # a sharded strategy gathers the full state on rank 0 only
-        _assert_equal(result["straight"]["weights"], want, f"{what} rank {rank}")
-        _assert_equal(result["resumed"]["weights"], want, f"{what} rank {rank}, resumed at step {STOP_AT}")
-    assert out[0]["straight"]["weights"]
+        _assert_equal(result["stopped"]["weights"], want[STOP_AT], f"{what} rank {rank}")
+        _assert_equal(result["resumed"]["weights"], want[STEPS], f"{what} rank {rank}, resumed at step {STOP_AT}")
+    assert out[0]["stopped"]["weights"]
 
 
 def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
@@ -199,7 +203,7 @@ def test_llama_trains_with_its_own_tensor_parallel_plan_equal_to_one_process(
     projections = [f"model.model.layers.{i}.{part}.weight" for i in range(2) for part in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
-    assert out[0]["straight"]["split_over_tp"] == sorted(
+    assert out[0]["resumed"]["split_over_tp"] == sorted(
         ["model.lm_head.weight", "model.model.embed_tokens.weight", *projections])
 
 
@@ -267,7 +271,7 @@ def _train_layout(rank: int, world_size: int, degrees: dict[str, int], root: str
 @pytest.mark.timeout(600)
 def test_the_top_three_layouts_the_planner_ranks_for_llama_train_equal_to_one_process(tmp_path: Any) -> None:
     _, plan = _plan("llama")
-    want = reference("llama")
+    want = reference("llama")[STEPS]
     for estimate in plan.ranked[:3]:
         lay = estimate.layout
         degrees = {k: getattr(lay, k) for k in ("dp_replicate", "dp_shard", "tp") if getattr(lay, k) > 1}

@@ -17,6 +17,7 @@ from polytrain.core.errors import ConfigError
 from polytrain.core.nodes import is_elastic_range
 from polytrain.parallel.activation_checkpointing import resolve_checkpointing
 from polytrain.parallel.compile import resolve_compile
+from polytrain.parallel.float8 import resolve_float8
 from polytrain.strategies.registry import normalize_strategy, validate_strategy_spec
 from polytrain.trainer.config_file import (
     ACCELERATORS,
@@ -51,6 +52,7 @@ def validate_trainer_config(data: dict[str, Any]) -> TrainerConfig:
         check_profiler_options(cfg.profiler)  # the names and each profiler's options (trainer/profiler.py)
     resolve_compile(cfg.compile)
     resolve_checkpointing(cfg.activation_checkpointing)
+    resolve_float8(cfg.float8)
     cfg.strategy = validate_strategy_spec(normalize_strategy(cfg.strategy), cfg.accelerator)
     return cfg
 

@@ -81,6 +81,9 @@ class TrainerConfig:
     compile: Any = False
     # true, block class name(s), or {modules: [Block], every: 1, mode: full/op}
     activation_checkpointing: Any = False
+    # true, or {recipe: tensorwise/rowwise/rowwise_with_gw_hp, filter_fqns: [...], convert_head: false}:
+    # torchao's float8 Linear layers (docs/precision.md)
+    float8: Any = False
     launcher: str = "auto"
     max_restarts: int = 0
     timeout: float = 1800.0  # seconds a collective may wait before the job is ended

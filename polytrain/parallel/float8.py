@@ -1,0 +1,102 @@
+"""Float8 training (torchao) as plain functions: which ``nn.Linear`` layers convert, and converting them.
+
+``trainer.float8: true`` (or a mapping, torchtitan's vocabulary) swaps the chosen ``nn.Linear`` layers
+for torchao's ``Float8Linear``: its matmuls cast inputs, weights and output gradients to float8 with a
+dynamic scale (the amax of each tensor, per tensor or per row by recipe) and keep the weights, their
+gradients and the optimizer in the model's own dtype. Converted:
+
+- every ``nn.Linear`` whose ``in_features`` and ``out_features`` are multiples of 16 (what float8
+  matmuls take); the others are skipped, and the log says which;
+- not the output head (the model's last ``nn.Linear``, the logits: torchtitan leaves it in high
+  precision too) unless ``convert_head: true``; not a layer whose name contains one of ``filter_fqns``.
+
+The conversion runs once, on the module as ``configure_model`` left it, before the strategy applies
+anything (the order is float8 -> TP -> activation checkpointing -> compile -> FSDP, as torchtitan's).
+A converted layer keeps ``weight`` and ``bias`` under their names, so checkpoints load into a run with
+float8 off, and back.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from polytrain.core.errors import ConfigError
+
+log = logging.getLogger("polytrain")
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+KEYS = ("recipe", "filter_fqns", "convert_head")
+MULTIPLE = 16  # float8 matmuls take dimensions divisible by 16
+EXTRA = "pip install 'polytrain[float8]' (torchao)"
+
+
+def resolve_float8(spec: Any, key: str = "trainer.float8") -> dict[str, Any] | None:
+    """The config value as ``{recipe, filter_fqns, convert_head}``, or None when off."""
+    if spec is None or spec is False:
+        return None
+    if spec is True:
+        spec = {}
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{key}={spec!r} is not valid; use true, false, or a mapping such as "
+                          f"{{recipe: tensorwise, filter_fqns: [lm_head]}}")
+    unknown = sorted(set(spec) - set(KEYS))
+    if unknown:
+        raise ConfigError(f"{key} has unknown key(s) {unknown}; valid: {', '.join(KEYS)}")
+    recipe = spec.get("recipe", "tensorwise")
+    if recipe not in RECIPES:
+        raise ConfigError(f"{key}.recipe={recipe!r} is not one of torchao's recipes: {', '.join(RECIPES)}")
+    fqns = spec.get("filter_fqns", [])
+    if isinstance(fqns, str):
+        fqns = [fqns]
+    if not isinstance(fqns, (list, tuple)) or not all(isinstance(f, str) for f in fqns):
+        raise ConfigError(f"{key}.filter_fqns={spec.get('filter_fqns')!r} must be a list of name fragments "
+                          f"(a Linear whose name contains one stays in high precision)")
+    head = spec.get("convert_head", False)
+    if not isinstance(head, bool):
+        raise ConfigError(f"{key}.convert_head={head!r} must be true or false")
+    return {"recipe": recipe, "filter_fqns": list(fqns), "convert_head": head}
+
+
+def linears_to_convert(module: nn.Module, options: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """(names of the Linear layers that convert, {name: why not} for the Linear layers that do not)."""
+    linears = [(name, m) for name, m in module.named_modules() if type(m) is nn.Linear]
+    head = linears[-1][0] if linears and not options["convert_head"] else None
+    chosen, skipped = [], {}
+    for name, linear in linears:
+        fragment = next((f for f in options["filter_fqns"] if f in name), None)
+        if name == head:
+            skipped[name] = "the output head (convert_head: true converts it)"
+        elif fragment is not None:
+            skipped[name] = f"filter_fqns names '{fragment}'"
+        elif linear.in_features % MULTIPLE or linear.out_features % MULTIPLE:
+            skipped[name] = (f"{linear.in_features} x {linear.out_features} features: float8 matmuls take "
+                             f"multiples of {MULTIPLE}")
+        else:
+            chosen.append(name)
+    return chosen, skipped
+
+
+def convert_to_float8(module: nn.Module, options: dict[str, Any]) -> list[str]:
+    """Swap the chosen Linear layers of ``module`` for torchao's ``Float8Linear`` (in place); returns their
+    names. Layers converted already stay as they are, so a second stage converts nothing new."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as err:
+        raise ConfigError(f"trainer.float8 needs torchao, which is not installed ({err}): {EXTRA}") from None
+    chosen, skipped = linears_to_convert(module, options)
+    if not chosen:
+        return []
+    wanted = set(chosen)
+    config = Float8LinearConfig.from_recipe_name(options["recipe"])
+    convert_to_float8_training(module, config=config, module_filter_fn=lambda _m, name: name in wanted)
+    log.info("float8 (%s): %d Linear layers converted; kept in high precision: %s", options["recipe"],
+             len(chosen), "; ".join(f"{n} ({why})" for n, why in skipped.items()) or "none")
+    return chosen
+
+
+def has_float8(module: nn.Module) -> bool:
+    """Whether ``module`` holds a converted layer (checked by class name: torchao is optional)."""
+    return any(type(m).__name__ == "Float8Linear" for m in module.modules())

@@ -1,0 +1,191 @@
+"""``trainer.float8``: torchao's float8 Linear layers (forward and backward run on CPU too).
+
+Float8's dynamic scales are each tensor's amax, so a rank's casts depend on the batch it sees: the
+reference is a plain PyTorch loop over the same micro-batches each rank sees (the sampler's
+``rank::world`` split), their mean loss per step. Scales are powers of two, so scaling a loss by 1/2
+scales its float8 gradients exactly: the strategies then equal that loop up to summation order.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import DistributedRunError, run_distributed
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from polytrain import Trainer, TrainModule
+from polytrain.core.errors import ConfigError
+from polytrain.parallel.float8 import linears_to_convert, resolve_float8
+
+SAMPLES, PER_RANK, STEPS, STOP_AT = 16, 2, 4, 2
+FEATURES, CLASSES = 32, 10
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(5)
+    return TensorDataset(torch.randn(SAMPLES, FEATURES, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g))
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    # net.0 and net.2 convert; net.4 is the head (kept); net.6 has 20 features (not a multiple of 16)
+    return nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(),
+                         nn.Linear(32, 20), nn.ReLU(), nn.Linear(20, CLASSES))
+
+
+class Float8Net(TrainModule):
+    def __init__(self, batch_size: int) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.net = _net()
+        self.steps_run = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.steps_run += 1
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_data(), batch_size=self.batch_size)
+
+
+def test_which_linears_convert_and_why_the_others_do_not() -> None:
+    module = Float8Net(PER_RANK)
+    chosen, skipped = linears_to_convert(module, resolve_float8(True))
+    assert chosen == ["net.0", "net.2"]
+    assert skipped == {"net.4": "32 x 20 features: float8 matmuls take multiples of 16",
+                       "net.6": "the output head (convert_head: true converts it)"}
+    chosen, skipped = linears_to_convert(module, resolve_float8({"filter_fqns": ["net.2"], "convert_head": True}))
+    assert chosen == ["net.0"] and skipped["net.2"] == "filter_fqns names 'net.2'"
+    assert "multiples of 16" in skipped["net.6"]  # the head converts when asked, if its shape allows
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"recipe": "rowwize"}, "not one of torchao's recipes: tensorwise, rowwise, rowwise_with_gw_hp"),
+    ({"recipes": "rowwise"}, "unknown key(s) ['recipes']; valid: recipe, filter_fqns, convert_head"),
+    ("yes", "use true, false, or a mapping"),
+])
+def test_a_bad_float8_setting_names_the_valid_ones(spec: Any, words: str) -> None:
+    with pytest.raises(ConfigError, match=None) as info:
+        Trainer(float8=spec, accelerator="cpu", logger=False)
+    assert words in str(info.value)
+
+
+def test_without_torchao_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import fails as if torchao were not installed
+    trainer = Trainer(float8=True, accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, run_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"trainer.float8 needs torchao.*pip install 'polytrain\[float8\]'"):
+        trainer.fit(Float8Net(PER_RANK))
+
+
+def reference(world: int) -> dict[int, dict[str, torch.Tensor]]:
+    """A plain loop converting the same layers with torchao: each step, every rank's micro-batch (the
+    sampler gives rank r the samples r, r + world, ...), the mean of their losses."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    net = _net()
+    convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                               module_filter_fn=lambda _m, name: name in ("0", "2"))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x, y = _data().tensors
+    shares = [list(range(r, SAMPLES, world)) for r in range(world)]
+    per_epoch = len(shares[0]) // PER_RANK
+    snapshots = {}
+    for step in range(1, STEPS + 1):
+        k = (step - 1) % per_epoch
+        optimizer.zero_grad()
+        losses = [F.cross_entropy(net(x[s[k * PER_RANK:(k + 1) * PER_RANK]]), y[s[k * PER_RANK:(k + 1) * PER_RANK]])
+                  for s in shares]
+        (sum(losses) / world).backward()
+        optimizer.step()
+        if step in (STOP_AT, STEPS):
+            snapshots[step] = {f"net.{k}": v.detach().clone() for k, v in net.state_dict().items()}
+    return snapshots
+
+
+def _fit(strategy: Any, world: int, run_dir: str, max_steps: int, ckpt_path: str | None = None,
+         float8: Any = True) -> dict[str, Any]:
+    module = Float8Net(PER_RANK)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=world, float8=float8, max_steps=max_steps,
+                      run_dir=run_dir, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=max_steps == STOP_AT, num_sanity_val_steps=0, timeout=60)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    kinds = sorted({f"{name}:{_kind(m)}" for name, m in module.net.named_children() if isinstance(m, nn.Linear)})
+    state = trainer.strategy.module_state_dict()
+    return {"weights": {k: v.detach().clone() for k, v in state.items()}, "steps_run": module.steps_run,
+            "layers": kinds}
+
+
+def _kind(linear: nn.Module) -> str:
+    """Float8Linear or Linear, whatever class FSDP wrapped it in."""
+    return "Float8Linear" if any(c.__name__ == "Float8Linear" for c in type(linear).__mro__) else "Linear"
+
+
+def _stop_and_resume(rank: int, world: int, strategy: str, root: str) -> dict[str, Any]:
+    return {"stopped": _fit(strategy, world, root, STOP_AT),
+            "resumed": _fit(strategy, world, root, STEPS, ckpt_path="last")}
+
+
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=f"{what}: {key}")
+
+
+LAYERS = ["0:Float8Linear", "2:Float8Linear", "4:Linear", "6:Linear"]
+
+
+def test_one_process_in_float8_equals_the_plain_loop_and_resumes_exactly(tmp_path: Any) -> None:
+    want = reference(1)
+    out = _stop_and_resume(0, 1, "single", str(tmp_path))
+    assert out["stopped"]["layers"] == LAYERS
+    assert out["resumed"]["steps_run"] == STEPS - STOP_AT
+    _assert_close(out["stopped"]["weights"], want[STOP_AT], "single")
+    _assert_close(out["resumed"]["weights"], want[STEPS], "single, resumed")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_in_float8_equal_the_plain_loop_and_resume_exactly(strategy: str, tmp_path: Any) -> None:
+    want = reference(2)
+    out = run_distributed(_stop_and_resume, 2, strategy, str(tmp_path), timeout=200)
+    assert out[0]["stopped"]["layers"] == LAYERS
+    assert all(r["resumed"]["steps_run"] == STEPS - STOP_AT for r in out)
+    _assert_close(out[0]["stopped"]["weights"], want[STOP_AT], strategy)
+    _assert_close(out[0]["resumed"]["weights"], want[STEPS], f"{strategy}, resumed")
+
+
+def test_a_float8_checkpoint_loads_with_float8_off_and_back(tmp_path: Any) -> None:
+    """The converted layers keep weight and bias under their names: the checkpoint of a float8 run resumes
+    in a run without float8 (which then trains nn.Linear), and a run without float8 resumes in float8."""
+    float8_run, plain_run = str(tmp_path / "f8"), str(tmp_path / "plain")
+    stopped = _fit("single", 1, float8_run, STOP_AT)
+    plain = _fit("single", 1, float8_run, STOP_AT + 1, ckpt_path="last", float8=False)
+    assert plain["layers"] == ["0:Linear", "2:Linear", "4:Linear", "6:Linear"] and plain["steps_run"] == 1
+    _fit("single", 1, plain_run, STOP_AT, float8=False)
+    back = _fit("single", 1, plain_run, STOP_AT + 1, ckpt_path="last")
+    assert back["layers"] == LAYERS and back["steps_run"] == 1
+    loaded = Float8Net(PER_RANK)
+    loaded.load_state_dict({k: v for k, v in stopped["weights"].items()})  # strict: the same keys
+    _assert_close({f"{k}": v for k, v in loaded.state_dict().items()}, stopped["weights"], "float8 -> plain module")
+
+
+def _tensor_parallel(rank: int, world: int, root: str) -> None:
+    _fit({"name": "parallel", "tp": 2}, world, root, STEPS)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_tensor_parallel_with_float8_is_refused_in_words(tmp_path: Any) -> None:
+    with pytest.raises(DistributedRunError, match="trainer.float8 with tensor parallelism"):
+        run_distributed(_tensor_parallel, 2, str(tmp_path), timeout=100)
