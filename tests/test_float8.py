@@ -189,3 +189,29 @@ def _tensor_parallel(rank: int, world: int, root: str) -> None:
 def test_tensor_parallel_with_float8_is_refused_in_words(tmp_path: Any) -> None:
     with pytest.raises(DistributedRunError, match="trainer.float8 with tensor parallelism"):
         run_distributed(_tensor_parallel, 2, str(tmp_path), timeout=100)
+
+
+@pytest.mark.timeout(300)
+def test_float8_composes_with_bf16_mixed_and_compile(tmp_path: Any) -> None:
+    """Under autocast and torch.compile the converted layers still run float8 and the loss stays close to
+    the same run without float8 (float8's e4m3 keeps 3 mantissa bits: a few per cent apart)."""
+    losses = {}
+    for float8 in (True, False):
+        module = Float8Net(4)
+        seen: list[float] = []
+        original = module.training_step
+
+        def step(batch: Any, batch_idx: int, original: Any = original, seen: list[float] = seen) -> torch.Tensor:
+            loss = original(batch, batch_idx)
+            seen.append(loss.item())
+            return loss
+
+        module.training_step = step  # type: ignore[method-assign]
+        trainer = Trainer(strategy="single", accelerator="cpu", precision="bf16-mixed", compile=True, float8=float8,
+                          max_steps=3, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                          enable_model_summary=False, run_dir=str(tmp_path / str(float8)))
+        trainer.fit(module)
+        assert _kind(module.net[0]) == ("Float8Linear" if float8 else "Linear") and len(seen) == 3
+        losses[float8] = seen
+    assert all(torch.isfinite(torch.tensor(v)).all() for v in losses.values())
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=0.1, atol=0)
