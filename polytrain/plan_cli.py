@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from polytrain.core.errors import ConfigError
+from polytrain.parallel.float8 import resolve_float8
 from polytrain.parallel.planner import PRESETS, Training, format_table, hardware, parse_bytes, plan_module
 from polytrain.parallel.planner.profile import ATTENTION_KERNELS
 from polytrain.parallel.planner.search import describe_time
@@ -42,6 +43,12 @@ def add_parser(sub: Any) -> None:
                         "for a model passing attn_mask)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
+
+
+def float8_note(asked: bool, costed: bool, preset: str) -> str:
+    if costed:
+        return ", float8 linears"
+    return f", float8 not costed ({preset} has no fp8 peak)" if asked else ""
 
 
 def _config_dp(trainer: dict[str, Any], world: int) -> int:
@@ -75,15 +82,18 @@ def run_plan(args: argparse.Namespace) -> int:
     global_batch = args.global_batch or x.shape[0] * _config_dp(trainer, world)
     precision = str(trainer.get("precision", "32"))
     options = trainer.get("strategy") if isinstance(trainer.get("strategy"), dict) else {}
+    # float8 is costed when the config turns it on and the hardware has an fp8 peak (on CPU it is emulated)
+    float8 = resolve_float8(trainer.get("float8")) is not None
     train = Training(global_batch=global_batch, precision=precision, optimizer=optimizer,
-                     **schedule_settings(options))
+                     float8=float8 and bool(hw.fp8_peak_flops), float8_tp=False, **schedule_settings(options))
     attention = args.attention or ("cpu" if preset == "cpu" else "flash")
     plan = plan_module(module, x[:1], hw, train, target=None if y is None else y[:1], attention=attention)
     optimizer_said = f"{train.optimizer} (assumed: {assumed})" if assumed else train.optimizer
     print(f"plan for {type(module).__name__} ({sum(p.numel() for p in module.parameters()):,} parameters) on "
           f"{hw.nodes} x {hw.devices_per_node} {preset}{chosen} ({hw.memory_bytes / 1024**3:.0f} GiB each); "
           f"global batch {global_batch}, precision {precision}, optimizer {optimizer_said}, attention "
-          f"{attention}, pipeline schedule {train.pp_schedule}")
+          f"{attention}, pipeline schedule {train.pp_schedule}"
+          f"{float8_note(float8, train.float8, preset)}")
     print(format_table(plan, top=args.top, capacity=hw.memory_bytes))
     if plan.ranked:
         print("best: " + describe_time(plan.best))

@@ -215,3 +215,28 @@ def test_float8_composes_with_bf16_mixed_and_compile(tmp_path: Any) -> None:
         losses[float8] = seen
     assert all(torch.isfinite(torch.tensor(v)).all() for v in losses.values())
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=0.1, atol=0)
+
+
+def test_the_plan_of_a_float8_config_costs_float8_where_the_hardware_has_it(tmp_path: Any) -> None:
+    """``polytrain plan`` reads trainer.float8: on h100 it costs the float8 linears and rejects tp > 1 (the
+    strategy refuses float8 with tensor parallelism); on cpu (no fp8 peak: float8 is emulated) it says so."""
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = os.path.join(root, "examples", "gpt", "config_composed.yaml")
+
+    def plan(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "polytrain", "plan", "-c", config, "--nodes", "1",
+                               "--devices-per-node", "4", "trainer.float8=true", *args], cwd=root,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+
+    on_h100 = plan("--hardware", "h100")
+    assert on_h100.splitlines()[0].endswith(", float8 linears")
+    assert "trainer.float8 with tensor parallelism (tp > 1) is not supported yet" in on_h100
+    ranked = [row.split()[1:4] for row in on_h100.split("columns:")[0].splitlines()[2:]
+              if row.split() and row.split()[0].isdigit()]
+    assert ranked and not any(part.startswith("tp") for row in ranked for part in row), ranked
+    assert plan("--hardware", "cpu").splitlines()[0].endswith(", float8 not costed (cpu has no fp8 peak)")

@@ -24,6 +24,7 @@ import torch
 from polytrain.checkpoint.reading import read_meta
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.activation_checkpointing import resolve_checkpointing
+from polytrain.parallel.float8 import resolve_float8
 from polytrain.parallel.planner import Training, hardware, profiler, rank
 from polytrain.parallel.planner.search import world_check
 from polytrain.parallel.planner.timing import SCHEDULES as PLANNED_SCHEDULES
@@ -130,7 +131,10 @@ def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamod
     global_batch = spec.get("global_batch") or x.shape[0] * max(world // other, 1)
     precision = PRECISIONS.get(str(config.precision), str(config.precision))
     built = as_built(module)
+    # float8 is costed when the config turns it on and the hardware has an fp8 peak (on CPU it is emulated)
+    float8 = resolve_float8(config.float8) is not None and bool(hw.fp8_peak_flops)
     training = Training(global_batch=global_batch, precision=precision, optimizer=optimizer_kind(built)[0],
+                        float8=float8, float8_tp=False,
                         **schedule_settings(spec))
     # The SDPA kernel torch will run: flash on CUDA; on CPU flash too (fp32 included), but math (its s x s
     # matrices) under dropout
