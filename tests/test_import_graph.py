@@ -45,8 +45,9 @@ TOP = max(LAYERS.values())  # the entry points may import each other
 TYPING_ONLY = {("polytrain.callbacks", "polytrain.trainer")}
 
 # Function-level imports in the package. Lower this when you remove one; never raise it to make
-# room for an import that only dodges a circle (restructure instead).
-LATE_IMPORT_BUDGET = 8
+# room for an import that only dodges a circle (restructure instead). An optional extra is imported
+# where it is asked for (mlflow, wandb, torchao for trainer.float8): each of those counts here.
+LATE_IMPORT_BUDGET = 9
 
 
 @dataclass(frozen=True)

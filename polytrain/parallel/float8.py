@@ -83,7 +83,7 @@ def convert_to_float8(module: nn.Module, options: dict[str, Any]) -> list[str]:
     """Swap the chosen Linear layers of ``module`` for torchao's ``Float8Linear`` (in place); returns their
     names. Layers converted already stay as they are, so a second stage converts nothing new."""
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # late: an optional extra
     except ImportError as err:
         raise ConfigError(f"trainer.float8 needs torchao, which is not installed ({err}): {EXTRA}") from None
     chosen, skipped = linears_to_convert(module, options)
