@@ -125,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
             launch_spawn(plan, run_worker, (config, args.command, ckpt))
         except ProcessRaisedException as err:  # the first failing worker's traceback; the others were stopped
             print(f"polytrain: a worker failed and the job was ended.{str(err).rstrip()}", file=sys.stderr)
-            print(f"polytrain: {args.command} failed: {str(err).rstrip().splitlines()[-1].strip()}", file=sys.stderr)
+            last = str(err).rstrip().splitlines()[-1].strip()
+            print(f"polytrain: {args.command} failed: {last}", file=sys.stderr)
             return 1
         return 0
     try:

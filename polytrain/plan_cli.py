@@ -28,8 +28,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--devices-per-node", type=int, default=8)
     p.add_argument("--hardware", choices=sorted(PRESETS), default=None,
-                   help="figures for peak FLOPs, bandwidths, latencies (docs/strategies/planner.md); default: "
-                        "cpu when the config's trainer.accelerator is cpu, else h100")
+                   help="figures for peak FLOPs, bandwidths, latencies (docs/strategies/planner.md); "
+                        "default: cpu when the config's trainer.accelerator is cpu, else h100")
     p.add_argument("--device-memory", default=None, help="per device, e.g. 80GiB (default: the preset's)")
     p.add_argument("--efficiency", type=float, default=None, help="fraction of peak FLOPs reached (MFU)")
     p.add_argument("--peak-tflops", type=float, default=None)
@@ -38,9 +38,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--global-batch", type=int, default=None,
                    help="samples per step (default: the dataloader's batch x the config's data-parallel size)")
     p.add_argument("--attention", choices=ATTENTION_KERNELS, default=None,
-                   help="SDPA kernel whose saved tensors count (default: what torch runs on the hardware: flash on "
-                        "a GPU; cpu on cpu, which is flash but math under dropout; math: the s x s matrix, e.g. "
-                        "for a model passing attn_mask)")
+                   help="SDPA kernel whose saved tensors count (default: what torch runs on the hardware: "
+                        "flash on a GPU; cpu on cpu, which is flash but math under dropout; math: the s x s "
+                        "matrix, e.g. for a model passing attn_mask)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
 

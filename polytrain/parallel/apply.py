@@ -43,7 +43,8 @@ APPLY_ORDER = ("tensor_parallel", "activation_checkpointing", "compile", "data_p
 
 @dataclass
 class FSDPSettings:
-    wrap_modules: list[str] | None = None  # class names of the FSDP units; None: the repeated blocks (fsdp.blocks_to_wrap)
+    # class names of the FSDP units; None: the repeated blocks (fsdp.blocks_to_wrap)
+    wrap_modules: list[str] | None = None
     # None: True, except under a pipeline, where PipelineStage keeps every unit gathered after its first
     # backward anyway and resharding after forward would gather it again for every micro-batch
     reshard_after_forward: bool | None = None

@@ -46,8 +46,9 @@ def module_plan(module: nn.Module) -> dict[str, Any] | None:
     library = f"; the library model it holds has no plan of its own: {held}" if held else ""
     raise TensorParallelPlanError(
         f"model_parallel mode 'tensor' needs {type(module).__name__} to say how to split its "
-        f"layers{library}: define tensor_parallel_plan(self) returning {{'submodule.name': ColwiseParallel(), ...}} or "
-        f"parallelize(self, tp_mesh) applying torch.distributed.tensor.parallel itself"
+        f"layers{library}: define tensor_parallel_plan(self) returning "
+        f"{{'submodule.name': ColwiseParallel(), ...}} or parallelize(self, tp_mesh) applying "
+        f"torch.distributed.tensor.parallel itself"
     )
 
 

@@ -232,9 +232,9 @@ class ParallelStrategy(Strategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         dims, backend = self.dims, self.backend
         if self.tensor_parallel and has_float8(module):
-            raise ConfigError("trainer.float8 with tensor parallelism (tp > 1) is not supported yet: torch's "
-                              "ColwiseParallel/RowwiseParallel do not cast to float8 (torchao's float8 styles "
-                              "would); turn float8 off, or train without tp")
+            raise ConfigError("trainer.float8 with tensor parallelism (tp > 1) is not supported yet: "
+                              "torch's ColwiseParallel/RowwiseParallel do not cast to float8 (torchao's "
+                              "float8 styles would); turn float8 off, or train without tp")
         plan = tp_fn.module_plan(module) if self.tensor_parallel else None  # read before any rendezvous
         if self.pipeline is not None:
             self.pipeline.check_module(module)

@@ -44,8 +44,9 @@ PRECISIONS = {"32-true": "32", "bf16": "bf16-mixed", "16": "16-mixed"}
 
 
 def optimizer_kind(module: Any) -> tuple[str, str | None]:
-    """The planner's name for the optimizer ``module.configure_optimizers()`` builds, and None; or AdamW and
-    why it is assumed (the module cannot build its optimizer here, or builds one the planner does not know)."""
+    """The planner's name for the optimizer ``module.configure_optimizers()`` builds, and None; or AdamW
+    and why it is assumed (the module cannot build its optimizer here, or builds one the planner does
+    not know)."""
     try:
         made = module.configure_optimizers()
     except Exception as err:  # noqa: BLE001 - a module that cannot build its optimizer here plans as AdamW

@@ -292,14 +292,15 @@ def _flash_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: An
 ATTENTION_KERNELS = ("flash", "math", "cpu")
 
 
-def _cpu_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
-              is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+def _cpu_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
+              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+              enable_gqa: bool = False,
               math_kernel: Callable[..., torch.Tensor] = F.scaled_dot_product_attention) -> torch.Tensor:
     """Torch's pick on CPU: the flash kernel, but the math kernel (the ``s x s`` matrices, the dropout mask)
     under dropout, which the CPU flash kernel does not take. (On CUDA flash takes dropout too.)"""
     if dropout_p > 0:
-        return math_kernel(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                    enable_gqa=enable_gqa)
+        return math_kernel(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                           scale=scale, enable_gqa=enable_gqa)
     return _flash_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
@@ -342,7 +343,8 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
                 if not prefix or k.startswith(prefix + ".")}
     planned = _planned_modules(seq, relative)
     counted: set[int] = set()
-    counts = [_param_counts(name, child, planned, counted) for name, child in seq.named_children()]  # unshrunk
+    # Counted before shrinking: the whole parameters, of which a TP rank holds its share
+    counts = [_param_counts(name, child, planned, counted) for name, child in seq.named_children()]
     for name, style in planned.items():
         if tp > 1:
             _shrink(seq.get_submodule(name), style, tp, f"{prefix}.{name}" if prefix else name)

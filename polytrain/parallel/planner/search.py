@@ -54,10 +54,12 @@ def _rejection(lay: Layout, hw: Hardware, train: Training, n_children: int, whol
     if whole is not None and lay.pp > 1:
         return whole
     if train.float8 and not train.float8_tp and lay.tp > 1:
-        return "trainer.float8 with tensor parallelism (tp > 1) is not supported yet (the strategy refuses it)"
+        return ("trainer.float8 with tensor parallelism (tp > 1) is not supported yet "
+                "(the strategy refuses it)")
     if whole is not None and lay.activation_checkpointing:
-        return ("activation checkpointing is costed per child of an nn.Sequential, and this model is profiled "
-                "whole: pin the degrees and trainer.activation_checkpointing to run it without the planner")
+        return ("activation checkpointing is costed per child of an nn.Sequential, and this model is "
+                "profiled whole: pin the degrees and trainer.activation_checkpointing to run it without "
+                "the planner")
     v = train.stages_per_rank if lay.pp > 1 else 1
     if lay.pp * v > n_children:
         stages = f"pp={lay.pp}" + (f" x {v} stages per rank" if v > 1 else "")
@@ -192,9 +194,10 @@ def format_table(plan: Plan, top: int = 10, show_rejected: int = 20, capacity: f
             f"{'total':>7}  {'step s':>9} {'bubble':>6}  {'tokens/s':>11} {'samples/s':>10} {'sent/step':>10}"
             f"{bar_head}")
     reasons = _rejections(plan)
-    # Counted as listed: sets of degrees, each shown once in its fastest variant (micro-batches, checkpointing).
-    lines = [f"{len(fitting)} sets of degrees fit (the fastest of their {len(plan.ranked)} variants shown, first "
-             f"{len(shown)}), {len(reasons)} rejected; per-rank memory in {unit}", head]
+    # Counted as listed: sets of degrees, each shown once in its fastest variant (micro-batches,
+    # checkpointing).
+    lines = [f"{len(fitting)} sets of degrees fit (the fastest of their {len(plan.ranked)} variants shown, "
+             f"first {len(shown)}), {len(reasons)} rejected; per-rank memory in {unit}", head]
     for i, est in enumerate(shown, 1):
         m = est.memory
         bar = f"  {memory_bar(m, capacity)}" if capacity else ""
@@ -205,10 +208,10 @@ def format_table(plan: Plan, top: int = 10, show_rejected: int = 20, capacity: f
             f"{est.tokens_per_s:>11.4g} {est.samples_per_s:>10.4g} {_bytes(sum(est.traffic.values())):>10}"
             f"{bar}")
     if shown:
-        lines.append("     columns: memory a rank holds by term (parameters, gradients, optimizer state, FSDP's "
-                     "gathered buffers, activations at the peak) and in total; step s: predicted seconds per "
-                     "optimizer step; bubble: a pipeline's idle share; tokens/s and samples/s for the whole "
-                     "job; sent/step: bytes the busiest rank sends per step")
+        lines.append("     columns: memory a rank holds by term (parameters, gradients, optimizer state, "
+                     "FSDP's gathered buffers, activations at the peak) and in total; step s: predicted "
+                     "seconds per optimizer step; bubble: a pipeline's idle share; tokens/s and samples/s "
+                     "for the whole job; sent/step: bytes the busiest rank sends per step")
     if capacity and shown:
         lines.append(f"     memory bar: {BAR_WIDTH} cells of {capacity / BAR_WIDTH / GiB:.3g} GiB each: "
                      f"P params, G grads, O optimizer state, F FSDP's gathered buffers, A activations, "
