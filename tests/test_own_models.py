@@ -279,3 +279,15 @@ def test_the_top_three_layouts_the_planner_ranks_for_llama_train_equal_to_one_pr
                               timeout=300)
         assert out[0]["steps_run"] == STEPS
         _assert_equal(out[0]["weights"], want, lay.label())
+
+
+def test_a_plan_style_the_strategy_refuses_rejects_tp_layouts_only() -> None:
+    """A library plan with a style polytrain does not translate (a sequence-parallel entry): tensor
+    parallelism is rejected with the strategy's words, every other layout is still planned."""
+    with torch.device("meta"):
+        module = HeldModel("llama", GLOBAL_BATCH)
+    module.model._tp_plan = {**module.model._tp_plan, "model.norm": "sequence_parallel"}
+    tokens = dataset("llama").tensors[0][:1]
+    plan = plan_module(module, tokens, hardware("cpu", 1, 4), Training(global_batch=GLOBAL_BATCH, precision="32"))
+    assert plan.ranked and all(e.layout.tp == 1 for e in plan.ranked)
+    assert any(r.layout.tp > 1 and "splits 'model.norm' as 'sequence_parallel'" in r.reason for r in plan.rejected)

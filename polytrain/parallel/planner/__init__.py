@@ -35,10 +35,15 @@ def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | No
     fp32 included, but math under dropout) or ``math``.
     """
     hook = getattr(module, "tensor_parallel_plan", None)
+    refusal = (f"{type(module).__name__} has no tensor-parallel plan: define tensor_parallel_plan() or "
+               f"parallelize(tp_mesh)")
     if callable(hook):
         plan: dict[str, str] | None = style_names(hook())
     else:  # a Hugging Face model's own plan, as the strategy reads it (parallel/library_plans.py)
-        plan = style_names(without_ties(module, library_plan(module) or {})) or None
+        try:
+            plan = style_names(without_ties(module, library_plan(module) or {})) or None
+        except ConfigError as err:  # a style the strategy would refuse: so are the tp > 1 layouts
+            plan, refusal = None, str(err)
     # The strategy refuses tensor parallelism for a module that does not say how to split its layers; so
     # does the planner, in the same words, instead of costing a split that will not happen.
     splits = plan is not None or callable(getattr(module, "parallelize", None))
@@ -55,8 +60,7 @@ def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | No
         @functools.cache
         def whole_at(tp: int) -> ModelProfile:
             if tp > 1 and not splits:
-                raise ConfigError(f"{type(module).__name__} has no tensor-parallel plan: define "
-                                  f"tensor_parallel_plan() or parallelize(tp_mesh)")
+                raise ConfigError(refusal)
             return profile_whole(whole, batch, why, tp, plan, attention)
 
         return whole_at
@@ -71,8 +75,7 @@ def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | No
     @functools.cache
     def at(tp: int) -> ModelProfile:
         if tp > 1 and not splits:
-            raise ConfigError(f"{type(module).__name__} has no tensor-parallel plan: define "
-                              f"tensor_parallel_plan() or parallelize(tp_mesh)")
+            raise ConfigError(refusal)
         return profile_sequential(seq, example, tp, plan, seq_name, loss, attention)
 
     return at
