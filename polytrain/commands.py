@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from typing import Any
 
@@ -75,17 +76,34 @@ def _consolidate(source: str, output: str) -> int:
 def root_cause(err: ChildFailedError) -> str:
     """``rank R: Type: message`` of the worker whose own error ended the job (its error file's first line).
 
-    A rank that stops because another raised says so with a ``RankFailedError``, and may record it in the
-    same second as the rank that raised (error files carry whole seconds), or before it: those echoes are
-    passed over for the failure they echo. Ties go to the lowest rank."""
-    def first_line(failure: Any) -> str:
+    A rank that stops because another raised says so with a ``RankFailedError`` holding the other's
+    traceback. It may record its error in the same second as the rank that raised (error files carry
+    whole seconds) or before it, and the agent may stop the raising rank before it records anything (a
+    signal). So: the first rank's own error, else the error an echo carries (its last line). Ties go to
+    the lowest rank."""
+    def text_of(failure: Any) -> str:
         message = failure.message
-        text = str(message.get("message", "") if isinstance(message, dict) else message).strip()
+        return str(message.get("message", "") if isinstance(message, dict) else message).strip()
+
+    def first_line(failure: Any) -> str:
+        text = text_of(failure)
         return text.splitlines()[0] if text else f"exit code {failure.exitcode}"
 
+    def is_echo(failure: Any) -> bool:
+        return first_line(failure).startswith(f"{RankFailedError.__name__}:")
+
     in_order = sorted(err.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
-    own = [(rank, f) for rank, f in in_order if not first_line(f).startswith(f"{RankFailedError.__name__}:")]
-    rank, failure = (own or in_order)[0]
+    own = [(rank, f) for rank, f in in_order if not is_echo(f) and f.exitcode >= 0]  # < 0: stopped by a signal
+    if own:
+        rank, failure = own[0]
+        return f"rank {rank}: {first_line(failure)}"
+    echoes = [f for _, f in in_order if is_echo(f)]
+    if echoes:
+        text = text_of(echoes[0])
+        raised = re.search(r"raised on rank (\d+)", text)
+        if raised is not None:
+            return f"rank {raised.group(1)}: {text.splitlines()[-1].strip()}"
+    rank, failure = in_order[0]
     return f"rank {rank}: {first_line(failure)}"
 
 
