@@ -93,7 +93,8 @@ def root_cause(err: ChildFailedError) -> str:
         return first_line(failure).startswith(f"{RankFailedError.__name__}:")
 
     in_order = sorted(err.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
-    own = [(rank, f) for rank, f in in_order if not is_echo(f) and f.exitcode >= 0]  # < 0: stopped by a signal
+    # exitcode < 0: stopped by a signal, before it could record an error of its own
+    own = [(rank, f) for rank, f in in_order if not is_echo(f) and f.exitcode >= 0]
     if own:
         rank, failure = own[0]
         return f"rank {rank}: {first_line(failure)}"
