@@ -490,6 +490,18 @@ def quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+@functools.cache
+def _scratch_dir() -> str:
+    """One directory per test process for the runs given no ``root_dir``, removed when the process ends:
+    a run's files outlive the call (results point into them) but not the session."""
+    scratch = tempfile.TemporaryDirectory(prefix="compat-")
+    _SCRATCH_DIRS.append(scratch)
+    return scratch.name
+
+
+_SCRATCH_DIRS: list[tempfile.TemporaryDirectory] = []
+
+
 def run_case(framework: str, case: str, *, case_kwargs: Mapping[str, Any] | None = None,
              trainer_kwargs: Mapping[str, Any] | None = None, stages: Sequence[Stage] = ("fit",),
              seed: int | None = 0, seed_fn: str = "seed_everything", trace_rng: bool = False,
@@ -507,7 +519,7 @@ def run_case(framework: str, case: str, *, case_kwargs: Mapping[str, Any] | None
     torch.set_num_threads(1)
     ns, build_case = case_builder(framework, case)
     pl = ns.pl
-    root_dir = root_dir or tempfile.mkdtemp(prefix=f"compat-{framework}-{case}-")
+    root_dir = root_dir or tempfile.mkdtemp(prefix=f"{framework}-{case}-", dir=_scratch_dir())
     # A seed left in the environment by an earlier run (or inherited from a fork server) would make
     # Lightning's DDP reseed at setup: only this run's seed_fn decides.
     os.environ.pop("PL_GLOBAL_SEED", None)
@@ -655,5 +667,5 @@ def run_case_distributed(framework: str, case: str, world_size: int = 2, *, time
         # Lightning takes seconds to import: import it once in the fork server, not in every rank.
         if importlib.util.find_spec("lightning") is not None:
             distributed._PRELOAD.append("lightning.pytorch")
-    kwargs.setdefault("root_dir", tempfile.mkdtemp(prefix=f"compat-{framework}-{case}-ddp-"))
+    kwargs.setdefault("root_dir", tempfile.mkdtemp(prefix=f"{framework}-{case}-ddp-", dir=_scratch_dir()))
     return distributed.run_distributed(_distributed_worker, world_size, framework, case, kwargs, timeout=timeout)
