@@ -56,7 +56,7 @@ class PipelineSettings:
     schedule: str = "1f1b"
     n_microbatches: int | None = None
     stages_per_rank: int = 1
-    split_points: list[int] | None = None
+    split_points: list[int] | list[str] | None = None  # child indices, or module paths
     sequential: str | None = None
     step: str = "training_step"  # "training_step": the user's step per micro-batch | "pipeline_loss"
 

@@ -36,29 +36,59 @@ def stage_class() -> type:
       (``_get_init_p2p_neighbors_ops``). When two neighbouring stages live on one rank (zbv puts
       stages 1 and 2 on rank 1 of 2) that is a send to itself, which gloo cannot do ("Pair is not
       connected"). A rank needs no channel to itself: those ops are dropped, both directions.
-    - torch >= 2.15 infers shapes with a probe step that calls the loss function on placeholder
-      outputs (``_backward_metadata_inference``). ``probing`` is True meanwhile, so a loss function
-      that runs user code (the user's ``training_step``) can answer the probe without running it.
+    - torch infers the shapes sent between stages with a probe: the stage's module runs once on
+      placeholders (``_shape_inference`` before 2.14, ``_forward_metadata_inference`` after), and from
+      2.15 the loss function too (``_backward_metadata_inference``). ``probing`` is True meanwhile (on
+      the stage, and on its module where it has the attribute), so a loss function or a stage that runs
+      user code can answer without running it; and the probe leaves no trace: the random generators and
+      the stage's buffers (BatchNorm's running statistics) are as they were before it.
     """
     global _STAGE_CLASS
     if _STAGE_CLASS is None:
+        base = lazy.pipelining().PipelineStage
 
-        class _Stage(lazy.pipelining().PipelineStage):
+        class _Stage(base):
             probing = False
 
             def _get_init_p2p_neighbors_ops(self) -> list[Any]:
                 ops = super()._get_init_p2p_neighbors_ops()
                 return [op for op in ops if getattr(op, "group_peer", None) != self.group_rank]
 
-            def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            def _probe(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+                submod = self.submod
+                buffers = [(b, b.detach().clone()) for b in submod.buffers()]
+                cpu_rng = torch.get_rng_state()
+                cuda = self.device.type == "cuda"
+                device_rng = torch.cuda.get_rng_state(self.device) if cuda else None
                 self.probing = True
+                if hasattr(submod, "probing"):
+                    submod.probing = True
                 try:
-                    return super()._backward_metadata_inference(*args, **kwargs)
+                    return method(*args, **kwargs)
                 finally:
                     self.probing = False
+                    if hasattr(submod, "probing"):
+                        submod.probing = False
+                    with torch.no_grad():
+                        for buffer, saved in buffers:
+                            buffer.copy_(saved)
+                    torch.set_rng_state(cpu_rng)
+                    if cuda:
+                        torch.cuda.set_rng_state(device_rng, self.device)
 
+        for name in ("_shape_inference", "_forward_metadata_inference", "_backward_metadata_inference"):
+            if hasattr(base, name):
+                setattr(_Stage, name, _probing(name))
         _STAGE_CLASS = _Stage
     return _STAGE_CLASS
+
+
+def _probing(name: str) -> Any:
+    def probe(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._probe(getattr(super(type(self), self), name), *args, **kwargs)
+
+    probe.__name__ = name
+    return probe
 
 
 # --------------------------------------------------------------------------- evaluation transfers

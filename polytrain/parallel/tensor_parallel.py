@@ -255,19 +255,21 @@ def partial_grads_reduced_first(optimizer: torch.optim.Optimizer, then: Callable
     return reduce_then
 
 
-def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float, group: Any = None) -> torch.Tensor:
+def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float, group: Any = None,
+                   counted_elsewhere: set[int] | frozenset[int] = frozenset()) -> torch.Tensor:
     """``clip_grad_norm_`` over a mix of sharded (``DTensor``) and replicated gradients, and over the
     pipeline stages when ``group`` (the pp group) is given.
 
     A DTensor's norm is reduced over its mesh (``full_tensor``) so sharded gradients count once in
     full; a plain tensor is the same on every rank and counts as it is; stages' squared norms are
     summed over ``group``. Every rank calls this with the same parameters in the same order (per
-    stage), so the per-parameter reductions match.
+    stage), so the per-parameter reductions match. A parameter whose id is in ``counted_elsewhere`` (a
+    copy of a tie across stages, counted on its first stage) is clipped but not counted here.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     DTensor = lazy.dtensor().DTensor
     norms = []
-    for g in grads:
+    for g in (p.grad for p in parameters if p.grad is not None and id(p) not in counted_elsewhere):
         norm = torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if norms:

@@ -96,7 +96,7 @@ class PipelineOptions:
     n_microbatches: int | None = None  # None: the number of stages (pp x stages_per_rank)
     pp: int = -1  # pipeline degree; -1: the whole world (dp = world / pp)
     stages_per_rank: int = 1  # > 1 for the interleaved / zero-bubble schedules (zbv: exactly 2)
-    split_points: list[int] | None = None  # first child index of stages 1..n-1; None: balance by params
+    split_points: list[int] | list[str] | None = None  # first child index (or module path) of stages 1..n-1
     sequential: str | None = None  # attribute holding the nn.Sequential; None: the only one
     backend: str | None = None  # None: nccl on CUDA, gloo on CPU
 
@@ -118,7 +118,7 @@ class ParallelOptions:
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble | zbv
     n_microbatches: int | None = None  # None: the number of stages
     stages_per_rank: int = 1
-    split_points: list[int] | None = None  # first child index of stages 1..n-1; None: balanced by parameters
+    split_points: list[int] | list[str] | None = None  # first child index (or module path) of stages 1..n-1
     sequential: str | None = None  # attribute holding the nn.Sequential; None: the only one
     # --- FSDP (dp_shard x cp > 1, or under tp with dp > 1)
     wrap_modules: list[str] | None = None

@@ -346,7 +346,9 @@ class ParallelStrategy(Strategy):
         if self.pipeline is not None:
             self.pipeline.check_optimizers_line_up(self.optimizers)
         tp_fn.reduce_partial_grads(params)  # idempotent: clipping by hand under manual optimisation
-        return tp_fn.clip_grad_norm(params, value, self.pp_group if self.pipeline is not None else None)
+        if self.pipeline is None:
+            return tp_fn.clip_grad_norm(params, value)
+        return tp_fn.clip_grad_norm(params, value, self.pp_group, self.pipeline.counted_elsewhere)
 
     @property
     def steps_plainly(self) -> bool:

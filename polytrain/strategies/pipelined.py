@@ -35,6 +35,7 @@ from polytrain.core import collectives as C
 from polytrain.core.errors import ConfigError
 from polytrain.core.protocol import SilentRecords, captured_logs, extract_loss, muted_logs, recorded_logs
 from polytrain.data.padding import PaddingState
+from polytrain.parallel import pipeline_paths as P
 from polytrain.parallel import pipeline_split as S
 from polytrain.parallel.apply import PipelineSettings
 from polytrain.parallel.choices import SCHEDULES
@@ -139,6 +140,11 @@ class PipelineRunner:
         self.sync_grads = True
         self.padding = padding if padding is not None else PaddingState()  # the FSDP backend's, when sharded
         self.optimizers_checked = False  # reset by each fit's setup_optimizers
+        self.by_paths = False  # cut at module paths (check_module), not one Sequential's children
+        self.ties: list[nn.Parameter | None] = []
+        self.counted_elsewhere: set[int] = set()
+        self._whole: tuple[Any, str] | None = None  # evaluation: (the whole batch, the step's name)
+        self._counts: list[int] = []  # micro-batches each stage ran in this step
 
     @property
     def pp_group(self) -> Any:
@@ -146,14 +152,40 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ the cut
     def check_module(self, module: nn.Module) -> None:
+        points = self.settings.split_points
+        named = points is not None and any(isinstance(p, str) for p in points)
+        sequentials = [c for c in module.children() if isinstance(c, nn.Sequential)]
+        # A model that is not one Sequential (a library model held as an attribute) is cut at module paths.
+        self.by_paths = named or (points is None and self.settings.sequential is None and not sequentials)
+        if self.by_paths:
+            self._check_path_cut(module, points)
+            return
         if self.settings.step == "pipeline_loss" and not callable(getattr(module, "pipeline_loss", None)):
             raise ConfigError(f"{type(module).__name__} needs pipeline_loss(self, outputs, targets) -> Tensor for "
                               f"the pipeline strategy: the loss of the Sequential's outputs, run on the last stage")
         self.seq_name, seq = S.find_sequential(module, self.settings.sequential)
         S.check_params_inside(module, self.seq_name)
 
+    def _check_path_cut(self, module: nn.Module, points: list[Any] | None) -> None:
+        if points is not None and not all(isinstance(p, str) for p in points):
+            raise ConfigError(f"split_points={points} mixes module paths and child indices; give module paths "
+                              f"(e.g. model.layers.4) or indices into the nn.Sequential, not both")
+        if self.settings.step != "training_step":
+            raise ConfigError(f"the pipeline preset's pipeline_loss step cuts one nn.Sequential; "
+                              f"{type(module).__name__} has none, so it is cut at module paths and every stage "
+                              f"runs training_step: use strategy name: parallel with pp > 1")
+        if self.dims.dp_shard > 1 or self.dims.tp > 1:
+            raise ConfigError(f"a pipeline cut at module paths (a model that is not one nn.Sequential) runs with "
+                              f"data parallel replicas only for now; got dp_shard={self.dims.dp_shard}, tp="
+                              f"{self.dims.tp}. Use dp_replicate for the data-parallel degree, or hold the layers "
+                              f"in one nn.Sequential")
+        self.cut = P.cut_at_paths(module, points if points is not None else
+                                  P.default_split_paths(module, self.n_stages), self.n_stages)
+
     def split(self, module: nn.Module, is_global_zero: bool) -> list[nn.Module]:
         """Prune ``module`` to this rank's stages; returns the stage modules (the kept children)."""
+        if self.by_paths:
+            return self._split_at_paths(module, is_global_zero)
         seq = getattr(module, self.seq_name)
         costs = S.child_costs(seq)
         points = (S.check_split_points(self.settings.split_points, len(seq), self.n_stages)
@@ -165,6 +197,23 @@ class PipelineRunner:
                      S.describe(self.seq_name, children, costs))
         S.prune(seq, {n for s in self.local_stages for n in children[s]})
         self.stage_modules = {s: S.stage_module(seq, children[s]) for s in self.local_stages}
+        return list(self.stage_modules.values())
+
+    def _split_at_paths(self, module: nn.Module, is_global_zero: bool) -> list[nn.Module]:
+        cut, local = self.cut, set(self.local_stages)
+        if is_global_zero:
+            log.info("pipeline %s over pp=%d x dp=%d cut at %s: %s", self.settings.schedule, self.dims.pp,
+                     self.dims.dp_size, cut.split_paths, cut.describe(module))
+        held = {s: P.held_modules(module, cut, s) for s in local}
+        # Every rank sums every tie (zeros where it holds no copy): one collective, alike on all ranks.
+        self.tie_shapes = [(p.shape, p.dtype) for p in (module.get_parameter(names[0]) for names, _ in cut.ties)]
+        P.keep_stages(module, cut, local)
+        P.add_split_hooks(module, cut, local)
+        # Each tie's copy on this rank (None: none here), and its norm counts on its first stage's rank only.
+        self.ties = [param for _, param in P.tied_parameters(module, cut)]
+        self.counted_elsewhere = {id(param) for param, (_, stages) in zip(self.ties, cut.ties)
+                                  if param is not None and self.owner[stages[0]] != self.dims.pp_rank}
+        self.stage_modules = {s: P.PathStage(s, held[s], self._run_stage) for s in local}
         return list(self.stage_modules.values())
 
     def build(self, module: nn.Module, device: torch.device) -> None:
@@ -237,6 +286,7 @@ class PipelineRunner:
             zero_grad()
         self._loss_factor = 1.0 / (accumulate * self.n_microbatches)
         self._batch, self._batch_idx, self._records = batch, batch_idx, SilentRecords()
+        self._counts = [0] * self.n_stages
         losses: list[torch.Tensor] = []  # one per micro-batch, as scaled by _loss_fn
         with s.precision.forward_context():
             schedule.step(*((inputs,) if 0 in self.local_stages else ()),
@@ -249,6 +299,8 @@ class PipelineRunner:
         loss = C.broadcast(local.float(), self.last_rank, self.pp_group)
         if self.sync_grads and self.averages_grads:
             self.average_grads_over_dp()
+        if self.sync_grads and self.ties:
+            self.sum_tied_grads()
         if user_step:
             self.share_logged(_mean_records(self._records), log_here=True)
             s.before_backward(loss)  # forward and backward interleave inside the schedule
@@ -261,11 +313,13 @@ class PipelineRunner:
         if self.settings.step == "pipeline_loss":
             return self.module.pipeline_loss(outputs, targets) * self._loss_factor
         if any(stage.probing for stage in self.stages) or self._batch is None:
-            return outputs.float().sum() * 0.0  # torch's shape probe on placeholder outputs: no user code
+            # torch's shape probe on placeholder outputs: no user code. Multiplied before the sum, so the
+            # gradient it sends back is dense (a sum's alone is expanded, stride 0, and gloo refuses it).
+            return (outputs.float() * 0.0).sum()
         size = _leading_size(self._batch)
         start, stop = int(targets[0]), int(targets[-1]) + 1
         micro = _rows(self._batch, start, stop, size)
-        with recorded_logs(self.module, self._records), self._sequential_as(outputs):
+        with recorded_logs(self.module, self._records), self._as_last_stage(outputs):
             output = user_step(self.module, "training_step")(micro, self._batch_idx)
         loss = extract_loss(output)
         if loss is None:
@@ -274,7 +328,10 @@ class PipelineRunner:
         return loss * self._loss_factor
 
     def _stage_input(self, step: str, batch: Any, batch_idx: int) -> torch.Tensor:
-        """What the user's ``step`` feeds the Sequential: the step runs until it calls it (logs muted)."""
+        """What the user's ``step`` feeds the Sequential: the step runs until it calls it (logs muted).
+        Cut at module paths, the first stage runs the step itself: it gets the batch's row indices."""
+        if self.by_paths:
+            return torch.arange(_leading_size(batch), device=self.strategy.root_device)
         stand_in = _StandIn(None, self.seq_name)
         with muted_logs(self.module), self._sequential_as(stand_in), torch.no_grad():
             with contextlib.suppress(_Captured), self.strategy.precision.forward_context():
@@ -283,6 +340,56 @@ class PipelineRunner:
             raise RuntimeError(f"{type(self.module).__name__}.{step} returned without calling self.{self.seq_name}: "
                                f"under pipeline parallelism the first stage needs the Sequential's input")
         return stand_in.input
+
+    def _run_stage(self, index: int, x: torch.Tensor, probing: bool) -> torch.Tensor:
+        """Stage ``index`` of a cut at module paths: the user's step on this stage's micro-batch (the whole
+        batch in evaluation), from the activation received to the next split point. The last stage
+        passes what it received to the loss function (or to ``eval_step``), which runs the step there."""
+        if index == self.n_stages - 1:
+            return x
+        if self._whole is not None:
+            batch, step = self._whole
+        else:
+            micro = 0 if probing else self._counts[index]  # torch's shape probe: the first micro-batch's shapes
+            if not probing:
+                self._counts[index] += 1
+            size = _leading_size(self._batch)
+            rows = size // self.n_microbatches
+            batch, step = _rows(self._batch, micro * rows, (micro + 1) * rows, size), "training_step"
+        stage_pass = P.StagePass(index, x if index > 0 else None, self.strategy.root_device)
+        with P.running_as(stage_pass), muted_logs(self.module):
+            try:
+                user_step(self.module, step)(batch, self._batch_idx)
+            except P.ReachedSplit as reached:
+                return reached.activation
+        raise RuntimeError(f"{type(self.module).__name__}.{step} returned on pipeline stage {index} without calling "
+                           f"its end, split point {self.cut.split_paths[index]}: every stage but the last must "
+                           f"run the model as far as the next split point")
+
+    def _as_last_stage(self, output: Any) -> contextlib.AbstractContextManager:
+        """The user's step on the last stage, fed ``output`` (the activation it received)."""
+        if self.by_paths:
+            return _last_stage_pass(P.StagePass(self.n_stages - 1, output, self.strategy.root_device),
+                                    self.cut.split_paths[-1])
+        return self._sequential_as(output)
+
+    def sum_tied_grads(self) -> None:
+        """A parameter tied across stages gets the sum of its stages' gradients on every copy, so the
+        copies take the same step. Every pp rank joins, with zeros where it holds no copy."""
+        device = self.strategy.root_device
+        grads = [p.grad if p is not None and p.grad is not None else torch.zeros(shape, dtype=dtype, device=device)
+                 for p, (shape, dtype) in zip(self.ties, self.tie_shapes)]
+        for dtype in dict.fromkeys(g.dtype for g in grads):
+            same = [i for i, g in enumerate(grads) if g.dtype == dtype]
+            flat = C.all_reduce(torch._utils._flatten_dense_tensors([grads[i] for i in same]), "sum", self.pp_group)
+            for i, summed in zip(same, torch._utils._unflatten_dense_tensors(flat, [grads[i] for i in same])):
+                param = self.ties[i]
+                if param is None:
+                    continue
+                if param.grad is None:
+                    param.grad = summed.clone()
+                else:
+                    param.grad.copy_(summed)
 
     @contextlib.contextmanager
     def _sequential_as(self, stand_in: Any) -> Iterator[None]:
@@ -315,8 +422,9 @@ class PipelineRunner:
                 f"torch.optim.SGD([{{'params': []}}], lr=...), or clip by value")
 
     def no_sync(self) -> contextlib.AbstractContextManager:
-        """Gradients stay local (with FSDP in the stages, torch's stage defers its reduction by itself)."""
-        return self._held_back() if self.averages_grads else contextlib.nullcontext()
+        """Gradients stay local: averaging and tied sums wait for the step's last micro-batch (with FSDP in
+        the stages, torch's stage defers its own reduction)."""
+        return self._held_back()
 
     @contextlib.contextmanager
     def _held_back(self) -> Iterator[None]:
@@ -347,14 +455,18 @@ class PipelineRunner:
             inputs = self._stage_input(step, batch, batch_idx) if 0 in self.local_stages else None
         else:
             inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
-        with s.precision.forward_context():
-            output = self._forward_stages(inputs)
+        self._whole, self._batch_idx = (batch, step), batch_idx
+        try:
+            with s.precision.forward_context():
+                output = self._forward_stages(inputs)
+        finally:
+            self._whole = None
         records: list[tuple[str, torch.Tensor, dict[str, Any]]] = []
         result = None
         padding = self.padding.active
         if self.is_last_stage:
             logs = muted_logs(self.module) if padding else captured_logs(self.module, records)
-            with logs, self._sequential_as(output), s.precision.forward_context():
+            with logs, self._as_last_stage(output), s.precision.forward_context():
                 result = user_step(self.module, step)(batch, batch_idx)
         if padding:
             return PADDING_BATCH
@@ -389,6 +501,15 @@ class PipelineRunner:
         if log_here or not self.is_last_stage:
             for (name, kwargs), value in zip(described, packed.unbind(0)):
                 self.module.log(name, value, **kwargs)
+
+
+@contextlib.contextmanager
+def _last_stage_pass(stage_pass: P.StagePass, split_path: str) -> Iterator[None]:
+    with P.running_as(stage_pass):
+        yield
+    if not stage_pass.injected:
+        raise RuntimeError(f"the step returned on the last pipeline stage without calling split point {split_path}, "
+                           f"where the activation it received goes in")
 
 
 def _mean_records(records: SilentRecords) -> list[tuple[str, torch.Tensor, dict[str, Any]]]:

@@ -25,7 +25,6 @@ from .runner import run_cases, spawn_worker
 SPAWN_SECONDS = 60.0 + 20.0  # start-up and refusals, plus per multi-rank case (below)
 PER_CASE_SECONDS = 15.0
 
-TORCH_BEFORE_2_15 = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 15)
 
 REFUSED_WITH = {  # the invalid combinations' errors, as polytrain words them
     (("strategy", "tensor"), ("precision", "16-mixed")): r"ConfigError: precision '16-mixed' is not supported by "
@@ -76,12 +75,6 @@ def test_case_matches_the_reference(case: Case, runs: dict[str, Any], request: p
         pytest.fail(f"{case.name} did not run (an earlier case of its spawn failed)", pytrace=False)
     if isinstance(got, str):
         pytest.fail(f"{case.name} raised:\n{got}", pytrace=False)
-    if case.strategy == "pipeline" and case.dropout and TORCH_BEFORE_2_15:
-        # The run above must still finish; only the comparison is out of reach: torch < 2.15 runs a
-        # shape-inference forward through each stage at the first step, and its draws shift the dropout
-        # masks of the micro-batches after it against the reference's (valid masks, another sequence).
-        row.skipped = True
-        pytest.skip("pipeline x dropout is compared from torch 2.15 (torch < 2.15 draws a shape-inference forward)")
     want = reference(case)
     assert want["net.0.weight"].ne(build_weights()["net.0.weight"]).any(), "the reference did not train"
     row.whole = _max_diff(got["whole"], want)

@@ -4,7 +4,6 @@ model with, from a profile taken on the meta device and a documented cost model
 
 from __future__ import annotations
 
-import copy
 import functools
 import itertools
 from typing import Any
@@ -14,6 +13,7 @@ from torch import nn
 
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.library_plans import library_plan
+from polytrain.parallel.pipeline_paths import meta_twin
 from polytrain.parallel.pipeline_split import PipelineSplitError, find_sequential
 from polytrain.parallel.planner.estimate import Estimate, Layout, Training, estimate
 from polytrain.parallel.planner.hardware import PRESETS, Hardware, hardware, parse_bytes
@@ -52,10 +52,13 @@ def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | No
     except PipelineSplitError as err:
         if sequential is not None:
             raise
-        # No Sequential to cut: every layout but a pipeline runs the model as it is; profile it whole.
+        # No Sequential to cut: every layout but a pipeline runs the model as it is; profile it whole. The
+        # strategy cuts such a model at module paths, which the cost model does not follow yet.
         whole = on_meta(module)
         batch = [t.to("meta") for t in (example, target) if t is not None]
-        why = " ".join(str(err).split())
+        why = (f"the planner costs a pipeline of one nn.Sequential's children, and {type(module).__name__} has "
+               f"none ({' '.join(str(err).split()[1:4])}): the strategy cuts it at module paths (split_points, "
+               f"or across its repeated blocks), but this plan does not rank that layout; set pp yourself")
 
         @functools.cache
         def whole_at(tp: int) -> ModelProfile:
@@ -84,11 +87,7 @@ def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | No
 def on_meta(module: nn.Module) -> nn.Module:
     """``module`` if it is on meta already, else a copy on meta (its weights are never copied)."""
     tensors = list(itertools.chain(module.parameters(), module.buffers()))
-    if all(t.is_meta for t in tensors):
-        return module
-    memo: dict[int, Any] = {id(b): b.to("meta") for b in module.buffers()}
-    memo.update({id(p): nn.Parameter(p.detach().to("meta"), p.requires_grad) for p in module.parameters()})
-    return copy.deepcopy(module, memo)
+    return module if all(t.is_meta for t in tensors) else meta_twin(module)
 
 
 def _apply_loss(loss_fn: Any, target: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
