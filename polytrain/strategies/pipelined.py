@@ -346,7 +346,9 @@ class PipelineRunner:
         batch in evaluation), from the activation received to the next split point. The last stage
         passes what it received to the loss function (or to ``eval_step``), which runs the step there."""
         if index == self.n_stages - 1:
-            return x
+            # A view, not x itself: given its own input back as output, torch 2.11's stage finds no input
+            # gradient to send ("has gradients None"); a view carries it.
+            return x.view_as(x)
         if self._whole is not None:
             batch, step = self._whole
         else:
