@@ -213,6 +213,52 @@ def test_a_library_model_trains_in_a_pipeline_cut_at_module_paths_equal_to_one_p
     _check_against_reference(kind, f"pp2 {options}", out)
 
 
+CLIP = 0.05  # GPT-2's first gradients have a norm near 3: every step is clipped
+
+
+class ValidatedModel(HeldModel):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", loss_of(self.model, self.kind, batch), sync_dist=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(dataset(self.kind), batch_size=self.batch_size)
+
+
+def _clipped_then_validated(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    module = ValidatedModel("gpt2", GLOBAL_BATCH // 2)
+    trainer = Trainer(strategy={"name": "parallel", "pp": 2, "dp_replicate": 2, "dp_shard": 1, "schedule": "1f1b"},
+                      accelerator="cpu", devices=world_size, max_steps=STEPS, gradient_clip_val=CLIP, run_dir=root,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      num_sanity_val_steps=0, check_val_every_n_epoch=100, timeout=120)
+    trainer.fit(module)
+    (metrics,) = trainer.validate(module)
+    state = trainer.strategy.module_state_dict()
+    return {"weights": {k: v.detach().clone() for k, v in state.items()}, "val_loss": float(metrics["val_loss"])}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_tie_across_stages_is_clipped_once_and_validation_runs_the_library_forward(tmp_path: Any) -> None:
+    """GPT-2 over pp 2 x dp 2: clipping by norm counts the tied embedding once (as one process does), and
+    validation through the stages logs the loss one process computes on the same weights."""
+    model = build_model("gpt2")
+    optimizer = optimizer_for(model.parameters())
+    unclipped = reference("gpt2")[STEPS]
+    for _ in range(STEPS * GLOBAL_BATCH // SAMPLES):
+        for batch in DataLoader(dataset("gpt2"), batch_size=GLOBAL_BATCH):
+            optimizer.zero_grad()
+            loss_of(model, "gpt2", batch).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+    want = {f"model.{k}": v for k, v in model.state_dict().items()}
+    assert not torch.allclose(want["model.lm_head.weight"], unclipped["model.lm_head.weight"], atol=1e-4)
+    with torch.no_grad():  # every validation batch holds as many tokens: their mean is the whole set's
+        val_loss = float(loss_of(model, "gpt2", dataset("gpt2").tensors))
+    out = run_distributed(_clipped_then_validated, 4, str(tmp_path), timeout=240)
+    _assert_equal(out[0]["weights"], want, "pp2 x dp2, clipped")
+    assert [round(r["val_loss"], 6) for r in out] == [round(val_loss, 6)] * 4
+
+
 # Tensor parallel from the model's own plan (Llama's _tp_plan: attention and MLP projections split by
 # heads and features, the embedding by vocabulary rows, the head's logits gathered), alone and under FSDP.
 @pytest.mark.distributed
