@@ -13,7 +13,10 @@ import sys
 from collections import Counter
 from typing import Any
 
+import pytest
 import torch
+import transformers
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from polytrain.parallel.activation_checkpointing import apply_activation_checkpointing, resolve_checkpointing
@@ -86,3 +89,56 @@ def test_op_mode_under_compile_equals_eager(run_dir: str) -> None:
     assert not dynamo_utils.counters["graph_break"], dict(dynamo_utils.counters["graph_break"])
     assert dynamo_utils.counters["stats"]["unique_graphs"] >= 1
     assert max_diff(state(eager), state(both)) <= COMPILE_TOL["atol"]
+
+
+# --------------------------------------------------------------------------- models nobody here wrote
+
+
+def _trained_once(build: Any, batch: tuple[torch.Tensor, ...], loss: Any, mode: str | None) -> nn.Module:
+    torch.manual_seed(0)
+    model = build()
+    if mode is not None:
+        apply_activation_checkpointing(model, resolve_checkpointing({"mode": mode}))
+    model.train()
+    loss(model, *batch).backward()
+    return model
+
+
+@pytest.mark.parametrize("mode", ["full", "op"])
+def test_a_checkpointed_hugging_face_model_recomputes_without_its_key_value_cache(mode: str) -> None:
+    """GPT-2 caches keys and values in forward by default; recomputed, a block would see them twice and
+    torch would stop the backward. Checkpointing turns the cache off: gradients equal no checkpointing."""
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=x, labels=x).loss
+
+    plain = _trained_once(lambda: transformers.GPT2LMHeadModel(config), (tokens,), loss, None)
+    checkpointed = _trained_once(lambda: transformers.GPT2LMHeadModel(config), (tokens,), loss, mode)
+    assert checkpointed.config.use_cache is False
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["full", "op"])
+def test_a_recomputed_batchnorm_updates_its_running_statistics_once(mode: str) -> None:
+    """A BatchNorm in a checkpointed block runs twice a step (forward, recomputation); its running
+    statistics move once, as without checkpointing."""
+    images = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+
+    def build() -> nn.Module:
+        block = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+        return nn.Sequential(nn.Sequential(block, nn.Sequential(nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4))),
+                             nn.Flatten(), nn.Linear(64, 2))
+
+    def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x).square().mean()
+
+    plain = _trained_once(build, (images,), loss, None)
+    checkpointed = _trained_once(build, (images,), loss, mode)
+    assert [n for n, _ in checkpointed.named_buffers()] == [n for n, _ in plain.named_buffers()]
+    for (name, a), b in zip(plain.named_buffers(), checkpointed.buffers()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    assert int(checkpointed.get_buffer("0.0.1.num_batches_tracked")) == 1

@@ -23,15 +23,17 @@ a run without checkpointing (tests/test_compile_ac.py checks both).
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import functools
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from polytrain.core.errors import ConfigError
@@ -40,6 +42,7 @@ from polytrain.parallel.fsdp import blocks_to_wrap
 log = logging.getLogger("polytrain")
 
 CHECKPOINTED = "_polytrain_checkpointed_from"  # on a checkpointed class: the class it was made from
+NORMS = "_polytrain_checkpointed_norms"  # on a checkpointed block: its BatchNorms (see checkpoint_block)
 OPTION_KEYS = ("modules", "every", "mode")
 MODES = ("full", "op")
 
@@ -156,19 +159,48 @@ def checkpoint_block(block: nn.Module, mode: str = "full") -> None:
     keeps only its inputs, ``op`` also what ``OpSelection`` keeps."""
     if not hasattr(type(block), CHECKPOINTED):
         swap_class(block, CHECKPOINTED, mode, functools.partial(_checkpointed, mode=mode))
+    # Not submodules (a plain list in the instance's dict): the BatchNorms whose statistics the
+    # recomputation must leave as the forward left them.
+    block.__dict__[NORMS] = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                             and m.track_running_stats]
 
 
 def _checkpointed(cls: type, mode: str) -> Callable[..., Any]:
     inner = cls.forward
     extra = {"context_fn": _op_contexts} if mode == "op" else {}
 
+    def once(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch._C._current_graph_task_id() == -1:  # the forward
+            return inner(self, *args, **kwargs)
+        with _running_statistics_kept(self.__dict__[NORMS]):  # the recomputation, inside backward
+            return inner(self, *args, **kwargs)
+
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return inner(self, *args, **kwargs)  # evaluation: nothing is saved, nothing to recompute
-        return checkpoint(inner, self, *args, use_reentrant=False, **extra, **kwargs)
+        # Only a block with BatchNorms asks whether it is recomputed (a question torch.compile cannot trace)
+        run = once if self.__dict__.get(NORMS) else inner
+        return checkpoint(run, self, *args, use_reentrant=False, **extra, **kwargs)
 
     forward.checkpoint_mode = mode  # type: ignore[attr-defined]
     return forward
+
+
+@contextlib.contextmanager
+def _running_statistics_kept(norms: list[nn.Module]) -> Iterator[None]:
+    """A BatchNorm in training mode updates its running statistics on every forward; recomputed, it
+    would update them twice a step. The recomputation runs the same ops (checkpointing checks that it
+    saves the same tensors), then its updates are undone: the statistics move once, as on one device."""
+    buffers = [b for norm in norms for b in norm.buffers(recurse=False)]
+    # Outside per-op checkpointing's dispatch mode: it checks the recomputation runs the forward's ops only
+    with _disable_current_modes():
+        kept = [b.clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with _disable_current_modes(), torch.no_grad():
+            for buffer, before in zip(buffers, kept):
+                buffer.copy_(before)
 
 
 def checkpointing_mode(module: nn.Module) -> str | None:
@@ -215,10 +247,25 @@ def apply_activation_checkpointing(module: nn.Module, options: dict[str, Any] | 
         chosen = [b for b in chosen if id(b) in held]
     for block in chosen:
         checkpoint_block(block, options.get("mode", "full"))
+    if chosen:
+        no_key_value_cache(module)
     kinds = Counter(type(b).__name__ for b in chosen)
     log.info("activation checkpointing (%s): %d block(s) (%s)", options.get("mode", "full"), len(chosen),
              ", ".join(f"{n} x{c}" for n, c in kinds.items()))
     return chosen
+
+
+def no_key_value_cache(module: nn.Module) -> None:
+    """A Hugging Face model caches keys and values in forward (``config.use_cache``, on by default), and a
+    checkpointed block's recomputation would add to that cache again: the recomputed attention sees twice
+    the keys and torch stops the backward ("encountered during backward but not found in storage").
+    Training needs no cache; turned off, as Hugging Face's own gradient checkpointing does."""
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+            log.info("activation checkpointing: %s.config.use_cache set to False (a key/value cache filled in "
+                     "forward would be filled again by the recomputation)", type(sub).__name__)
 
 
 def repeated(blocks: list[nn.Module]) -> list[nn.Module]:
