@@ -26,8 +26,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from polytrain import Trainer, TrainModule
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.fsdp import blocks_to_wrap
+from polytrain.parallel.pipeline_paths import default_split_paths
 from polytrain.parallel.planner import Training, hardware, plan_module
+from polytrain.parallel.planner.estimate import stages
 from polytrain.parallel.tensor_parallel import module_plan
+from polytrain.trainer.planned import chosen_layout
 
 GLOBAL_BATCH, SAMPLES, STEPS, STOP_AT = 4, 8, 4, 2  # two steps an epoch, two epochs
 VOCAB, TOKENS, CLASSES = 64, 9, 10
@@ -213,6 +216,21 @@ def test_a_library_model_trains_in_a_pipeline_cut_at_module_paths_equal_to_one_p
     _check_against_reference(kind, f"pp2 {options}", out)
 
 
+# Composed with the other parallelisms inside the stages: FSDP (GPT-2: each rank sums its shard of the
+# tie) and Llama's own tensor-parallel plan (each stage applies the entries that reach its modules).
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind, degrees", [("gpt2", {"dp_shard": 2}), ("llama", {"tp": 2})],
+                         ids=["gpt2-pp2_fsdp2", "llama-pp2_tp2"])
+def test_a_pipeline_cut_at_module_paths_composes_with_fsdp_and_tensor_parallel(
+        kind: str, degrees: dict[str, int], tmp_path: Any) -> None:
+    strategy = {"name": "parallel", "pp": 2, "schedule": "1f1b", **degrees}
+    out = run_distributed(_train_and_resume, 4, kind, strategy, str(tmp_path), timeout=540)
+    _check_against_reference(kind, f"pp2 {degrees}", out)
+    if "tp" in degrees:
+        assert "model.model.layers.0.self_attn.q_proj.weight" in out[0]["resumed"]["split_over_tp"]
+
+
 CLIP = 0.05  # GPT-2's first gradients have a norm near 3: every step is clipped
 
 
@@ -299,27 +317,28 @@ def test_a_tie_stays_whole_rather_than_split_on_one_side() -> None:
 
 # --------------------------------------------------------------------------- the planner on them
 
-def _plan(kind: str) -> Any:
+def _plan(kind: str, devices: int = 4) -> Any:
     with torch.device("meta"):
         module = HeldModel(kind, GLOBAL_BATCH)
     tensors = dataset(kind).tensors
     target = tensors[1][:1] if len(tensors) > 1 else None
     train = Training(global_batch=GLOBAL_BATCH, precision="32", optimizer="sgd")
-    return module, plan_module(module, tensors[0][:1], hardware("cpu", 1, 4), train, target=target)
+    return module, plan_module(module, tensors[0][:1], hardware("cpu", 1, devices), train, target=target)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "resnet50", "vit_b_16"])
 def test_the_planner_plans_a_library_model_and_ranks_only_what_the_strategies_run(kind: str) -> None:
-    """No Sequential to cut: the model is profiled whole through its training_step (the loss included),
-    every data-parallel layout is ranked, a pipeline (which the strategy cuts at module paths, but the
-    cost model does not follow) is rejected saying so, tensor
-    parallelism where the model carries a plan (Llama) and rejected where it has none."""
+    """No Sequential to cut: the model is profiled block by block through its training_step (the loss
+    included) and every layout is ranked, pipelines cut where the strategy cuts them (between the
+    repeated blocks, balanced by parameters, a tie counted once), activation checkpointing on the blocks,
+    tensor parallelism where the model carries a plan (Llama) and rejected where it has none."""
     module, plan = _plan(kind)
-    assert plan.ranked
-    assert plan_profile_params(module) == sum(p.numel() for p in module.parameters())  # GPT-2's tie once
-    assert all(e.layout.pp == 1 for e in plan.ranked)
-    assert any(r.layout.pp > 1 and "this plan does not rank that layout; set pp yourself" in r.reason
-               for r in plan.rejected)
+    profile = plan_profile(module)
+    assert profile.params == sum(p.numel() for p in module.parameters())  # GPT-2's tie once
+    assert any(e.layout.pp > 1 for e in plan.ranked) and any(e.layout.activation_checkpointing for e in plan.ranked)
+    for pp in (2, 4) if kind in ("resnet50", "vit_b_16") else (2,):
+        starts = [profile.children[first].name for first, _ in stages(profile, pp)[1:]]
+        assert starts == default_split_paths(module, pp)
     tp_ranked = [e.layout for e in plan.ranked if e.layout.tp > 1]
     if kind == "llama":
         assert tp_ranked
@@ -328,27 +347,41 @@ def test_the_planner_plans_a_library_model_and_ranks_only_what_the_strategies_ru
         assert any(r.layout.tp > 1 and "has no tensor-parallel plan" in r.reason for r in plan.rejected)
 
 
-def plan_profile_params(module: nn.Module) -> int:
+def plan_profile(module: nn.Module) -> Any:
     from polytrain.parallel.planner import profiler
 
     tensors = dataset(module.kind).tensors
-    return profiler(module, tensors[0][:1], tensors[1][:1] if len(tensors) > 1 else None)(1).params
+    return profiler(module, tensors[0][:1], tensors[1][:1] if len(tensors) > 1 else None)(1)
 
 
-def _train_layout(rank: int, world_size: int, degrees: dict[str, int], root: str) -> dict[str, Any]:
-    return _fit("llama", {"name": "parallel", **degrees}, world_size, root, STEPS)
+def _train_planned(rank: int, world_size: int, kind: str, chosen: dict[str, Any], root: str) -> dict[str, Any]:
+    """Train the layout ``chosen`` as a planned run does (``plan: true`` reuses the plan the config holds)."""
+    strategy = {"name": "parallel", "plan": True, "chosen": chosen, **({"sync_batchnorm": True} if kind == "resnet50"
+                                                                         else {})}
+    dp = chosen["dp_replicate"] * chosen["dp_shard"]
+    module = HeldModel(kind, GLOBAL_BATCH // dp)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=STEPS, run_dir=root,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      num_sanity_val_steps=0, timeout=120)
+    trainer.fit(module)
+    state = trainer.strategy.module_state_dict()
+    return {"weights": {k: v.detach().clone() for k, v in state.items()}, "batches_run": module.batches_run}
 
 
+# The language models planned for four ranks rank pipelines and checkpointing among their top three; the
+# torchvision models (86M and 26M parameters) are planned for two, to keep the suite's time.
 @pytest.mark.distributed
-@pytest.mark.timeout(600)
-def test_the_top_three_layouts_the_planner_ranks_for_llama_train_equal_to_one_process(tmp_path: Any) -> None:
-    _, plan = _plan("llama")
-    want = reference("llama")[STEPS]
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind, devices", [("gpt2", 4), ("llama", 4), ("resnet50", 2), ("vit_b_16", 2)])
+def test_the_top_three_layouts_the_planner_ranks_train_equal_to_one_process(
+        kind: str, devices: int, tmp_path: Any) -> None:
+    _, plan = _plan(kind, devices)
+    want = reference(kind)[STEPS]
     for estimate in plan.ranked[:3]:
         lay = estimate.layout
-        degrees = {k: getattr(lay, k) for k in ("dp_replicate", "dp_shard", "tp") if getattr(lay, k) > 1}
-        out = run_distributed(_train_layout, 4, degrees, str(tmp_path / lay.label().replace(" ", "")),
-                              timeout=300)
+        chosen = chosen_layout(estimate, devices, "cpu")
+        out = run_distributed(_train_planned, devices, kind, chosen, str(tmp_path / lay.label().replace(" ", "")),
+                              timeout=420)
         assert out[0]["batches_run"] == STEPS
         _assert_equal(out[0]["weights"], want, lay.label())
 

@@ -37,6 +37,7 @@ from polytrain.parallel.choices import DATA_PARALLEL
 from polytrain.parallel.compile import apply_compile, compile_targets
 from polytrain.parallel.dims import ParallelDims
 from polytrain.parallel.fsdp import apply_fsdp
+from polytrain.parallel.pipeline_paths import Elsewhere
 
 APPLY_ORDER = ("tensor_parallel", "activation_checkpointing", "compile", "data_parallel")
 
@@ -161,4 +162,9 @@ def local_plan(module: nn.Module, plan: dict[str, Any] | None) -> dict[str, Any]
     only its layers; the plan was checked against the whole module before the cut)."""
     if plan is None:
         return None
-    return {key: style for key, style in plan.items() if tp_fn.resolve_key(module, key)}
+    if not any(isinstance(m, Elsewhere) for m in module.modules()):
+        return {key: style for key, style in plan.items() if tp_fn.resolve_key(module, key)}
+    # Cut at module paths, other stages' modules are stand-ins: each key becomes the names it reaches
+    # here, without them (a pattern would walk into a stand-in, which has no submodules).
+    return {name: style for key, style in plan.items() for name in tp_fn.resolve_key(module, key)
+            if not isinstance(module.get_submodule(name), Elsewhere)}

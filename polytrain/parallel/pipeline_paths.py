@@ -73,16 +73,35 @@ def default_split_paths(module: nn.Module, n_stages: int) -> list[str]:
             f"ModuleList or Sequential) to cut into {n_stages} pipeline stages; name the cut with strategy "
             f"option split_points: [module.path, ...] (the first module of stages 1..{n_stages - 1}), or lower pp "
             f"or stages_per_rank")
-    index_of = {id(block): i for i, block in enumerate(blocks)}
     costs = [0] * len(blocks)
-    inside = {id(m): i for i, block in enumerate(blocks) for m in block.modules()}
-    current = 0
-    for child in module.modules():
-        current = index_of.get(id(child), current)
-        own = sum(p.numel() for p in child.parameters(recurse=False))
-        costs[inside.get(id(child), current)] += own
+    for index, param in parameter_segments(module, segments_of(module, blocks)).values():
+        costs[min(max(index - 1, 0), len(blocks) - 1)] += param.numel()  # glue: with the block beside it
     names = {id(m): name for name, m in module.named_modules()}
     return [names[id(blocks[i])] for i in balance(costs, n_stages)]
+
+
+def segments_of(module: nn.Module, blocks: list[nn.Module]) -> dict[int, int]:
+    """Each module (by id) -> where it lies in registration order: 0 before the first block, ``i + 1``
+    inside block ``i`` or between it and the next, ``n + 1`` after the last block."""
+    index_of = {id(block): i + 1 for i, block in enumerate(blocks)}
+    inside = {id(m): i + 1 for i, block in enumerate(blocks) for m in block.modules()}
+    in_last = {id(m) for m in blocks[-1].modules()}
+    out: dict[int, int] = {}
+    current, past_last = 0, False
+    for sub in module.modules():
+        current = index_of.get(id(sub), current)
+        past_last = past_last or (current == len(blocks) and id(sub) not in in_last)
+        out[id(sub)] = inside.get(id(sub), len(blocks) + 1 if past_last else current)
+    return out
+
+
+def parameter_segments(module: nn.Module, segments: dict[int, int]) -> dict[int, tuple[int, nn.Parameter]]:
+    """Each parameter (by id, once: a tie where first registered) -> its module's segment, and itself."""
+    out: dict[int, tuple[int, nn.Parameter]] = {}
+    for sub in module.modules():
+        for p in sub.parameters(recurse=False):
+            out.setdefault(id(p), (segments[id(sub)], p))
+    return out
 
 
 def cut_at_paths(module: nn.Module, split_paths: Sequence[str], n_stages: int) -> PathCut:
@@ -344,8 +363,28 @@ class PathStage(nn.Module):
 
 
 def held_modules(module: nn.Module, cut: PathCut, stage: int) -> list[nn.Module]:
-    modules = dict(module.named_modules())
-    return [modules[path] for path, s in cut.stage_of.items() if s == stage]
+    """The largest subtrees of the kept ``module`` (after ``keep_stages``) whose parameters are all stage
+    ``stage``'s: the whole module where a rank runs one stage. A ``PathStage`` holds them, so its
+    parameters are the stage's, and FSDP's root over it takes what no block unit took."""
+    below: dict[str, set[int]] = {}
+    for path, child in module.named_modules():
+        if isinstance(child, Elsewhere) or next(child.parameters(recurse=False), None) is None:
+            continue
+        parts = path.split(".") if path else []
+        for depth in range(len(parts) + 1):
+            below.setdefault(".".join(parts[:depth]), set()).add(cut.stage_of[path])
+    held: list[nn.Module] = []
+
+    def visit(path: str, child: nn.Module) -> None:
+        stages = below.get(path, set())
+        if stages == {stage}:
+            held.append(child)
+        elif stage in stages:
+            for name, grandchild in child.named_children():
+                visit(f"{path}.{name}" if path else name, grandchild)
+
+    visit("", module)
+    return held
 
 
 def tied_parameters(module: nn.Module, cut: PathCut) -> Iterator[tuple[list[str], nn.Parameter | None]]:

@@ -174,11 +174,6 @@ class PipelineRunner:
             raise ConfigError(f"the pipeline preset's pipeline_loss step cuts one nn.Sequential; "
                               f"{type(module).__name__} has none, so it is cut at module paths and every stage "
                               f"runs training_step: use strategy name: parallel with pp > 1")
-        if self.dims.dp_shard > 1 or self.dims.tp > 1:
-            raise ConfigError(f"a pipeline cut at module paths (a model that is not one nn.Sequential) runs with "
-                              f"data parallel replicas only for now; got dp_shard={self.dims.dp_shard}, tp="
-                              f"{self.dims.tp}. Use dp_replicate for the data-parallel degree, or hold the layers "
-                              f"in one nn.Sequential")
         self.cut = P.cut_at_paths(module, points if points is not None else
                                   P.default_split_paths(module, self.n_stages), self.n_stages)
 
@@ -204,20 +199,22 @@ class PipelineRunner:
         if is_global_zero:
             log.info("pipeline %s over pp=%d x dp=%d cut at %s: %s", self.settings.schedule, self.dims.pp,
                      self.dims.dp_size, cut.split_paths, cut.describe(module))
-        held = {s: P.held_modules(module, cut, s) for s in local}
         # Every rank sums every tie (zeros where it holds no copy): one collective, alike on all ranks.
         self.tie_shapes = [(p.shape, p.dtype) for p in (module.get_parameter(names[0]) for names, _ in cut.ties)]
         P.keep_stages(module, cut, local)
         P.add_split_hooks(module, cut, local)
-        # Each tie's copy on this rank (None: none here), and its norm counts on its first stage's rank only.
-        self.ties = [param for _, param in P.tied_parameters(module, cut)]
-        self.counted_elsewhere = {id(param) for param, (_, stages) in zip(self.ties, cut.ties)
-                                  if param is not None and self.owner[stages[0]] != self.dims.pp_rank}
+        held = {s: P.held_modules(module, cut, s) for s in local}
         self.stage_modules = {s: P.PathStage(s, held[s], self._run_stage) for s in local}
         return list(self.stage_modules.values())
 
     def build(self, module: nn.Module, device: torch.device) -> None:
         self.module, self.device = module, device
+        if self.by_paths and self.cut.ties:
+            # Read once the stages are parallelised (FSDP replaces the parameters): each tie's copy on this
+            # rank (None: none here); its norm counts on its first stage's rank only.
+            self.ties = [param for _, param in P.tied_parameters(module, self.cut)]
+            self.counted_elsewhere = {id(param) for param, (_, stages) in zip(self.ties, self.cut.ties)
+                                      if param is not None and self.owner[stages[0]] != self.dims.pp_rank}
         self.stages: list[Any] = []  # of every schedule: torch's shape probe may run in any of them
         self._schedules: dict[tuple[Any, ...], Any] = {}
         self._spare = self._new_schedule()  # built now so a bad n_microbatches fails before any data
@@ -346,9 +343,10 @@ class PipelineRunner:
         batch in evaluation), from the activation received to the next split point. The last stage
         passes what it received to the loss function (or to ``eval_step``), which runs the step there."""
         if index == self.n_stages - 1:
-            # A view, not x itself: given its own input back as output, torch 2.11's stage finds no input
-            # gradient to send ("has gradients None"); a view carries it.
-            return x.view_as(x)
+            # A copy, not x itself: given its own input back as output, torch 2.11's stage finds no input
+            # gradient to send ("has gradients None"); and FSDP warns of a view (an in-place op on it would
+            # drop its pre-backward hook).
+            return x.clone()
         if self._whole is not None:
             batch, step = self._whole
         else:
@@ -377,9 +375,11 @@ class PipelineRunner:
 
     def sum_tied_grads(self) -> None:
         """A parameter tied across stages gets the sum of its stages' gradients on every copy, so the
-        copies take the same step. Every pp rank joins, with zeros where it holds no copy."""
+        copies take the same step. Every pp rank joins, with zeros where it holds no copy. Under FSDP
+        each rank sums its own shard: the stages' ranks at one data-parallel position hold the same."""
         device = self.strategy.root_device
-        grads = [p.grad if p is not None and p.grad is not None else torch.zeros(shape, dtype=dtype, device=device)
+        grads = [_local(p.grad) if p is not None and p.grad is not None
+                 else torch.zeros(self._local_shape(shape), dtype=dtype, device=device)
                  for p, (shape, dtype) in zip(self.ties, self.tie_shapes)]
         for dtype in dict.fromkeys(g.dtype for g in grads):
             same = [i for i, g in enumerate(grads) if g.dtype == dtype]
@@ -389,9 +389,19 @@ class PipelineRunner:
                 if param is None:
                     continue
                 if param.grad is None:
-                    param.grad = summed.clone()
-                else:
-                    param.grad.copy_(summed)
+                    raise RuntimeError(f"{self.cut.ties[i][0]} is tied across pipeline stages {self.cut.ties[i][1]} "
+                                       f"but got no gradient on this rank's stage, which holds it: every stage that "
+                                       f"holds a tie must use it in each step")
+                _local(param.grad).copy_(summed)
+
+    def _local_shape(self, shape: torch.Size) -> list[int]:
+        """This rank's shard of a tensor of ``shape``: FSDP cuts dimension 0 as ``torch.chunk`` does."""
+        shards = self.dims.dp_shard
+        if shards == 1:
+            return list(shape)
+        per = -(-shape[0] // shards)
+        mine = self.dims.get_mesh("fsdp").get_local_rank() if shards > 1 else 0
+        return [max(0, min(per, shape[0] - mine * per)), *shape[1:]]
 
     @contextlib.contextmanager
     def _sequential_as(self, stand_in: Any) -> Iterator[None]:
@@ -503,6 +513,10 @@ class PipelineRunner:
         if log_here or not self.is_last_stage:
             for (name, kwargs), value in zip(described, packed.unbind(0)):
                 self.module.log(name, value, **kwargs)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from polytrain.checkpoint.reading import read_meta
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.activation_checkpointing import resolve_checkpointing
 from polytrain.parallel.float8 import resolve_float8
-from polytrain.parallel.planner import Training, hardware, profiler, rank
+from polytrain.parallel.planner import Estimate, Training, hardware, profiler, rank
 from polytrain.parallel.planner.search import world_check
 from polytrain.parallel.planner.timing import SCHEDULES as PLANNED_SCHEDULES
 from polytrain.strategies.launcher import LaunchPlan
@@ -142,13 +142,18 @@ def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamod
     attention = "flash" if on_cuda else "cpu"
     profile_at = profiler(built, x[:1], None if y is None else y[:1], attention, spec.get("sequential"))
     plan = rank(hw, training, profile_at, pinned)
-    best, lay = plan.best, plan.best.layout  # raises, with the first rejections, when nothing fits
-    chosen: dict[str, Any] = {"world_size": world, **{k: getattr(lay, k) for k in DEGREES}}
-    chosen.update(n_microbatches=lay.n_microbatches, activation_checkpointing=lay.activation_checkpointing,
-                  hardware=preset, memory_bytes=int(best.total_memory), step_s=float(best.step_time))
+    chosen = chosen_layout(plan.best, world, preset)  # raises, with the first rejections, when nothing fits
     chosen["summary"] = f"best of {len(plan.ranked)} layouts that fit ({len(plan.rejected)} rejected), " \
                         f"global batch {global_batch}"
     return chosen
+
+
+def chosen_layout(best: Estimate, world_size: int, preset: str) -> dict[str, Any]:
+    """A ranked layout as ``trainer.strategy.chosen`` holds it: what a planned run trains with."""
+    lay = best.layout
+    return {"world_size": world_size, **{k: getattr(lay, k) for k in DEGREES}, "n_microbatches": lay.n_microbatches,
+            "activation_checkpointing": lay.activation_checkpointing, "hardware": preset,
+            "memory_bytes": int(best.total_memory), "step_s": float(best.step_time)}
 
 
 def schedule_settings(options: dict[str, Any]) -> dict[str, Any]:

@@ -12,12 +12,19 @@ import torch
 from torch import nn
 
 from polytrain.core.errors import ConfigError
+from polytrain.parallel.fsdp import blocks_to_wrap
 from polytrain.parallel.library_plans import library_plan
 from polytrain.parallel.pipeline_paths import meta_twin
 from polytrain.parallel.pipeline_split import PipelineSplitError, find_sequential
 from polytrain.parallel.planner.estimate import Estimate, Layout, Training, estimate
 from polytrain.parallel.planner.hardware import PRESETS, Hardware, hardware, parse_bytes
-from polytrain.parallel.planner.profile import ModelProfile, profile_sequential, profile_whole, style_names
+from polytrain.parallel.planner.profile import (
+    ModelProfile,
+    profile_blocks,
+    profile_sequential,
+    profile_whole,
+    style_names,
+)
 from polytrain.parallel.planner.search import Plan, format_table, rank
 from polytrain.parallel.tensor_parallel import without_ties
 
@@ -60,10 +67,16 @@ def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | No
                f"none ({' '.join(str(err).split()[1:4])}): the strategy cuts it at module paths (split_points, "
                f"or across its repeated blocks), but this plan does not rank that layout; set pp yourself")
 
+        # With repeated blocks the strategy cuts it at module paths: profiled block by block, every
+        # layout is planned, pipelines included; without, profiled whole (no pipeline).
+        by_blocks = len(blocks_to_wrap(whole, None)) >= 2
+
         @functools.cache
         def whole_at(tp: int) -> ModelProfile:
             if tp > 1 and not splits:
                 raise ConfigError(refusal)
+            if by_blocks:
+                return profile_blocks(whole, batch, tp, plan, attention)
             return profile_whole(whole, batch, why, tp, plan, attention)
 
         return whole_at

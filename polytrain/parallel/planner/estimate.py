@@ -134,8 +134,11 @@ def checkpointed(children: tuple[ChildProfile, ...], every: int = 1) -> list[boo
 
 
 def stages(profile: ModelProfile, pp: int) -> list[tuple[int, int]]:
-    """(first, end) child index of each stage, cut by parameter count as the strategy cuts."""
-    points = [0, *balance([c.params for c in profile.children], pp), len(profile.children)]
+    """(first, end) child index of each stage, cut by parameter count as the strategy cuts: between
+    children, or between the units of a model profiled block by block (its glue stays with a block)."""
+    units = profile.units or tuple((i, i + 1) for i in range(len(profile.children)))
+    cuts = balance([sum(c.params for c in profile.children[lo:hi]) for lo, hi in units], pp)
+    points = [0, *(units[i][0] for i in cuts), len(profile.children)]
     return list(zip(points[:-1], points[1:]))
 
 

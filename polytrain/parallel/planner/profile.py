@@ -43,6 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.activation_checkpointing import OpSelection
 from polytrain.parallel.fsdp import blocks_to_wrap
+from polytrain.parallel.pipeline_paths import parameter_segments, segments_of
 from polytrain.parallel.tensor_parallel import resolve_key
 
 
@@ -85,6 +86,10 @@ class ModelProfile:
     # Set when the model has no Sequential to cut: it is profiled whole, through its training_step, as
     # one child, and this says why (the pipeline strategy's own words, for the layouts it rules out).
     whole: str | None = None
+    # A model profiled block by block (``profile_blocks``: no Sequential, repeated blocks): the child
+    # ranges a pipeline cannot cut inside (the glue before the first block goes with it, the glue after
+    # the last likewise), and its ties span stages (each stage keeps a copy; gradients summed).
+    units: tuple[tuple[int, int], ...] = ()
 
     @property
     def params(self) -> int:
@@ -406,6 +411,133 @@ def profile_whole(module: nn.Module, batch: list[torch.Tensor], why: str, tp: in
     first = next(module.parameters(), None)
     return ModelProfile(tp=tp, children=(child,), seq_len=seq_len,
                         param_bytes=first.element_size() if first is not None else 4, whole=why)
+
+
+def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1, plan: dict[str, str] | None = None,
+                   attention: str = "flash") -> ModelProfile:
+    """Profile ``module`` (on meta) through its ``training_step`` on ``batch`` (one sample of each tensor,
+    meta, the loss included) as its repeated blocks (``blocks_to_wrap``: FSDP's units, where the pipeline
+    cuts a model that is not one Sequential) with the glue before the first and after the last as children
+    of their own: ``[before, block 0, ..., block n-1, after]``. Parameters weigh where they are registered
+    (a tie once, where first), as the strategy's cut weighs them; saved bytes and FLOPs where they run."""
+    with _attention_kernel(attention):
+        module = copy.deepcopy(module) if tp > 1 else module
+        planned = _planned_modules(module, plan or {})
+        blocks = blocks_to_wrap(module, None)
+        names = {id(m): n for n, m in module.named_modules()}
+        split_ids = {id(p) for n, s in planned.items() if s in SPLIT_STYLES for p in module.get_submodule(n).parameters()}
+        segment = segments_of(module, blocks)
+        weighs = parameter_segments(module, segment)  # before shrinking: whole parameters
+        n_split, n_whole = [0] * (len(blocks) + 2), [0] * (len(blocks) + 2)
+        for param_id, (index, param) in weighs.items():
+            (n_split if param_id in split_ids else n_whole)[index] += param.numel()
+        linears = [0] * (len(blocks) + 2)
+        for sub in module.modules():
+            if isinstance(sub, nn.Linear):
+                linears[segment[id(sub)]] += sub.weight.numel()
+        # A tie: the child where the parameter weighs, and each other child holding it
+        tied = tuple(sorted({(weighs[id(p)][0], segment[id(sub)]) for sub in module.modules()
+                             for p in sub.parameters(recurse=False) if weighs[id(p)][0] != segment[id(sub)]}))
+        for name, style in planned.items():
+            if tp > 1:
+                _shrink(module.get_submodule(name), style, tp, name)
+        local_blocks = [sum(p.numel() for p in block.parameters()) for block in blocks]
+        root = sum(p.numel() for p in module.parameters()) - sum(local_blocks)
+        step = _TrainingStep(module, batch)
+        traced, inputs = _trace_segments(step, blocks, {f"module.{k}": v for k, v in planned.items()}, tp,
+                                         _storages(module.parameters()))
+    label = ["before " + names[id(blocks[0])], *(names[id(b)] for b in blocks), "after " + names[id(blocks[-1])]]
+    children = []
+    for index, t in enumerate(traced):
+        glue = index in (0, len(traced) - 1)
+        children.append(ChildProfile(
+            name=label[index], kind=type(module).__name__ if glue else type(blocks[index - 1]).__name__,
+            params=n_split[index] + n_whole[index], tp_params=n_split[index], saved_bytes=t.saved,
+            input_bytes=_nbytes(batch) if index == 0 else inputs[index - 1] if not glue or index == 1 else 0,
+            output_bytes=inputs[index] if index < len(blocks) else 0, flops=t.flops,
+            tp_allreduce_bytes=t.reduced, linear_flops=t.linear_flops, tp_linear_flops=t.tp_linear_flops,
+            linear_params=linears[index], op_kept_bytes=t.op_kept, op_recompute_flops=t.op_recompute,
+            op_recompute_matmul_flops=t.op_recompute_matmul, fsdp_unit_params=root if glue else 0))
+    last = len(children) - 1
+    example = batch[0]
+    seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
+    first = next(module.parameters(), None)
+    return ModelProfile(tp=tp, children=tuple(children), seq_len=seq_len,
+                        param_bytes=first.element_size() if first is not None else 4, ties=tied,
+                        units=((0, 2), *((i, i + 1) for i in range(2, last - 1)), (last - 1, last + 1)))
+
+
+class _Current:
+    """Writes its attributes to the segment running now (``segments[current[0]]``)."""
+
+    def __init__(self, segments: list[_Traced], current: list[int]) -> None:
+        object.__setattr__(self, "_where", (segments, current))
+
+    def __getattr__(self, name: str) -> Any:
+        segments, current = object.__getattribute__(self, "_where")
+        return getattr(segments[current[0]], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        segments, current = object.__getattribute__(self, "_where")
+        setattr(segments[current[0]], name, value)
+
+
+class _FlopsHere(TorchDispatchMode):
+    """Each op's forward FLOPs (``flop_counter``'s formulas) to the segment running now."""
+
+    def __init__(self, where: _Current) -> None:
+        super().__init__()
+        self.where = where
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.where.flops += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+def _trace_segments(step: nn.Module, blocks: list[nn.Module], planned: dict[str, str], tp: int,
+                    seen: set[int]) -> tuple[list[_Traced], list[int]]:
+    """Run the step on meta once, attributing what ``_trace_child`` measures to the glue before the first
+    block, each block (with the glue up to the next), and the glue after the last (the loss with it).
+    Also returns the bytes of each block's input (its first tensor argument: what a pipeline sends)."""
+    segments = [_Traced(None, 0, 0, 0) for _ in range(len(blocks) + 2)]
+    counters = [_SavedCounter(seen) for _ in segments]
+    current, inputs = [0], [0] * len(blocks)
+    here = _Current(segments, current)
+
+    def enter(index: int) -> Any:
+        def hook(m: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            current[0] = index + 1
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            inputs[index] = _nbytes(tensors[0]) if tensors else 0
+        return hook
+
+    handles = [block.register_forward_pre_hook(enter(i), with_kwargs=True) for i, block in enumerate(blocks)]
+    handles.append(blocks[-1].register_forward_hook(lambda m, i, o: current.__setitem__(0, len(blocks) + 1)))
+    handles += _linear_hooks(step, planned, here)
+    for name, style in planned.items():
+        sub = step.get_submodule(name)
+        if style == "RowwiseParallel":
+            handles.append(sub.register_forward_hook(lambda m, i, o: setattr(here, "reduced", here.reduced + _nbytes(o))))
+        elif style == COLWISE_GATHERED:
+            def gather(m: nn.Module, i: Any, o: torch.Tensor) -> torch.Tensor:
+                whole = o.new_empty(*o.shape[:-1], o.shape[-1] * tp)
+                here.reduced += _nbytes(whole)  # as in _trace_child: an all-reduce's payload, an upper bound
+                return whole
+            handles.append(sub.register_forward_hook(gather))
+    try:
+        with (torch.autograd.graph.saved_tensors_hooks(lambda t: counters[current[0]].pack(t), lambda t: t),
+              _FlopsHere(here), _OpSelectionReplay(here)):  # type: ignore[arg-type]
+            step(None)
+    finally:
+        for h in handles:
+            h.remove()
+    for segment, counter in zip(segments, counters):
+        segment.saved = counter.total
+    return segments, inputs
 
 
 class _TrainingStep(nn.Module):

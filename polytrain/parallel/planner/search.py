@@ -46,9 +46,10 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _rejection(lay: Layout, hw: Hardware, train: Training, n_children: int, whole: str | None) -> str | None:
+def _rejection(lay: Layout, hw: Hardware, train: Training, n_children: int, whole: str | None,
+               pieces: str = "layers of the Sequential") -> str | None:
     """Why ``lay`` cannot run at all (before any estimate), or None. ``whole``: why the model was profiled
-    whole (no Sequential to cut), which rules out a pipeline."""
+    whole (no Sequential to cut), which rules out a pipeline; ``pieces``: what a pipeline cuts between."""
     if lay.tp > hw.devices_per_node or hw.devices_per_node % lay.tp:
         return f"tp={lay.tp} crosses the node boundary ({hw.devices_per_node} devices per node)"
     if whole is not None and lay.pp > 1:
@@ -63,7 +64,7 @@ def _rejection(lay: Layout, hw: Hardware, train: Training, n_children: int, whol
     v = train.stages_per_rank if lay.pp > 1 else 1
     if lay.pp * v > n_children:
         stages = f"pp={lay.pp}" + (f" x {v} stages per rank" if v > 1 else "")
-        return f"{stages} exceeds the {n_children} layers of the Sequential"
+        return f"{stages} exceeds the {n_children} {pieces}"
     if train.global_batch % lay.dp:
         return f"global batch {train.global_batch} is not divisible by dp={lay.dp}"
     if (train.global_batch // lay.dp) % lay.n_microbatches:
@@ -121,12 +122,14 @@ def rank(hw: Hardware, train: Training, profile_at: Callable[[int], ModelProfile
                           "has one; a100 and cpu do not)")
     plan = Plan()
     profiles: dict[int, ModelProfile | str] = {1: profile_at(1)}
-    n_children = len(profiles[1].children)  # type: ignore[union-attr]
+    # What a pipeline can cut: the children, or the units of a model profiled block by block
+    n_children = len(profiles[1].units or profiles[1].children)  # type: ignore[union-attr]
+    pieces = "repeated blocks of the model" if profiles[1].units else "layers of the Sequential"  # type: ignore
     whole = profiles[1].whole  # type: ignore[union-attr]
     usable = int(hw.memory_bytes * hw.usable_memory)
     for lay in candidates(hw, train, pinned):
         prof = profiles.get(lay.tp)
-        reason = _rejection(lay, hw, train, n_children, whole)
+        reason = _rejection(lay, hw, train, n_children, whole, pieces)
         if reason is None and prof is None:
             try:
                 prof = profiles[lay.tp] = profile_at(lay.tp)
@@ -134,7 +137,7 @@ def rank(hw: Hardware, train: Training, profile_at: Callable[[int], ModelProfile
                 prof = profiles[lay.tp] = f"tp={lay.tp} does not split the model: {' '.join(str(err).split())[:160]}"
         if reason is None and isinstance(prof, str):
             reason = prof
-        if reason is None and lay.pp > 1:
+        if reason is None and lay.pp > 1 and not prof.units:  # cut at module paths, a tie spans stages
             reason = _tie_across_ranks(lay, train, prof)
         if reason is None:
             est = estimate(lay, train, prof, hw)
