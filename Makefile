@@ -33,7 +33,7 @@ train: $(STAMP)
 	$(VENV)/bin/polytrain fit --config examples/digits/config.yaml
 
 test: $(DEV_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --durations=25
 
 $(MIN_PY):
 	$(PYTHON) -m venv $(MIN_VENV)
@@ -49,7 +49,7 @@ $(MIN_STAMP): pyproject.toml | $(MIN_PY)
 
 # The suite on the lowest supported torch. MIN_PYTEST_ARGS narrows it if ever needed (.ci/run passes none).
 test-torch-min: $(MIN_STAMP)
-	$(MIN_PY) -m pytest -q tests $(MIN_PYTEST_ARGS)
+	$(MIN_PY) -m pytest -q tests --durations=25 $(MIN_PYTEST_ARGS)
 
 test-fast: $(DEV_STAMP)
 	$(PY) -m pytest -q tests -m "not slow and not reliability"
