@@ -123,3 +123,16 @@ def test_bad_split_points_are_refused_in_words() -> None:
         P.default_split_paths(module, 3)
     with pytest.raises(PipelineSplitError, match=r"Linear has no nn.Sequential child and 0 repeated blocks"):
         P.default_split_paths(nn.Linear(2, 2), 2)
+
+
+def test_split_points_in_a_config_are_child_indices_or_module_paths_not_a_mix() -> None:
+    from polytrain.core.errors import ConfigError
+    from polytrain.core.options import validate_dataclass
+    from polytrain.strategies.options import ParallelOptions
+
+    paths = validate_dataclass(ParallelOptions, {"pp": 2, "split_points": ["model.model.layers.4"]}, "strategy")
+    assert paths.split_points == ["model.model.layers.4"]
+    assert validate_dataclass(ParallelOptions, {"pp": 3, "split_points": [2, 4]}, "strategy").split_points == [2, 4]
+    for mixed in ([2, "model.x"], [{"layer": 2}]):
+        with pytest.raises(ConfigError, match=r"strategy.split_points.*expected list\[int\] \| list\[str\] \| None"):
+            validate_dataclass(ParallelOptions, {"pp": 3, "split_points": mixed}, "strategy")

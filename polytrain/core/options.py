@@ -67,4 +67,10 @@ def validate_dataclass(cls: type, data: dict[str, Any], where: str) -> Any:
             for i, item in enumerate(value):
                 if not isinstance(item, str):
                     raise ConfigError(f"{where}.{f.name}[{i}]={item!r} is not valid (expected {f.type})")
+        # A union of list types passes OmegaConf unchecked: every element one of them, all alike.
+        if str(f.type).startswith("list[int] | list[str]") and value is not None:
+            kinds = {type(item) for item in value} if isinstance(value, list) else {type(value)}
+            if not isinstance(value, list) or not (kinds <= {int} or kinds <= {str}):
+                raise ConfigError(f"{where}.{f.name}={value!r} is not valid (expected {f.type}: all child indices "
+                                  f"or all module paths)")
     return obj

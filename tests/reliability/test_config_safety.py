@@ -54,6 +54,8 @@ def _wrong_element(tp: Any) -> list[Any] | None:
     text = str(tp)
     if not text.startswith("list"):
         return None
+    if "int" in text and "str" in text:  # indices or names (split_points): neither
+        return [{"not": "an index or a name"}]
     return ["not-a-number"] if "int" in text else [{"not": "a string"}] if "str" in text else [42]
 
 

@@ -177,8 +177,12 @@ def _fsdp_buffers(lay: Layout, prof: ModelProfile, stage_params: float, unit: in
 def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, chunks: list[tuple[int, int]],
                   s: int) -> dict[str, int]:
     kids = [c for lo, hi in chunks for c in prof.children[lo:hi]]
-    master = MASTER_BYTES[train.precision]
-    held = sum(_local_params(c, lay.tp) for c in kids) / lay.fsdp
+    # Precision 32 trains the weights in the dtype they are built in (float64 too)
+    master = prof.param_bytes if train.precision == "32" else MASTER_BYTES[train.precision]
+    mine = {i for lo, hi in chunks for i in range(lo, hi)}
+    # A tie spanning stages (a model cut at module paths) is held again by each stage that uses it
+    copies = sum(n for (first, other), n in zip(prof.ties, prof.tied_params) if other in mine and first not in mine)
+    held = (sum(_local_params(c, lay.tp) for c in kids) + copies) / lay.fsdp
     units = max(c.fsdp_unit_params or _local_params(c, lay.tp) for c in kids)
     micro = train.global_batch // lay.dp // lay.n_microbatches
     # Micro-batches each of the rank's stages holds at its peak (1F1B: p - s; timing.in_flight)

@@ -90,6 +90,7 @@ class ModelProfile:
     # ranges a pipeline cannot cut inside (the glue before the first block goes with it, the glue after
     # the last likewise), and its ties span stages (each stage keeps a copy; gradients summed).
     units: tuple[tuple[int, int], ...] = ()
+    tied_params: tuple[int, ...] = ()  # with ``units``: each tie's size, held again by a stage without its first
 
     @property
     def params(self) -> int:
@@ -435,9 +436,13 @@ def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1, pl
         for sub in module.modules():
             if isinstance(sub, nn.Linear):
                 linears[segment[id(sub)]] += sub.weight.numel()
-        # A tie: the child where the parameter weighs, and each other child holding it
-        tied = tuple(sorted({(weighs[id(p)][0], segment[id(sub)]) for sub in module.modules()
-                             for p in sub.parameters(recurse=False) if weighs[id(p)][0] != segment[id(sub)]}))
+        # A tie: the child where the parameter weighs, each other child holding it, and its size
+        tied: dict[tuple[int, int], int] = {}
+        for sub in module.modules():
+            for p in sub.parameters(recurse=False):
+                pair = (weighs[id(p)][0], segment[id(sub)])
+                if pair[0] != pair[1]:
+                    tied[pair] = tied.get(pair, 0) + p.numel()
         for name, style in planned.items():
             if tp > 1:
                 _shrink(module.get_submodule(name), style, tp, name)
@@ -463,8 +468,8 @@ def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1, pl
     seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
     first = next(module.parameters(), None)
     return ModelProfile(tp=tp, children=tuple(children), seq_len=seq_len,
-                        param_bytes=first.element_size() if first is not None else 4, ties=tied,
-                        units=((0, 2), *((i, i + 1) for i in range(2, last - 1)), (last - 1, last + 1)))
+                        param_bytes=first.element_size() if first is not None else 4, ties=tuple(tied),
+                        tied_params=tuple(tied.values()), units=((0, 2), *((i, i + 1) for i in range(2, last - 1)), (last - 1, last + 1)))
 
 
 class _Current:
