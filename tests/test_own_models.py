@@ -377,7 +377,7 @@ def _bytes(tensors: Any) -> int:
     for t in tensors:
         if isinstance(t, torch.Tensor):
             local = t.to_local() if hasattr(t, "to_local") else t
-            seen[id(local)] = local.numel() * local.element_size()
+            seen[id(t)] = local.numel() * local.element_size()  # t, alive in the module: its id is its own
     return sum(seen.values())
 
 
