@@ -208,11 +208,14 @@ def test_a_library_model_trains_and_resumes_equal_to_one_process(kind: str, stra
     # BatchNorm normalises over what it is given: one micro-batch is the whole batch, as on one process
     ("resnet50", {"schedule": "gpipe", "n_microbatches": 1}),
     ("vit_b_16", {"schedule": "1f1b"}),  # the class token and position embedding sit on containers
-])
+    # three stages: the embeddings alone, a middle stage that holds no copy of the tie, the rest
+    ("gpt2", {"pp": 3, "schedule": "1f1b", "n_microbatches": 4,
+              "split_points": ["model.transformer.h.0", "model.transformer.h.1"]}),
+], ids=["gpt2", "llama", "resnet50", "vit_b_16", "gpt2-pp3"])
 def test_a_library_model_trains_in_a_pipeline_cut_at_module_paths_equal_to_one_process(
         kind: str, options: dict[str, Any], tmp_path: Any) -> None:
     strategy = {"name": "parallel", "pp": 2, **options}
-    out = run_distributed(_train_and_resume, 2, kind, strategy, str(tmp_path), timeout=540)
+    out = run_distributed(_train_and_resume, strategy["pp"], kind, strategy, str(tmp_path), timeout=540)
     _check_against_reference(kind, f"pp2 {options}", out)
 
 

@@ -172,7 +172,8 @@ def meta_twin(child: nn.Module) -> nn.Module:
 
 def keep_stages(module: nn.Module, cut: PathCut, local: set[int]) -> list[Elsewhere]:
     """Replace, in place, every largest subtree holding parameters of other stages only by an
-    ``Elsewhere`` stand-in; returns the stand-ins. Modules without parameters stay (glue)."""
+    ``Elsewhere`` stand-in (a container's children, not the container); returns the stand-ins. Modules
+    without parameters stay (glue)."""
     stages = _subtree_stages(module, cut)
     stand_ins: list[Elsewhere] = []
 
@@ -180,7 +181,9 @@ def keep_stages(module: nn.Module, cut: PathCut, local: set[int]) -> list[Elsewh
         for name, child in list(parent.named_children()):
             path = f"{prefix}.{name}" if prefix else name
             held = stages.get(path, set())
-            if held and not held & local:
+            # A container is iterated or indexed by the model's forward (``for block in self.h``): it stays,
+            # its children stand in one by one.
+            if held and not held & local and not isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
                 stand_in = Elsewhere(meta_twin(child), path, sorted(held))
                 parent._modules[name] = stand_in
                 stand_ins.append(stand_in)
