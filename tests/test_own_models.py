@@ -385,7 +385,9 @@ def _bytes(tensors: Any) -> int:
 
 
 # The language models planned for four ranks rank pipelines and checkpointing among their top three; the
-# torchvision models (86M and 26M parameters) are planned for two, to keep the suite's time.
+# torchvision models (86M and 26M parameters) are planned for two, to keep the suite's time, and a planned
+# layout the ddp or fsdp test above trains and resumes (every rank a replica, or a shard; nothing else) is
+# not trained again here.
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind, devices", [("gpt2", 4), ("llama", 4), ("resnet50", 2), ("vit_b_16", 2)])
@@ -395,6 +397,8 @@ def test_the_top_three_layouts_the_planner_ranks_train_equal_to_one_process(
     want = reference(kind)[STEPS]
     for estimate in plan.ranked[:3]:
         lay = estimate.layout
+        if kind in ("resnet50", "vit_b_16") and _named_preset(lay, devices) in ("ddp", "fsdp"):
+            continue  # test_a_library_model_trains_and_resumes_equal_to_one_process[kind-preset]
         chosen = chosen_layout(estimate, devices, "cpu")
         out = run_distributed(_train_planned, devices, kind, chosen, str(tmp_path / lay.label().replace(" ", "")),
                               timeout=420)
@@ -408,6 +412,16 @@ def test_the_top_three_layouts_the_planner_ranks_train_equal_to_one_process(
         measured = max((r["held"] for r in out), key=lambda held: sum(held.values()))
         ratio = sum(measured.values()) / sum(predicted.values())
         assert 0.95 <= ratio <= 1.05, f"{lay.label()}: state per rank {measured} against predicted {predicted}"
+
+
+def _named_preset(lay: Any, devices: int) -> str | None:
+    """The named strategy that composes ``lay`` on ``devices`` ranks, if one does."""
+    plain = lay.tp == lay.pp == lay.cp == 1 and not lay.activation_checkpointing
+    if plain and lay.dp_replicate == devices:
+        return "ddp"
+    if plain and lay.dp_shard == devices:
+        return "fsdp"
+    return None
 
 
 def test_a_plan_style_the_strategy_refuses_rejects_tp_layouts_only() -> None:
