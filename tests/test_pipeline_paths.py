@@ -97,9 +97,9 @@ def test_a_module_run_out_of_its_registered_order_is_named_not_skipped() -> None
     assert cut.stage_of["head"] == 0  # registered before blocks.1, although it runs after
     P.keep_stages(model, cut, {1})
     P.add_split_hooks(model, cut, {1})
-    with P.running_as(P.StagePass(1, torch.zeros(3, 4), torch.device("cpu"))), \
-            pytest.raises(RuntimeError, match=r"stage 1 ran head \(of stage 0\) after its first split point: the "
-                                              r"model runs it later than it registers it"):
+    with (P.running_as(P.StagePass(1, torch.zeros(3, 4), torch.device("cpu"))),
+          pytest.raises(RuntimeError, match=r"stage 1 ran head \(of stage 0\) after its first split point: "
+                                            r"the model runs it later than it registers it")):
         model(torch.zeros(3, 4))
 
 

@@ -71,6 +71,6 @@ def validate_dataclass(cls: type, data: dict[str, Any], where: str) -> Any:
         if str(f.type).startswith("list[int] | list[str]") and value is not None:
             kinds = {type(item) for item in value} if isinstance(value, list) else {type(value)}
             if not isinstance(value, list) or not (kinds <= {int} or kinds <= {str}):
-                raise ConfigError(f"{where}.{f.name}={value!r} is not valid (expected {f.type}: all child indices "
-                                  f"or all module paths)")
+                raise ConfigError(f"{where}.{f.name}={value!r} is not valid (expected {f.type}: all child "
+                                  f"indices or all module paths)")
     return obj

@@ -264,8 +264,8 @@ def no_key_value_cache(module: nn.Module) -> None:
         config = getattr(sub, "config", None)
         if getattr(config, "use_cache", False) is True:
             config.use_cache = False
-            log.info("activation checkpointing: %s.config.use_cache set to False (a key/value cache filled in "
-                     "forward would be filled again by the recomputation)", type(sub).__name__)
+            log.info("activation checkpointing: %s.config.use_cache set to False (a key/value cache filled "
+                     "in forward would be filled again by the recomputation)", type(sub).__name__)
 
 
 def repeated(blocks: list[nn.Module]) -> list[nn.Module]:

@@ -71,8 +71,8 @@ def default_split_paths(module: nn.Module, n_stages: int) -> list[str]:
         raise PipelineSplitError(
             f"{type(module).__name__} has no nn.Sequential child and {len(blocks)} repeated blocks (in a "
             f"ModuleList or Sequential) to cut into {n_stages} pipeline stages; name the cut with strategy "
-            f"option split_points: [module.path, ...] (the first module of stages 1..{n_stages - 1}), or lower pp "
-            f"or stages_per_rank")
+            f"option split_points: [module.path, ...] (the first module of stages 1..{n_stages - 1}), or "
+            f"lower pp or stages_per_rank")
     costs = [0] * len(blocks)
     for index, param in parameter_segments(module, segments_of(module, blocks)).values():
         costs[min(max(index - 1, 0), len(blocks) - 1)] += param.numel()  # glue: with the block beside it
@@ -110,7 +110,8 @@ def cut_at_paths(module: nn.Module, split_paths: Sequence[str], n_stages: int) -
     if len(split_paths) != n_stages - 1:
         raise PipelineSplitError(
             f"split_points={split_paths} give {len(split_paths) + 1} stages but the pipeline has {n_stages} "
-            f"(pp x stages_per_rank); give exactly {n_stages - 1} module paths, each the first module of a stage")
+            f"(pp x stages_per_rank); give exactly {n_stages - 1} module paths, each the first module of a "
+            f"stage")
     order = [name for name, _ in module.named_modules()]
     position = {name: index for index, name in enumerate(order)}
     for path in split_paths:
@@ -123,8 +124,8 @@ def cut_at_paths(module: nn.Module, split_paths: Sequence[str], n_stages: int) -
             raise PipelineSplitError(f"split point {path!r} names no module of {type(module).__name__}{hint}")
     at = [position[p] for p in split_paths]
     if any(b <= a for a, b in zip(at, at[1:])):
-        raise PipelineSplitError(f"split_points={split_paths} must follow the order the modules are registered "
-                                 f"in (named_modules), each after the one before")
+        raise PipelineSplitError(f"split_points={split_paths} must follow the order the modules are "
+                                 f"registered in (named_modules), each after the one before")
     nested = [(a, b) for a in split_paths for b in split_paths if b.startswith(a + ".")]
     if nested:
         raise PipelineSplitError(f"split point {nested[0][1]!r} lies inside split point {nested[0][0]!r}")
@@ -142,8 +143,8 @@ def cut_at_paths(module: nn.Module, split_paths: Sequence[str], n_stages: int) -
             stages.add(stage)
     empty = [s for s in range(n_stages) if s not in stage_of.values()]
     if empty:
-        raise PipelineSplitError(f"split_points={split_paths} leave pipeline stage(s) {empty} without a module "
-                                 f"holding parameters; move the split points apart")
+        raise PipelineSplitError(f"split_points={split_paths} leave pipeline stage(s) {empty} without a "
+                                 f"module holding parameters; move the split points apart")
     ties = [(names, sorted(stages)) for names, stages in param_stages.values() if len(stages) > 1]
     return PathCut(split_paths, stage_of, n_stages, ties)
 
@@ -183,7 +184,8 @@ def keep_stages(module: nn.Module, cut: PathCut, local: set[int]) -> list[Elsewh
             held = stages.get(path, set())
             # A container is iterated or indexed by the model's forward (``for block in self.h``): it stays,
             # its children stand in one by one.
-            if held and not held & local and not isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            container = isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential))
+            if held and not held & local and not container:
                 stand_in = Elsewhere(meta_twin(child), path, sorted(held))
                 parent._modules[name] = stand_in
                 stand_ins.append(stand_in)
@@ -273,7 +275,8 @@ def add_split_hooks(module: nn.Module, cut: PathCut, local: set[int]) -> list[An
     handles = []
     for k, path in enumerate(cut.split_paths, start=1):
         if k - 1 in local or k in local:
-            handles.append(_reachable(module, path).register_forward_pre_hook(_split_hook(k, path), with_kwargs=True))
+            target = _reachable(module, path)
+            handles.append(target.register_forward_pre_hook(_split_hook(k, path), with_kwargs=True))
     return handles
 
 
@@ -294,20 +297,21 @@ def _split_hook(k: int, path: str) -> Any:
             return None
         found = _first_tensor(args, kwargs)
         if found is None:
-            raise RuntimeError(f"pipeline split point {path} was called without a tensor argument: a split point "
-                               f"must take the activation that flows between stages (e.g. a block's hidden states)")
+            raise RuntimeError(f"pipeline split point {path} was called without a tensor argument: a split "
+                               f"point must take the activation that flows between stages (e.g. a block's "
+                               f"hidden states)")
         where, value = found
         if stage_pass.stage == k - 1:
             raise ReachedSplit(value.contiguous())  # torch's stage receives its gradient into a dense buffer
         if stage_pass.injected:
-            raise RuntimeError(f"pipeline split point {path} ran twice in one step; a split point must run once "
-                               f"per forward (choose a module the model calls once)")
+            raise RuntimeError(f"pipeline split point {path} ran twice in one step; a split point must run "
+                               f"once per forward (choose a module the model calls once)")
         stage_pass.injected = True
         received = stage_pass.inject
         if received is None or received.shape != value.shape:
             got = None if received is None else tuple(received.shape)
-            raise RuntimeError(f"pipeline stage {k} received {got} for split point {path}, which the step called "
-                               f"with {tuple(value.shape)} here")
+            raise RuntimeError(f"pipeline stage {k} received {got} for split point {path}, which the step "
+                               f"called with {tuple(value.shape)} here")
         if isinstance(where, int):
             return (*args[:where], received, *args[where + 1:]), kwargs
         return args, {**kwargs, where: received}
@@ -334,14 +338,16 @@ class Elsewhere(nn.Module):
                                f"outside the training and evaluation steps it cannot be called here")
         if min(self.stages) > stage_pass.stage:
             raise RuntimeError(
-                f"pipeline stage {stage_pass.stage} ran {self.path} (of stage {min(self.stages)}) before reaching "
-                f"its own end: the model runs it earlier than it registers it, and stages are cut in registration "
-                f"order. Choose split_points so that {self.path} falls in the stage that runs it")
+                f"pipeline stage {stage_pass.stage} ran {self.path} (of stage {min(self.stages)}) before "
+                f"reaching its own end: the model runs it earlier than it registers it, and stages are cut "
+                f"in registration order. Choose split_points so that {self.path} falls in the stage that "
+                f"runs it")
         if max(self.stages) < stage_pass.stage and stage_pass.injected:
             raise RuntimeError(
-                f"pipeline stage {stage_pass.stage} ran {self.path} (of stage {max(self.stages)}) after its first "
-                f"split point: the model runs it later than it registers it, and stages are cut in registration "
-                f"order. Choose split_points so that {self.path} falls in the stage that runs it")
+                f"pipeline stage {stage_pass.stage} ran {self.path} (of stage {max(self.stages)}) after its "
+                f"first split point: the model runs it later than it registers it, and stages are cut in "
+                f"registration order. Choose split_points so that {self.path} falls in the stage that "
+                f"runs it")
         with torch.no_grad():
             meta = tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs))
             out = self.twin(*meta[0], **meta[1])

@@ -168,12 +168,12 @@ class PipelineRunner:
 
     def _check_path_cut(self, module: nn.Module, points: list[Any] | None) -> None:
         if points is not None and not all(isinstance(p, str) for p in points):
-            raise ConfigError(f"split_points={points} mixes module paths and child indices; give module paths "
-                              f"(e.g. model.layers.4) or indices into the nn.Sequential, not both")
+            raise ConfigError(f"split_points={points} mixes module paths and child indices; give module "
+                              f"paths (e.g. model.layers.4) or indices into the nn.Sequential, not both")
         if self.settings.step != "training_step":
             raise ConfigError(f"the pipeline preset's pipeline_loss step cuts one nn.Sequential; "
-                              f"{type(module).__name__} has none, so it is cut at module paths and every stage "
-                              f"runs training_step: use strategy name: parallel with pp > 1")
+                              f"{type(module).__name__} has none, so it is cut at module paths and every "
+                              f"stage runs training_step: use strategy name: parallel with pp > 1")
         self.cut = P.cut_at_paths(module, points if points is not None else
                                   P.default_split_paths(module, self.n_stages), self.n_stages)
 
@@ -200,7 +200,8 @@ class PipelineRunner:
             log.info("pipeline %s over pp=%d x dp=%d cut at %s: %s", self.settings.schedule, self.dims.pp,
                      self.dims.dp_size, cut.split_paths, cut.describe(module))
         # Every rank sums every tie (zeros where it holds no copy): one collective, alike on all ranks.
-        self.tie_shapes = [(p.shape, p.dtype) for p in (module.get_parameter(names[0]) for names, _ in cut.ties)]
+        tied = [module.get_parameter(names[0]) for names, _ in cut.ties]
+        self.tie_shapes = [(p.shape, p.dtype) for p in tied]
         P.keep_stages(module, cut, local)
         P.add_split_hooks(module, cut, local)
         held = {s: P.held_modules(module, cut, s) for s in local}
@@ -350,7 +351,8 @@ class PipelineRunner:
         if self._whole is not None:
             batch, step = self._whole
         else:
-            micro = 0 if probing else self._counts[index]  # torch's shape probe: the first micro-batch's shapes
+            # torch's shape probe asks for the first micro-batch's shapes
+            micro = 0 if probing else self._counts[index]
             if not probing:
                 self._counts[index] += 1
             size = _leading_size(self._batch)
@@ -362,9 +364,9 @@ class PipelineRunner:
                 user_step(self.module, step)(batch, self._batch_idx)
             except P.ReachedSplit as reached:
                 return reached.activation
-        raise RuntimeError(f"{type(self.module).__name__}.{step} returned on pipeline stage {index} without calling "
-                           f"its end, split point {self.cut.split_paths[index]}: every stage but the last must "
-                           f"run the model as far as the next split point")
+        raise RuntimeError(f"{type(self.module).__name__}.{step} returned on pipeline stage {index} without "
+                           f"calling its end, split point {self.cut.split_paths[index]}: every stage but the "
+                           f"last must run the model as far as the next split point")
 
     def _as_last_stage(self, output: Any) -> contextlib.AbstractContextManager:
         """The user's step on the last stage, fed ``output`` (the activation it received)."""
@@ -383,14 +385,16 @@ class PipelineRunner:
                  for p, (shape, dtype) in zip(self.ties, self.tie_shapes)]
         for dtype in dict.fromkeys(g.dtype for g in grads):
             same = [i for i, g in enumerate(grads) if g.dtype == dtype]
-            flat = C.all_reduce(torch._utils._flatten_dense_tensors([grads[i] for i in same]), "sum", self.pp_group)
+            flat = torch._utils._flatten_dense_tensors([grads[i] for i in same])
+            flat = C.all_reduce(flat, "sum", self.pp_group)
             for i, summed in zip(same, torch._utils._unflatten_dense_tensors(flat, [grads[i] for i in same])):
                 param = self.ties[i]
                 if param is None:
                     continue
                 if param.grad is None:
-                    raise RuntimeError(f"{self.cut.ties[i][0]} is tied across pipeline stages {self.cut.ties[i][1]} "
-                                       f"but got no gradient on this rank's stage, which holds it: every stage that "
+                    names, stages = self.cut.ties[i]
+                    raise RuntimeError(f"{names} is tied across pipeline stages {stages} but got no "
+                                       f"gradient on this rank's stage, which holds it: every stage that "
                                        f"holds a tie must use it in each step")
                 _local(param.grad).copy_(summed)
 
@@ -524,8 +528,8 @@ def _last_stage_pass(stage_pass: P.StagePass, split_path: str) -> Iterator[None]
     with P.running_as(stage_pass):
         yield
     if not stage_pass.injected:
-        raise RuntimeError(f"the step returned on the last pipeline stage without calling split point {split_path}, "
-                           f"where the activation it received goes in")
+        raise RuntimeError(f"the step returned on the last pipeline stage without calling split point "
+                           f"{split_path}, where the activation it received goes in")
 
 
 def _mean_records(records: SilentRecords) -> list[tuple[str, torch.Tensor, dict[str, Any]]]:

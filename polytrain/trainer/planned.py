@@ -151,8 +151,9 @@ def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamod
 def chosen_layout(best: Estimate, world_size: int, preset: str) -> dict[str, Any]:
     """A ranked layout as ``trainer.strategy.chosen`` holds it: what a planned run trains with."""
     lay = best.layout
-    return {"world_size": world_size, **{k: getattr(lay, k) for k in DEGREES}, "n_microbatches": lay.n_microbatches,
-            "activation_checkpointing": lay.activation_checkpointing, "hardware": preset,
+    return {"world_size": world_size, **{k: getattr(lay, k) for k in DEGREES},
+            "n_microbatches": lay.n_microbatches, "activation_checkpointing": lay.activation_checkpointing,
+            "hardware": preset,
             "memory_bytes": int(best.total_memory), "step_s": float(best.step_time)}
 
 

@@ -63,9 +63,10 @@ def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | No
         # strategy cuts such a model at module paths, which the cost model does not follow yet.
         whole = on_meta(module)
         batch = [t.to("meta") for t in (example, target) if t is not None]
-        why = (f"the planner costs a pipeline of one nn.Sequential's children, and {type(module).__name__} has "
-               f"none ({' '.join(str(err).split()[1:4])}): the strategy cuts it at module paths (split_points, "
-               f"or across its repeated blocks), but this plan does not rank that layout; set pp yourself")
+        why = (f"the planner costs a pipeline of one nn.Sequential's children, and {type(module).__name__} "
+               f"has none ({' '.join(str(err).split()[1:4])}): the strategy cuts it at module paths "
+               f"(split_points, or across its repeated blocks), but this plan does not rank that layout; set "
+               f"pp yourself")
 
         # With repeated blocks the strategy cuts it at module paths: profiled block by block, every
         # layout is planned, pipelines included; without, profiled whole (no pipeline).

@@ -181,7 +181,8 @@ def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, chunks: list
     master = prof.param_bytes if train.precision == "32" else MASTER_BYTES[train.precision]
     mine = {i for lo, hi in chunks for i in range(lo, hi)}
     # A tie spanning stages (a model cut at module paths) is held again by each stage that uses it
-    copies = sum(n for (first, other), n in zip(prof.ties, prof.tied_params) if other in mine and first not in mine)
+    copies = sum(n for (first, other), n in zip(prof.ties, prof.tied_params)
+                 if other in mine and first not in mine)
     held = (sum(_local_params(c, lay.tp) for c in kids) + copies) / lay.fsdp
     units = max(c.fsdp_unit_params or _local_params(c, lay.tp) for c in kids)
     micro = train.global_batch // lay.dp // lay.n_microbatches

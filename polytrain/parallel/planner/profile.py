@@ -90,7 +90,8 @@ class ModelProfile:
     # ranges a pipeline cannot cut inside (the glue before the first block goes with it, the glue after
     # the last likewise), and its ties span stages (each stage keeps a copy; gradients summed).
     units: tuple[tuple[int, int], ...] = ()
-    tied_params: tuple[int, ...] = ()  # with ``units``: each tie's size, held again by a stage without its first
+    # With ``units``: each tie's size, held again by a stage that holds the tie but not its first child
+    tied_params: tuple[int, ...] = ()
 
     @property
     def params(self) -> int:
@@ -414,8 +415,8 @@ def profile_whole(module: nn.Module, batch: list[torch.Tensor], why: str, tp: in
                         param_bytes=first.element_size() if first is not None else 4, whole=why)
 
 
-def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1, plan: dict[str, str] | None = None,
-                   attention: str = "flash") -> ModelProfile:
+def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1,
+                   plan: dict[str, str] | None = None, attention: str = "flash") -> ModelProfile:
     """Profile ``module`` (on meta) through its ``training_step`` on ``batch`` (one sample of each tensor,
     meta, the loss included) as its repeated blocks (``blocks_to_wrap``: FSDP's units, where the pipeline
     cuts a model that is not one Sequential) with the glue before the first and after the last as children
@@ -426,7 +427,8 @@ def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1, pl
         planned = _planned_modules(module, plan or {})
         blocks = blocks_to_wrap(module, None)
         names = {id(m): n for n, m in module.named_modules()}
-        split_ids = {id(p) for n, s in planned.items() if s in SPLIT_STYLES for p in module.get_submodule(n).parameters()}
+        split_ids = {id(p) for n, s in planned.items() if s in SPLIT_STYLES
+                     for p in module.get_submodule(n).parameters()}
         segment = segments_of(module, blocks)
         weighs = parameter_segments(module, segment)  # before shrinking: whole parameters
         n_split, n_whole = [0] * (len(blocks) + 2), [0] * (len(blocks) + 2)
@@ -451,7 +453,8 @@ def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1, pl
         step = _TrainingStep(module, batch)
         traced, inputs = _trace_segments(step, blocks, {f"module.{k}": v for k, v in planned.items()}, tp,
                                          _storages(module.parameters()))
-    label = ["before " + names[id(blocks[0])], *(names[id(b)] for b in blocks), "after " + names[id(blocks[-1])]]
+    label = ["before " + names[id(blocks[0])], *(names[id(b)] for b in blocks),
+             "after " + names[id(blocks[-1])]]
     children = []
     for index, t in enumerate(traced):
         glue = index in (0, len(traced) - 1)
@@ -469,7 +472,8 @@ def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1, pl
     first = next(module.parameters(), None)
     return ModelProfile(tp=tp, children=tuple(children), seq_len=seq_len,
                         param_bytes=first.element_size() if first is not None else 4, ties=tuple(tied),
-                        tied_params=tuple(tied.values()), units=((0, 2), *((i, i + 1) for i in range(2, last - 1)), (last - 1, last + 1)))
+                        tied_params=tuple(tied.values()),
+                        units=((0, 2), *((i, i + 1) for i in range(2, last - 1)), (last - 1, last + 1)))
 
 
 class _Current:
@@ -526,7 +530,9 @@ def _trace_segments(step: nn.Module, blocks: list[nn.Module], planned: dict[str,
     for name, style in planned.items():
         sub = step.get_submodule(name)
         if style == "RowwiseParallel":
-            handles.append(sub.register_forward_hook(lambda m, i, o: setattr(here, "reduced", here.reduced + _nbytes(o))))
+            def reduce(m: nn.Module, i: Any, o: torch.Tensor) -> None:
+                here.reduced += _nbytes(o)
+            handles.append(sub.register_forward_hook(reduce))
         elif style == COLWISE_GATHERED:
             def gather(m: nn.Module, i: Any, o: torch.Tensor) -> torch.Tensor:
                 whole = o.new_empty(*o.shape[:-1], o.shape[-1] * tp)

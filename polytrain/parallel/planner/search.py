@@ -124,7 +124,8 @@ def rank(hw: Hardware, train: Training, profile_at: Callable[[int], ModelProfile
     profiles: dict[int, ModelProfile | str] = {1: profile_at(1)}
     # What a pipeline can cut: the children, or the units of a model profiled block by block
     n_children = len(profiles[1].units or profiles[1].children)  # type: ignore[union-attr]
-    pieces = "repeated blocks of the model" if profiles[1].units else "layers of the Sequential"  # type: ignore
+    units = profiles[1].units  # type: ignore[union-attr]
+    pieces = "repeated blocks of the model" if units else "layers of the Sequential"
     whole = profiles[1].whole  # type: ignore[union-attr]
     usable = int(hw.memory_bytes * hw.usable_memory)
     for lay in candidates(hw, train, pinned):
