@@ -67,7 +67,7 @@ class _KeptGradients:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "resnet50", "vit_b_16"])
-def test_a_library_model_profiled_whole_predicts_its_measured_activations(kind: str, tmp_path: Any) -> None:
+def test_a_library_models_profile_predicts_its_measured_activations(kind: str, tmp_path: Any) -> None:
     """What forward leaves for backward (the trace of its training_step) within 10 % (one sample's trace
     times the batch: ResNet-50's per-channel BatchNorm statistics, which do not grow with the batch, make
     it 6 % high); the step's peak within 20 % where backward's transients are small beside it (ViT-B/16 at
