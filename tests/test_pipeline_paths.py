@@ -5,6 +5,8 @@ tests/test_own_models.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from test_own_models import HeldModel
@@ -136,3 +138,66 @@ def test_split_points_in_a_config_are_child_indices_or_module_paths_not_a_mix() 
     for mixed in ([2, "model.x"], [{"layer": 2}]):
         with pytest.raises(ConfigError, match=r"strategy.split_points.*expected list\[int\] \| list\[str\] \| None"):
             validate_dataclass(ParallelOptions, {"pp": 3, "split_points": mixed}, "strategy")
+
+
+# --------------------------------------------------------------------------- a Sequential with a head beside it
+
+_X = torch.randn(16, 8, generator=torch.Generator().manual_seed(4))
+_Y = torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(5))
+
+
+def _net_and_head() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 3)
+
+
+def _train_net_and_head(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from polytrain import Trainer, TrainModule
+
+    class NetAndHead(TrainModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net, self.head = _net_and_head()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self.head(self.net(x)), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(TensorDataset(_X, _Y), batch_size=8)
+
+    strategy = {"name": "parallel", "pp": 2, "split_points": ["net.2"], "schedule": "gpipe", "n_microbatches": 2}
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=3, run_dir=root,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=False, num_sanity_val_steps=0, timeout=60)
+    trainer.fit(NetAndHead())
+    return trainer.strategy.module_state_dict()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_sequential_with_a_head_beside_it_is_cut_at_a_module_path_equal_to_one_process(tmp_path: Any) -> None:
+    """The Sequential cut needs every trained layer inside it (its error says so and names this way out):
+    cut at ``net.2``, the head beside the Sequential goes with the last stage."""
+    import torch.nn.functional as F
+    from distributed import run_distributed
+
+    net, head = _net_and_head()
+    optimizer = torch.optim.SGD([*net.parameters(), *head.parameters()], lr=0.1)
+    for step in range(3):
+        rows = slice((step % 2) * 8, (step % 2) * 8 + 8)
+        optimizer.zero_grad()
+        F.cross_entropy(head(net(_X[rows])), _Y[rows]).backward()
+        optimizer.step()
+    want = {**{f"net.{k}": v for k, v in net.state_dict().items()},
+            **{f"head.{k}": v for k, v in head.state_dict().items()}}
+    got = run_distributed(_train_net_and_head, 2, str(tmp_path), timeout=100)[0]
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=key)

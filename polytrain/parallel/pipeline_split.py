@@ -51,7 +51,8 @@ def check_params_inside(module: nn.Module, seq_name: str) -> None:
         raise PipelineSplitError(
             f"{type(module).__name__} has {len(outside)} parameter(s) outside the pipelined nn.Sequential "
             f"'{seq_name}': {shown}. Under pipeline parallelism every trained layer must be a child of "
-            f"'{seq_name}' (put embeddings first and the head last in it)"
+            f"'{seq_name}' (put embeddings first and the head last in it), or cut the module as it is at "
+            f"module paths: strategy option split_points: [{seq_name}.<index>, ...]"
         )
 
 
