@@ -124,11 +124,22 @@ def test_help_and_a_malformed_command_answer_without_importing_torch(args: list[
     ("trainer.strategy=ddpp", "unknown strategy 'ddpp' (did you mean 'ddp' or 'dp'?); valid: auto, single,"),
     ("trainer.strategy.bucket_cap=1", "strategy 'ddp' has no option 'bucket_cap'; valid: backend,"),
     ("trainer.strategy={name: parallel, schedule: gpipee}", "pipeline schedule='gpipee' is not known; valid:"),
+    ("trainer.strategy={name: parallel, plan: true, hardware: h1000}",
+     "trainer.strategy (parallel) hardware='h1000' is not valid; choose one of: a100, cpu, h100"),
+    ("trainer.strategy={name: parallel, tp: auto, tpp: 2}", "strategy 'parallel' has no option 'tpp'; valid:"),
+    ("trainer.strategy={name: parallel, cp: 2}", "cp=2 (context parallel) runs only on CUDA"),
+    ("module.lerning_rate=0.1", "module: digits_module.DigitsClassifier() got an unexpected keyword 'lerning_rate'."),
+    ("module._target_=digits_module.DigitClassifier", "module: _target_ 'digits_module.DigitClassifier': module "
+                                                       "'digits_module' has no attribute 'DigitClassifier'; did you"),
+    ("trainer.callbacks.ModelCheckpoint.asyncsave=true",
+     "trainer.callbacks[1]: polytrain.callbacks.ModelCheckpoint() got an unexpected keyword 'asyncsave'; did you "
+     "mean 'async_save'?"),
 ])
 def test_a_typo_in_the_config_answers_in_one_line_before_torch_loads(override: str, message: str) -> None:
-    """The file, its sections, the trainer keys and the strategy's name and options are checked by
-    ``trainer/config_file.py`` (with ``strategies/options.py``) before the command imports torch: a typo costs
-    a tenth of a second, not the seconds torch takes to load."""
+    """The file, its sections, the trainer keys, the strategy's name and options (a planner request and
+    context parallel on CPU included) and the ``_target_`` arguments are checked by ``trainer/config_file.py``
+    (with ``strategies/options.py`` and ``trainer/target_source.py``) before the command imports torch: a
+    typo costs a tenth of a second, not the seconds torch takes to load."""
     import subprocess
 
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "polytrain", "fit", "-c",

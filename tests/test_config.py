@@ -160,14 +160,19 @@ def test_the_torch_free_strategy_options_are_the_registered_classes_options() ->
     {"name": "auto", "static_graph": True}, {"name": "parallel", "schedule": "gpipee"},
     {"name": "parallel", "cp": 0}, {"name": "model_parallel", "mode": "layers", "tp": 2},
     {"name": "pipeline", "schedule": "zbv", "stages_per_rank": 1},
+    {"name": "parallel", "plan": True, "hardware": "h1000"}, {"name": "parallel", "plan": "yes"},
+    {"name": "parallel", "tp": "auto", "tpp": 2}, {"name": "parallel", "cp": "auto", "tp": "auto"},
+    {"name": "parallel", "plan": True, "global_batch": 0}, {"name": "parallel", "cp": 2},
+    {"name": "parallel", "tp": "auto", "cp": 2},
 ])
 def test_the_torch_free_check_says_what_the_full_check_says(spec: Any) -> None:
     from polytrain.strategies import options
+    from polytrain.trainer import config_file
 
     with pytest.raises(ConfigError) as full:
-        validate_trainer_config({"strategy": spec})
+        validate_trainer_config({"strategy": spec, "accelerator": "cpu"})
     with pytest.raises(ConfigError) as first:
-        options.check_strategy_spec(options.spec_mapping(spec))
+        config_file._check_strategy(options.spec_mapping(spec), "cpu")
     assert str(first.value) == str(full.value)
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from polytrain.core.errors import ConfigError
+from polytrain.parallel.hardware import Hardware
 from polytrain.parallel.planner import Layout, Training, estimate, hardware, plan_module, profiler
 from polytrain.parallel.planner import timing as T
 from polytrain.parallel.planner.estimate import checkpointed
-from polytrain.parallel.planner.hardware import Hardware
 from polytrain.parallel.planner.profile import ChildProfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,5 +1,5 @@
-"""The values parallel options choose from, readable without torch: the pipeline schedules and how
-gradients meet across data-parallel ranks. A config is checked against them before torch loads
+"""The values parallel options choose from, readable without torch: the pipeline schedules, how
+gradients meet across data-parallel ranks, and the devices context parallel runs on. A config is checked against them before torch loads
 (``polytrain.strategies.options``); the code that runs the choices imports them from here.
 """
 
@@ -46,3 +46,12 @@ def check_schedule_options(schedule: str, stages_per_rank: int, n_microbatches: 
                           f"{stages_per_rank}; use interleaved_1f1b, zero_bubble or zbv")
     if schedule == "zbv" and stages_per_rank != 2:
         raise ConfigError(f"pipeline schedule='zbv' needs stages_per_rank=2, got {stages_per_rank}")
+
+
+def check_context_parallel_device(cp: int, device_type: str) -> None:
+    """``cp > 1`` on a device torch has no ring attention for: known from the accelerator alone, so a
+    config asking for it on CPU is refused before torch loads."""
+    if cp > 1 and device_type != "cuda":
+        raise ConfigError(f"cp={cp} (context parallel) runs only on CUDA: torch's ring attention exists for the "
+                          f"flash and memory-efficient SDPA kernels alone, and accelerator={device_type!r} has "
+                          f"neither. Use cp=1 here (dp_shard/tp/pp still compose), or run on GPUs")

@@ -24,6 +24,7 @@ from torch import nn
 
 from polytrain.core import lazy
 from polytrain.core.errors import ConfigError
+from polytrain.parallel.choices import check_context_parallel_device
 
 
 def check_context_parallel(cp: int, device_type: str | None = None) -> None:
@@ -35,10 +36,8 @@ def check_context_parallel(cp: int, device_type: str | None = None) -> None:
     if getattr(lazy.dtensor().experimental, "context_parallel", None) is None:
         raise ConfigError(f"cp={cp} needs torch.distributed.tensor.experimental.context_parallel, which torch "
                           f"{torch.__version__} lacks; use cp=1")
-    if device_type is not None and device_type != "cuda":
-        raise ConfigError(f"cp={cp} (context parallel) runs only on CUDA: torch's ring attention exists for the "
-                          f"flash and memory-efficient SDPA kernels alone, and accelerator={device_type!r} has "
-                          f"neither. Use cp=1 here (dp_shard/tp/pp still compose), or run on GPUs")
+    if device_type is not None:
+        check_context_parallel_device(cp, device_type)
 
 
 def default_buffers(batch: Any) -> list[tuple[torch.Tensor, int]]:

@@ -6,7 +6,7 @@ same function (``check_strategy_spec``) over the classes it has, a strategy regi
 the package included.
 
 A ``parallel`` spec that asks the planner (``plan: true``, ``"auto"`` degrees: ``wants_plan``) is
-checked by ``plan_spec`` after torch has loaded.
+checked by ``plan_spec.split_plan``, torch-free as well.
 """
 
 from __future__ import annotations

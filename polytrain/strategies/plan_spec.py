@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from polytrain.core.errors import ConfigError
-from polytrain.parallel.planner.hardware import PRESETS
+from polytrain.parallel.hardware import PRESETS
 from polytrain.strategies.options import DEGREES, PLAN_KEYS, PLANNED_NAME
 
 AUTO = "auto"

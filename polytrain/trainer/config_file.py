@@ -1,8 +1,9 @@
 """The config file, read and checked without torch: YAML (a safe loader, alias expansion bounded),
 ``key=value`` overrides, the ``trainer:`` section's dataclass, and every check that needs nothing heavy:
-the sections, each trainer key, its type and its choices. ``polytrain`` runs this before it imports torch,
-so a typo there answers at once; ``config.py`` then checks what needs the strategies, ``torch.compile``'s
-signature, the profilers and the ``_target_`` classes (importing them imports torch).
+the sections, each trainer key, its type and its choices, the strategy's options, and the ``_target_``
+arguments their source settles. ``polytrain`` runs this before it imports torch, so a typo there answers
+at once; ``config.py`` then checks what needs torch: ``torch.compile``'s signature, the profilers and the
+``_target_`` classes imported (which the source reading left undecided).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import yaml
 from polytrain.core.errors import ConfigError
 from polytrain.core.nodes import node_range
 from polytrain.core.options import check_choice, check_keys, validate_dataclass
-from polytrain.strategies.options import check_strategy_spec, spec_mapping, wants_plan
+from polytrain.parallel.choices import check_context_parallel_device
+from polytrain.strategies.options import OPTIONS, check_strategy_spec, spec_mapping, wants_plan
+from polytrain.strategies.plan_spec import split_plan
+from polytrain.trainer.target_source import check_targets_from_source
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
 PRECISION_ALIASES = {"32-true": "32", "16": "16-mixed", "bf16": "bf16-mixed"}  # Lightning's other spellings
@@ -372,13 +376,27 @@ def check_sections(data: dict[str, Any]) -> dict[str, Any]:
 
 def first_check(path: str | os.PathLike, overrides: list[str] | None = None) -> None:
     """What ``polytrain`` checks before it imports torch: the file, the overrides, the sections, the
-    trainer section's keys, types and choices, and the strategy's name and options (a request to the
-    planner waits for ``config.py``). A ``ConfigError`` names what is wrong."""
+    trainer section's keys, types and choices, the strategy's name and options (a request to the planner
+    included; context parallel refused on a cpu accelerator), and the ``_target_`` arguments as far as
+    their source settles them (``target_source.py``). A ``ConfigError`` names what is wrong."""
     sections = check_sections(read_config(path, overrides))
     cfg = check_trainer_section(sections.get("trainer") or {})
     spec = spec_mapping(cfg.strategy)
-    if isinstance(spec, dict) and not wants_plan(spec.get("name", "auto"), spec):
-        check_strategy_spec(spec)
+    if isinstance(spec, dict):
+        _check_strategy(spec, cfg.accelerator)
+    check_targets_from_source({**sections, "trainer": {"callbacks": cfg.callbacks}})
+
+
+def _check_strategy(spec: dict[str, Any], accelerator: str) -> None:
+    """``registry.validate_strategy_spec`` over the package's own strategies, without torch."""
+    options = dict(spec)
+    name = options.pop("name", "auto")
+    if wants_plan(name, options):  # the 'auto' degrees checked at their defaults, as the registry does
+        plain, _ = split_plan(options, [f.name for f in dataclasses.fields(OPTIONS[name])])
+        spec = {"name": name, **plain}
+    _, parsed = check_strategy_spec(spec)
+    if accelerator == "cpu" and isinstance(getattr(parsed, "cp", None), int):
+        check_context_parallel_device(parsed.cp, accelerator)
 
 
 def trainer_to_dict(cfg: TrainerConfig) -> dict[str, Any]:

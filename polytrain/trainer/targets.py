@@ -64,10 +64,16 @@ def import_target(target: str, where: str = "_target_") -> Any:
     except ImportError as err:
         raise ConfigError(f"{where}: _target_ '{target}': cannot import module '{module_name}': {err}") from None
     if not hasattr(module, attr):
-        public = sorted({n for n in (*dir(module), *getattr(module, "__all__", ())) if not n.startswith("_")})
-        raise ConfigError(f"{where}: _target_ '{target}': module '{module_name}' has no attribute '{attr}'"
-                          f"{_did_you_mean(attr, public)}")
+        raise missing_attribute(where, target, {*dir(module), *getattr(module, "__all__", ())})
     return getattr(module, attr)
+
+
+def missing_attribute(where: str, target: str, names: set[str]) -> ConfigError:
+    """The error for a ``_target_`` whose module has no such attribute; ``names``: what the module has."""
+    module_name, _, attr = target.rpartition(".")
+    public = sorted(n for n in names if not n.startswith("_"))
+    return ConfigError(f"{where}: _target_ '{target}': module '{module_name}' has no attribute '{attr}'"
+                       f"{_did_you_mean(attr, public)}")
 
 
 def check_arguments(factory: Any, kwargs: dict[str, Any], where: str, target: str) -> None:
@@ -77,6 +83,11 @@ def check_arguments(factory: Any, kwargs: dict[str, Any], where: str, target: st
         signature = inspect.signature(factory)
     except (TypeError, ValueError):
         return  # no introspectable signature (some builtins): the call itself decides
+    check_signature(signature, kwargs, where, target)
+
+
+def check_signature(signature: inspect.Signature, kwargs: dict[str, Any], where: str, target: str) -> None:
+    """``check_arguments`` on a signature already at hand (``target_source`` reads it from the source)."""
     params = list(signature.parameters.values())
     valid = [p.name for p in params if p.kind in _NAMED]
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)

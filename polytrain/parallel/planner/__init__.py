@@ -13,11 +13,11 @@ from torch import nn
 
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.fsdp import blocks_to_wrap
+from polytrain.parallel.hardware import PRESETS, Hardware, hardware, parse_bytes
 from polytrain.parallel.library_plans import library_plan
 from polytrain.parallel.pipeline_paths import meta_twin
 from polytrain.parallel.pipeline_split import PipelineSplitError, find_sequential
 from polytrain.parallel.planner.estimate import Estimate, Layout, Training, estimate
-from polytrain.parallel.planner.hardware import PRESETS, Hardware, hardware, parse_bytes
 from polytrain.parallel.planner.profile import (
     ModelProfile,
     profile_blocks,

@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass, field
 
 from polytrain.core.errors import ConfigError
+from polytrain.parallel.hardware import Hardware
 from polytrain.parallel.pipeline_split import balance
 from polytrain.parallel.planner import timing, volume
-from polytrain.parallel.planner.hardware import Hardware
 from polytrain.parallel.planner.profile import ChildProfile, ModelProfile
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}

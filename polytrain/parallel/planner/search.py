@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polytrain.core.errors import ConfigError
+from polytrain.parallel.hardware import GiB, Hardware
 from polytrain.parallel.planner.estimate import Estimate, Layout, Training, estimate, rank_chunks
-from polytrain.parallel.planner.hardware import GiB, Hardware
 from polytrain.parallel.planner.profile import ModelProfile
 from polytrain.parallel.planner.timing import bubble_fraction, interleaved_rounds_ok
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from polytrain.parallel.planner.hardware import Hardware
+from polytrain.parallel.hardware import Hardware
 from polytrain.parallel.planner.profile import ChildProfile
 
 SCHEDULES = ("1f1b", "interleaved_1f1b")
