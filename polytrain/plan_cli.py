@@ -84,8 +84,10 @@ def run_plan(args: argparse.Namespace) -> int:
     options = trainer.get("strategy") if isinstance(trainer.get("strategy"), dict) else {}
     # float8 is costed when the config turns it on and the hardware has an fp8 peak (on CPU it is emulated)
     float8 = resolve_float8(trainer.get("float8")) is not None
+    # torch's optimizers step every parameter at once on CUDA, one at a time on CPU
     train = Training(global_batch=global_batch, precision=precision, optimizer=optimizer,
-                     float8=float8 and bool(hw.fp8_peak_flops), float8_tp=False, **schedule_settings(options))
+                     float8=float8 and bool(hw.fp8_peak_flops), float8_tp=False, foreach=preset != "cpu",
+                     **schedule_settings(options))
     attention = args.attention or ("cpu" if preset == "cpu" else "flash")
     plan = plan_module(module, x[:1], hw, train, target=None if y is None else y[:1], attention=attention)
     optimizer_said = f"{train.optimizer} (assumed: {assumed})" if assumed else train.optimizer

@@ -15,21 +15,21 @@ GiB = 1024**3
 
 
 def test_the_bar_draws_each_term_in_proportion_to_the_device() -> None:
-    memory = {"params": 10, "grads": 10, "optimizer": 20, "fsdp_buffers": 0, "activations": 40}
-    assert memory_bar(memory, capacity=100, width=10) == "PGOOAAAA.."
+    memory = {"params": 10, "grads": 10, "optimizer": 20, "fsdp_buffers": 0, "activations": 40, "transients": 10}
+    assert memory_bar(memory, capacity=100, width=10) == "PGOOAAAAT."
     assert memory_bar({**memory, "activations": 500}, capacity=100, width=10) == "PGOOAAAAAA"  # capped at the width
     assert memory_bar({"params": 0}, capacity=100, width=10) == ".........."
 
 
 def test_the_table_shows_the_bars_and_their_legend() -> None:
     memory = {"params": 8 * GiB, "grads": 8 * GiB, "optimizer": 16 * GiB, "fsdp_buffers": 4 * GiB,
-              "activations": 24 * GiB}
+              "activations": 20 * GiB, "transients": 4 * GiB}
     est = Estimate(Layout(dp_shard=8), memory, {"compute": 1.0}, 1.0, 8.0, 8192.0, 0.0)
     lines = format_table(Plan(ranked=[est]), capacity=80 * GiB).splitlines()
     assert lines[0] == ("1 sets of degrees fit (the fastest of their 1 variants shown, first 1), 0 rejected; "
                         "per-rank memory in GiB")
     assert lines[1].endswith("memory of a device")
-    assert lines[2].endswith("  PPGGOOOOFAAAAAA.....") and BAR_WIDTH == 20
+    assert lines[2].endswith("  PPGGOOOOFAAAAAT.....") and BAR_WIDTH == 20
     assert lines[3].strip().startswith("columns: memory a rank holds by term")  # the axes' legend
     assert lines[4].strip().startswith("memory bar: 20 cells of 4 GiB each: P params, G grads, O optimizer state")
     assert "memory of a device" not in format_table(Plan(ranked=[est]))  # no capacity, no bar

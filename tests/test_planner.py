@@ -15,8 +15,8 @@ from polytrain.core.errors import ConfigError
 from polytrain.parallel.hardware import Hardware
 from polytrain.parallel.planner import Layout, Training, estimate, hardware, plan_module, profiler
 from polytrain.parallel.planner import timing as T
-from polytrain.parallel.planner.estimate import checkpointed
-from polytrain.parallel.planner.profile import ChildProfile
+from polytrain.parallel.planner.estimate import checkpointed, stage_memories
+from polytrain.parallel.planner.profile import ChildProfile, ModelProfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -503,3 +503,30 @@ def test_the_cpu_kernel_is_flash_without_dropout_and_math_with_it(dropout: float
     assert predicted["cpu"] == pytest.approx(measured, rel=0.05), (predicted, measured)  # meta: +4 % under dropout
     if dropout:  # the flash trace would miss the s x s matrices
         assert predicted["flash"] < 0.5 * measured
+
+
+def test_the_memory_is_the_peak_over_the_steps_phases() -> None:
+    """Beyond the state, activations and FSDP's buffers, the busiest phase's transients: in backward, a
+    child's largest saved activation's gradient beside its largest parameter's fresh gradient (none under
+    FSDP: its unsharded gradients are its buffers); at the optimizer step, Adam's temporaries once the
+    activations are freed (every parameter at once, foreach, or the largest one)."""
+    def child(saved: int, largest_saved: int, largest_param: int) -> ChildProfile:
+        return ChildProfile(name="b", kind="Block", params=1000, tp_params=0, saved_bytes=saved, input_bytes=0,
+                            output_bytes=0, flops=0, tp_allreduce_bytes=0, largest_saved_bytes=largest_saved,
+                            largest_param=largest_param)
+
+    big_activations = ModelProfile(tp=1, children=(child(5000, 3000, 600), child(5000, 1000, 900)), seq_len=1,
+                                   param_bytes=4)
+    sgd = Training(global_batch=4, precision="32", optimizer="sgd")
+    [memory] = stage_memories(Layout(), sgd, big_activations)
+    assert memory["activations"] == 4 * 10000
+    assert memory["transients"] == 4 * 3000 + 900 * 4  # a micro-batch of 4; the fresh fp32 gradient
+    [sharded] = stage_memories(Layout(dp_shard=2), Training(global_batch=8, precision="32", optimizer="sgd"),
+                               big_activations)
+    assert sharded["transients"] == 4 * 3000  # FSDP: in its buffers
+    small_activations = ModelProfile(tp=1, children=(child(10, 10, 600), child(10, 10, 900)), seq_len=1,
+                                     param_bytes=4)
+    [adam] = stage_memories(Layout(), Training(global_batch=4, precision="32", optimizer="adamw"), small_activations)
+    assert adam["transients"] == 2000 * 4 - adam["activations"]  # sqrt(exp_avg_sq), all at once
+    one_by_one = Training(global_batch=4, precision="32", optimizer="adamw", foreach=False)
+    assert stage_memories(Layout(), one_by_one, small_activations)[0]["transients"] == 4 * 10 + 900 * 4

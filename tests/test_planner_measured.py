@@ -35,10 +35,10 @@ def test_activation_term_matches_the_measured_peak(mode: str) -> None:
     args = argparse.Namespace(model="example", device="cpu", precision="32", layers=2, d_model=64, heads=4,
                               seq_len=128, batch_size=8, steps=1)
     run = activation_memory.measure(args, mode)
-    guess = activation_memory.predicted(args, mode)
+    held, guess = activation_memory.predicted(args, mode)
     assert abs(guess / run["peak"] - 1) <= activation_memory.GOAL, (guess, run)
     if mode == "off":  # what forward leaves for backward is the saved tensors the profile counts
-        assert guess == pytest.approx(run["held"], rel=0.05), (guess, run)
+        assert held == pytest.approx(run["held"], rel=0.05), (held, run)
 
 
 class _KeptGradients:
@@ -70,9 +70,8 @@ class _KeptGradients:
 def test_a_library_models_profile_predicts_its_measured_activations(kind: str, tmp_path: Any) -> None:
     """What forward leaves for backward (the trace of its training_step) within 10 % (one sample's trace
     times the batch: ResNet-50's per-channel BatchNorm statistics, which do not grow with the batch, make
-    it 6 % high); the step's peak within 20 % where backward's transients are small beside it (ViT-B/16 at
-    32x32 pixels: its activations are 24 MB and one MLP weight's fresh gradient is 9.4 MB more, which
-    planner.md lists as not modelled)."""
+    it 6 % high); the step's peak, activations and backward's transients, within 20 % (ViT-B/16 at 32x32
+    pixels: 24 MB of activations, and one MLP weight's fresh gradient 9.4 MB more)."""
     import torch
 
     from polytrain import Trainer
@@ -88,8 +87,8 @@ def test_a_library_models_profile_predicts_its_measured_activations(kind: str, t
         meta = Kept(kind, 8)
     batch = next(iter(meta.train_dataloader()))
     profile = profiler(meta, batch[0][:1], batch[1][:1] if len(batch) > 1 else None)(1)
-    train = Training(global_batch=8, precision="32", optimizer="sgd")
-    guess = estimate(Layout(), train, profile, hardware("cpu", 1, 1)).memory["activations"]
-    assert guess == pytest.approx(probe.held, rel=0.10), (guess, probe.held, probe.peak)
-    if kind != "vit_b_16":
-        assert abs(guess / probe.peak - 1) <= activation_memory.GOAL, (guess, probe.held, probe.peak)
+    train = Training(global_batch=8, precision="32", optimizer="sgd", foreach=False)
+    memory = estimate(Layout(), train, profile, hardware("cpu", 1, 1)).memory
+    held, peak = memory["activations"], memory["activations"] + memory["transients"]
+    assert held == pytest.approx(probe.held, rel=0.10), (held, probe.held, probe.peak)
+    assert abs(peak / probe.peak - 1) <= activation_memory.GOAL, (peak, probe.held, probe.peak)

@@ -66,7 +66,7 @@ def test_llama3_8b_on_8_h100_ranks_fsdp8_in_the_top_three(key: str) -> None:
 @pytest.mark.parametrize("key", ["8B", "70B", "405B"])
 def test_llama3_published_runs_fit_and_rank(key: str) -> None:
     """Each run of torchtitan's Dec 2024 benchmarks (planner_llama.PUBLISHED) with its own batch, schedule,
-    float8 and async-TP settings: the published layout fits the run's 96 GB H100s and is ranked. 70B (37th)
+    float8 and async-TP settings: the published layout fits the run's 96 GB H100s and is ranked. 70B (36th)
     and 405B (7th) do not reach the top three; planner.md's "Published layouts" table gives every rank
     and why."""
     run = PUBLISHED[key]

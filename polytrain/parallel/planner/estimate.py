@@ -17,6 +17,10 @@ from polytrain.parallel.planner import timing, volume
 from polytrain.parallel.planner.profile import ChildProfile, ModelProfile
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}
+# Temporaries of the optimizer's step, in copies of the parameters it steps at once: torch's Adam makes
+# sqrt(exp_avg_sq) before dividing by it (``_multi_tensor_adam``: for every parameter of the group at
+# once; ``_single_tensor_adam``: one parameter at a time). SGD's momentum updates in place.
+STEP_TEMPORARIES = {"adam": 1, "adamw": 1, "sgd_momentum": 0, "sgd": 0, "none": 0}
 MASTER_BYTES = {"32": 4, "16-mixed": 4, "bf16-mixed": 4, "bf16-true": 2}
 
 
@@ -86,6 +90,9 @@ class Training:
     # FSDP's reshard_after_forward (the strategy option): False keeps each unit gathered from its forward to
     # its backward, one gather a step; None (the default, and torchtitan's rule): False under a pipeline only
     reshard_after_forward: bool | None = None
+    # The optimizer steps every parameter at once (torch's foreach implementations, its default on CUDA)
+    # or one at a time (its default on CPU): the size of the step's temporaries.
+    foreach: bool = True
 
     def reshards(self, pp: int) -> bool:
         return pp == 1 if self.reshard_after_forward is None else self.reshard_after_forward
@@ -199,15 +206,37 @@ def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, chunks: list
     recompute = max((prof.children[i].saved_bytes - (prof.children[i].op_kept_bytes if op else 0)
                      for lo, hi in chunks for i in range(lo, hi) if ckpt[i]), default=0)
     activations = math.ceil(micro * (kept + recompute))
+    params = math.ceil(held * master)
+    buffers = _fsdp_buffers(lay, prof, held * lay.fsdp, units, master, train.reshards(lay.pp))
     return {
-        "params": math.ceil(held * master),
+        "params": params,
         # DDP (replicas of a plain module: no shard, tp or pipeline) keeps its own bucketed copy of the
         # gradients (gradient_as_bucket_view off, the strategy's default).
-        "grads": math.ceil(held * master) * (2 if _runs_ddp(lay) else 1),
+        "grads": params * (2 if _runs_ddp(lay) else 1),
         "optimizer": math.ceil(held * master * OPTIMIZER_STATES[train.optimizer]),
-        "fsdp_buffers": _fsdp_buffers(lay, prof, held * lay.fsdp, units, master, train.reshards(lay.pp)),
+        "fsdp_buffers": buffers,
         "activations": activations,
+        "transients": _transients(lay, train, kids, micro, master, params, activations + buffers),
     }
+
+
+def _transients(lay: Layout, train: Training, kids: list[ChildProfile], micro: int, master: int,
+                params: int, freed_by_step: int) -> int:
+    """What the step's busiest phase holds beyond the terms above (memory is the peak over the phases):
+
+    - backward, at each child: the gradient of its largest saved activation (with the loss: the logits'),
+      and, without FSDP, its largest parameter's fresh gradient before it is added into the kept one
+      (FSDP's unsharded gradients are in ``fsdp_buffers``);
+    - the optimizer step: its temporaries (``STEP_TEMPORARIES``), once activations and FSDP's buffers
+      are freed.
+    Gradients count as allocated through the whole step (as from the second micro-batch on): after
+    ``zero_grad(set_to_none=True)`` the first backward allocates them as it frees activations, so for
+    that backward the sum is an upper bound."""
+    fresh = max(c.largest_param for c in kids) * master if lay.fsdp == 1 else 0
+    backward = max(micro * c.largest_saved_bytes for c in kids) + fresh
+    stepped = params if train.foreach else math.ceil(max(c.largest_param for c in kids) * master / lay.fsdp)
+    step = stepped * STEP_TEMPORARIES[train.optimizer] - freed_by_step
+    return max(backward, step, 0)
 
 
 def _stage_units(lay: Layout, train: Training, prof: ModelProfile, chunks: list[tuple[int, int]]

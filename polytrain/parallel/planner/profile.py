@@ -72,6 +72,11 @@ class ChildProfile:
     # The largest FSDP unit inside it, as one TP rank holds it; 0: the child is one unit. A model profiled
     # whole is sharded block by block (``blocks_to_wrap``), the rest in the root unit.
     fsdp_unit_params: int = 0
+    # Backward's transients (estimate.py): the largest activation it saves, per sample (backward makes a
+    # gradient as large beside it: with the loss, the logits'), and its largest parameter as one TP rank
+    # holds it (a fresh gradient before it is added into the kept one).
+    largest_saved_bytes: int = 0
+    largest_param: int = 0
 
 
 @dataclass(frozen=True)
@@ -160,6 +165,7 @@ class _SavedCounter:
         self.total = 0
         self.sharded = 0  # saved while inside a SequenceParallel module
         self.in_sp = 0
+        self.largest = 0  # the largest storage it saved: backward makes a gradient as large beside it
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage()._cdata
@@ -167,6 +173,7 @@ class _SavedCounter:
             self.seen.add(key)
             size = t.untyped_storage().nbytes()
             self.total += size
+            self.largest = max(self.largest, size)
             self.sharded += size if self.in_sp else 0
         return t
 
@@ -182,6 +189,11 @@ class _Traced:
     op_kept: int = 0
     op_recompute: int = 0
     op_recompute_matmul: int = 0
+    largest: int = 0  # bytes of the largest activation it saved
+
+
+def _largest_param(module: nn.Module) -> int:
+    return max((p.numel() for p in module.parameters()), default=0)
 
 
 class _OpSelectionReplay(TorchDispatchMode):
@@ -249,6 +261,7 @@ def _trace_child(child: nn.Module, x: Any, planned: dict[str, str], tp: int, see
             h.remove()
     traced.out, traced.flops, traced.reduced = out, flops.get_total_flops(), reduced[0]
     traced.saved = counter.total - counter.sharded + math.ceil(counter.sharded / tp)
+    traced.largest = counter.largest
     return traced
 
 
@@ -367,6 +380,7 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
         if loss is not None and index == len(seq) - 1:
             lt = _trace_child(_Fn(loss), t.out, {}, tp, seen)
             t.out, t.saved, t.flops = lt.out, t.saved + lt.saved, t.flops + lt.flops
+            t.largest = max(t.largest, lt.largest)
         linear_params = sum(m.weight.numel() for m in child.modules() if isinstance(m, nn.Linear))
         children.append(ChildProfile(name=name, kind=type(child).__name__, params=n_split + n_whole,
                                      tp_params=n_split, saved_bytes=t.saved, input_bytes=input_bytes,
@@ -374,7 +388,8 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
                                      linear_flops=t.linear_flops, tp_linear_flops=t.tp_linear_flops,
                                      linear_params=linear_params, sequence_parallel=sp, op_kept_bytes=t.op_kept,
                                      op_recompute_flops=t.op_recompute,
-                                     op_recompute_matmul_flops=t.op_recompute_matmul))
+                                     op_recompute_matmul_flops=t.op_recompute_matmul,
+                                     largest_saved_bytes=t.largest, largest_param=_largest_param(child)))
         x = t.out
     seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
     first = next(seq.parameters(), None)
@@ -407,7 +422,8 @@ def profile_whole(module: nn.Module, batch: list[torch.Tensor], why: str, tp: in
                          tp_linear_flops=t.tp_linear_flops, linear_params=linear_params,
                          op_kept_bytes=t.op_kept, op_recompute_flops=t.op_recompute,
                          op_recompute_matmul_flops=t.op_recompute_matmul,
-                         fsdp_unit_params=max([root, *blocks]))
+                         fsdp_unit_params=max([root, *blocks]), largest_saved_bytes=t.largest,
+                         largest_param=_largest_param(module))
     example = batch[0]
     seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
     first = next(module.parameters(), None)
@@ -449,6 +465,10 @@ def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1,
             if tp > 1:
                 _shrink(module.get_submodule(name), style, tp, name)
         local_blocks = [sum(p.numel() for p in block.parameters()) for block in blocks]
+        largest = [0] * (len(blocks) + 2)  # after shrinking: as one TP rank holds them
+        for sub in module.modules():
+            for p in sub.parameters(recurse=False):
+                largest[segment[id(sub)]] = max(largest[segment[id(sub)]], p.numel())
         root = sum(p.numel() for p in module.parameters()) - sum(local_blocks)
         step = _TrainingStep(module, batch)
         traced, inputs = _trace_segments(step, blocks, {f"module.{k}": v for k, v in planned.items()}, tp,
@@ -465,7 +485,8 @@ def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1,
             output_bytes=inputs[index] if index < len(blocks) else 0, flops=t.flops,
             tp_allreduce_bytes=t.reduced, linear_flops=t.linear_flops, tp_linear_flops=t.tp_linear_flops,
             linear_params=linears[index], op_kept_bytes=t.op_kept, op_recompute_flops=t.op_recompute,
-            op_recompute_matmul_flops=t.op_recompute_matmul, fsdp_unit_params=root if glue else 0))
+            op_recompute_matmul_flops=t.op_recompute_matmul, fsdp_unit_params=root if glue else 0,
+            largest_saved_bytes=t.largest, largest_param=largest[index]))
     last = len(children) - 1
     example = batch[0]
     seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
@@ -547,7 +568,7 @@ def _trace_segments(step: nn.Module, blocks: list[nn.Module], planned: dict[str,
         for h in handles:
             h.remove()
     for segment, counter in zip(segments, counters):
-        segment.saved = counter.total
+        segment.saved, segment.largest = counter.total, counter.largest
     return segments, inputs
 
 

@@ -170,13 +170,15 @@ def best_per_degrees(plan: Plan) -> list[Estimate]:
 
 
 # The memory bar: one letter per term, each cell a BAR_WIDTH-th of a device's memory.
-BAR_TERMS = (("params", "P"), ("grads", "G"), ("optimizer", "O"), ("fsdp_buffers", "F"), ("activations", "A"))
+BAR_TERMS = (("params", "P"), ("grads", "G"), ("optimizer", "O"), ("fsdp_buffers", "F"), ("activations", "A"),
+             ("transients", "T"))
 BAR_WIDTH = 20
 
 
 def memory_bar(memory: dict[str, int], capacity: float, width: int = BAR_WIDTH) -> str:
     """A rank's memory by term drawn as ``width`` cells of ``capacity / width`` bytes: ``P`` parameters,
-    ``G`` gradients, ``O`` optimizer state, ``F`` FSDP's gathered buffers, ``A`` activations, ``.`` free.
+    ``G`` gradients, ``O`` optimizer state, ``F`` FSDP's gathered buffers, ``A`` activations, ``T`` the
+    busiest phase's transients, ``.`` free.
     Cells are rounded on the running total, so the bar's length is the total's, to half a cell."""
     cells: list[str] = []
     used = 0.0
@@ -195,7 +197,7 @@ def format_table(plan: Plan, top: int = 10, show_rejected: int = 20, capacity: f
     unit, div = ("GiB", GiB) if big else ("MiB", 1024**2)
     bar_head = "  memory of a device" if capacity else ""
     head = (f"{'#':>3}  {'layout':<40} {'params':>7} {'grads':>7} {'optim':>7} {'fsdp':>6} {'activ':>7} "
-            f"{'total':>7}  {'step s':>9} {'bubble':>6}  {'tokens/s':>11} {'samples/s':>10} {'sent/step':>10}"
+            f"{'trans':>6} {'total':>7}  {'step s':>9} {'bubble':>6}  {'tokens/s':>11} {'samples/s':>10} {'sent/step':>10}"
             f"{bar_head}")
     reasons = _rejections(plan)
     # Counted as listed: sets of degrees, each shown once in its fastest variant (micro-batches,
@@ -208,18 +210,20 @@ def format_table(plan: Plan, top: int = 10, show_rejected: int = 20, capacity: f
         lines.append(
             f"{i:>3}  {est.layout.label():<40} {m['params'] / div:>7.2f} {m['grads'] / div:>7.2f} "
             f"{m['optimizer'] / div:>7.2f} {m['fsdp_buffers'] / div:>6.2f} {m['activations'] / div:>7.2f} "
-            f"{est.total_memory / div:>7.2f}  {est.step_time:>9.4g} {est.bubble:>6.0%}  "
+            f"{m.get('transients', 0) / div:>6.2f} {est.total_memory / div:>7.2f}  {est.step_time:>9.4g} {est.bubble:>6.0%}  "
             f"{est.tokens_per_s:>11.4g} {est.samples_per_s:>10.4g} {_bytes(sum(est.traffic.values())):>10}"
             f"{bar}")
     if shown:
         lines.append("     columns: memory a rank holds by term (parameters, gradients, optimizer state, "
-                     "FSDP's gathered buffers, activations at the peak) and in total; step s: predicted "
+                     "FSDP's gathered buffers, activations kept for backward, the busiest phase's transients: "
+                     "a gradient beside the largest saved activation, or the optimizer step's temporaries) "
+                     "and in total, its peak; step s: predicted "
                      "seconds per optimizer step; bubble: a pipeline's idle share; tokens/s and samples/s "
                      "for the whole job; sent/step: bytes the busiest rank sends per step")
     if capacity and shown:
         lines.append(f"     memory bar: {BAR_WIDTH} cells of {capacity / BAR_WIDTH / GiB:.3g} GiB each: "
                      f"P params, G grads, O optimizer state, F FSDP's gathered buffers, A activations, "
-                     f". free")
+                     f"T transients, . free")
     if reasons and show_rejected:
         lines.append(f"rejected (first {min(show_rejected, len(reasons))} of {len(reasons)}):")
         lines += [f"     {label:<40} {key[-1]}" for key, label in list(reasons.items())[:show_rejected]]
