@@ -83,11 +83,12 @@ def run_plan(args: argparse.Namespace) -> int:
     precision = str(trainer.get("precision", "32"))
     options = trainer.get("strategy") if isinstance(trainer.get("strategy"), dict) else {}
     # float8 is costed when the config turns it on and the hardware has an fp8 peak (on CPU it is emulated)
-    float8 = resolve_float8(trainer.get("float8")) is not None
+    float8_options = resolve_float8(trainer.get("float8"))
+    float8 = float8_options is not None and bool(hw.fp8_peak_flops)
     # torch's optimizers step every parameter at once on CUDA, one at a time on CPU
-    train = Training(global_batch=global_batch, precision=precision, optimizer=optimizer,
-                     float8=float8 and bool(hw.fp8_peak_flops), float8_tp=False, foreach=preset != "cpu",
-                     **schedule_settings(options))
+    train = Training(global_batch=global_batch, precision=precision, optimizer=optimizer, float8=float8,
+                     fsdp_float8_all_gather=float8 and float8_options["enable_fsdp_float8_all_gather"],
+                     float8_tp=False, foreach=preset != "cpu", **schedule_settings(options))
     attention = args.attention or ("cpu" if preset == "cpu" else "flash")
     plan = plan_module(module, x[:1], hw, train, target=None if y is None else y[:1], attention=attention)
     optimizer_said = f"{train.optimizer} (assumed: {assumed})" if assumed else train.optimizer
@@ -95,7 +96,8 @@ def run_plan(args: argparse.Namespace) -> int:
           f"{hw.nodes} x {hw.devices_per_node} {preset}{chosen} ({hw.memory_bytes / 1024**3:.0f} GiB each); "
           f"global batch {global_batch}, precision {precision}, optimizer {optimizer_said}, attention "
           f"{attention}, pipeline schedule {train.pp_schedule}"
-          f"{float8_note(float8, train.float8, preset)}")
+          f"{float8_note(float8_options is not None, train.float8, preset)}"
+          f"{' (FSDP gathers them in float8)' if train.fsdp_float8_all_gather else ''}")
     print(format_table(plan, top=args.top, capacity=hw.memory_bytes))
     if plan.ranked:
         print("best: " + describe_time(plan.best))

@@ -70,7 +70,8 @@ def test_which_linears_convert_and_why_the_others_do_not() -> None:
 
 @pytest.mark.parametrize("spec, words", [
     ({"recipe": "rowwize"}, "not one of torchao's recipes: tensorwise, rowwise, rowwise_with_gw_hp"),
-    ({"recipes": "rowwise"}, "unknown key(s) ['recipes']; valid: recipe, filter_fqns, convert_head"),
+    ({"recipes": "rowwise"}, "unknown key(s) ['recipes']; valid: recipe, filter_fqns, convert_head, "
+                             "enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp"),
     ("yes", "use true, false, or a mapping"),
 ])
 def test_a_bad_float8_setting_names_the_valid_ones(spec: Any, words: str) -> None:
@@ -121,8 +122,12 @@ def _fit(strategy: Any, world: int, run_dir: str, max_steps: int, ckpt_path: str
     trainer.fit(module, ckpt_path=ckpt_path)
     kinds = sorted({f"{name}:{_kind(m)}" for name, m in module.net.named_children() if isinstance(m, nn.Linear)})
     state = trainer.strategy.module_state_dict()
+    # Scales computed after the last optimizer step, for the next FSDP gather (float8 all-gather)
+    precomputed = sorted(name for name, m in module.net.named_children()
+                         if getattr(getattr(getattr(m, "weight", None), "_local_tensor", None), "_precomputed_scale",
+                                    None) is not None)
     return {"weights": {k: v.detach().clone() for k, v in state.items()}, "steps_run": module.steps_run,
-            "layers": kinds}
+            "layers": kinds, "precomputed": precomputed}
 
 
 def _kind(linear: nn.Module) -> str:
@@ -163,6 +168,58 @@ def test_two_ranks_in_float8_equal_the_plain_loop_and_resume_exactly(strategy: s
     assert all(r["resumed"]["steps_run"] == STEPS - STOP_AT for r in out)
     _assert_close(out[0]["stopped"]["weights"], want[STOP_AT], strategy)
     _assert_close(out[0]["resumed"]["weights"], want[STEPS], f"{strategy}, resumed")
+
+
+FLOAT8_GATHER = {"enable_fsdp_float8_all_gather": True}
+
+
+def _gathered_bytes_and_fit(rank: int, world: int, root: str, float8: Any) -> dict[str, Any]:
+    """Each FSDP all-gather's bytes (the whole gathered buffer, every rank's share) over a stopped and a
+    resumed fit."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
+
+    sizes: list[int] = []
+    original = param_group.foreach_all_gather
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        out = result.all_gather_output
+        sizes.append(out.numel() * out.element_size())
+        return result
+
+    param_group.foreach_all_gather = counting
+    try:
+        stopped = _fit("fsdp", world, root, STOP_AT, float8=float8)
+        resumed = _fit("fsdp", world, root, STEPS, ckpt_path="last", float8=float8)
+    finally:
+        param_group.foreach_all_gather = original
+    return {"stopped": stopped, "resumed": resumed, "gathered": sorted(set(sizes))}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_fsdp_gathers_the_float8_weights_in_float8_and_trains_equal_to_the_plain_loop(tmp_path: Any) -> None:
+    """With enable_fsdp_float8_all_gather, FSDP gathers net.0's and net.2's weights as one byte each (their
+    biases and the other layers stay fp32), cast on each shard with the whole weight's scale: the same bits
+    as casting after the gather, so the run equals the plain float8 loop as the fp32 gather does, and
+    resumes exactly; the scales come from the all-reduce after each optimizer step."""
+    want = reference(2)
+    on = run_distributed(_gathered_bytes_and_fit, 2, str(tmp_path / "on"), FLOAT8_GATHER, timeout=200)
+    off = run_distributed(_gathered_bytes_and_fit, 2, str(tmp_path / "off"), True, timeout=200)
+    fp32 = {"0": 32 * 64 * 4 + 64 * 4, "2": 64 * 32 * 4 + 32 * 4, "4": 32 * 20 * 4 + 20 * 4, "6": 20 * 10 * 4 + 10 * 4}
+    float8 = {**fp32, "0": 32 * 64 + 64 * 4, "2": 64 * 32 + 32 * 4}  # one byte a weight element
+    assert off[0]["gathered"] == sorted(fp32.values())
+    assert on[0]["gathered"] == sorted(float8.values())
+    assert on[0]["stopped"]["layers"] == LAYERS and on[0]["resumed"]["steps_run"] == STEPS - STOP_AT
+    assert on[0]["stopped"]["precomputed"] == ["0", "2"] and off[0]["stopped"]["precomputed"] == []
+    _assert_close(on[0]["stopped"]["weights"], want[STOP_AT], "fsdp, float8 all-gather")
+    _assert_close(on[0]["resumed"]["weights"], want[STEPS], "fsdp, float8 all-gather, resumed")
+
+
+def test_the_float8_all_gather_needs_tensorwise_scales() -> None:
+    with pytest.raises(ConfigError, match="enable_fsdp_float8_all_gather needs recipe: tensorwise"):
+        resolve_float8({"recipe": "rowwise", **FLOAT8_GATHER})
+    assert resolve_float8(FLOAT8_GATHER)["precompute_float8_dynamic_scale_for_fsdp"] is True
 
 
 def test_a_float8_checkpoint_loads_with_float8_off_and_back(tmp_path: Any) -> None:

@@ -14,13 +14,21 @@ The conversion runs once, on the module as ``configure_model`` left it, before t
 anything (the order is float8 -> TP -> activation checkpointing -> compile -> FSDP, as torchtitan's).
 A converted layer keeps ``weight`` and ``bias`` under their names, so checkpoints load into a run with
 float8 off, and back.
+
+``enable_fsdp_float8_all_gather: true`` (``tensorwise`` only) has FSDP gather the converted weights in
+float8, cast on each rank's shard with the whole weight's scale: a quarter of the fp32 bytes, half of
+bf16's, and the same bits a cast after the gather would give. The scales then come from one all-reduce
+of every converted weight's amax after each optimizer step (``precompute_float8_dynamic_scale_for_fsdp``,
+on by default as in torchtitan) instead of one a weight inside each gather.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
+import torch
 from torch import nn
 
 from polytrain.core.errors import ConfigError
@@ -28,7 +36,8 @@ from polytrain.core.errors import ConfigError
 log = logging.getLogger("polytrain")
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-KEYS = ("recipe", "filter_fqns", "convert_head")
+KEYS = ("recipe", "filter_fqns", "convert_head", "enable_fsdp_float8_all_gather",
+        "precompute_float8_dynamic_scale_for_fsdp")
 MULTIPLE = 16  # float8 matmuls take dimensions divisible by 16
 EXTRA = "pip install 'polytrain[float8]' (torchao)"
 
@@ -54,10 +63,17 @@ def resolve_float8(spec: Any, key: str = "trainer.float8") -> dict[str, Any] | N
     if not isinstance(fqns, (list, tuple)) or not all(isinstance(f, str) for f in fqns):
         raise ConfigError(f"{key}.filter_fqns={spec.get('filter_fqns')!r} must be a list of name fragments "
                           f"(a Linear whose name contains one stays in high precision)")
-    head = spec.get("convert_head", False)
-    if not isinstance(head, bool):
-        raise ConfigError(f"{key}.convert_head={head!r} must be true or false")
-    return {"recipe": recipe, "filter_fqns": list(fqns), "convert_head": head}
+    flags = {name: spec.get(name, default) for name, default in (
+        ("convert_head", False), ("enable_fsdp_float8_all_gather", False),
+        ("precompute_float8_dynamic_scale_for_fsdp", True))}
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}.{name}={value!r} must be true or false")
+    if flags["enable_fsdp_float8_all_gather"] and recipe != "tensorwise":
+        raise ConfigError(f"{key}.enable_fsdp_float8_all_gather needs recipe: tensorwise (one scale a weight, "
+                          f"which every shard can share); {recipe} scales each row. Use tensorwise, or gather "
+                          f"in high precision (enable_fsdp_float8_all_gather: false)")
+    return {"recipe": recipe, "filter_fqns": list(fqns), **flags}
 
 
 def linears_to_convert(module: nn.Module, options: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
@@ -82,21 +98,45 @@ def linears_to_convert(module: nn.Module, options: dict[str, Any]) -> tuple[list
 def convert_to_float8(module: nn.Module, options: dict[str, Any]) -> list[str]:
     """Swap the chosen Linear layers of ``module`` for torchao's ``Float8Linear`` (in place); returns their
     names. Layers converted already stay as they are, so a second stage converts nothing new."""
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # late: an optional extra
-    except ImportError as err:
-        raise ConfigError(f"trainer.float8 needs torchao, which is not installed ({err}): {EXTRA}") from None
+    torchao_float8 = _torchao_float8()
     chosen, skipped = linears_to_convert(module, options)
     if not chosen:
         return []
     wanted = set(chosen)
-    config = Float8LinearConfig.from_recipe_name(options["recipe"])
-    convert_to_float8_training(module, config=config, module_filter_fn=lambda _m, name: name in wanted)
+    config = torchao_float8.Float8LinearConfig.from_recipe_name(options["recipe"])
+    if options["enable_fsdp_float8_all_gather"]:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    torchao_float8.convert_to_float8_training(module, config=config,
+                                              module_filter_fn=lambda _m, name: name in wanted)
     log.info("float8 (%s): %d Linear layers converted; kept in high precision: %s", options["recipe"],
              len(chosen), "; ".join(f"{n} ({why})" for n, why in skipped.items()) or "none")
     return chosen
 
 
+def precompute_scales_after_each_step(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+    """Where FSDP gathers ``module``'s float8 weights and the options ask it, compute their next scales
+    after every optimizer step: one all-reduce of every weight's amax, which each gather then reads."""
+    layers = [m for m in module.modules() if _is_float8(m)]
+    if not any(getattr(m.config, "enable_fsdp_float8_all_gather", False) for m in layers):
+        return
+    precompute = _torchao_float8().precompute_float8_dynamic_scale_for_fsdp
+    for optimizer in optimizers:
+        optimizer.register_step_post_hook(lambda *_: precompute(module))
+
+
+def _torchao_float8() -> Any:
+    try:
+        import torchao.float8  # late: an optional extra
+    except ImportError as err:
+        raise ConfigError(f"trainer.float8 needs torchao, which is not installed ({err}): {EXTRA}") from None
+    return torchao.float8
+
+
 def has_float8(module: nn.Module) -> bool:
-    """Whether ``module`` holds a converted layer (checked by class name: torchao is optional)."""
-    return any(type(m).__name__ == "Float8Linear" for m in module.modules())
+    """Whether ``module`` holds a converted layer."""
+    return any(_is_float8(m) for m in module.modules())
+
+
+def _is_float8(module: nn.Module) -> bool:
+    # By class name (torchao is optional), through the class FSDP makes of it (FSDPFloat8Linear)
+    return any(c.__name__ == "Float8Linear" for c in type(module).__mro__)

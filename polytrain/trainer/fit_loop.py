@@ -24,6 +24,7 @@ from polytrain.core import heartbeat
 from polytrain.core.errors import ConfigError, EmptyDataError
 from polytrain.core.rng import isolate_rng, training_streams, user_seed
 from polytrain.data.stateful import select_rank_state
+from polytrain.parallel.float8 import precompute_scales_after_each_step, resolve_float8
 from polytrain.trainer import checkpoint as ckpt
 from polytrain.trainer.data_connector import (
     NO_BATCH,
@@ -153,6 +154,9 @@ class FitLoop:
         t, strategy, module = self.t, self.t.strategy, self.t.module
         optimizers, self.lr_scheduler_configs = parse_optimizers(t.hooks.module("configure_optimizers"))
         strategy.setup_optimizers(optimizers)
+        float8 = resolve_float8(t.config.float8)
+        if float8 is not None and float8["precompute_float8_dynamic_scale_for_fsdp"]:
+            precompute_scales_after_each_step(module, optimizers)
         if not module.automatic_optimization and t.config.gradient_clip_val is not None:
             raise ConfigError(f"trainer.gradient_clip_val={t.config.gradient_clip_val} does nothing under manual "
                               f"optimisation ({type(module).__name__}.automatic_optimization is False): call "

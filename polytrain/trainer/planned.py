@@ -133,10 +133,13 @@ def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamod
     precision = PRECISIONS.get(str(config.precision), str(config.precision))
     built = as_built(module)
     # float8 is costed when the config turns it on and the hardware has an fp8 peak (on CPU it is emulated)
-    float8 = resolve_float8(config.float8) is not None and bool(hw.fp8_peak_flops)
+    float8_options = resolve_float8(config.float8)
+    float8 = float8_options is not None and bool(hw.fp8_peak_flops)
     # torch's optimizers step every parameter at once on CUDA, one at a time on CPU
     training = Training(global_batch=global_batch, precision=precision, optimizer=optimizer_kind(built)[0],
-                        float8=float8, float8_tp=False, foreach=on_cuda, **schedule_settings(spec))
+                        float8=float8, float8_tp=False, foreach=on_cuda,
+                        fsdp_float8_all_gather=float8 and float8_options["enable_fsdp_float8_all_gather"],
+                        **schedule_settings(spec))
     # The SDPA kernel torch will run: flash on CUDA; on CPU flash too (fp32 included), but math (its s x s
     # matrices) under dropout
     attention = "flash" if on_cuda else "cpu"
