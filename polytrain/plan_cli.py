@@ -88,7 +88,8 @@ def run_plan(args: argparse.Namespace) -> int:
     # torch's optimizers step every parameter at once on CUDA, one at a time on CPU
     train = Training(global_batch=global_batch, precision=precision, optimizer=optimizer, float8=float8,
                      fsdp_float8_all_gather=float8 and float8_options["enable_fsdp_float8_all_gather"],
-                     float8_tp=False, foreach=preset != "cpu", **schedule_settings(options))
+                     float8_tp=float8 and float8_options["recipe"] == "tensorwise", foreach=preset != "cpu",
+                     **schedule_settings(options))
     attention = args.attention or ("cpu" if preset == "cpu" else "flash")
     plan = plan_module(module, x[:1], hw, train, target=None if y is None else y[:1], attention=attention)
     optimizer_said = f"{train.optimizer} (assumed: {assumed})" if assumed else train.optimizer

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import DistributedRunError, run_distributed
+from distributed import run_distributed
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import Trainer, TrainModule
@@ -31,18 +32,20 @@ def _data() -> TensorDataset:
     return TensorDataset(torch.randn(SAMPLES, FEATURES, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g))
 
 
-def _net() -> nn.Sequential:
+def _net(bias: bool = True) -> nn.Sequential:
     torch.manual_seed(0)
     # net.0 and net.2 convert; net.4 is the head (kept); net.6 has 20 features (not a multiple of 16)
-    return nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(),
+    return nn.Sequential(nn.Linear(FEATURES, 64, bias=bias), nn.ReLU(), nn.Linear(64, 32, bias=bias), nn.ReLU(),
                          nn.Linear(32, 20), nn.ReLU(), nn.Linear(20, CLASSES))
 
 
 class Float8Net(TrainModule):
+    bias = True
+
     def __init__(self, batch_size: int) -> None:
         super().__init__()
         self.batch_size = batch_size
-        self.net = _net()
+        self.net = _net(self.bias)
         self.steps_run = 0
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -55,6 +58,17 @@ class Float8Net(TrainModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_data(), batch_size=self.batch_size)
+
+    def tensor_parallel_plan(self) -> dict[str, Any]:
+        # torch's styles, as without float8: the strategy gives the converted layers torchao's float8 styles
+        return {"net.0": ColwiseParallel(), "net.2": RowwiseParallel(), "net.4": ColwiseParallel(),
+                "net.6": RowwiseParallel()}
+
+
+class BiasFreeFloat8Net(Float8Net):
+    """The converted layers without bias, as torchtitan's models are (see the tensor-parallel test)."""
+
+    bias = False
 
 
 def test_which_linears_convert_and_why_the_others_do_not() -> None:
@@ -88,12 +102,12 @@ def test_without_torchao_the_error_names_the_extra(monkeypatch: pytest.MonkeyPat
         trainer.fit(Float8Net(PER_RANK))
 
 
-def reference(world: int) -> dict[int, dict[str, torch.Tensor]]:
+def reference(world: int, bias: bool = True) -> dict[int, dict[str, torch.Tensor]]:
     """A plain loop converting the same layers with torchao: each step, every rank's micro-batch (the
     sampler gives rank r the samples r, r + world, ...), the mean of their losses."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    net = _net()
+    net = _net(bias)
     convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name("tensorwise"),
                                module_filter_fn=lambda _m, name: name in ("0", "2"))
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
@@ -114,8 +128,8 @@ def reference(world: int) -> dict[int, dict[str, torch.Tensor]]:
 
 
 def _fit(strategy: Any, world: int, run_dir: str, max_steps: int, ckpt_path: str | None = None,
-         float8: Any = True) -> dict[str, Any]:
-    module = Float8Net(PER_RANK)
+         float8: Any = True, module_class: type[Float8Net] = Float8Net) -> dict[str, Any]:
+    module = module_class(PER_RANK)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=world, float8=float8, max_steps=max_steps,
                       run_dir=run_dir, logger=False, enable_progress_bar=False, enable_model_summary=False,
                       enable_checkpointing=max_steps == STOP_AT, num_sanity_val_steps=0, timeout=60)
@@ -135,9 +149,10 @@ def _kind(linear: nn.Module) -> str:
     return "Float8Linear" if any(c.__name__ == "Float8Linear" for c in type(linear).__mro__) else "Linear"
 
 
-def _stop_and_resume(rank: int, world: int, strategy: str, root: str) -> dict[str, Any]:
-    return {"stopped": _fit(strategy, world, root, STOP_AT),
-            "resumed": _fit(strategy, world, root, STEPS, ckpt_path="last")}
+def _stop_and_resume(rank: int, world: int, strategy: Any, root: str,
+                     module_class: type[Float8Net] = Float8Net) -> dict[str, Any]:
+    return {"stopped": _fit(strategy, world, root, STOP_AT, module_class=module_class),
+            "resumed": _fit(strategy, world, root, STEPS, ckpt_path="last", module_class=module_class)}
 
 
 def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
@@ -237,15 +252,53 @@ def test_a_float8_checkpoint_loads_with_float8_off_and_back(tmp_path: Any) -> No
     _assert_close({f"{k}": v for k, v in loaded.state_dict().items()}, stopped["weights"], "float8 -> plain module")
 
 
-def _tensor_parallel(rank: int, world: int, root: str) -> None:
-    _fit({"name": "parallel", "tp": 2}, world, root, STEPS)
+def test_the_converted_layers_get_torchaos_float8_tensor_parallel_styles() -> None:
+    """Under tp > 1 a ColwiseParallel/RowwiseParallel entry on a converted layer becomes torchao's float8 style
+    with the same layouts (its collectives then move float8); the layers kept in high precision keep torch's.
+    Per-row scaling, a module's own parallelize() and another style on a float8 layer are refused in words."""
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from polytrain.parallel.float8 import convert_to_float8, with_float8_styles
+    from polytrain.parallel.tensor_parallel import resolve_key
+
+    module = Float8Net(PER_RANK)
+    convert_to_float8(module, resolve_float8(True))
+    plan = with_float8_styles(module, {**module.tensor_parallel_plan(), "net.0": ColwiseParallel(use_local_output=False)},
+                              resolve_key)
+    assert [type(plan[k]) for k in ("net.0", "net.2", "net.4", "net.6")] == [
+        Float8ColwiseParallel, Float8RowwiseParallel, ColwiseParallel, RowwiseParallel]
+    assert plan["net.0"].use_local_output is False  # the entry's layouts kept
+    with pytest.raises(ConfigError, match="own parallelize"):
+        with_float8_styles(module, None, resolve_key)
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    with pytest.raises(ConfigError, match=r"entry 'net.0' gives the float8 layer\(s\) \['net.0'\] the style "
+                                          r"SequenceParallel"):
+        with_float8_styles(module, {"net.0": SequenceParallel()}, resolve_key)
+    rowwise = Float8Net(PER_RANK)
+    convert_to_float8(rowwise, resolve_float8({"recipe": "rowwise"}))
+    with pytest.raises(ConfigError, match="needs recipe: tensorwise.*net.0 scales per row"):
+        with_float8_styles(rowwise, rowwise.tensor_parallel_plan(), resolve_key)
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(120)
-def test_tensor_parallel_with_float8_is_refused_in_words(tmp_path: Any) -> None:
-    with pytest.raises(DistributedRunError, match="trainer.float8 with tensor parallelism"):
-        run_distributed(_tensor_parallel, 2, str(tmp_path), timeout=100)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world, strategy", [(2, {"name": "parallel", "tp": 2}),
+                                             (4, {"name": "parallel", "tp": 2, "dp_shard": 2})],
+                         ids=["tp2", "dp_shard2_tp2"])
+def test_tensor_parallel_in_float8_equals_the_plain_loop_and_resumes_exactly(world: int, strategy: dict,
+                                                                            tmp_path: Any) -> None:
+    """The converted layers sharded with torchao's float8 styles (the casts' scales are the whole tensors'
+    amax, over the tp peers): equal within 1e-6 to the plain float8 loop on the data-parallel ranks'
+    micro-batches (tp peers share one), and a resumed run ends there too. The converted layers have no
+    bias, as torchtitan's: torchao's styles cast a layer's output gradient to float8 after its bias, so a
+    bias's gradient would come from the float8 gradient (1e-4 from one process here)."""
+    want = reference(world // 2, bias=False)
+    out = run_distributed(_stop_and_resume, world, strategy, str(tmp_path), BiasFreeFloat8Net, timeout=200)
+    assert out[0]["stopped"]["layers"] == LAYERS
+    assert all(r["resumed"]["steps_run"] == STEPS - STOP_AT for r in out)
+    _assert_close(out[0]["stopped"]["weights"], want[STOP_AT], str(strategy))
+    _assert_close(out[0]["resumed"]["weights"], want[STEPS], f"{strategy}, resumed")
 
 
 @pytest.mark.timeout(300)
@@ -275,8 +328,9 @@ def test_float8_composes_with_bf16_mixed_and_compile(tmp_path: Any) -> None:
 
 
 def test_the_plan_of_a_float8_config_costs_float8_where_the_hardware_has_it(tmp_path: Any) -> None:
-    """``polytrain plan`` reads trainer.float8: on h100 it costs the float8 linears and rejects tp > 1 (the
-    strategy refuses float8 with tensor parallelism); on cpu (no fp8 peak: float8 is emulated) it says so."""
+    """``polytrain plan`` reads trainer.float8: on h100 it costs the float8 linears, tensor parallel
+    included (torchao's float8 styles, tensorwise); a per-row recipe rejects tp > 1 as the strategy does;
+    on cpu (no fp8 peak: float8 is emulated) it says float8 is not costed."""
     import os
     import subprocess
 
@@ -285,15 +339,20 @@ def test_the_plan_of_a_float8_config_costs_float8_where_the_hardware_has_it(tmp_
 
     def plan(*args: str) -> str:
         done = subprocess.run([sys.executable, "-m", "polytrain", "plan", "-c", config, "--nodes", "1",
-                               "--devices-per-node", "4", "trainer.float8=true", *args], cwd=root,
-                              capture_output=True, text=True, timeout=300)
+                               "--devices-per-node", "4", *args], cwd=root, capture_output=True, text=True,
+                              timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stdout
 
-    on_h100 = plan("--hardware", "h100")
-    assert on_h100.splitlines()[0].endswith(", float8 linears")
-    assert "trainer.float8 with tensor parallelism (tp > 1) is not supported yet" in on_h100
-    ranked = [row.split()[1:4] for row in on_h100.split("columns:")[0].splitlines()[2:]
-              if row.split() and row.split()[0].isdigit()]
-    assert ranked and not any(part.startswith("tp") for row in ranked for part in row), ranked
-    assert plan("--hardware", "cpu").splitlines()[0].endswith(", float8 not costed (cpu has no fp8 peak)")
+    def ranked(out: str) -> list[list[str]]:
+        return [row.split()[1:4] for row in out.split("columns:")[0].splitlines()[2:]
+                if row.split() and row.split()[0].isdigit()]
+
+    tensorwise = plan("--hardware", "h100", "trainer.float8=true")
+    assert tensorwise.splitlines()[0].endswith(", float8 linears")
+    assert any(part.startswith("tp") for row in ranked(tensorwise) for part in row), tensorwise
+    rowwise = plan("--hardware", "h100", "trainer.float8={recipe: rowwise}")
+    assert "trainer.float8 with tensor parallelism (tp > 1) needs recipe: tensorwise" in rowwise
+    assert ranked(rowwise) and not any(part.startswith("tp") for row in ranked(rowwise) for part in row)
+    assert plan("--hardware", "cpu", "trainer.float8=true").splitlines()[0].endswith(
+        ", float8 not costed (cpu has no fp8 peak)")

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from polytrain.core import lazy
 from polytrain.core.errors import ConfigError
 
 log = logging.getLogger("polytrain")
@@ -125,11 +127,63 @@ def precompute_scales_after_each_step(module: nn.Module, optimizers: list[torch.
 
 
 def _torchao_float8() -> Any:
+    """torchao's float8 package, its tensor-parallel styles loaded too."""
     try:
-        import torchao.float8  # late: an optional extra
+        import torchao.float8.float8_tensor_parallel  # late: an optional extra
     except ImportError as err:
         raise ConfigError(f"trainer.float8 needs torchao, which is not installed ({err}): {EXTRA}") from None
     return torchao.float8
+
+
+def with_float8_styles(module: nn.Module, plan: dict[str, Any] | None,
+                       names_of: Callable[[nn.Module, str], list[str]]) -> dict[str, Any] | None:
+    """``plan`` with torchao's float8 styles on the converted layers: a ``ColwiseParallel`` or
+    ``RowwiseParallel`` entry reaching a ``Float8Linear`` becomes ``Float8ColwiseParallel`` /
+    ``Float8RowwiseParallel`` with the same layouts, so the layer casts its input to float8 before the
+    collectives (they move one byte an element) and its output gradient in backward. ``names_of`` lists
+    the module names a key reaches (``tensor_parallel.resolve_key``); a key reaching converted and plain
+    layers is split into their names."""
+    if not has_float8(module):
+        return plan
+    if plan is None:
+        raise ConfigError("trainer.float8 with a module's own parallelize(tp_mesh): its styles would not cast to "
+                          "float8. Give tensor_parallel_plan() instead (ColwiseParallel/RowwiseParallel entries "
+                          "become torchao's float8 styles on the converted layers), or turn float8 off")
+    rowwise = [name for name, m in module.named_modules() if _is_float8(m) and not _tensorwise(m)]
+    if rowwise:
+        raise ConfigError(f"trainer.float8 with tensor parallelism (tp > 1) needs recipe: tensorwise: torchao's "
+                          f"float8 styles move one scale a tensor, and {rowwise[0]} scales per row (recipe rowwise "
+                          f"or rowwise_with_gw_hp). Use recipe: tensorwise, or tp 1")
+    styles = _torchao_float8().float8_tensor_parallel
+    parallel = lazy.dtensor().parallel
+    float8_style = {parallel.ColwiseParallel: styles.Float8ColwiseParallel,
+                    parallel.RowwiseParallel: styles.Float8RowwiseParallel}
+    out: dict[str, Any] = {}
+    for key, style in plan.items():
+        names = names_of(module, key)
+        converted = [name for name in names if _is_float8(module.get_submodule(name))]
+        if not converted:
+            out[key] = style
+            continue
+        if type(style) not in float8_style:
+            raise ConfigError(f"tensor-parallel plan entry '{key}' gives the float8 layer(s) {converted} the style "
+                              f"{type(style).__name__}; float8 layers take ColwiseParallel or RowwiseParallel "
+                              f"(torchao's float8 styles), or keep them in high precision with "
+                              f"trainer.float8.filter_fqns")
+        swapped = float8_style[type(style)](input_layouts=style.input_layouts[0],
+                                            output_layouts=style.output_layouts[0],
+                                            use_local_output=style.use_local_output)
+        if len(converted) == len(names):
+            out[key] = swapped
+        else:
+            out.update({name: swapped if name in converted else style for name in names})
+    return out
+
+
+def _tensorwise(layer: nn.Module) -> bool:
+    config = layer.config
+    casts = (config.cast_config_input, config.cast_config_weight, config.cast_config_grad_output)
+    return all(cast.scaling_granularity.name == "TENSORWISE" for cast in casts)
 
 
 def has_float8(module: nn.Module) -> bool:

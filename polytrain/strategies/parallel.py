@@ -47,7 +47,7 @@ from polytrain.parallel.choices import SCHEDULES, check_schedule_with_fsdp
 from polytrain.parallel.context_parallel import check_context_parallel, context_parallel_training_step
 from polytrain.parallel.dims import ParallelDims
 from polytrain.parallel.dtensor_optim import support_fused_sgd
-from polytrain.parallel.float8 import has_float8
+from polytrain.parallel.float8 import with_float8_styles
 from polytrain.parallel.fsdp import broadcast_module, materialize_meta
 from polytrain.parallel.pipeline_stage import (
     schedule_class,
@@ -231,11 +231,9 @@ class ParallelStrategy(Strategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         dims, backend = self.dims, self.backend
-        if self.tensor_parallel and has_float8(module):
-            raise ConfigError("trainer.float8 with tensor parallelism (tp > 1) is not supported yet: "
-                              "torch's ColwiseParallel/RowwiseParallel do not cast to float8 (torchao's "
-                              "float8 styles would); turn float8 off, or train without tp")
         plan = tp_fn.module_plan(module) if self.tensor_parallel else None  # read before any rendezvous
+        if self.tensor_parallel:
+            plan = with_float8_styles(module, plan, tp_fn.resolve_key)
         if self.pipeline is not None:
             self.pipeline.check_module(module)
         self.join_process_group()

@@ -137,7 +137,8 @@ def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamod
     float8 = float8_options is not None and bool(hw.fp8_peak_flops)
     # torch's optimizers step every parameter at once on CUDA, one at a time on CPU
     training = Training(global_batch=global_batch, precision=precision, optimizer=optimizer_kind(built)[0],
-                        float8=float8, float8_tp=False, foreach=on_cuda,
+                        float8=float8, float8_tp=float8 and float8_options["recipe"] == "tensorwise",
+                        foreach=on_cuda,
                         fsdp_float8_all_gather=float8 and float8_options["enable_fsdp_float8_all_gather"],
                         **schedule_settings(spec))
     # The SDPA kernel torch will run: flash on CUDA; on CPU flash too (fp32 included), but math (its s x s

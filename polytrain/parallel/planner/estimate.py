@@ -83,8 +83,8 @@ class Training:
     # nn.Linear but the output head (the Sequential's last child) runs its matmuls at the fp8 peak.
     float8: bool = False
     fsdp_float8_all_gather: bool = False  # torchtitan's enable_fsdp_float8_all_gather (needs float8)
-    # Float8 under tensor parallelism (torchao's float8 TP styles, as torchtitan runs it). polytrain's
-    # strategies refuse it today, so plans of a polytrain config set False: tp > 1 is then rejected.
+    # Float8 under tensor parallelism (torchao's float8 TP styles, as torchtitan runs it): tensorwise scaling
+    # only, so a polytrain config with a rowwise recipe plans with False, and tp > 1 is then rejected.
     float8_tp: bool = True
     async_tp: bool = False  # torchtitan's enable_async_tensor_parallel (micro-pipelined TP collectives)
     # FSDP's reshard_after_forward (the strategy option): False keeps each unit gathered from its forward to

@@ -55,8 +55,8 @@ def _rejection(lay: Layout, hw: Hardware, train: Training, n_children: int, whol
     if whole is not None and lay.pp > 1:
         return whole
     if train.float8 and not train.float8_tp and lay.tp > 1:
-        return ("trainer.float8 with tensor parallelism (tp > 1) is not supported yet "
-                "(the strategy refuses it)")
+        return ("trainer.float8 with tensor parallelism (tp > 1) needs recipe: tensorwise (the strategy "
+                "refuses per-row scaling under tp)")
     if whole is not None and lay.activation_checkpointing:
         return ("activation checkpointing is costed per child of an nn.Sequential, and this model is "
                 "profiled whole: pin the degrees and trainer.activation_checkpointing to run it without "
