@@ -47,6 +47,10 @@ class Float8Net(TrainModule):
         self.batch_size = batch_size
         self.net = _net(self.bias)
         self.steps_run = 0
+        self.batches_run = 0  # a pipeline runs its stages, not training_step: counted once a batch here
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.batches_run += 1
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.steps_run += 1
@@ -58,6 +62,9 @@ class Float8Net(TrainModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_data(), batch_size=self.batch_size)
+
+    def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(outputs, targets)  # a pipeline's last stage: training_step's loss
 
     def tensor_parallel_plan(self) -> dict[str, Any]:
         # torch's styles, as without float8: the strategy gives the converted layers torchao's float8 styles
@@ -102,9 +109,10 @@ def test_without_torchao_the_error_names_the_extra(monkeypatch: pytest.MonkeyPat
         trainer.fit(Float8Net(PER_RANK))
 
 
-def reference(world: int, bias: bool = True) -> dict[int, dict[str, torch.Tensor]]:
+def reference(world: int, bias: bool = True, pieces: int = 1) -> dict[int, dict[str, torch.Tensor]]:
     """A plain loop converting the same layers with torchao: each step, every rank's micro-batch (the
-    sampler gives rank r the samples r, r + world, ...), the mean of their losses."""
+    sampler gives rank r the samples r, r + world, ...), the mean of their losses; with ``pieces``, each
+    micro-batch runs as that many (a pipeline's micro-batches: float8's scales are each piece's own)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     net = _net(bias)
@@ -118,9 +126,11 @@ def reference(world: int, bias: bool = True) -> dict[int, dict[str, torch.Tensor
     for step in range(1, STEPS + 1):
         k = (step - 1) % per_epoch
         optimizer.zero_grad()
-        losses = [F.cross_entropy(net(x[s[k * PER_RANK:(k + 1) * PER_RANK]]), y[s[k * PER_RANK:(k + 1) * PER_RANK]])
-                  for s in shares]
-        (sum(losses) / world).backward()
+        batches = [s[k * PER_RANK:(k + 1) * PER_RANK] for s in shares]
+        size = PER_RANK // pieces
+        losses = [F.cross_entropy(net(x[b[i:i + size]]), y[b[i:i + size]]) for b in batches
+                  for i in range(0, PER_RANK, size)]
+        (sum(losses) / len(losses)).backward()
         optimizer.step()
         if step in (STOP_AT, STEPS):
             snapshots[step] = {f"net.{k}": v.detach().clone() for k, v in net.state_dict().items()}
@@ -141,7 +151,7 @@ def _fit(strategy: Any, world: int, run_dir: str, max_steps: int, ckpt_path: str
                          if getattr(getattr(getattr(m, "weight", None), "_local_tensor", None), "_precomputed_scale",
                                     None) is not None)
     return {"weights": {k: v.detach().clone() for k, v in state.items()}, "steps_run": module.steps_run,
-            "layers": kinds, "precomputed": precomputed}
+            "batches_run": module.batches_run, "layers": kinds, "precomputed": precomputed}
 
 
 def _kind(linear: nn.Module) -> str:
@@ -235,6 +245,23 @@ def test_the_float8_all_gather_needs_tensorwise_scales() -> None:
     with pytest.raises(ConfigError, match="enable_fsdp_float8_all_gather needs recipe: tensorwise"):
         resolve_float8({"recipe": "rowwise", **FLOAT8_GATHER})
     assert resolve_float8(FLOAT8_GATHER)["precompute_float8_dynamic_scale_for_fsdp"] is True
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_pipeline_in_float8_equals_the_plain_loop_and_resumes_exactly(tmp_path: Any) -> None:
+    """Two stages (net.0-net.2 and the rest), each batch of 2 in two micro-batches of one sample: equal
+    to the plain float8 loop running those micro-batches (each cast with its own scales) and averaging
+    their losses, and a resumed run ends there too."""
+    want = reference(1, pieces=2)
+    strategy = {"name": "pipeline", "pp": 2, "schedule": "gpipe", "n_microbatches": 2}
+    out = run_distributed(_stop_and_resume, 2, strategy, str(tmp_path), timeout=200)
+    assert all(r["resumed"]["batches_run"] == STEPS - STOP_AT for r in out)  # it went on from the checkpoint
+    assert sorted(layer for r in out for layer in r["stopped"]["layers"]) == LAYERS  # each stage its own
+    stopped = {k: v for r in out for k, v in r["stopped"]["weights"].items()}
+    resumed = {k: v for r in out for k, v in r["resumed"]["weights"].items()}
+    _assert_close(stopped, want[STOP_AT], "pipeline")
+    _assert_close(resumed, want[STEPS], "pipeline, resumed")
 
 
 def test_a_float8_checkpoint_loads_with_float8_off_and_back(tmp_path: Any) -> None:
