@@ -93,12 +93,26 @@ def test_which_linears_convert_and_why_the_others_do_not() -> None:
     ({"recipe": "rowwize"}, "not one of torchao's recipes: tensorwise, rowwise, rowwise_with_gw_hp"),
     ({"recipes": "rowwise"}, "unknown key(s) ['recipes']; valid: recipe, filter_fqns, convert_head, "
                              "enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp"),
-    ("yes", "use true, false, or a mapping"),
+    ("yes", "use true, false, auto, or a mapping"),
 ])
 def test_a_bad_float8_setting_names_the_valid_ones(spec: Any, words: str) -> None:
     with pytest.raises(ConfigError, match=None) as info:
         Trainer(float8=spec, accelerator="cpu", logger=False)
     assert words in str(info.value)
+
+
+def test_float8_auto_is_on_where_the_device_multiplies_in_float8(tmp_path: Any,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """``float8: auto`` converts nothing on a CPU (torchao would only emulate the matmuls) and says so; the
+    planner costs it where the hardware has an fp8 peak, as ``true``."""
+    assert resolve_float8("auto")["auto"] is True and resolve_float8(True)["auto"] is False
+    module = Float8Net(PER_RANK)
+    trainer = Trainer(float8="auto", accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, run_dir=str(tmp_path))
+    with caplog.at_level("INFO", logger="polytrain"):
+        trainer.fit(module)
+    assert _kind(module.net[0]) == "Linear"
+    assert "float8: auto leaves the Linear layers in high precision: cpu has no float8 matmuls" in caplog.text
 
 
 def test_without_torchao_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
@@ -432,6 +446,9 @@ def test_the_plan_of_a_float8_config_costs_float8_where_the_hardware_has_it(tmp_
 
     tensorwise = plan("--hardware", "h100", "trainer.float8=true")
     assert tensorwise.splitlines()[0].endswith(", float8 linears")
+    assert plan("--hardware", "h100", "trainer.float8=auto").splitlines()[0].endswith(", float8 linears")
+    assert plan("--hardware", "cpu", "trainer.float8=auto").splitlines()[0].endswith(
+        ", float8 not costed (cpu has no fp8 peak)")
     assert any(part.startswith("tp") for row in ranked(tensorwise) for part in row), tensorwise
     rowwise = plan("--hardware", "h100", "trainer.float8={recipe: rowwise}")
     assert "trainer.float8 with tensor parallelism (tp > 1) needs recipe: tensorwise" in rowwise

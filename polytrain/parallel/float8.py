@@ -45,13 +45,15 @@ EXTRA = "pip install 'polytrain[float8]' (torchao)"
 
 
 def resolve_float8(spec: Any, key: str = "trainer.float8") -> dict[str, Any] | None:
-    """The config value as ``{recipe, filter_fqns, convert_head}``, or None when off."""
+    """The config value as ``{recipe, filter_fqns, convert_head, ..., auto}``, or None when off. ``auto``:
+    the defaults, on where the device has float8 matmuls (``has_float8_matmuls``), off elsewhere."""
     if spec is None or spec is False:
         return None
-    if spec is True:
+    auto = spec == "auto"
+    if spec is True or auto:
         spec = {}
     if not isinstance(spec, dict):
-        raise ConfigError(f"{key}={spec!r} is not valid; use true, false, or a mapping such as "
+        raise ConfigError(f"{key}={spec!r} is not valid; use true, false, auto, or a mapping such as "
                           f"{{recipe: tensorwise, filter_fqns: [lm_head]}}")
     unknown = sorted(set(spec) - set(KEYS))
     if unknown:
@@ -75,7 +77,13 @@ def resolve_float8(spec: Any, key: str = "trainer.float8") -> dict[str, Any] | N
         raise ConfigError(f"{key}.enable_fsdp_float8_all_gather needs recipe: tensorwise (one scale a weight, "
                           f"which every shard can share); {recipe} scales each row. Use tensorwise, or gather "
                           f"in high precision (enable_fsdp_float8_all_gather: false)")
-    return {"recipe": recipe, "filter_fqns": list(fqns), **flags}
+    return {"recipe": recipe, "filter_fqns": list(fqns), **flags, "auto": auto}
+
+
+def has_float8_matmuls(device: torch.device) -> bool:
+    """Whether ``device`` multiplies in float8: CUDA compute capability 8.9 or later (Ada, Hopper and on).
+    Elsewhere torchao emulates the matmuls: right, not faster."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def linears_to_convert(module: nn.Module, options: dict[str, Any]) -> tuple[list[str], dict[str, str]]:

@@ -21,7 +21,7 @@ from polytrain.callbacks.base import Callback
 from polytrain.callbacks.checkpoint import ModelCheckpoint
 from polytrain.core.errors import ConfigError, RankFailedError
 from polytrain.core.rng import capture_rng_state, restore_rng_state, seed_all, user_seed
-from polytrain.parallel.float8 import convert_to_float8, resolve_float8
+from polytrain.parallel.float8 import convert_to_float8, has_float8_matmuls, resolve_float8
 from polytrain.trainer.datamodule import DataModule
 from polytrain.trainer.hooks import (
     CALLBACK_HOOKS,
@@ -89,6 +89,10 @@ def begin(trainer: Trainer, stage: str) -> None:
                 f"trained weights were replaced. It runs in every stage (as in Lightning), so make it idempotent, "
                 f"e.g. start it with `if hasattr(self, 'net'): return`")
     float8 = resolve_float8(trainer.config.float8)
+    if first and float8 is not None and float8["auto"] and not has_float8_matmuls(strategy.root_device):
+        log.info("float8: auto leaves the Linear layers in high precision: %s has no float8 matmuls",
+                 strategy.root_device)
+        float8 = None
     if first and float8 is not None:
         # Before the strategy: every parallelism then sees the layers in their final form.
         convert_to_float8(module, float8)
