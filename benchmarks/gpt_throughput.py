@@ -5,6 +5,7 @@ Usage::
     python benchmarks/gpt_throughput.py                      # GPT-2 small (124M), seq 1024, on the GPU
     python benchmarks/gpt_throughput.py --tiny               # a tiny GPT for CPU (CI's smoke test runs this)
     python benchmarks/gpt_throughput.py --strategies single,ddp,fsdp --compile both --rounds 5
+    python benchmarks/gpt_throughput.py --compile on --float8 both   # bf16 against float8, with the planner's ratio
 
 The model: 12 layers, d 768, 12 heads, seq 1024, vocab 50304 (GPT-2's 50257 padded to a multiple of
 64), learned positions, pre-norm blocks, ``F.scaled_dot_product_attention`` (causal), GELU MLP, the LM
@@ -21,6 +22,12 @@ splits it at bucket boundaries in both), each transformer block before ``fully_s
 The hand loop reads the loss on the host (``.item()``) only on logging steps (every
 ``--log-every``), as polytrain does; polytrain runs with logger, progress bar, checkpoints and
 model summary off (GPU-NOTES.md's set-up). Both end with the same last loss (printed).
+
+``--float8 on|both``: polytrain with ``trainer.float8: true`` and the hand loop converting the same
+Linear layers (``polytrain.parallel.float8.linears_to_convert``: every block Linear, not the tied head)
+with torchao before compiling and sharding. With ``both``, each variant also runs without float8, and a
+last line gives polytrain's float8 / bf16 step-time ratio beside the planner's prediction for the same
+layout on the device's preset (h100 for an H100 or H200; none on CPU, where float8 is emulated).
 
 Timing: from the start of step ``--warmup`` (compilation, allocator warm-up and the first logging
 step are before it) to the end of the last step, with ``torch.cuda.synchronize()`` at both ends on
@@ -91,7 +98,8 @@ def _sync(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
 
 
-def run_polytrain(args: argparse.Namespace, ds: Any, strategy: str, compiled: bool, run_dir: str) -> dict[str, Any]:
+def run_polytrain(args: argparse.Namespace, ds: Any, strategy: str, compiled: bool, run_dir: str,
+                  float8: bool = False) -> dict[str, Any]:
     from polytrain import Callback, Trainer
 
     class Clock(Callback):
@@ -116,18 +124,26 @@ def run_polytrain(args: argparse.Namespace, ds: Any, strategy: str, compiled: bo
                       max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       log_every_n_steps=args.log_every, run_dir=run_dir, callbacks=[clock],
-                      compile={"backend": args.compile_backend} if compiled else False)
+                      compile={"backend": args.compile_backend} if compiled else False, float8=float8)
     trainer.fit(module)
     return {"seconds": clock.t1 - clock.t0, "cpu": clock.c1 - clock.c0,
             "loss": trainer.logged_metrics["train/loss"]}  # the last step's value (Lightning's logged_metrics)
 
 
-def run_hand(args: argparse.Namespace, ds: Any, strategy: str, compiled: bool) -> dict[str, Any]:
+def run_hand(args: argparse.Namespace, ds: Any, strategy: str, compiled: bool, float8: bool = False) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.utils.data import DistributedSampler
 
     model = build(args)
+    if float8:  # the layers polytrain converts, before compile and sharding (as polytrain orders them)
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        from polytrain.parallel.float8 import linears_to_convert, resolve_float8
+
+        chosen = set(linears_to_convert(model, resolve_float8(True))[0])
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                                   module_filter_fn=lambda _m, name: name in chosen)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     model.to(device)
     world, rank = (dist.get_world_size(), dist.get_rank()) if args.world > 1 else (1, 0)
@@ -181,7 +197,7 @@ def _ddp_loss(ddp: Any, x: Any, y: Any, vocab: int) -> Any:
     return F.cross_entropy(ddp(x).view(-1, vocab).float(), y.view(-1))
 
 
-def run_pairs(args: argparse.Namespace, strategy: str, compiled: bool) -> dict[str, Any]:
+def run_pairs(args: argparse.Namespace, strategy: str, compiled: bool, float8: bool = False) -> dict[str, Any]:
     import torch.distributed as dist
 
     ds = dataset(args, args.world)
@@ -193,8 +209,8 @@ def run_pairs(args: argparse.Namespace, strategy: str, compiled: bool) -> dict[s
         for which in order:
             if args.world > 1:
                 dist.barrier()
-            result = run_polytrain(args, ds, strategy, compiled, os.path.join(base, f"{pair}")) \
-                if which == "poly" else run_hand(args, ds, strategy, compiled)
+            result = run_polytrain(args, ds, strategy, compiled, os.path.join(base, f"{pair}"), float8) \
+                if which == "poly" else run_hand(args, ds, strategy, compiled, float8)
             out[which].append(result["seconds"])
             out[which + "_cpu"].append(result["cpu"])
             out[which + "_loss"].append(result["loss"])
@@ -227,7 +243,7 @@ def report(args: argparse.Namespace, label: str, out: dict[str, Any], flops_per_
 # --------------------------------------------------------------------------- processes
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, plan: list[tuple[str, bool]],
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, plan: list[tuple[str, bool, bool]],
             results: Any) -> None:
     export_rank(rank, world, port)
     try:
@@ -239,7 +255,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, plan: li
             torch.cuda.set_device(rank)
         # polytrain's strategies join this group instead of creating their own.
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)
-        outs = [(strategy, compiled, run_pairs(args, strategy, compiled)) for strategy, compiled in plan]
+        outs = [(strategy, compiled, float8, run_pairs(args, strategy, compiled, float8))
+                for strategy, compiled, float8 in plan]
         if rank == 0:
             results.put(("ok", outs))
     except BaseException:  # noqa: BLE001 - shown by the parent
@@ -251,7 +268,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, plan: li
             dist.destroy_process_group()
 
 
-def run_multi(args: argparse.Namespace, plan: list[tuple[str, bool]]) -> list[tuple[str, bool, dict[str, Any]]]:
+def run_multi(args: argparse.Namespace, plan: list[tuple[str, bool, bool]]
+              ) -> list[tuple[str, bool, bool, dict[str, Any]]]:
     return first_result(_worker, args.world, (args, plan), args.timeout)
 
 
@@ -276,6 +294,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=None, help="DataLoader workers; default 2 on CUDA, 0 on CPU")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a multi-process run is abandoned")
+    p.add_argument("--float8", choices=("off", "on", "both"), default="off",
+                   help="trainer.float8 (and torchao in the hand loop); both: with and without, and their ratio")
     args = p.parse_args(argv)
     return args
 
@@ -336,19 +356,54 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown strategies {unknown}; valid: single, ddp, fsdp")
     tag = {False: "eager", True: f"compiled ({args.compile_backend})" if args.compile_backend != "inductor"
            else "compiled"}
+    float8s = {"off": (False,), "on": (True,), "both": (False, True)}[args.float8]
+    label = {False: "", True: " float8"}
+    measured: dict[tuple[str, bool, bool], float] = {}
     if "single" in strategies:
         args.world = 1
         for compiled in variants:
-            print(report(args, f"single {tag[compiled]}", run_pairs(args, "single", compiled), flops), flush=True)
-    multi = [(st, c) for st in strategies if st != "single" for c in variants]
+            for float8 in float8s:
+                out = run_pairs(args, "single", compiled, float8)
+                measured["single", compiled, float8] = statistics.median(out["poly"])
+                print(report(args, f"single {tag[compiled]}{label[float8]}", out, flops), flush=True)
+    multi = [(st, c, f8) for st in strategies if st != "single" for c in variants for f8 in float8s]
     if multi:
         args.world = 2
         if args.device == "cuda" and torch.cuda.device_count() < 2:
             print(f"ddp/fsdp x2: skipped ({torch.cuda.device_count()} GPU visible, 2 needed)", flush=True)
         else:
-            for strategy, compiled, out in run_multi(args, multi):
-                print(report(args, f"{strategy} x2 {tag[compiled]}", out, flops), flush=True)
+            for strategy, compiled, float8, out in run_multi(args, multi):
+                measured[strategy, compiled, float8] = statistics.median(out["poly"])
+                print(report(args, f"{strategy} x2 {tag[compiled]}{label[float8]}", out, flops), flush=True)
+    if args.float8 == "both":
+        device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        for (strategy, compiled, float8), seconds in measured.items():
+            if float8 and (strategy, compiled, False) in measured:
+                ratio = seconds / measured[strategy, compiled, False]
+                print(f"float8 / {args.precision} step time, {strategy} {tag[compiled]}: measured {ratio:.3f} "
+                      f"(polytrain); "
+                      f"{predicted_float8_ratio(args, strategy, device_name)}", flush=True)
     return 0
+
+
+def predicted_float8_ratio(args: argparse.Namespace, strategy: str, device_name: str) -> str:
+    """The planner's float8 / bf16 step-time ratio for the layout the strategy runs, on the preset of the
+    device named (the H200 computes as the H100; its faster memory is not in the step-time model)."""
+    import torch
+
+    from polytrain.parallel.planner import Layout, Training, estimate, hardware, profiler
+
+    world = 1 if strategy == "single" else 2
+    preset = "h100" if "H100" in device_name or "H200" in device_name else None
+    if preset is None:
+        return f"planner: none ({device_name} has no fp8 preset; float8 is emulated on CPU)"
+    with torch.device("meta"):
+        model = build(args)
+    x = torch.zeros(1, args.shape.seq, dtype=torch.long)
+    layout = Layout(dp_shard=world) if strategy == "fsdp" else Layout(dp_replicate=world)
+    steps = [estimate(layout, Training(global_batch=args.batch_size * world, precision=args.precision, float8=f8),
+                      profiler(model, x, x)(1), hardware(preset, 1, world)).step_time for f8 in (False, True)]
+    return f"planner ({preset}, {layout.label()}, no compile): {steps[1] / steps[0]:.3f}"
 
 
 if __name__ == "__main__":

@@ -80,6 +80,29 @@ def test_gpt_throughput_benchmark_prints_ratios() -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.timeout(300)
+def test_gpt_throughput_benchmark_compares_float8_with_the_hand_loop_and_the_planner() -> None:
+    out = _run([os.path.join(BENCH, "gpt_throughput.py"), "--tiny", "--strategies", "single", "--compile", "off",
+                "--float8", "both", "--rounds", "1", "--steps", "2", "--warmup", "2", "--log-every", "2"], timeout=280)
+    assert "single eager float8: polytrain" in out and "ratio" in out
+    [line] = [row for row in out.splitlines() if row.startswith("float8 / 32 step time, single eager: measured")]
+    assert "planner: none (cpu has no fp8 preset" in line  # on an H100 or H200: the planner's ratio
+    losses = [row.split("last loss polytrain ")[1].split() for row in out.splitlines() if "float8:   per-pair" in row]
+    assert losses and losses[0][0] == losses[0][2], losses  # polytrain and the hand loop: the same float8 work
+
+
+def test_the_planners_float8_ratio_for_an_h100() -> None:
+    """What the benchmark prints beside the measured ratio on an H100 or H200, for GPT-2 small (the profile
+    runs on meta)."""
+    sys.path.insert(0, BENCH)
+    import gpt_throughput
+
+    args = gpt_throughput.resolve(gpt_throughput.parse_args(["--device", "cpu", "--precision", "bf16-mixed"]))
+    line = gpt_throughput.predicted_float8_ratio(args, "fsdp", "NVIDIA H100 80GB HBM3")
+    assert line.startswith("planner (h100, dp_shard2, no compile): ")
+    assert 0.3 < float(line.rsplit(": ", 1)[1]) < 1.0  # float8 matmuls at twice the bf16 peak: faster
+
+
 def test_activation_memory_benchmark_shows_a_saving() -> None:
     out = _run([os.path.join(BENCH, "activation_memory.py"), "--layers", "2", "--d-model", "64", "--seq-len", "128",
                 "--steps", "2"], timeout=280)
