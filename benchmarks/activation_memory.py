@@ -204,9 +204,10 @@ def compare_with_planner(args: argparse.Namespace, runs: dict[str, dict[str, Any
     for mode, run in runs.items():
         held, guess = predicted(args, mode)
         ok &= abs(guess / run["peak"] - 1) <= GOAL
-        print(f"planner, checkpointing {mode}: predicted activations {held / mb:.2f} MB, with the step's transients "
-              f"{guess / mb:.2f} MB; measured held at end of forward {run['held'] / mb:.2f} MB, peak "
-              f"{run['peak'] / mb:.2f} MB (ratio {guess / run['peak']:.3f}, goal within {GOAL:.0%})", flush=True)
+        print(f"planner, checkpointing {mode}: predicted activations {held / mb:.2f} MB, with the step's "
+              f"transients {guess / mb:.2f} MB; measured held at end of forward {run['held'] / mb:.2f} MB, "
+              f"peak {run['peak'] / mb:.2f} MB (ratio {guess / run['peak']:.3f}, goal within {GOAL:.0%})",
+              flush=True)
     print(f"planner: activations and transients within {GOAL:.0%} of the measured peak, checkpointing "
           f"{', '.join(runs)}: "
           f"{'yes' if ok else 'NO'}", flush=True)

@@ -5,7 +5,7 @@ Usage::
     python benchmarks/gpt_throughput.py                      # GPT-2 small (124M), seq 1024, on the GPU
     python benchmarks/gpt_throughput.py --tiny               # a tiny GPT for CPU (CI's smoke test runs this)
     python benchmarks/gpt_throughput.py --strategies single,ddp,fsdp --compile both --rounds 5
-    python benchmarks/gpt_throughput.py --compile on --float8 both   # bf16 against float8, with the planner's ratio
+    python benchmarks/gpt_throughput.py --compile on --float8 both   # bf16 against float8, and the planner
 
 The model: 12 layers, d 768, 12 heads, seq 1024, vocab 50304 (GPT-2's 50257 padded to a multiple of
 64), learned positions, pre-norm blocks, ``F.scaled_dot_product_attention`` (causal), GELU MLP, the LM
@@ -130,7 +130,8 @@ def run_polytrain(args: argparse.Namespace, ds: Any, strategy: str, compiled: bo
             "loss": trainer.logged_metrics["train/loss"]}  # the last step's value (Lightning's logged_metrics)
 
 
-def run_hand(args: argparse.Namespace, ds: Any, strategy: str, compiled: bool, float8: bool = False) -> dict[str, Any]:
+def run_hand(args: argparse.Namespace, ds: Any, strategy: str, compiled: bool,
+             float8: bool = False) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.utils.data import DistributedSampler
@@ -197,7 +198,8 @@ def _ddp_loss(ddp: Any, x: Any, y: Any, vocab: int) -> Any:
     return F.cross_entropy(ddp(x).view(-1, vocab).float(), y.view(-1))
 
 
-def run_pairs(args: argparse.Namespace, strategy: str, compiled: bool, float8: bool = False) -> dict[str, Any]:
+def run_pairs(args: argparse.Namespace, strategy: str, compiled: bool,
+              float8: bool = False) -> dict[str, Any]:
     import torch.distributed as dist
 
     ds = dataset(args, args.world)
@@ -209,8 +211,10 @@ def run_pairs(args: argparse.Namespace, strategy: str, compiled: bool, float8: b
         for which in order:
             if args.world > 1:
                 dist.barrier()
-            result = run_polytrain(args, ds, strategy, compiled, os.path.join(base, f"{pair}"), float8) \
-                if which == "poly" else run_hand(args, ds, strategy, compiled, float8)
+            if which == "poly":
+                result = run_polytrain(args, ds, strategy, compiled, os.path.join(base, f"{pair}"), float8)
+            else:
+                result = run_hand(args, ds, strategy, compiled, float8)
             out[which].append(result["seconds"])
             out[which + "_cpu"].append(result["cpu"])
             out[which + "_loss"].append(result["loss"])
@@ -295,7 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a multi-process run is abandoned")
     p.add_argument("--float8", choices=("off", "on", "both"), default="off",
-                   help="trainer.float8 (and torchao in the hand loop); both: with and without, and their ratio")
+                   help="trainer.float8 (and torchao in the hand loop); both: with and without, and the "
+                        "ratio")
     args = p.parse_args(argv)
     return args
 
@@ -380,8 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         for (strategy, compiled, float8), seconds in measured.items():
             if float8 and (strategy, compiled, False) in measured:
                 ratio = seconds / measured[strategy, compiled, False]
-                print(f"float8 / {args.precision} step time, {strategy} {tag[compiled]}: measured {ratio:.3f} "
-                      f"(polytrain); "
+                print(f"float8 / {args.precision} step time, {strategy} {tag[compiled]}: measured "
+                      f"{ratio:.3f} (polytrain); "
                       f"{predicted_float8_ratio(args, strategy, device_name)}", flush=True)
     return 0
 
@@ -401,8 +406,9 @@ def predicted_float8_ratio(args: argparse.Namespace, strategy: str, device_name:
         model = build(args)
     x = torch.zeros(1, args.shape.seq, dtype=torch.long)
     layout = Layout(dp_shard=world) if strategy == "fsdp" else Layout(dp_replicate=world)
-    steps = [estimate(layout, Training(global_batch=args.batch_size * world, precision=args.precision, float8=f8),
-                      profiler(model, x, x)(1), hardware(preset, 1, world)).step_time for f8 in (False, True)]
+    profile, hw = profiler(model, x, x)(1), hardware(preset, 1, world)
+    steps = [estimate(layout, Training(global_batch=args.batch_size * world, precision=args.precision,
+                                       float8=float8), profile, hw).step_time for float8 in (False, True)]
     return f"planner ({preset}, {layout.label()}, no compile): {steps[1] / steps[0]:.3f}"
 
 

@@ -82,13 +82,16 @@ def test_gpt_throughput_benchmark_prints_ratios() -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.timeout(300)
 def test_gpt_throughput_benchmark_compares_float8_with_the_hand_loop_and_the_planner() -> None:
-    out = _run([os.path.join(BENCH, "gpt_throughput.py"), "--tiny", "--strategies", "single", "--compile", "off",
-                "--float8", "both", "--rounds", "1", "--steps", "2", "--warmup", "2", "--log-every", "2"], timeout=280)
+    out = _run([os.path.join(BENCH, "gpt_throughput.py"), "--tiny", "--strategies", "single", "--compile",
+                "off", "--float8", "both", "--rounds", "1", "--steps", "2", "--warmup", "2", "--log-every",
+                "2"], timeout=280)
+    rows = out.splitlines()
     assert "single eager float8: polytrain" in out and "ratio" in out
-    [line] = [row for row in out.splitlines() if row.startswith("float8 / 32 step time, single eager: measured")]
+    [line] = [row for row in rows if row.startswith("float8 / 32 step time, single eager: measured")]
     assert "planner: none (cpu has no fp8 preset" in line  # on an H100 or H200: the planner's ratio
-    losses = [row.split("last loss polytrain ")[1].split() for row in out.splitlines() if "float8:   per-pair" in row]
-    assert losses and losses[0][0] == losses[0][2], losses  # polytrain and the hand loop: the same float8 work
+    losses = [row.split("last loss polytrain ")[1].split() for row in rows if "float8:   per-pair" in row]
+    # polytrain and the hand loop did the same float8 work
+    assert losses and losses[0][0] == losses[0][2], losses
 
 
 def test_the_planners_float8_ratio_for_an_h100() -> None:

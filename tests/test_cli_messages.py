@@ -126,14 +126,17 @@ def test_help_and_a_malformed_command_answer_without_importing_torch(args: list[
     ("trainer.strategy={name: parallel, schedule: gpipee}", "pipeline schedule='gpipee' is not known; valid:"),
     ("trainer.strategy={name: parallel, plan: true, hardware: h1000}",
      "trainer.strategy (parallel) hardware='h1000' is not valid; choose one of: a100, cpu, h100"),
-    ("trainer.strategy={name: parallel, tp: auto, tpp: 2}", "strategy 'parallel' has no option 'tpp'; valid:"),
+    ("trainer.strategy={name: parallel, tp: auto, tpp: 2}",
+     "strategy 'parallel' has no option 'tpp'; valid:"),
     ("trainer.strategy={name: parallel, cp: 2}", "cp=2 (context parallel) runs only on CUDA"),
-    ("module.lerning_rate=0.1", "module: digits_module.DigitsClassifier() got an unexpected keyword 'lerning_rate'."),
-    ("module._target_=digits_module.DigitClassifier", "module: _target_ 'digits_module.DigitClassifier': module "
-                                                       "'digits_module' has no attribute 'DigitClassifier'; did you"),
+    ("module.lerning_rate=0.1",
+     "module: digits_module.DigitsClassifier() got an unexpected keyword 'lerning_rate'."),
+    ("module._target_=digits_module.DigitClassifier",
+     "module: _target_ 'digits_module.DigitClassifier': module 'digits_module' has no attribute "
+     "'DigitClassifier'; did you"),
     ("trainer.callbacks.ModelCheckpoint.asyncsave=true",
-     "trainer.callbacks[1]: polytrain.callbacks.ModelCheckpoint() got an unexpected keyword 'asyncsave'; did you "
-     "mean 'async_save'?"),
+     "trainer.callbacks[1]: polytrain.callbacks.ModelCheckpoint() got an unexpected keyword 'asyncsave'; "
+     "did you mean 'async_save'?"),
 ])
 def test_a_typo_in_the_config_answers_in_one_line_before_torch_loads(override: str, message: str) -> None:
     """The file, its sections, the trainer keys, the strategy's name and options (a planner request and

@@ -112,7 +112,7 @@ def test_trainer_from_config_checks_module_targets_before_any_worker(config) -> 
         Trainer.from_config(cfg)
 
 
-# --------------------------------------------------------------------------- read from the source, before torch
+# ------------------------------------------------------------------- read from the source, before torch
 
 # A package the way users lay one out: re-exports, a base class, factories, names made at run time.
 SOURCE_PACKAGE = {
@@ -218,7 +218,8 @@ def test_the_source_reading_imports_nothing(tmp_path: Path, monkeypatch: pytest.
     from polytrain.trainer.target_source import check_targets_from_source
 
     (tmp_path / "explodes_on_import.py").write_text(
-        'raise SystemExit("imported")\n\nclass Model:\n    def __init__(self, lr: float = 0.1):\n        pass\n')
+        'raise SystemExit("imported")\n\n'
+        'class Model:\n    def __init__(self, lr: float = 0.1):\n        pass\n')
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError, match=r"Model\(\) got an unexpected keyword 'lrr'; did you mean 'lr'"):
         check_targets_from_source({"module": {"_target_": "explodes_on_import.Model", "lrr": 1}})

@@ -15,7 +15,8 @@ GiB = 1024**3
 
 
 def test_the_bar_draws_each_term_in_proportion_to_the_device() -> None:
-    memory = {"params": 10, "grads": 10, "optimizer": 20, "fsdp_buffers": 0, "activations": 40, "transients": 10}
+    memory = {"params": 10, "grads": 10, "optimizer": 20, "fsdp_buffers": 0, "activations": 40,
+              "transients": 10}
     assert memory_bar(memory, capacity=100, width=10) == "PGOOAAAAT."
     assert memory_bar({**memory, "activations": 500}, capacity=100, width=10) == "PGOOAAAAAA"  # capped at the width
     assert memory_bar({"params": 0}, capacity=100, width=10) == ".........."

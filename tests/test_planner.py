@@ -511,9 +511,9 @@ def test_the_memory_is_the_peak_over_the_steps_phases() -> None:
     FSDP: its unsharded gradients are its buffers); at the optimizer step, Adam's temporaries once the
     activations are freed (every parameter at once, foreach, or the largest one)."""
     def child(saved: int, largest_saved: int, largest_param: int) -> ChildProfile:
-        return ChildProfile(name="b", kind="Block", params=1000, tp_params=0, saved_bytes=saved, input_bytes=0,
-                            output_bytes=0, flops=0, tp_allreduce_bytes=0, largest_saved_bytes=largest_saved,
-                            largest_param=largest_param)
+        return ChildProfile(name="b", kind="Block", params=1000, tp_params=0, saved_bytes=saved,
+                            input_bytes=0, output_bytes=0, flops=0, tp_allreduce_bytes=0,
+                            largest_saved_bytes=largest_saved, largest_param=largest_param)
 
     big_activations = ModelProfile(tp=1, children=(child(5000, 3000, 600), child(5000, 1000, 900)), seq_len=1,
                                    param_bytes=4)
@@ -526,7 +526,8 @@ def test_the_memory_is_the_peak_over_the_steps_phases() -> None:
     assert sharded["transients"] == 4 * 3000  # FSDP: in its buffers
     small_activations = ModelProfile(tp=1, children=(child(10, 10, 600), child(10, 10, 900)), seq_len=1,
                                      param_bytes=4)
-    [adam] = stage_memories(Layout(), Training(global_batch=4, precision="32", optimizer="adamw"), small_activations)
+    adamw = Training(global_batch=4, precision="32", optimizer="adamw")
+    [adam] = stage_memories(Layout(), adamw, small_activations)
     assert adam["transients"] == 2000 * 4 - adam["activations"]  # sqrt(exp_avg_sq), all at once
     one_by_one = Training(global_batch=4, precision="32", optimizer="adamw", foreach=False)
     assert stage_memories(Layout(), one_by_one, small_activations)[0]["transients"] == 4 * 10 + 900 * 4

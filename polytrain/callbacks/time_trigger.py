@@ -2,7 +2,7 @@
 
 Clocks differ between ranks, so one clock decides: global rank 0's, broadcast to every rank (as
 Lightning does). Lightning broadcasts at every batch; a broadcast is a host sync, and the loop adds none
-per step (DESIGN §7). So the ranks meet only at *check steps*, agreed at the previous check: rank 0
+per step (docs/performance.md). So the ranks meet only at *check steps*, agreed at the previous check: rank 0
 sends the decision together with the next check step, which it picks from its measured step rate so
 that the next check lands after half the remaining time (at least 1/50 of the interval). Each interval
 then costs a handful of broadcasts (about log2(25) + 2), and a save comes at most ~1/50 of the

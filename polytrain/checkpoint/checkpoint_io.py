@@ -2,7 +2,7 @@
 
 A strategy produces its checkpoint state (``Strategy.checkpoint_state``: model and optimizer state in
 its layout, full on rank 0 or sharded) and hands the whole state to ``save(state, path)``; ``load(path,
-into)`` gives back a ``Loaded`` checkpoint, which the strategy applies (``load_checkpoint_state``). The
+into)`` gives back a ``Loaded`` checkpoint, which the strategy applies (``Strategy.load_checkpoint``). The
 I/O object never sees the strategy. ``save`` and ``load`` are collectives: every rank calls them, and a
 failure on any rank (a full disk, an unreadable file) raises the same error on every rank.
 

@@ -10,9 +10,9 @@ draws are put in an order seeded by ``seed + epoch`` first, so a ddp run takes L
 the global batch k (the ranks' k-th batches together) is batch k of size B x N of one process reading
 that order (``use_distributed_sampler: always``). A batch sampler's batches keep their order.
 
-Every rank must draw the same sequence, but training steps run on per-rank RNG streams (DESIGN §1), so
-a sampler drawing from the global RNG would draw differently on each rank (items duplicated, others
-missed). The user's sampler is therefore iterated with the global torch (CPU), Python and numpy RNGs
+Every rank must draw the same sequence, but training steps run on per-rank RNG streams
+(docs/reproducibility.md), so a sampler drawing from the global RNG would draw differently on each rank
+(items duplicated, others missed). The user's sampler is therefore iterated with the global torch (CPU), Python and numpy RNGs
 seeded from ``seed + epoch`` (the trainer's seed, 0 if unset: ``DistributedSampler``'s rule), and those
 streams are put back afterwards, so the draws leave no trace in the training streams. A sampler with
 its own ``generator`` draws from it as it would in one process; the generator was built before

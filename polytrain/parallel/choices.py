@@ -1,6 +1,7 @@
 """The values parallel options choose from, readable without torch: the pipeline schedules, how
-gradients meet across data-parallel ranks, and the devices context parallel runs on. A config is checked against them before torch loads
-(``polytrain.strategies.options``); the code that runs the choices imports them from here.
+gradients meet across data-parallel ranks, and the devices context parallel runs on. A config is
+checked against them before torch loads (``polytrain.strategies.options``); the code that runs the
+choices imports them from here.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def check_context_parallel_device(cp: int, device_type: str) -> None:
     """``cp > 1`` on a device torch has no ring attention for: known from the accelerator alone, so a
     config asking for it on CPU is refused before torch loads."""
     if cp > 1 and device_type != "cuda":
-        raise ConfigError(f"cp={cp} (context parallel) runs only on CUDA: torch's ring attention exists for the "
-                          f"flash and memory-efficient SDPA kernels alone, and accelerator={device_type!r} has "
-                          f"neither. Use cp=1 here (dp_shard/tp/pp still compose), or run on GPUs")
+        raise ConfigError(f"cp={cp} (context parallel) runs only on CUDA: torch's ring attention exists "
+                          f"for the flash and memory-efficient SDPA kernels alone, and "
+                          f"accelerator={device_type!r} has neither. Use cp=1 here (dp_shard/tp/pp still "
+                          f"compose), or run on GPUs")

@@ -74,9 +74,9 @@ def resolve_float8(spec: Any, key: str = "trainer.float8") -> dict[str, Any] | N
         if not isinstance(value, bool):
             raise ConfigError(f"{key}.{name}={value!r} must be true or false")
     if flags["enable_fsdp_float8_all_gather"] and recipe != "tensorwise":
-        raise ConfigError(f"{key}.enable_fsdp_float8_all_gather needs recipe: tensorwise (one scale a weight, "
-                          f"which every shard can share); {recipe} scales each row. Use tensorwise, or gather "
-                          f"in high precision (enable_fsdp_float8_all_gather: false)")
+        raise ConfigError(f"{key}.enable_fsdp_float8_all_gather needs recipe: tensorwise (one scale a "
+                          f"weight, which every shard can share); {recipe} scales each row. Use tensorwise, "
+                          f"or gather in high precision (enable_fsdp_float8_all_gather: false)")
     return {"recipe": recipe, "filter_fqns": list(fqns), **flags, "auto": auto}
 
 
@@ -154,14 +154,15 @@ def with_float8_styles(module: nn.Module, plan: dict[str, Any] | None,
     if not has_float8(module):
         return plan
     if plan is None:
-        raise ConfigError("trainer.float8 with a module's own parallelize(tp_mesh): its styles would not cast to "
-                          "float8. Give tensor_parallel_plan() instead (ColwiseParallel/RowwiseParallel entries "
-                          "become torchao's float8 styles on the converted layers), or turn float8 off")
+        raise ConfigError("trainer.float8 with a module's own parallelize(tp_mesh): its styles would not "
+                          "cast to float8. Give tensor_parallel_plan() instead (ColwiseParallel/"
+                          "RowwiseParallel entries become torchao's float8 styles on the converted layers), "
+                          "or turn float8 off")
     rowwise = [name for name, m in module.named_modules() if _is_float8(m) and not _tensorwise(m)]
     if rowwise:
-        raise ConfigError(f"trainer.float8 with tensor parallelism (tp > 1) needs recipe: tensorwise: torchao's "
-                          f"float8 styles move one scale a tensor, and {rowwise[0]} scales per row (recipe rowwise "
-                          f"or rowwise_with_gw_hp). Use recipe: tensorwise, or tp 1")
+        raise ConfigError(f"trainer.float8 with tensor parallelism (tp > 1) needs recipe: tensorwise: "
+                          f"torchao's float8 styles move one scale a tensor, and {rowwise[0]} scales per row "
+                          f"(recipe rowwise or rowwise_with_gw_hp). Use recipe: tensorwise, or tp 1")
     styles = _torchao_float8().float8_tensor_parallel
     parallel = lazy.dtensor().parallel
     float8_style = {parallel.ColwiseParallel: styles.Float8ColwiseParallel,
@@ -174,10 +175,10 @@ def with_float8_styles(module: nn.Module, plan: dict[str, Any] | None,
             out[key] = style
             continue
         if type(style) not in float8_style:
-            raise ConfigError(f"tensor-parallel plan entry '{key}' gives the float8 layer(s) {converted} the style "
-                              f"{type(style).__name__}; float8 layers take ColwiseParallel or RowwiseParallel "
-                              f"(torchao's float8 styles), or keep them in high precision with "
-                              f"trainer.float8.filter_fqns")
+            raise ConfigError(f"tensor-parallel plan entry '{key}' gives the float8 layer(s) {converted} the "
+                              f"style {type(style).__name__}; float8 layers take ColwiseParallel or "
+                              f"RowwiseParallel (torchao's float8 styles), or keep them in high precision "
+                              f"with trainer.float8.filter_fqns")
         swapped = float8_style[type(style)](input_layouts=style.input_layouts[0],
                                             output_layouts=style.output_layouts[0],
                                             use_local_output=style.use_local_output)

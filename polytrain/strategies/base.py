@@ -1,7 +1,9 @@
 """The verb set every strategy answers. The Trainer talks to strategies only through these.
 
-Concrete strategies subclass ``Strategy`` directly, never each other; pieces two strategies
-share are plain functions (``polytrain.core``, ``polytrain.parallel``, ``polytrain.checkpoint``,
+The composed strategy (``ParallelStrategy``) and the two that place layers themselves (``dp``,
+``layers``) subclass ``Strategy``; the presets (single, ddp, fsdp, model_parallel, pipeline) subclass
+``ParallelStrategy`` and only map their options to a layout. Pieces two strategies share are plain
+functions (``polytrain.core``, ``polytrain.parallel``, ``polytrain.checkpoint``,
 ``polytrain.data``). Strategies import only those lower layers, never the Trainer or callbacks.
 """
 
@@ -342,7 +344,7 @@ class Strategy(CollectiveVerbs, ABC):
     def steps_plainly(self) -> bool:
         """Whether ``optimizer_step`` adds nothing to ``closure(); after_closure(); optimizer.step()`` for
         torch's own optimizers (no GradScaler, no precision or strategy override): the Trainer may then
-        run those itself (``AutomaticOptimization._run_plain``)."""
+        run those itself (the plain case of ``AutomaticOptimization.run``)."""
         return self.precision.steps_plainly and type(self).optimizer_step is Strategy.optimizer_step
 
     def no_backward_sync(self, enabled: bool) -> contextlib.AbstractContextManager:

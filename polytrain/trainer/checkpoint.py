@@ -1,5 +1,5 @@
-"""The checkpoint payload (DESIGN §4): what the Trainer adds to the model and optimizer state, and how a
-fit or an evaluation picks a checkpoint and takes it back.
+"""The checkpoint payload (docs/architecture.md, "Checkpoints"): what the Trainer adds to the model and
+optimizer state, and how a fit or an evaluation picks a checkpoint and takes it back.
 
 A payload holds everything needed to continue exactly: model and optimizer state (added by the
 strategy, which knows whether they are sharded), schedulers, grad scaler, the loop's state (its

@@ -90,11 +90,12 @@ class Stopping:
     requested: bool = False
     agreed: bool = False
     out_of_time: bool = False
-    validate_first: bool = False  # a mid-epoch stop ends the epoch: validate then if the epoch would have
     told_min: bool = False
 
     def reset(self) -> None:
-        self.requested = self.agreed = self.out_of_time = self.validate_first = False
+        self.requested = False
+        self.agreed = False
+        self.out_of_time = False
 
 
 @dataclass

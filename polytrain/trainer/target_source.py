@@ -40,7 +40,10 @@ def _source_of(module_name: str) -> tuple[str, bool]:
     for depth in range(1, len(parts) + 1):
         name = ".".join(parts[:depth])
         loaded = sys.modules.get(name)
-        spec = loaded.__spec__ if loaded is not None else importlib.machinery.PathFinder.find_spec(name, search)
+        if loaded is not None:
+            spec = loaded.__spec__
+        else:
+            spec = importlib.machinery.PathFinder.find_spec(name, search)
         if spec is None:
             raise Undecided(name)  # perhaps a custom finder's module: the import decides
         search = spec.submodule_search_locations
@@ -95,7 +98,8 @@ def _exports(tree: ast.Module) -> dict[str, str]:
     """polytrain's lazy export table: ``_EXPORTS = {"Name": "package.module", ...}`` read by the module's
     ``__getattr__``."""
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets):
+        named = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        if isinstance(node, ast.Assign) and "_EXPORTS" in named:
             try:
                 table = ast.literal_eval(node.value)
             except ValueError:
@@ -135,7 +139,8 @@ def _definition(module_name: str, attr: str, where: str, target: str, hops: int 
         raise Undecided(target)  # bound twice, or under a condition
     if isinstance(node, ast.ImportFrom):
         [alias] = [a for a in node.names if (a.asname or a.name) == attr]
-        return _definition(_imported_module(node, module_name, is_package), alias.name, where, target, hops + 1)
+        source = _imported_module(node, module_name, is_package)
+        return _definition(source, alias.name, where, target, hops + 1)
     if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
         return node, path
     raise Undecided(target)  # an assignment or a plain import: a value the source does not show
@@ -166,7 +171,8 @@ def _constructor(node: ast.AST, target: str) -> inspect.Signature:
     assert isinstance(node, ast.ClassDef)
     if node.decorator_list or node.keywords:
         raise Undecided(target)  # a decorator (dataclass, ...) or a metaclass may make the signature
-    methods = {item.name: item for item in node.body if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    methods = {item.name: item for item in node.body
+               if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))}
     if {"__new__", "__signature__"} & {*methods, *_bound_names(node.body)}:
         raise Undecided(target)
     init = methods.get("__init__")
@@ -200,7 +206,8 @@ def check_targets_from_source(config: dict[str, Any]) -> None:
     search_from(config.get("config_dir"))  # where the import will look, in the same order
     entries = [(config.get("module"), "module"), (config.get("data"), "data")]
     callbacks = (config.get("trainer") or {}).get("callbacks") or []
-    entries += [(spec, f"trainer.callbacks[{i}]") for i, spec in enumerate(callbacks) if isinstance(spec, dict)]
+    entries += [(spec, f"trainer.callbacks[{i}]") for i, spec in enumerate(callbacks)
+                if isinstance(spec, dict)]
     try:
         for spec, where in entries:
             if spec is not None:

@@ -197,8 +197,8 @@ def format_table(plan: Plan, top: int = 10, show_rejected: int = 20, capacity: f
     unit, div = ("GiB", GiB) if big else ("MiB", 1024**2)
     bar_head = "  memory of a device" if capacity else ""
     head = (f"{'#':>3}  {'layout':<40} {'params':>7} {'grads':>7} {'optim':>7} {'fsdp':>6} {'activ':>7} "
-            f"{'trans':>6} {'total':>7}  {'step s':>9} {'bubble':>6}  {'tokens/s':>11} {'samples/s':>10} {'sent/step':>10}"
-            f"{bar_head}")
+            f"{'trans':>6} {'total':>7}  {'step s':>9} {'bubble':>6}  {'tokens/s':>11} {'samples/s':>10} "
+            f"{'sent/step':>10}{bar_head}")
     reasons = _rejections(plan)
     # Counted as listed: sets of degrees, each shown once in its fastest variant (micro-batches,
     # checkpointing).
@@ -210,14 +210,14 @@ def format_table(plan: Plan, top: int = 10, show_rejected: int = 20, capacity: f
         lines.append(
             f"{i:>3}  {est.layout.label():<40} {m['params'] / div:>7.2f} {m['grads'] / div:>7.2f} "
             f"{m['optimizer'] / div:>7.2f} {m['fsdp_buffers'] / div:>6.2f} {m['activations'] / div:>7.2f} "
-            f"{m.get('transients', 0) / div:>6.2f} {est.total_memory / div:>7.2f}  {est.step_time:>9.4g} {est.bubble:>6.0%}  "
-            f"{est.tokens_per_s:>11.4g} {est.samples_per_s:>10.4g} {_bytes(sum(est.traffic.values())):>10}"
-            f"{bar}")
+            f"{m.get('transients', 0) / div:>6.2f} {est.total_memory / div:>7.2f}  {est.step_time:>9.4g} "
+            f"{est.bubble:>6.0%}  {est.tokens_per_s:>11.4g} {est.samples_per_s:>10.4g} "
+            f"{_bytes(sum(est.traffic.values())):>10}{bar}")
     if shown:
         lines.append("     columns: memory a rank holds by term (parameters, gradients, optimizer state, "
-                     "FSDP's gathered buffers, activations kept for backward, the busiest phase's transients: "
-                     "a gradient beside the largest saved activation, or the optimizer step's temporaries) "
-                     "and in total, its peak; step s: predicted "
+                     "FSDP's gathered buffers, activations kept for backward, the busiest phase's "
+                     "transients: a gradient beside the largest saved activation, or the optimizer "
+                     "step's temporaries) and in total, its peak; step s: predicted "
                      "seconds per optimizer step; bubble: a pipeline's idle share; tokens/s and samples/s "
                      "for the whole job; sent/step: bytes the busiest rank sends per step")
     if capacity and shown:
