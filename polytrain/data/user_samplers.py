@@ -13,8 +13,9 @@ that order (``use_distributed_sampler: always``). A batch sampler's batches keep
 Every rank must draw the same sequence, but training steps run on per-rank RNG streams
 (docs/reproducibility.md), so a sampler drawing from the global RNG would draw differently on each rank
 (items duplicated, others missed). The user's sampler is therefore iterated with the global torch
-(CPU), Python and numpy RNGs seeded from ``seed + epoch`` (the trainer's seed, 0 if unset: ``DistributedSampler``'s rule), and those
-streams are put back afterwards, so the draws leave no trace in the training streams. A sampler with
+(CPU), Python and numpy RNGs seeded from ``seed + epoch`` (the trainer's seed, 0 if unset:
+``DistributedSampler``'s rule), and those streams are put back afterwards, so the draws leave no trace
+in the training streams. A sampler with
 its own ``generator`` draws from it as it would in one process; the generator was built before
 training, where every rank sees the same stream, and every rank advances it identically.
 """
