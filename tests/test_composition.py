@@ -374,7 +374,7 @@ def test_presets_compose_the_layouts_they_always_had() -> None:
 def test_a_new_strategy_is_one_class_that_registers_itself() -> None:
     from dataclasses import dataclass
 
-    from polytrain.parallel.apply import Layout
+    from polytrain.parallel.apply import ParallelLayout
     from polytrain.strategies.parallel import ParallelStrategy
     from polytrain.strategies.registry import _CLASSES, register, strategy_class, validate_strategy_spec
 
@@ -388,8 +388,8 @@ def test_a_new_strategy_is_one_class_that_registers_itself() -> None:
         Options = TwoDOptions
 
         @classmethod
-        def compose(cls, options: Any, num_nodes: int) -> Layout:
-            return Layout(tp=options.tp, dp_shard=-1)
+        def compose(cls, options: Any, num_nodes: int) -> ParallelLayout:
+            return ParallelLayout(tp=options.tp, dp_shard=-1)
 
     try:
         assert strategy_class("two_d_test") is TwoD

@@ -16,7 +16,7 @@ from polytrain.parallel.hardware import Hardware
 from polytrain.parallel.planner import Layout, Training, estimate, hardware, plan_module, profiler
 from polytrain.parallel.planner import timing as T
 from polytrain.parallel.planner.estimate import checkpointed, stage_memories
-from polytrain.parallel.planner.profile import ChildProfile, ModelProfile
+from polytrain.parallel.planner.model_profile import ChildProfile, ModelProfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -489,7 +489,7 @@ class _AttentionModule(torch.nn.Module):
 def test_the_cpu_kernel_is_flash_without_dropout_and_math_with_it(dropout: float) -> None:
     """On CPU torch runs SDPA's flash kernel, but its math kernel under dropout (the s x s scores, their
     softmax and the dropout mask are saved): the ``cpu`` trace counts what a real CPU step saves."""
-    from polytrain.parallel.planner.profile import _SavedCounter
+    from polytrain.parallel.planner.model_profile import _SavedCounter
 
     torch.manual_seed(0)
     module, batch = _AttentionModule(dropout), 4

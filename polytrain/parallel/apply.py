@@ -18,7 +18,7 @@ rank's layers and works inside this stage's sub-mesh). On each part, in torchtit
    TP: 2-D DTensors), or a gradient all-reduce, or DDP's wrapper (a plain replicated module). Last,
    because it shards whatever parameters the steps above left, and wraps units in their final form.
 
-``Layout`` is the resolved description a strategy composes from its options (a preset fills it
+``ParallelLayout`` is the resolved description a strategy composes from its options (a preset fills it
 from its own option names).
 """
 
@@ -63,7 +63,7 @@ class PipelineSettings:
 
 
 @dataclass
-class Layout:
+class ParallelLayout:
     """Degrees and the per-parallelism settings of one job (``-1``: inferred from the world size)."""
 
     dp_replicate: int = 1
@@ -90,7 +90,7 @@ class Layout:
         return dims.tp > 1 if self.tensor_parallel is None else self.tensor_parallel
 
 
-def data_parallel_mode(layout: Layout, dims: ParallelDims) -> str:
+def data_parallel_mode(layout: ParallelLayout, dims: ParallelDims) -> str:
     """How gradients meet across data-parallel ranks: ``fsdp`` | ``ddp`` | ``all_reduce`` | ``none``.
 
     ``auto``: FSDP whenever parameters are sharded over data (``dp_shard x cp > 1``) or already DTensors
@@ -120,8 +120,8 @@ class Applied:
     steps: list[str] = field(default_factory=list)  # the APPLY_ORDER entries that did something
 
 
-def parallelize(part: nn.Module, roots: list[nn.Module], dims: ParallelDims, layout: Layout, mode: str,
-                plan: dict[str, Any] | None, autocast_dtype: torch.dtype | None, device_type: str,
+def parallelize(part: nn.Module, roots: list[nn.Module], dims: ParallelDims, layout: ParallelLayout,
+                mode: str, plan: dict[str, Any] | None, autocast_dtype: torch.dtype | None, device_type: str,
                 checkpointing: dict[str, Any] | None = None, compile_options: dict[str, Any] | None = None,
                 checkpoint_blocks: list[nn.Module] | None = None) -> Applied:
     """Apply every parallelism of ``layout`` to ``part`` (the module, or a pipeline rank's pruned module)

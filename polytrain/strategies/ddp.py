@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from polytrain.parallel.apply import Layout
+from polytrain.parallel.apply import ParallelLayout
 from polytrain.strategies.options import DDPOptions
 from polytrain.strategies.parallel import ParallelStrategy
 from polytrain.strategies.registry import register
@@ -19,10 +19,10 @@ class DDPStrategy(ParallelStrategy):
     Options = DDPOptions
 
     @classmethod
-    def compose(cls, options: Any, num_nodes: int) -> Layout:
+    def compose(cls, options: Any, num_nodes: int) -> ParallelLayout:
         o = options
-        return Layout(dp_replicate=-1, dp_shard=1, data_parallel="ddp", backend=o.backend,
-                      sync_batchnorm=o.sync_batchnorm,
-                      ddp=dict(find_unused_parameters=o.find_unused_parameters, static_graph=o.static_graph,
-                               bucket_cap_mb=o.bucket_cap_mb, gradient_as_bucket_view=o.gradient_as_bucket_view,
-                               broadcast_buffers=o.broadcast_buffers))
+        wrapper = dict(find_unused_parameters=o.find_unused_parameters, static_graph=o.static_graph,
+                       bucket_cap_mb=o.bucket_cap_mb, gradient_as_bucket_view=o.gradient_as_bucket_view,
+                       broadcast_buffers=o.broadcast_buffers)
+        return ParallelLayout(dp_replicate=-1, dp_shard=1, data_parallel="ddp", backend=o.backend,
+                              sync_batchnorm=o.sync_batchnorm, ddp=wrapper)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from polytrain.parallel.apply import FSDPSettings, Layout
+from polytrain.parallel.apply import FSDPSettings, ParallelLayout
 from polytrain.strategies.options import FSDPOptions
 from polytrain.strategies.parallel import ParallelStrategy
 from polytrain.strategies.registry import register
@@ -23,8 +23,9 @@ class FSDPStrategy(ParallelStrategy):
     Options = FSDPOptions
 
     @classmethod
-    def compose(cls, options: Any, num_nodes: int) -> Layout:
+    def compose(cls, options: Any, num_nodes: int) -> ParallelLayout:
         o = options
-        return Layout(dp_replicate=o.dp_replicate if o.dp_replicate is not None else num_nodes, dp_shard=-1,
-                      data_parallel="fsdp", backend=o.backend, sync_batchnorm=o.sync_batchnorm,
-                      fsdp=FSDPSettings(o.wrap_modules, o.reshard_after_forward, o.cpu_offload))
+        replicas = o.dp_replicate if o.dp_replicate is not None else num_nodes
+        return ParallelLayout(dp_replicate=replicas, dp_shard=-1, data_parallel="fsdp", backend=o.backend,
+                              sync_batchnorm=o.sync_batchnorm,
+                              fsdp=FSDPSettings(o.wrap_modules, o.reshard_after_forward, o.cpu_offload))

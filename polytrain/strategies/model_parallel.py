@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from polytrain.parallel.apply import Layout
+from polytrain.parallel.apply import ParallelLayout
 from polytrain.strategies.layers import LayerPlacementStrategy, find_sequential, processes_for
 from polytrain.strategies.options import ModelParallelOptions
 from polytrain.strategies.parallel import ParallelStrategy
@@ -55,9 +55,9 @@ class ModelParallelStrategy(ParallelStrategy):
         return None if options.mode == "layers" else super().parallel_dims(options, env, num_nodes)
 
     @classmethod
-    def compose(cls, options: Any, num_nodes: int) -> Layout:
+    def compose(cls, options: Any, num_nodes: int) -> ParallelLayout:
         o = options
         # tp None: whatever the data-parallel degrees leave (dp_shard -1 then means 1: one -1 at a time).
         tp, dp_shard = (o.tp, o.dp_shard) if o.tp is not None else (-1, max(o.dp_shard, 1))
-        return Layout(tp=tp, dp_shard=dp_shard, dp_replicate=o.dp_replicate, backend=o.backend,
-                      tensor_parallel=True)  # the plan is applied (and checked) even at tp=1
+        return ParallelLayout(tp=tp, dp_shard=dp_shard, dp_replicate=o.dp_replicate, backend=o.backend,
+                              tensor_parallel=True)  # the plan is applied (and checked) even at tp=1

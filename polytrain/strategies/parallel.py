@@ -9,7 +9,7 @@ module's ``nn.Sequential`` into stages that are each parallelised within their o
 (``strategies.pipelined``). The user's ``training_step`` and hooks run as under every other strategy.
 
 Today's strategy names are presets of this class (``single``, ``ddp``, ``fsdp``, ``model_parallel``
-tensor mode, ``pipeline``): each maps its own options to a ``Layout`` in ``compose`` and inherits
+tensor mode, ``pipeline``): each maps its own options to a ``ParallelLayout`` in ``compose`` and inherits
 everything else. See docs/strategies/composition.md.
 """
 
@@ -37,7 +37,7 @@ from polytrain.parallel import tensor_parallel as tp_fn
 from polytrain.parallel.activation_checkpointing import checkpoint_targets
 from polytrain.parallel.apply import (
     FSDPSettings,
-    Layout,
+    ParallelLayout,
     PipelineSettings,
     data_parallel_mode,
     local_plan,
@@ -70,8 +70,9 @@ class ParallelStrategy(Strategy):
     name = "parallel"
     Options = ParallelOptions
 
-    def __init__(self, options: Any, *, layout: Layout | None = None, dims: ParallelDims | None = None,
-                 checkpoint_io: CheckpointIO | None = None, **kwargs: Any) -> None:
+    def __init__(self, options: Any, *, layout: ParallelLayout | None = None,
+                 dims: ParallelDims | None = None, checkpoint_io: CheckpointIO | None = None,
+                 **kwargs: Any) -> None:
         self.layout = layout if layout is not None else self.compose(options, kwargs["num_nodes"])
         env: ClusterEnvironment = kwargs["env"]
         dims = dims if dims is not None else self.layout.dims(env.world_size, env.global_rank)
@@ -97,14 +98,17 @@ class ParallelStrategy(Strategy):
         return cls(options, layout=layout, **kwargs)
 
     @classmethod
-    def compose(cls, options: Any, num_nodes: int) -> Layout:
-        """This strategy's options as a ``Layout`` (presets override this and nothing else of substance)."""
+    def compose(cls, options: Any, num_nodes: int) -> ParallelLayout:
+        """This strategy's options as a ``ParallelLayout`` (presets override this and nothing else of
+        substance)."""
         o = options
-        return Layout(dp_replicate=o.dp_replicate, dp_shard=o.dp_shard, tp=o.tp, pp=o.pp, cp=o.cp,
-                      data_parallel=o.data_parallel, backend=o.backend, sync_batchnorm=o.sync_batchnorm,
-                      fsdp=FSDPSettings(o.wrap_modules, o.reshard_after_forward, o.cpu_offload),
-                      pipeline=PipelineSettings(o.schedule, o.n_microbatches, o.stages_per_rank, o.split_points,
-                                                o.sequential))
+        pipeline = PipelineSettings(o.schedule, o.n_microbatches, o.stages_per_rank, o.split_points,
+                                    o.sequential)
+        return ParallelLayout(dp_replicate=o.dp_replicate, dp_shard=o.dp_shard, tp=o.tp, pp=o.pp, cp=o.cp,
+                              data_parallel=o.data_parallel, backend=o.backend,
+                              sync_batchnorm=o.sync_batchnorm,
+                              fsdp=FSDPSettings(o.wrap_modules, o.reshard_after_forward, o.cpu_offload),
+                              pipeline=pipeline)
 
     @classmethod
     def parallel_dims(cls, options: Any, env: ClusterEnvironment, num_nodes: int) -> Any:

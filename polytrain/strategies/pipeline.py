@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from polytrain.parallel.apply import Layout, PipelineSettings
+from polytrain.parallel.apply import ParallelLayout, PipelineSettings
 from polytrain.parallel.choices import SCHEDULES
 from polytrain.parallel.pipeline_stage import schedule_class
 from polytrain.strategies.options import PipelineOptions
@@ -32,9 +32,9 @@ class PipelineStrategy(ParallelStrategy):
     Options = PipelineOptions
 
     @classmethod
-    def compose(cls, options: Any, num_nodes: int) -> Layout:
+    def compose(cls, options: Any, num_nodes: int) -> ParallelLayout:
         o = options
-        return Layout(pp=o.pp if o.pp > 0 else -1, dp_replicate=-1 if o.pp > 0 else 1, dp_shard=1,
-                      data_parallel="all_reduce", backend=o.backend,
-                      pipeline=PipelineSettings(o.schedule, o.n_microbatches, o.stages_per_rank, o.split_points,
-                                                o.sequential, step="pipeline_loss"))
+        pipeline = PipelineSettings(o.schedule, o.n_microbatches, o.stages_per_rank, o.split_points,
+                                    o.sequential, step="pipeline_loss")
+        return ParallelLayout(pp=o.pp if o.pp > 0 else -1, dp_replicate=-1 if o.pp > 0 else 1, dp_shard=1,
+                              data_parallel="all_reduce", backend=o.backend, pipeline=pipeline)

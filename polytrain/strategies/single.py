@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from polytrain.parallel.apply import Layout
+from polytrain.parallel.apply import ParallelLayout
 from polytrain.strategies.options import SingleOptions
 from polytrain.strategies.parallel import ParallelStrategy
 from polytrain.strategies.registry import register
@@ -19,8 +19,8 @@ class SingleDeviceStrategy(ParallelStrategy):
     Options = SingleOptions
 
     @classmethod
-    def compose(cls, options: Any, num_nodes: int) -> Layout:
+    def compose(cls, options: Any, num_nodes: int) -> ParallelLayout:
         # dp_replicate=-1: started as several processes (a launcher's choice) it stays what it always was,
         # independent replicas that never communicate.
-        return Layout(dp_replicate=-1, dp_shard=1, data_parallel="none", process_group=False,
-                      device_index=options.device_index)
+        return ParallelLayout(dp_replicate=-1, dp_shard=1, data_parallel="none", process_group=False,
+                              device_index=options.device_index)

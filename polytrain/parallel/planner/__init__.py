@@ -18,7 +18,7 @@ from polytrain.parallel.library_plans import library_plan
 from polytrain.parallel.pipeline_paths import meta_twin
 from polytrain.parallel.pipeline_split import PipelineSplitError, find_sequential
 from polytrain.parallel.planner.estimate import Estimate, Layout, Training, estimate
-from polytrain.parallel.planner.profile import (
+from polytrain.parallel.planner.model_profile import (
     ModelProfile,
     profile_blocks,
     profile_sequential,

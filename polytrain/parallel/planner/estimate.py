@@ -14,7 +14,7 @@ from polytrain.core.errors import ConfigError
 from polytrain.parallel.hardware import Hardware
 from polytrain.parallel.pipeline_split import balance
 from polytrain.parallel.planner import timing, volume
-from polytrain.parallel.planner.profile import ChildProfile, ModelProfile
+from polytrain.parallel.planner.model_profile import ChildProfile, ModelProfile
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}
 # Temporaries of the optimizer's step, in copies of the parameters it steps at once: torch's Adam makes

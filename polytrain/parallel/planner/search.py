@@ -16,7 +16,7 @@ from typing import Any
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.hardware import GiB, Hardware
 from polytrain.parallel.planner.estimate import Estimate, Layout, Training, estimate, rank_chunks
-from polytrain.parallel.planner.profile import ModelProfile
+from polytrain.parallel.planner.model_profile import ModelProfile
 from polytrain.parallel.planner.timing import bubble_fraction, interleaved_rounds_ok
 
 TIE = 0.01  # relative throughput difference treated as a tie

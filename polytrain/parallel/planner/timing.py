@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from polytrain.parallel.hardware import Hardware
-from polytrain.parallel.planner.profile import ChildProfile
+from polytrain.parallel.planner.model_profile import ChildProfile
 
 SCHEDULES = ("1f1b", "interleaved_1f1b")
 DDP_FIRST_BUCKET = 1024**2  # torch's DDP: a 1 MiB first bucket, then bucket_cap_mb (the strategy's 25)

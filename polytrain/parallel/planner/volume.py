@@ -7,7 +7,7 @@ an all-reduce twice that.
 
 from __future__ import annotations
 
-from polytrain.parallel.planner.profile import ChildProfile
+from polytrain.parallel.planner.model_profile import ChildProfile
 from polytrain.parallel.planner.timing import Features, gathered_bytes, tp_pass_bytes
 
 
