@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from polytrain.parallel.planner import Training, hardware, profiler, rank
+from polytrain.parallel.planner import Training, hardware, profiler, rank_layouts
 from polytrain.parallel.planner.search import best_per_degrees
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +39,7 @@ def _llama_plan(run: PublishedRun, pinned: dict[str, int] | None = None):
     hw = hardware("h100", run.gpus // 8, 8, memory_bytes=run.device_gib * 1024**3)
     train = Training(global_batch=run.global_batch, pp_schedule=run.pp_schedule, stages_per_rank=run.stages_per_rank,
                      float8=run.float8, fsdp_float8_all_gather=run.fsdp_float8_all_gather, async_tp=run.async_tp)
-    return rank(hw, train, _llama_profiler(run.name, run.seq_len), pinned)
+    return rank_layouts(hw, train, _llama_profiler(run.name, run.seq_len), pinned)
 
 
 @functools.cache

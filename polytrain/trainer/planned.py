@@ -25,7 +25,7 @@ from polytrain.checkpoint.reading import read_meta
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.activation_checkpointing import resolve_checkpointing
 from polytrain.parallel.float8 import resolve_float8
-from polytrain.parallel.planner import Estimate, Training, hardware, profiler, rank
+from polytrain.parallel.planner import Estimate, Training, hardware, profiler, rank_layouts
 from polytrain.parallel.planner.search import world_check
 from polytrain.parallel.planner.timing import SCHEDULES as PLANNED_SCHEDULES
 from polytrain.strategies.launcher import LaunchPlan
@@ -145,7 +145,7 @@ def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamod
     # matrices) under dropout
     attention = "flash" if on_cuda else "cpu"
     profile_at = profiler(built, x[:1], None if y is None else y[:1], attention, spec.get("sequential"))
-    plan = rank(hw, training, profile_at, pinned)
+    plan = rank_layouts(hw, training, profile_at, pinned)
     chosen = chosen_layout(plan.best, world, preset)  # raises, with the first rejections, when nothing fits
     chosen["summary"] = f"best of {len(plan.ranked)} layouts that fit ({len(plan.rejected)} rejected), " \
                         f"global batch {global_batch}"

@@ -25,11 +25,11 @@ from polytrain.parallel.planner.model_profile import (
     profile_whole,
     style_names,
 )
-from polytrain.parallel.planner.search import Plan, format_table, rank
+from polytrain.parallel.planner.search import Plan, format_table, rank_layouts
 from polytrain.parallel.tensor_parallel import without_ties
 
 __all__ = ["PRESETS", "Estimate", "Hardware", "Layout", "ModelProfile", "Plan", "Training", "estimate",
-           "format_table", "hardware", "on_meta", "parse_bytes", "plan_module", "profiler", "rank"]
+           "format_table", "hardware", "on_meta", "parse_bytes", "plan_module", "profiler", "rank_layouts"]
 
 
 def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | None = None,
@@ -112,4 +112,4 @@ def plan_module(module: nn.Module, example: torch.Tensor, hw: Hardware, train: T
                 target: torch.Tensor | None = None, attention: str = "flash",
                 pinned: dict[str, int] | None = None) -> Plan:
     """Rank every layout of ``hw``'s world for ``module`` (built on meta) on ``train``'s batch."""
-    return rank(hw, train, profiler(module, example, target, attention), pinned)
+    return rank_layouts(hw, train, profiler(module, example, target, attention), pinned)

@@ -114,7 +114,7 @@ def candidates(hw: Hardware, train: Training, pinned: dict[str, int] | None = No
     return found
 
 
-def rank(hw: Hardware, train: Training, profile_at: Callable[[int], ModelProfile],
+def rank_layouts(hw: Hardware, train: Training, profile_at: Callable[[int], ModelProfile],
          pinned: dict[str, int] | None = None) -> Plan:
     """Estimate every candidate (``profile_at(tp)`` gives the model's profile at that degree)."""
     if train.float8 and not hw.fp8_peak_flops:
