@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from polytrain import Callback, TrainModule
 from polytrain.trainer.config import ConfigError
 from polytrain.trainer.guards import EmptyDataError, NonFiniteError
-from polytrain.trainer.optim import parse_optimizers
+from polytrain.trainer.optimizer_config import parse_optimizers
 
 MakeTrainer = Callable[..., Any]
 

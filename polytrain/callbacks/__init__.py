@@ -7,8 +7,8 @@ from typing import Any
 
 _EXPORTS = {
     "Callback": "polytrain.callbacks.base",
-    "ProgressBar": "polytrain.callbacks.progress",
-    "TQDMProgressBar": "polytrain.callbacks.progress",
+    "ProgressBar": "polytrain.callbacks.progress_bar",
+    "TQDMProgressBar": "polytrain.callbacks.progress_bar",
     "TensorBoardLogger": "polytrain.callbacks.tensorboard_logger",
     "CSVLogger": "polytrain.callbacks.csv_logger",
     "Logger": "polytrain.callbacks.loggers",

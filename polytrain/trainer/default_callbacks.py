@@ -10,7 +10,7 @@ from polytrain.callbacks.checkpoint import ModelCheckpoint
 from polytrain.callbacks.compile_time import CompileTime
 from polytrain.callbacks.csv_logger import CSVLogger
 from polytrain.callbacks.experiment_loggers import MLFlowLogger, WandbLogger
-from polytrain.callbacks.progress import ProgressBar
+from polytrain.callbacks.progress_bar import ProgressBar
 from polytrain.callbacks.summary import ModelSummary
 from polytrain.callbacks.tensorboard_logger import TensorBoardLogger
 from polytrain.core.errors import ConfigError

@@ -41,8 +41,8 @@ from polytrain.trainer.guards import NonFiniteGuard, check_batches
 from polytrain.trainer.hooks import is_overridden
 from polytrain.trainer.metrics import publish
 from polytrain.trainer.module import TrainModule
-from polytrain.trainer.optim import parse_optimizers, step_schedulers
 from polytrain.trainer.optimization import AutomaticOptimization, ManualOptimization
+from polytrain.trainer.optimizer_config import parse_optimizers, step_schedulers
 from polytrain.trainer.progress import EpochData, FitProgress, Resumed, Stopping
 from polytrain.trainer.schedule import ValidationSchedule
 

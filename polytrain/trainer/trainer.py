@@ -15,7 +15,7 @@ from polytrain.callbacks.base import Callback
 from polytrain.callbacks.checkpoint import ModelCheckpoint
 from polytrain.callbacks.early_stopping import EarlyStopping
 from polytrain.callbacks.loggers import Logger
-from polytrain.callbacks.progress import ProgressBar
+from polytrain.callbacks.progress_bar import ProgressBar
 from polytrain.core import heartbeat
 from polytrain.core.errors import ConfigError
 from polytrain.core.nodes import node_range
