@@ -38,11 +38,11 @@ from polytrain.trainer.entry_points import run_stage
 from polytrain.trainer.evaluation import PredictionRecord
 from polytrain.trainer.fit_loop import FitLoop
 from polytrain.trainer.hooks import Hooks, is_overridden
-from polytrain.trainer.launch import launch_from_trainer, strategy_for
 from polytrain.trainer.metrics import MetricCollector
 from polytrain.trainer.module import TrainModule
 from polytrain.trainer.optimization import clip_gradients
 from polytrain.trainer.planned import agree_on_plan, plan_layout
+from polytrain.trainer.process_placement import launch_from_trainer, strategy_for
 from polytrain.trainer.profiler import build_profiler
 from polytrain.trainer.progress import EvalProgress
 from polytrain.trainer.run_directory import RunDirectory, discard_if_unused, settle_run_directory
