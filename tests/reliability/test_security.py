@@ -99,7 +99,8 @@ def test_our_checkpoints_load_with_weights_only_and_no_allowlist(good_checkpoint
                 if not safe:
                     loose.append(f"{path.relative_to(REPO)}: {ast.unparse(node)}")
         assert "add_safe_globals" not in text and "safe_globals(" not in text, path
-    assert loose == ["polytrain/trainer/process_placement.py: torch.load(result_path, weights_only=False)"], loose
+    spawned = "polytrain/trainer/process_placement.py: torch.load(result_path, weights_only=False)"
+    assert loose == [spawned], loose
     figure("our checkpoints", f"load with weights_only=True, no allow-list of ours (entries beyond torch's own: {len(_foreign_safe_globals())}); library "
                               f"torch.load calls without weights_only=True: {len(loose)} (the spawn result file)")
 
