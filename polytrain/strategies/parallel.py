@@ -6,7 +6,7 @@ Degrees ``dp_replicate x dp_shard x cp x tp x pp`` (one may be ``-1``: inferred)
 ``ParallelDims``; ``parallel.apply`` applies the parallelisms to the model in one stated order
 (tensor parallel, activation checkpointing, compile, FSDP/HSDP) and, with ``pp > 1``, first cuts the
 module's ``nn.Sequential`` into stages that are each parallelised within their own sub-mesh
-(``strategies.pipelined``). The user's ``training_step`` and hooks run as under every other strategy.
+(``strategies.pipeline_runner``). The user's ``training_step`` and hooks run as under every other strategy.
 
 Today's strategy names are presets of this class (``single``, ``ddp``, ``fsdp``, ``model_parallel``
 tensor mode, ``pipeline``): each maps its own options to a ``ParallelLayout`` in ``compose`` and inherits
@@ -55,7 +55,7 @@ from polytrain.parallel.pipeline_stage import (
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.data_parallel import backend_for
 from polytrain.strategies.options import ParallelOptions
-from polytrain.strategies.pipelined import PipelineRunner
+from polytrain.strategies.pipeline_runner import PipelineRunner
 from polytrain.strategies.registry import register
 from polytrain.strategies.router import StepResult, StepRouter
 from polytrain.strategies.sharded_eval import padded_eval_step

@@ -1,6 +1,6 @@
 """``pipeline``: the module's ``nn.Sequential`` cut into stages run by ``torch.distributed.pipelining``.
 
-A preset of ``parallel`` (``strategies.pipelined`` does the work): ``pp`` ranks form one pipeline,
+A preset of ``parallel`` (``strategies.pipeline_runner`` does the work): ``pp`` ranks form one pipeline,
 ``dp = world / pp`` pipelines train replicas on different data (gradients averaged over dp by one
 flat all-reduce per optimizer step). Each rank keeps only its stages' children of the user's
 Sequential, under their original names, so checkpoints match every other strategy's.
