@@ -53,7 +53,7 @@ from polytrain.parallel.pipeline_stage import (
     schedule_class,
 )
 from polytrain.strategies.base import Strategy
-from polytrain.strategies.data_parallel import backend_for
+from polytrain.strategies.gradient_sync import backend_for
 from polytrain.strategies.options import ParallelOptions
 from polytrain.strategies.pipeline_runner import PipelineRunner
 from polytrain.strategies.registry import register
