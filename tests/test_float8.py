@@ -123,19 +123,25 @@ def test_without_torchao_the_error_names_the_extra(monkeypatch: pytest.MonkeyPat
         trainer.fit(Float8Net(PER_RANK))
 
 
-def reference(world: int, bias: bool = True, pieces: int = 1) -> dict[int, dict[str, torch.Tensor]]:
-    """A plain loop converting the same layers with torchao: each step, every rank's micro-batch (the
-    sampler gives rank r the samples r, r + world, ...), the mean of their losses; with ``pieces``, each
-    micro-batch runs as that many (a pipeline's micro-batches: float8's scales are each piece's own)."""
+def _plain_float8_loop(world: int, bias: bool = True
+                       ) -> tuple[nn.Module, torch.optim.Optimizer, list[list[int]], int]:
+    """What the plain loops start from: the net with net.0 and net.2 converted by torchao, its SGD, each
+    rank's samples (the sampler gives rank r the samples r, r + world, ...) and the steps an epoch."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     net = _net(bias)
     convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name("tensorwise"),
                                module_filter_fn=lambda _m, name: name in ("0", "2"))
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    x, y = _data().tensors
     shares = [list(range(r, SAMPLES, world)) for r in range(world)]
-    per_epoch = len(shares[0]) // PER_RANK
+    return net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), shares, len(shares[0]) // PER_RANK
+
+
+def reference(world: int, bias: bool = True, pieces: int = 1) -> dict[int, dict[str, torch.Tensor]]:
+    """A plain loop converting the same layers with torchao: each step, every rank's micro-batch (the
+    sampler gives rank r the samples r, r + world, ...), the mean of their losses; with ``pieces``, each
+    micro-batch runs as that many (a pipeline's micro-batches: float8's scales are each piece's own)."""
+    net, optimizer, shares, per_epoch = _plain_float8_loop(world, bias)
+    x, y = _data().tensors
     snapshots = {}
     for step in range(1, STEPS + 1):
         k = (step - 1) % per_epoch
@@ -288,15 +294,8 @@ def accumulated_reference(world: int) -> dict[int, dict[str, torch.Tensor]]:
     """The plain float8 loop with gradient accumulation and clipping by norm: each optimizer step, each
     rank's next ``ACCUMULATE`` micro-batches (each cast with its own scales), their mean loss's gradients
     clipped to a total norm of ``CLIP``."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    net = _net()
-    convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name("tensorwise"),
-                               module_filter_fn=lambda _m, name: name in ("0", "2"))
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net, optimizer, shares, per_epoch = _plain_float8_loop(world)
     x, y = _data().tensors
-    shares = [list(range(r, SAMPLES, world)) for r in range(world)]
-    per_epoch = len(shares[0]) // PER_RANK
     snapshots, batch = {}, 0
     for step in range(1, STEPS + 1):
         optimizer.zero_grad()
