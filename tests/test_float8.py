@@ -8,6 +8,7 @@ scales its float8 gradients exactly: the strategies then equal that loop up to s
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -173,7 +174,20 @@ def _fit(strategy: Any, world: int, run_dir: str, max_steps: int, ckpt_path: str
     precomputed = sorted(name for name, t in local.items()
                          if getattr(t, "_precomputed_scale", None) is not None)
     return {"weights": {k: v.detach().clone() for k, v in state.items()}, "steps_run": module.steps_run,
-            "batches_run": module.batches_run, "layers": kinds, "precomputed": precomputed}
+            "batches_run": module.batches_run, "layers": kinds, "precomputed": precomputed,
+            "styles": _tensor_parallel_styles(module.net)}
+
+
+def _tensor_parallel_styles(net: nn.Module) -> dict[str, str]:
+    """The tensor-parallel style each child was sharded with: the class whose input hook
+    ``parallelize_module`` registered on it (a partial of the style's ``_prepare_input_fn``)."""
+    found = {}
+    for name, child in net.named_children():
+        for hook in child._forward_pre_hooks.values():
+            for cell in getattr(hook, "__closure__", None) or ():
+                if isinstance(cell.cell_contents, functools.partial):
+                    found[name] = cell.cell_contents.func.__qualname__.split(".")[0]
+    return found
 
 
 def _kind(linear: nn.Module) -> str:
@@ -395,6 +409,8 @@ def test_tensor_parallel_in_float8_equals_the_plain_loop_and_resumes_exactly(wor
     want = reference(world // 2, bias=False)
     out = run_distributed(_stop_and_resume, world, strategy, str(tmp_path), BiasFreeFloat8Net, timeout=200)
     assert out[0]["stopped"]["layers"] == LAYERS
+    assert out[0]["stopped"]["styles"] == {"0": "Float8ColwiseParallel", "2": "Float8RowwiseParallel",
+                                           "4": "ColwiseParallel", "6": "RowwiseParallel"}
     assert all(r["resumed"]["steps_run"] == STEPS - STOP_AT for r in out)
     _assert_close(out[0]["stopped"]["weights"], want[STOP_AT], str(strategy))
     _assert_close(out[0]["resumed"]["weights"], want[STEPS], f"{strategy}, resumed")
