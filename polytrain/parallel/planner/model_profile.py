@@ -64,7 +64,8 @@ class ChildProfile:
     linear_flops: int = 0  # of ``flops``, the matmuls of nn.Linear layers (2 x rows x in x out each)
     tp_linear_flops: int = 0  # of those, in the Linear layers the plan splits (this rank's shard)
     linear_params: int = 0  # weights of its nn.Linear layers as one TP rank holds them (float8 gathers these)
-    sequence_parallel: bool = False  # its TP collectives are reduce-scatter + all-gather (SequenceParallel plan)
+    # Its TP collectives are reduce-scatter + all-gather (a SequenceParallel plan)
+    sequence_parallel: bool = False
     # Per-op checkpointing (activation_checkpointing mode op, ``OpSelection`` replayed on the trace):
     op_kept_bytes: int = 0  # the outputs it keeps (beyond the child's input)
     op_recompute_flops: int = 0  # forward FLOPs of the ops it recomputes
@@ -239,10 +240,20 @@ def _trace_child(child: nn.Module, x: Any, planned: dict[str, str], tp: int, see
     reduced = [0]
     traced = _Traced(None, 0, 0, 0)
     handles = _linear_hooks(child, planned, traced)
+
+    def count_reduced(m: nn.Module, i: Any, o: torch.Tensor) -> None:
+        reduced[0] += _nbytes(o)
+
+    def enter_sequence_parallel(m: nn.Module, i: Any) -> None:
+        counter.in_sp += 1
+
+    def leave_sequence_parallel(m: nn.Module, i: Any, o: Any) -> None:
+        counter.in_sp -= 1
+
     for name, style in planned.items():
         sub = child.get_submodule(name)
         if style == "RowwiseParallel":
-            handles.append(sub.register_forward_hook(lambda m, i, o: reduced.__setitem__(0, reduced[0] + _nbytes(o))))
+            handles.append(sub.register_forward_hook(count_reduced))
         elif style == COLWISE_GATHERED:
             def gather(m: nn.Module, i: Any, o: torch.Tensor) -> torch.Tensor:
                 whole = o.new_empty(*o.shape[:-1], o.shape[-1] * tp)  # the shards, all-gathered
@@ -250,11 +261,12 @@ def _trace_child(child: nn.Module, x: Any, planned: dict[str, str], tp: int, see
                 return whole
             handles.append(sub.register_forward_hook(gather))
         elif style == "SequenceParallel":
-            handles.append(sub.register_forward_pre_hook(lambda m, i: setattr(counter, "in_sp", counter.in_sp + 1)))
-            handles.append(sub.register_forward_hook(lambda m, i, o: setattr(counter, "in_sp", counter.in_sp - 1)))
+            handles.append(sub.register_forward_pre_hook(enter_sequence_parallel))
+            handles.append(sub.register_forward_hook(leave_sequence_parallel))
     flops = FlopCounterMode(display=False)
+    saved = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), flops, _OpSelectionReplay(traced):
+        with saved, flops, _OpSelectionReplay(traced):
             out = child(x)
     finally:
         for h in handles:
@@ -298,12 +310,14 @@ def _storages(tensors: Any) -> set[int]:
     return {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)}
 
 
-def _flash_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
-                is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+def _flash_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
+                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                enable_gqa: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` as the flash kernel runs it (CUDA bf16; CPU, fp32 included): saves
     q, k, v, the output and the log-sum-exp, never the (s x s) matrix the math kernel (meta's) would save."""
     if attn_mask is not None:
-        raise ConfigError("the planner's flash-attention trace does not take attn_mask; plan with --attention math")
+        raise ConfigError("the planner's flash-attention trace does not take attn_mask; plan with "
+                          "--attention math")
     if k.shape[1] != q.shape[1]:  # grouped-query attention: flash wants as many k/v heads as q heads
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
@@ -386,7 +400,8 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
                                      tp_params=n_split, saved_bytes=t.saved, input_bytes=input_bytes,
                                      output_bytes=_nbytes(t.out), flops=t.flops, tp_allreduce_bytes=t.reduced,
                                      linear_flops=t.linear_flops, tp_linear_flops=t.tp_linear_flops,
-                                     linear_params=linear_params, sequence_parallel=sp, op_kept_bytes=t.op_kept,
+                                     linear_params=linear_params, sequence_parallel=sp,
+                                     op_kept_bytes=t.op_kept,
                                      op_recompute_flops=t.op_recompute,
                                      op_recompute_matmul_flops=t.op_recompute_matmul,
                                      largest_saved_bytes=t.largest, largest_param=_largest_param(child)))
