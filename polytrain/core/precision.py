@@ -128,12 +128,16 @@ class Precision:
         """No GradScaler and no override: ``optimizer_step`` is the closure, the hooks, then ``step()``."""
         return self.scaler is None and type(self).optimizer_step is Precision.optimizer_step
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
-                       after_closure: Callable[[], None]) -> Any:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,
+                       after_closure: Callable[[], None] | None) -> Any:
         """Run ``closure`` (forward and backward), then ``after_closure`` (hooks and clipping, on
-        unscaled gradients), then the update. Without a GradScaler the closure goes to
-        ``optimizer.step`` itself, which calls it (an LBFGS-style optimizer may call it again), unless
-        the optimizer is one of torch's that calls it first anyway (``runs_closure_itself``)."""
+        unscaled gradients), then the update: the one place the fit loop's ``optimizer.step`` is called.
+        Without a GradScaler the closure goes to ``optimizer.step`` itself, which calls it (an
+        LBFGS-style optimizer may call it again), unless the optimizer is one of torch's that calls it
+        first anyway (``runs_closure_itself``). No closure: a plain fit (``steps_plainly``), whose
+        forward and backward already ran and whose update is ``optimizer.step()`` alone."""
+        if closure is None:
+            return optimizer.step()
         if self.scaler is None:
             if runs_closure_itself(optimizer):
                 # The same order and arithmetic as optimizer.step(closure), without running forward and

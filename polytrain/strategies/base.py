@@ -32,8 +32,8 @@ from polytrain.strategies.collective_verbs import CollectiveVerbs
 from polytrain.strategies.router import StepResult, StepRouter, user_step
 
 
-def _as_is(row: str, fn: Callable[..., Any], **_: Any) -> Callable[..., Any]:
-    return fn
+def _no_phase(row: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 class Strategy(CollectiveVerbs, ABC):
@@ -73,8 +73,7 @@ class Strategy(CollectiveVerbs, ABC):
         self._after_backward: list[Callable[..., Any]] = []
         self._module_backward: Callable[..., None] | None = None  # the module's own backward, if it overrides it
         self._training_step_fn: Callable[[Any, int], Any] | None = None
-        self._instrument: Callable[..., Callable] = _as_is
-        self._backward_fn: Callable[[torch.Tensor], None] = self.backward
+        self._phase: Callable[[str], contextlib.AbstractContextManager] = _no_phase
         self._mark_position: Callable[[str], None] | None = None
         self._plain_backward = False
 
@@ -93,29 +92,22 @@ class Strategy(CollectiveVerbs, ABC):
 
     def bind_hooks(self, plan: Callable[[str], list[Callable[..., Any]]] | None = None,
                    module_backward: Callable[..., None] | None = None,
-                   instrument: Callable[..., Callable] | None = None) -> None:
+                   phase: Callable[[str], contextlib.AbstractContextManager] | None = None) -> None:
         """The hooks that fire inside the step, from the Trainer's funnel: ``plan(name)`` gives the
         callables (callbacks', then the module's) that override ``on_before_backward`` /
         ``on_after_backward``; ``module_backward`` is the module's own ``backward`` when it overrides it;
-        ``instrument(row, fn)`` is the profiler's (the user's step and backward are timed through it)."""
+        ``phase(row)`` is the profiler's (the user's step and backward are timed in its blocks)."""
         self._before_backward = plan("on_before_backward") if plan is not None else []
         self._after_backward = plan("on_after_backward") if plan is not None else []
         self._module_backward = module_backward
-        self._instrument = instrument or _as_is
+        self._phase = phase or _no_phase
         self._training_step_fn = None
-        self._backward_fn = self._instrument("backward", self.backward)
         # Fixed for the stage so the common step calls nothing it does not need: the heartbeat's position
-        # marks only when one runs, and ``loss.backward()`` straight when neither a GradScaler, an override
-        # nor a profiler sits in between.
+        # marks only when one runs, and ``loss.backward()`` straight when neither a GradScaler nor an
+        # override sits in between.
         self._mark_position = heartbeat.marker()
         self._plain_backward = (self.precision.scaler is None and type(self).backward is Strategy.backward
-                                and module_backward is None and self._backward_fn == self.backward)
-
-    @property
-    def step_runner(self) -> Callable[..., StepResult]:
-        """What runs one micro-batch's forward and backward (``forward_backward``; a pipeline's schedule
-        replaces it): the optimisation binds it once per fit."""
-        return self.forward_backward
+                                and module_backward is None)
 
     @classmethod
     def build(cls, options: Any, **kwargs: Any) -> Strategy:
@@ -233,13 +225,15 @@ class Strategy(CollectiveVerbs, ABC):
 
     # ------------------------------------------------------------------ step
     def training_step(self, batch: Any, batch_idx: int) -> Any:
-        return (self._training_step_fn or self.bound_training_step())(batch, batch_idx)
+        """Manual optimisation's step: the user's ``training_step`` alone (it drives the optimizers)."""
+        with self._phase("training_step"):
+            return (self._training_step_fn or self.bound_training_step())(batch, batch_idx)
 
     def bound_training_step(self) -> Callable[[Any, int], Any]:
-        """The run's training step as ``forward_backward`` calls it (bound on first use, reset by
-        ``bind_hooks``); the profiler wraps ``_training_step_fn`` to time it."""
+        """The user's training step as ``forward_backward`` calls it: chosen on first use (the model is
+        wrapped by then), reset by ``bind_hooks``."""
         if self._training_step_fn is None:
-            self._training_step_fn = self._instrument("training_step", self._bind_training_step())
+            self._training_step_fn = self._bind_training_step()
         return self._training_step_fn
 
     def _bind_training_step(self) -> Callable[[Any, int], Any]:
@@ -275,8 +269,10 @@ class Strategy(CollectiveVerbs, ABC):
                          zero_grad: Callable[[], None] | None = None) -> StepResult:
         """One micro-batch, in Lightning's order: ``training_step``, then ``zero_grad`` (given on the
         first micro-batch of a window), then the backward hooks around ``backward`` of the loss divided
-        by ``accumulate``. Pipeline overrides this to own the step."""
-        output = (self._training_step_fn or self.bound_training_step())(batch, batch_idx)
+        by ``accumulate``. A pipeline's schedule owns the step instead (``ParallelStrategy``)."""
+        phase = self._phase
+        with phase("training_step"):
+            output = (self._training_step_fn or self.bound_training_step())(batch, batch_idx)
         if self._mark_position is not None:
             self._mark_position("backward")  # past the user's step: a peer stuck inside it is now behind
         loss = output if type(output) is torch.Tensor else extract_loss(output)
@@ -288,10 +284,11 @@ class Strategy(CollectiveVerbs, ABC):
             loss = loss / accumulate  # a division, as a hand loop writes it (bitwise the same)
         for hook in self._before_backward:
             hook(loss)
-        if self._plain_backward:
-            loss.backward()
-        else:
-            self._backward_fn(loss)
+        with phase("backward"):
+            if self._plain_backward:
+                loss.backward()
+            else:
+                self.backward(loss)
         for hook in self._after_backward:
             hook()
         return StepResult(loss.detach(), output)
@@ -334,17 +331,19 @@ class Strategy(CollectiveVerbs, ABC):
             return None
         return torch.nn.utils.clip_grad_norm_(params, value)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
-                       after_closure: Callable[[], None]) -> Any:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,
+                       after_closure: Callable[[], None] | None) -> Any:
         """Run ``closure`` (forward/backward), ``after_closure`` (hooks, clipping: gradients unscaled),
-        then the update, through the precision (see ``Precision.optimizer_step``)."""
+        then the update, through the precision (see ``Precision.optimizer_step``). Both None: a plain
+        fit's update (``steps_plainly``)."""
         return self.precision.optimizer_step(optimizer, closure, after_closure)
 
     @property
     def steps_plainly(self) -> bool:
         """Whether ``optimizer_step`` adds nothing to ``closure(); after_closure(); optimizer.step()`` for
-        torch's own optimizers (no GradScaler, no precision or strategy override): the Trainer may then
-        run those itself (the plain case of ``AutomaticOptimization.run``)."""
+        torch's own optimizers (no GradScaler, no precision or strategy override): the fit may then run
+        forward and backward itself and call it without a closure (the plain case of
+        ``AutomaticOptimization.run``)."""
         return self.precision.steps_plainly and type(self).optimizer_step is Strategy.optimizer_step
 
     def no_backward_sync(self, enabled: bool) -> contextlib.AbstractContextManager:

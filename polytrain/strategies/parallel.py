@@ -202,10 +202,12 @@ class ParallelStrategy(Strategy):
             self.pipeline = PipelineRunner(self, layout.pipeline, dims, averages_grads=self.backend.name == "all_reduce",
                                            padding=self.backend.padding)
 
-    @property
-    def step_runner(self) -> Callable[..., StepResult]:
-        """The pipeline's schedule owns the step when there is one."""
-        return self.pipeline.forward_backward if self.pipeline is not None else self.forward_backward
+    def forward_backward(self, batch: Any, batch_idx: int, accumulate: int = 1,
+                         zero_grad: Callable[[], None] | None = None) -> StepResult:
+        """The pipeline's schedule owns forward and backward when there is one."""
+        if self.pipeline is not None:
+            return self.pipeline.forward_backward(batch, batch_idx, accumulate, zero_grad)
+        return super().forward_backward(batch, batch_idx, accumulate, zero_grad)
 
     def join_process_group(self) -> None:
         """Join the job's process group and build the mesh (idempotent). Several processes join in
@@ -356,8 +358,8 @@ class ParallelStrategy(Strategy):
     def steps_plainly(self) -> bool:
         return not self.tensor_parallel and self.precision.steps_plainly  # tensor parallel adds to the step (below)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
-                       after_closure: Callable[[], None]) -> Any:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,
+                       after_closure: Callable[[], None] | None) -> Any:
         if self.tensor_parallel:  # Partial gradients (sequence parallel) summed once, before the hooks and clipping
             after_closure = tp_fn.partial_grads_reduced_first(optimizer, after_closure)
         return self.precision.optimizer_step(optimizer, closure, after_closure)

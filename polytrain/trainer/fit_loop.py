@@ -50,6 +50,10 @@ if TYPE_CHECKING:
     from polytrain.trainer.config import TrainerConfig
     from polytrain.trainer.trainer import Trainer
 
+# What train_step returns instead of a step when the epoch ends before it.
+DATA_ENDED = "the data ran out"
+EPOCH_SKIPPED = "on_train_batch_start returned -1"
+
 EPOCH_ONLY = (False, True)  # self.log defaults in epoch-level hooks
 PER_STEP = (True, False)  # in training_step and the batch-level hooks
 
@@ -120,7 +124,6 @@ class FitLoop:
         training_streams(cfg.seed, strategy.dp_rank, strategy.global_rank, lightning_seed)
         self.progress.train_batch_size = getattr(data.train_loader, "batch_size", None)
         self.schedule = ValidationSchedule(cfg, data.num_training_batches)
-        self._bind_phases()
         self._started, self._multi_rank = time.monotonic(), trainer.world_size > 1
         self._loaded = {"train": self.progress.epoch, "val": self.progress.epoch}  # reload_dataloaders_every_...
         # As Lightning, a fit that starts past epoch 0 without a checkpoint (a second fit of this Trainer)
@@ -135,7 +138,8 @@ class FitLoop:
         self._max_epochs = 1 if cfg.fast_dev_run else cfg.max_epochs if cfg.max_epochs is not None else \
             (1000 if cfg.max_steps < 0 else 10**9)
         while not self._done():
-            self._train_epoch()
+            with self.goodput.phase("epoch"), trainer.profiler.phase("train epoch"):
+                self._run_epoch()
             self._agree_at_epoch_end()
         self.guard.check()
         trainer.metrics.start_stage(None)
@@ -164,10 +168,11 @@ class FitLoop:
                               f"in training_step before optimizer.step(), and drop the option")
         self.progress.world_size, self.progress.dp_size = strategy.world_size, strategy.dp_size
         self.guard = NonFiniteGuard(t.config.nan_policy, strategy, module, self.progress)
-        instrument = t.profiler.instrument
-        self.optimization = AutomaticOptimization(strategy, module, t.hooks, self.guard, t.config, instrument) \
-            if module.automatic_optimization else \
-            ManualOptimization(strategy, t.hooks, self.guard, self.progress, instrument)
+        phase = t.profiler.phase
+        if module.automatic_optimization:
+            self.optimization = AutomaticOptimization(strategy, module, t.hooks, self.guard, t.config, phase)
+        else:
+            self.optimization = ManualOptimization(strategy, t.hooks, self.guard, self.progress, phase)
 
     def _restore(self, ckpt_path: str | None) -> None:
         """Resume from the checkpoint settled with the run's directory (the same on every rank)."""
@@ -178,16 +183,6 @@ class FitLoop:
             self.resumed = Resumed(loop, ckpt.rank_rng(self.t, payload), self.progress.batch_in_epoch > 0,
                                    select_rank_state(payload.get("data"), self.t.strategy.dp_rank))
         self.guard.resume_at(self.progress.global_step)  # errors name steps from the resumed count
-
-    def _bind_phases(self) -> None:
-        """The fit's per-batch callables, each through the profiler's instrument (itself when off)."""
-        t, instrument, clock = self.t, self.t.profiler.instrument, self.goodput
-        self._train_epoch = clock.timed("epoch", instrument("train epoch", self._run_epoch))
-        self._transfer = instrument("batch to device", t.transfer_batch)
-        self._run_batch = instrument("training batch", self.optimization.run)
-        self._log_step = clock.marking(instrument("logging step", self._logging_step), self.progress)
-        self._validate = clock.timed("validation", instrument("validation", self._run_validation))
-        self._end_epoch = instrument("epoch end", self._finish_epoch)
 
     # ------------------------------------------------------------------ stopping
     def _time_up(self) -> bool:  # max_time reached on this rank (reduce across ranks before acting on it)
@@ -224,8 +219,9 @@ class FitLoop:
     def _epoch_iterator(self) -> tuple[Any, int]:
         p, data, t = self.progress, self.data, self.t
         iterator, start, p.sample_base, data.loader_rng = epoch_iterator(
-            data.train_loader, p.epoch, p.batch_in_epoch, data.num_training_batches, t.strategy.dp_size, self.resumed)
-        return t.profiler.iterator("get batch", self.goodput.fetching(iterator)), start
+            data.train_loader, p.epoch, p.batch_in_epoch, data.num_training_batches, t.strategy.dp_size,
+            self.resumed)
+        return iterator, start
 
     def _run_epoch(self) -> None:
         t, p, first = self.t, self.progress, None if self._renew_first else self._first
@@ -243,59 +239,35 @@ class FitLoop:
         complete = self._run_batches(iterator, start)
         if complete and p.validation_due:
             self._validate()
-        self._end_epoch(complete)
+        with t.profiler.phase("epoch end"):
+            self._finish_epoch(complete)
 
     def _end_due(self) -> bool:
         data = self.data
-        return data.val_loader is not None and data.num_val_batches != 0 and self.schedule.at_epoch_end(self.progress.epoch)
+        return (data.val_loader is not None and data.num_val_batches != 0
+                and self.schedule.at_epoch_end(self.progress.epoch))
 
     def _run_batches(self, iterator: Any, start: int) -> bool:
-        """The epoch's batches from ``start``; True if it ran to its end (no stop mid-epoch).
+        """The epoch's batches from ``start``; True if it ran to its end (no stop mid-epoch). Per batch:
+        ``train_step``, the logging step when due, ``on_train_batch_end``, a validation when due, then
+        whether to stop.
 
         Sized loaders take ``num_batches`` batches. Iterable-style ones go through ``AgreedBatches``: the
         epoch ends at the shortest rank's stream (or the limit), and its last batch closes its window."""
         t, cfg, p, stopping, schedule = self.t, self.t.config, self.progress, self.stopping, self.schedule
-        num_batches, accumulate = self.data.num_training_batches, cfg.accumulate_grad_batches
-        run, transfer, metrics = self._run_batch, self._transfer, t.metrics
-        start_hooks, end_hooks = t.hooks.batch_plan("on_train_batch_start"), t.hooks.batch_plan("on_train_batch_end")
-        automatic, log_every, epoch, max_steps = t.module.automatic_optimization, cfg.log_every_n_steps, p.epoch, \
-            cfg.max_steps
-        beat = heartbeat.beat if self._multi_rank else None
-        metrics.defaults = PER_STEP
-        stop = num_batches if num_batches is not None else 2**62
-        agreed = self.data.stream = agreed_batches(iterator, t.strategy.reduce_boolean_decision,
-                                                   self.data.train_loader) if self.agreed else None
+        metrics, end_hooks = t.metrics, t.hooks.batch_plan("on_train_batch_end")
+        automatic, log_every, epoch, max_steps = t.module.automatic_optimization, cfg.log_every_n_steps, p.epoch, cfg.max_steps
+        self._start_epoch_steps(iterator)
+        stop = self._stop
         has_val = self.data.val_loader is not None and self.data.num_val_batches != 0
         inside, end_due = has_val and schedule.inside, self._end_due()
-        schedulers = bool(t.lr_scheduler_configs)
-        release_gradients = self.optimization.release_gradients  # a plain fit's zero_grad, before each fetch
         for batch_idx in range(start, stop):
-            if release_gradients is not None:
-                release_gradients()
-            if agreed is None:
-                batch = next(iterator)
-                last = batch_idx + 1 == num_batches
-            else:
-                batch, last = agreed.take(batch_idx + 1 < stop)
-                if batch is NO_BATCH:  # every rank learnt together that some stream has ended
-                    if batch_idx == 0:
-                        raise EmptyDataError(
-                            f"the training DataLoader yielded no batch in epoch {epoch} on at least one "
-                            f"data-parallel rank; an iterable dataset must yield a batch on every rank every epoch")
-                    break
-            batch = transfer(batch)
-            metrics.batch = batch  # its size is read only if a value is logged per epoch
-            p.batch_in_epoch = batch_idx + 1
-            end_of_window = (batch_idx + 1) % accumulate == 0 or last
-            if beat is not None:
-                beat(p.global_step, "training_step")
-            if start_hooks and any([fn(batch, batch_idx) == -1 for fn in start_hooks]):
-                return False  # on_train_batch_start returned -1: the rest of the epoch is skipped
-            output, stepped = run(batch, batch_idx, end_of_window, epoch)
-            if stepped:
-                p.global_step += 1
-                if schedulers:
-                    self._after_optimizer_step(last)
+            step = self.train_step(batch_idx)
+            if step is DATA_ENDED:
+                break
+            if step is EPOCH_SKIPPED:
+                return False
+            batch, output, stepped, last = step
             if stepped or not automatic:
                 p.batches_stepped += 1
                 if p.batches_stepped % log_every == 0:
@@ -317,6 +289,69 @@ class FitLoop:
                 p.validation_due = not validated and has_val and schedule.epoch_validates(epoch)
                 return True
         return True
+
+    def _start_epoch_steps(self, iterator: Any) -> None:
+        """What ``train_step`` reads on every batch of this epoch, looked up once: the iterator (or the
+        ranks' agreement on an iterable's batches), the hooks that run, the profiler's and the clock's
+        blocks."""
+        t, data = self.t, self.data
+        self._iterator = iterator
+        self._agreed = data.stream = agreed_batches(iterator, t.strategy.reduce_boolean_decision,
+                                                    data.train_loader) if self.agreed else None
+        self._num_batches = data.num_training_batches
+        self._stop = data.num_training_batches if data.num_training_batches is not None else 2**62
+        self._accumulate = t.config.accumulate_grad_batches
+        self._start_hooks = t.hooks.batch_plan("on_train_batch_start")
+        self._beat = heartbeat.beat if self._multi_rank else None
+        self._schedulers = bool(t.lr_scheduler_configs)
+        self._transfer = t.transfer_batch
+        phase = t.profiler.phase
+        self._fetch_phase, self._data_clock = phase("get batch"), self.goodput.phase("data")
+        self._transfer_phase, self._batch_phase = phase("batch to device"), phase("training batch")
+        t.metrics.defaults = PER_STEP
+
+    def train_step(self, batch_idx: int) -> tuple[Any, Any, bool, bool] | str:
+        """One training batch, its phases in order: a plain fit's ``zero_grad`` (where a hand loop has it),
+        fetch, transfer, ``on_train_batch_start``, then forward and backward through the strategy, clipping,
+        the optimizer step and zero_grad (``optimization.run``: Lightning's order), then the step-wise
+        schedulers. Returns ``(batch, output, stepped, last)``; ``DATA_ENDED`` when some rank's stream
+        ended, ``EPOCH_SKIPPED`` when ``on_train_batch_start`` returned -1."""
+        p, optimization = self.progress, self.optimization
+        if optimization.releases_gradients:
+            optimization.release_gradients()
+        with self._fetch_phase, self._data_clock:
+            if self._agreed is None:
+                batch = next(self._iterator)
+                last = batch_idx + 1 == self._num_batches
+            else:
+                batch, last = self._agreed.take(batch_idx + 1 < self._stop)
+        if batch is NO_BATCH:  # every rank learnt together that some stream has ended
+            if batch_idx == 0:
+                raise EmptyDataError(
+                    f"the training DataLoader yielded no batch in epoch {p.epoch} on at least one "
+                    f"data-parallel rank; an iterable dataset must yield a batch on every rank every epoch")
+            return DATA_ENDED
+        with self._transfer_phase:
+            batch = self._transfer(batch)
+        self.t.metrics.batch = batch  # its size is read only if a value is logged per epoch
+        p.batch_in_epoch = batch_idx + 1
+        end_of_window = (batch_idx + 1) % self._accumulate == 0 or last
+        if self._beat is not None:
+            self._beat(p.global_step, "training_step")
+        if self._start_hooks and any([fn(batch, batch_idx) == -1 for fn in self._start_hooks]):
+            return EPOCH_SKIPPED  # the rest of the epoch is skipped
+        with self._batch_phase:
+            output, stepped = optimization.run(batch, batch_idx, end_of_window, p.epoch)
+        if stepped:
+            p.global_step += 1
+            if self._schedulers:
+                self._after_optimizer_step(last)
+        return batch, output, stepped, last
+
+    def _log_step(self) -> None:
+        with self.t.profiler.phase("logging step"):
+            self._logging_step()
+        self.goodput.mark(self.progress.global_step)
 
     def _logging_step(self) -> None:
         """Every ``log_every_n_steps``: per-step values to the loggers, then the losses' non-finite check, the
@@ -376,6 +411,10 @@ class FitLoop:
                 self.sanity_checking = False
             hooks.callbacks("on_sanity_check_end")
             self.t.metrics.reset()
+
+    def _validate(self) -> None:
+        with self.goodput.phase("validation"), self.t.profiler.phase("validation"):
+            self._run_validation()
 
     def _run_validation(self) -> None:
         t, data = self.t, self.data

@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -45,12 +45,13 @@ class Goodput:
         self._last: dict[str, Any] = {}
         self._staging_seen = 0.0  # the checkpoint I/O's staging-wait total already counted
         self.last: dict[str, float] | None = None  # the last fit's split (report)
+        self._phases = {name: _Phase(name, self.totals, self._running) for name in ("epoch", "data", "validation")}
 
     # ------------------------------------------------------------------ the clock
     def begin(self, trainer: Trainer, step: int) -> None:
         """The fit starts (after any resume) at step ``step``. Lines of the run's record after its last
         finished fit are earlier attempts of this one (each ended by a failure and restarted)."""
-        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.totals.update(dict.fromkeys(PHASES, 0.0))  # in place: the phases add to this mapping
         self.started, self.started_wall, self.start_step = time.perf_counter(), time.time(), step
         self._running.clear()
         self._staging_seen = trainer.strategy.checkpoint_io.staging_waited()
@@ -62,23 +63,10 @@ class Goodput:
             self.earlier = lines[ends[-1] + 1:] if ends else lines
         self._write("start", step)
 
-    def timed(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` with its duration added to ``phase`` (whole phases only: an epoch, a validation)."""
-        totals, running, clock = self.totals, self._running, time.perf_counter
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            running[phase] = begun = clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                totals[phase] += clock() - begun
-                del running[phase]
-
-        return run
-
-    def fetching(self, iterator: Iterator[Any]) -> Iterator[Any]:
-        """``iterator`` with the time spent waiting for each batch added to ``data``."""
-        return _Fetching(iterator, self.totals)
+    def phase(self, name: str) -> _Phase:
+        """``with goodput.phase(name):``: the block's duration added to ``name`` (an epoch, a validation,
+        the wait for a batch). One object per phase: the loop enters ``data`` on every batch."""
+        return self._phases[name]
 
     def count_staging_waits(self, total: float) -> None:
         """Optimizer updates that waited for an async save's background copy (``total``: the checkpoint
@@ -103,14 +91,10 @@ class Goodput:
                 self.totals["checkpoint_in_epoch"] += spent
         self._write("checkpoint", step)
 
-    def marking(self, fn: Callable[[], None], progress: Any) -> Callable[[], None]:
-        """``fn`` (the logging step), then a line in the record: how far this attempt got, the work lost
-        if it dies before the next checkpoint."""
-        def run() -> None:
-            fn()
-            self._write("mark", progress.global_step)
-
-        return run
+    def mark(self, step: int) -> None:
+        """After a logging step: a line in the record saying how far this attempt got (the work lost if
+        it dies before the next checkpoint)."""
+        self._write("mark", step)
 
     def _write(self, event: str, step: int) -> None:
         totals, now = dict(self.totals), time.perf_counter()
@@ -143,19 +127,22 @@ class Goodput:
         return split
 
 
-class _Fetching:
-    def __init__(self, iterator: Iterator[Any], totals: dict[str, float]) -> None:
-        self.iterator, self.totals = iterator, totals
+class _Phase:
+    """One phase's clock: entering notes the start (``_write`` counts a running phase so far), leaving adds
+    the duration to the phase's total."""
 
-    def __iter__(self) -> _Fetching:
-        return self
+    __slots__ = ("name", "totals", "running")
 
-    def __next__(self) -> Any:
-        begun = time.perf_counter()
-        try:
-            return next(self.iterator)
-        finally:
-            self.totals["data"] += time.perf_counter() - begun
+    def __init__(self, name: str, totals: dict[str, float], running: dict[str, float]) -> None:
+        self.name = name
+        self.totals = totals
+        self.running = running
+
+    def __enter__(self) -> None:
+        self.running[self.name] = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.totals[self.name] += time.perf_counter() - self.running.pop(self.name)
 
 
 def report_goodput(trainer: Trainer, goodput: Goodput, step: int) -> None:

@@ -98,7 +98,7 @@ def begin(trainer: Trainer, stage: str) -> None:
         convert_to_float8(module, float8)
     if first:
         strategy.setup_module(module)
-    strategy.bind_hooks(hooks.batch_plan, hooks.module_hook("backward"), hooks.instrument)
+    strategy.bind_hooks(hooks.batch_plan, hooks.module_hook("backward"), trainer.profiler.phase)
 
 
 def end(trainer: Trainer, stage: str) -> None:

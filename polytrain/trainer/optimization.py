@@ -13,10 +13,15 @@ GradScaler is updated once per iteration, after every optimizer stepped (PyTorch
 recipe). A step the non-finite guard vetoes (``nan_policy: skip``) is not taken, and ``run`` says so.
 
 A *plain* fit (one of torch's optimizers stepped on every batch, nothing between backward and the
-update) needs no closure: its batch is a branch of ``run`` that calls training_step, backward and
-``optimizer.step()`` as a hand loop does, and the loop releases the gradients just before it fetches
+update) needs no closure: its batch is a branch of ``run`` that calls training_step and backward, then
+the strategy's ``optimizer_step`` without a closure (the precision's fast path: ``optimizer.step()``),
+as a hand loop does; the loop releases the gradients (``release_gradients``) just before it fetches
 the next batch, where a hand loop's ``zero_grad`` lands. Whether a fit is plain is decided once; the
 branch still checks, per batch, that no step pre-hook was registered since (it would see the order).
+
+Every path reaches ``optimizer.step`` in one place, ``Precision.optimizer_step``, through the
+strategy's ``optimizer_step``. The profiler's rows are ``with`` blocks here: ``forward+backward`` and
+``optimizer update`` (the latter less the forward and backward a closure runs inside it).
 
 Manual: ``training_step`` alone; the module drives ``self.optimizers()`` (``StepOptimizer`` s, whose
 ``step()`` goes through precision, ``on_before_optimizer_step`` and step counting) and
@@ -25,6 +30,7 @@ Manual: ``training_step`` alone; the module drives ``self.optimizers()`` (``Step
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -37,15 +43,15 @@ from polytrain.trainer.guards import NonFiniteGuard
 from polytrain.trainer.hooks import Hooks
 from polytrain.trainer.progress import FitProgress
 
-Instrument = Callable[..., Callable]
+Phase = Callable[..., contextlib.AbstractContextManager]  # the profiler's: phase(row, excluding=None)
 
 
 def _no_closure() -> None:
     return None
 
 
-def _as_is(row: str, fn: Callable, **_: Any) -> Callable:
-    return fn
+def _no_phase(row: str, excluding: str | None = None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 class StepOptimizer:
@@ -108,7 +114,9 @@ class Closure:
     def __call__(self) -> torch.Tensor | None:
         # The loop's heartbeat already marked this batch "training_step"; the strategy marks "backward".
         runner = self.runner
-        result = self.result = runner.forward_backward(self.batch, self.batch_idx, runner.accumulate, self.zero_grad)
+        with runner.forward_backward_phase:
+            result = self.result = runner.strategy.forward_backward(self.batch, self.batch_idx, runner.accumulate,
+                                                                    self.zero_grad)
         self.ran = True
         runner.guard.observe(result.loss, runner.end_of_window)
         return result.loss
@@ -118,11 +126,13 @@ class AutomaticOptimization:
     """A fit's training batch under automatic optimisation (see the module's docstring)."""
 
     def __init__(self, strategy: Any, module: Any, hooks: Hooks, guard: NonFiniteGuard, config: Any,
-                 instrument: Instrument = _as_is) -> None:
+                 phase: Phase = _no_phase) -> None:
         self.strategy, self.module, self.guard = strategy, module, guard
         self.optimizers = list(strategy.optimizers)
-        self._step = instrument("optimizer update", self._step_optimizer, excluding="forward+backward")
-        self.wrapped = [wrap_optimizer(opt, self._step) for opt in self.optimizers]
+        # The profiler's blocks, one object each for the fit (a context manager that does nothing when off).
+        self.forward_backward_phase = phase("forward+backward")
+        self.update_phase = phase("optimizer update", excluding="forward+backward")
+        self.wrapped = [wrap_optimizer(opt, self._step_optimizer) for opt in self.optimizers]
         self.accumulate = config.accumulate_grad_batches
         self.clip_val, self.clip_algorithm = config.gradient_clip_val, config.gradient_clip_algorithm
         self.before_zero_grad = hooks.batch_plan("on_before_zero_grad")
@@ -132,7 +142,6 @@ class AutomaticOptimization:
         self.clip_hook = hooks.module_hook("configure_gradient_clipping")
         if self.clip_hook is None and hooks.overrides("clip_gradients"):  # the default calls the override
             self.clip_hook = hooks.plan("configure_gradient_clipping")[2]
-        self.forward_backward = instrument("forward+backward", strategy.step_runner)
         self.closure = Closure(self)
         self.step_closures = [self.closure] + [_rerun_guard(self.closure) for _ in self.optimizers[1:]]
         self._after = {id(opt): functools.partial(self.after_closure, opt) for opt in self.optimizers}
@@ -145,9 +154,7 @@ class AutomaticOptimization:
         self.wait_staged = strategy.checkpoint_io.wait_staged
         self.plain = self._is_plain()
         # Called by the loop before it fetches each batch (a plain fit's zero_grad); None otherwise.
-        self.release_gradients = functools.partial(self.optimizers[0].zero_grad, set_to_none=True) \
-            if self.plain else None
-        self._update = instrument("optimizer update", self.optimizers[0].step) if self.plain else None
+        self.releases_gradients = self.plain
 
     def _is_plain(self) -> bool:
         """One optimizer stepped on every batch with nothing between backward and the update: no hook
@@ -158,15 +165,21 @@ class AutomaticOptimization:
                 and self.clip_val is None and not self.before_zero_grad and not self.before_optimizer_step
                 and not self.votes_on_skip and self.update_scaler is None)
 
+    def release_gradients(self) -> None:
+        """A plain fit's ``zero_grad``: the loop calls it before it fetches the next batch."""
+        self.optimizers[0].zero_grad(set_to_none=True)
+
     def run(self, batch: Any, batch_idx: int, end_of_window: bool, epoch: int) -> tuple[Any, bool]:
         """Forward/backward, and at a window's end the optimizers' steps: ``(the step's result, stepped)``."""
         if self.plain and runs_closure_itself(self.optimizers[0]):
-            result = self.forward_backward(batch, batch_idx, 1, None)  # gradients were released before the fetch
+            with self.forward_backward_phase:  # the gradients were released before the fetch
+                result = self.strategy.forward_backward(batch, batch_idx, 1, None)
             self.guard.observe(result.loss, True)
             if self.mark_position is not None:
                 self.mark_position("optimizer_step")
             self.wait_staged()
-            self._update()
+            with self.update_phase:
+                self.strategy.optimizer_step(self.optimizers[0], None, None)  # the precision's fast path
             return result, True
         closure = self.closure
         closure.batch, closure.batch_idx, closure.ran = batch, batch_idx, False
@@ -179,7 +192,7 @@ class AutomaticOptimization:
         self.guard.skip_step = False
         if self.optimizer_step_hook is None:
             for optimizer, step_closure in zip(self.optimizers, self.step_closures):
-                self._step(optimizer, step_closure)
+                self._step_optimizer(optimizer, step_closure)
         else:
             for wrapped, step_closure in zip(self.wrapped, self.step_closures):
                 self.optimizer_step_hook(epoch, batch_idx, wrapped, step_closure)
@@ -194,7 +207,8 @@ class AutomaticOptimization:
 
     def _step_optimizer(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer's step through the strategy (precision, the after-closure hooks and clipping)."""
-        return self.strategy.optimizer_step(optimizer, closure or _no_closure, self._after[id(optimizer)])
+        with self.update_phase:
+            return self.strategy.optimizer_step(optimizer, closure or _no_closure, self._after[id(optimizer)])
 
     def _zero_grad(self) -> None:
         for k, opt in enumerate(self.optimizers):
@@ -235,20 +249,20 @@ class ManualOptimization:
     """A fit's training batch under manual optimisation: the module steps; each step counts."""
 
     def __init__(self, strategy: Any, hooks: Hooks, guard: NonFiniteGuard, progress: FitProgress,
-                 instrument: Instrument = _as_is) -> None:
+                 phase: Phase = _no_phase) -> None:
         self.strategy, self.hooks, self.guard, self.progress = strategy, hooks, guard, progress
         self.optimizers = list(strategy.optimizers)
-        self.wrapped = [wrap_optimizer(opt, instrument("optimizer update", self._step_optimizer))
-                        for opt in self.optimizers]
-        self.training_step = instrument("forward+backward", strategy.training_step)
-        self.release_gradients: Callable[[], None] | None = None  # the module zeroes its gradients itself
+        self.forward_backward_phase = phase("forward+backward")
+        self.update_phase = phase("optimizer update")
+        self.wrapped = [wrap_optimizer(opt, self._step_optimizer) for opt in self.optimizers]
+        self.releases_gradients = False  # the module zeroes its gradients itself
         self.accumulating = False  # this batch is not the last of its window (manual_backward skips the sync)
 
     def run(self, batch: Any, batch_idx: int, end_of_window: bool, epoch: int) -> tuple[Any, bool]:
         self.accumulating = not end_of_window
         try:
-            with self.strategy.no_backward_sync(not end_of_window):
-                output = self.training_step(batch, batch_idx)
+            with self.strategy.no_backward_sync(not end_of_window), self.forward_backward_phase:
+                output = self.strategy.training_step(batch, batch_idx)
         finally:
             self.accumulating = False
         self.strategy.precision.update()  # one scaler update per iteration, whatever the module stepped
@@ -258,8 +272,9 @@ class ManualOptimization:
         return output, False  # steps were counted as the module took them
 
     def _step_optimizer(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-        result = self.strategy.optimizer_step(optimizer, closure or _no_closure,
-                                              functools.partial(self._before_update, optimizer))
+        with self.update_phase:
+            result = self.strategy.optimizer_step(optimizer, closure or _no_closure,
+                                                  functools.partial(self._before_update, optimizer))
         self.progress.global_step += 1  # manual optimisation counts every optimizer.step(), as Lightning
         return result
 

@@ -11,10 +11,11 @@
   hooks appear in it as ``polytrain/...`` ranges.
 
 Without a profiler nothing is timed and nothing is checked per step: ``trainer.profiler`` is a
-``PassThroughProfiler`` whose ``instrument(row, fn)`` returns ``fn`` itself. A profiler times through
-the same funnel the run uses: the hook funnel (``Hooks``) and the fit's per-batch callables (the
-iterator, the batch mover, the training batch, the strategy's step verbs) are each built once through
-``instrument``, so a profiled run takes exactly the path an unprofiled one does, and nothing is
+``PassThroughProfiler`` whose ``phase(row)`` is a context manager that does nothing and whose
+``instrument(row, fn)`` returns ``fn`` itself. The loop's phases are ``with profiler.phase(row):``
+blocks written where the phase runs (``FitLoop.train_step``, the optimisation, the strategy's
+forward and backward), and the hook funnel (``Hooks``) builds each hook's callable once through
+``instrument``: a profiled run takes exactly the path an unprofiled one does, and nothing is
 patched or put back. Times are wall-clock and inclusive: a hook called inside the training batch
 counts in both rows.
 
@@ -62,9 +63,10 @@ class PassThroughProfiler:
         """``fn`` timed under ``row`` (less the time spent in row ``excluding`` meanwhile); here ``fn`` itself."""
         return fn
 
-    def iterator(self, row: str, iterator: Any) -> Any:
-        """``iterator`` with each ``next`` timed under ``row``; here ``iterator`` itself."""
-        return iterator
+    def phase(self, row: str, excluding: str | None = None) -> contextlib.AbstractContextManager:
+        """The block it guards timed under ``row`` (less the time spent in row ``excluding`` meanwhile);
+        here a context manager that does nothing. One object per row: the loop enters it on every batch."""
+        return _NO_PHASE
 
     def start(self) -> None: ...
     def stop(self) -> None: ...
@@ -82,6 +84,7 @@ class SimpleProfiler(PassThroughProfiler):
         self.trainer = trainer
         self.filename = filename
         self.records: dict[str, list[float]] = {}  # row -> [total seconds, calls]
+        self._phases: dict[tuple[str, str | None], _TimedPhase] = {}
         self._t0 = 0.0
         self.summary: str | None = None
 
@@ -104,8 +107,15 @@ class SimpleProfiler(PassThroughProfiler):
 
         return call
 
-    def iterator(self, row: str, iterator: Any) -> Any:
-        return _TimedIterator(iterator, self.records.setdefault(row, [0.0, 0])) if self.enabled else iterator
+    def phase(self, row: str, excluding: str | None = None) -> contextlib.AbstractContextManager:
+        if not self.enabled:
+            return _NO_PHASE
+        timed = self._phases.get((row, excluding))
+        if timed is None:
+            record = self.records.setdefault(row, [0.0, 0])
+            inner = self.records.setdefault(excluding, [0.0, 0]) if excluding is not None else None
+            timed = self._phases[(row, excluding)] = _TimedPhase(record, inner)
+        return timed
 
     @contextlib.contextmanager
     def profile(self, name: str) -> Iterator[None]:
@@ -162,23 +172,44 @@ class SimpleProfiler(PassThroughProfiler):
             print(self.summary, flush=True)
 
 
-class _TimedIterator:
-    __slots__ = ("iterator", "record")
+class _NoPhase:
+    """The pass-through profiler's phase: entering and leaving it does nothing."""
 
-    def __init__(self, iterator: Any, record: list[float]) -> None:
-        self.iterator = iterator
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_PHASE = _NoPhase()
+
+
+class _TimedPhase:
+    """A row's wall time: each pass through the block adds its duration (less the time the row
+    ``inner`` grew meanwhile: the update's row leaves out the forward and backward a closure ran
+    inside it) and one call."""
+
+    __slots__ = ("record", "inner", "started", "inside")
+
+    def __init__(self, record: list[float], inner: list[float] | None) -> None:
         self.record = record
+        self.inner = inner
+        self.started = 0.0
+        self.inside = 0.0
 
-    def __iter__(self) -> _TimedIterator:
-        return self
+    def __enter__(self) -> None:
+        self.inside = self.inner[0] if self.inner is not None else 0.0
+        self.started = time.perf_counter()
 
-    def __next__(self) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return next(self.iterator)
-        finally:
-            self.record[0] += time.perf_counter() - t0
-            self.record[1] += 1
+    def __exit__(self, *exc: object) -> None:
+        spent = time.perf_counter() - self.started
+        if self.inner is not None:
+            spent -= self.inner[0] - self.inside
+        self.record[0] += spent
+        self.record[1] += 1
 
 
 class TorchProfiler(SimpleProfiler):
@@ -205,19 +236,12 @@ class TorchProfiler(SimpleProfiler):
             with record_function(label):
                 return fn(*args, **kwargs)
 
-        if row != "training batch":
-            return call
+        return call
 
-        @functools.wraps(fn)
-        def step(*args: Any, **kwargs: Any) -> Any:
-            out = call(*args, **kwargs)
-            self.profiler.step()  # one profiler step per training batch
-            return out
-
-        return step
-
-    def iterator(self, row: str, iterator: Any) -> Any:
-        return iterator  # the data loader's own ranges show in the trace
+    def phase(self, row: str, excluding: str | None = None) -> contextlib.AbstractContextManager:
+        if not self.enabled:
+            return _NO_PHASE
+        return _TracedPhase(f"polytrain/{row}", self if row == "training batch" else None)
 
     def start(self) -> None:
         o, t = self.options, self.trainer
@@ -248,6 +272,27 @@ class TorchProfiler(SimpleProfiler):
         traces = sorted(os.listdir(self.trace_dir)) if self.trace_dir and os.path.isdir(self.trace_dir) else []
         log.info("torch profiler: %d trace file(s) in %s (TensorBoard: tensorboard --logdir %s)", len(traces),
                  self.trace_dir, self.trace_dir)
+
+
+class _TracedPhase:
+    """A labelled range in torch.profiler's trace; the training batch's also ends a profiler step
+    (the schedule's ``wait``/``warmup``/``active`` count training batches)."""
+
+    __slots__ = ("label", "stepping", "range")
+
+    def __init__(self, label: str, stepping: TorchProfiler | None) -> None:
+        self.label = label
+        self.stepping = stepping  # the profiler whose torch.profiler steps at the block's end
+        self.range: Any = None
+
+    def __enter__(self) -> None:
+        self.range = torch.profiler.record_function(self.label)
+        self.range.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.range.__exit__(*exc)
+        if self.stepping is not None and self.stepping.profiler is not None:
+            self.stepping.profiler.step()
 
 
 def check_profiler_options(spec: Any) -> tuple[str, dict[str, Any]] | None:
