@@ -35,6 +35,22 @@ def check_schedule_with_fsdp(schedule: str) -> None:
                           f"data_parallel: all_reduce")
 
 
+def check_pipeline_with_sharding(pp: int, shards: bool, schedule: str) -> None:
+    """A pipeline whose stages are sharded (FSDP) needs a schedule that runs each backward whole."""
+    if pp > 1 and shards:
+        check_schedule_with_fsdp(schedule)
+
+
+def check_precision_with_layout(precision: str, pp: int, tensor_parallel: bool) -> None:
+    """A GradScaler (``16-mixed``) needs one view of every gradient: not per pipeline stage, not over
+    tensor-parallel shards."""
+    if precision != "16-mixed" or (pp == 1 and not tensor_parallel):
+        return
+    what = ("the pipeline strategy (each stage's GradScaler would skip steps on its own)" if pp > 1
+            else "tensor parallelism (a GradScaler over sharded gradients)")
+    raise ConfigError(f"precision '16-mixed' is not supported by {what}; use precision 'bf16-mixed' or '32'")
+
+
 def check_schedule_options(schedule: str, stages_per_rank: int, n_microbatches: int | None) -> None:
     """The schedule's name and its stage/micro-batch counts."""
     if schedule not in SCHEDULES:

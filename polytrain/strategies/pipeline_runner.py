@@ -31,13 +31,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from polytrain.checkpoint.state import gathered_stage_state
 from polytrain.core import collectives as C
 from polytrain.core.errors import ConfigError
 from polytrain.core.protocol import SilentRecords, captured_logs, extract_loss, muted_logs, recorded_logs
 from polytrain.data.padding import PaddingState
 from polytrain.parallel import pipeline_paths as P
 from polytrain.parallel import pipeline_split as S
-from polytrain.parallel.apply import PipelineSettings
+from polytrain.parallel import tensor_parallel as tp_fn
+from polytrain.parallel.activation_checkpointing import checkpoint_targets
+from polytrain.parallel.apply import PipelineSettings, local_plan
 from polytrain.parallel.choices import SCHEDULES
 from polytrain.parallel.dims import ParallelDims
 from polytrain.parallel.pipeline_stage import (
@@ -122,10 +125,16 @@ def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class PipelineRunner:
-    """The pipeline half of a composed strategy: the cut, the schedules, the step and evaluation."""
+    """The executor of a composed strategy with ``pp > 1``: the cut, the schedules, the step and
+    evaluation. It answers what ``strategies/whole_model.py``'s ``WholeModel`` answers without a
+    pipeline."""
 
     def __init__(self, strategy: Strategy, settings: PipelineSettings, dims: ParallelDims,
                  averages_grads: bool, padding: PaddingState | None) -> None:
+        if schedule_class(settings.schedule) is None:
+            # Checked here, not in the options: importing torch's pipelining costs a second.
+            raise ConfigError(f"pipeline schedule={settings.schedule!r} needs torch.distributed.pipelining."
+                              f"{SCHEDULES[settings.schedule][0]}, which torch {torch.__version__} lacks")
         self.strategy, self.settings, self.dims = strategy, settings, dims
         # No wrapper around the stages (data_parallel all_reduce): this runner averages the gradients over
         # the stage's replicas after each step. With FSDP in the stages, torch's stage reduces them itself.
@@ -149,6 +158,11 @@ class PipelineRunner:
     @property
     def pp_group(self) -> Any:
         return self.dims.get_mesh("pp").get_group()
+
+    def is_logging_rank(self) -> bool:
+        """The last stage's first data-parallel replica (tp/cp rank 0): it holds the loss."""
+        d = self.dims
+        return self.is_last_stage and d.dp_rank == 0 and d.tp_rank == 0 and d.cp_rank == 0
 
     # ------------------------------------------------------------------ the cut
     def check_module(self, module: nn.Module) -> None:
@@ -176,6 +190,20 @@ class PipelineRunner:
                               f"stage runs training_step: use strategy name: parallel with pp > 1")
         self.cut = P.cut_at_paths(module, points if points is not None else
                                   P.default_split_paths(module, self.n_stages), self.n_stages)
+
+    def cut_model(self, module: nn.Module, plan: dict[str, Any] | None, is_global_zero: bool
+            ) -> tuple[dict[str, Any] | None, Any]:
+        """Prune ``module`` to this rank's stages: ``(the tensor-parallel plan of what this rank keeps, the
+        activation-checkpointed blocks)``. The blocks are chosen on the whole model first, so every rank
+        chooses alike."""
+        s = self.strategy
+        chosen = checkpoint_targets(module, s.checkpointing_options, s.layout.fsdp.wrap_modules)
+        self.split(module, is_global_zero)
+        return local_plan(module, plan), chosen
+
+    def roots(self, router: nn.Module) -> list[nn.Module]:
+        """What ``parallel.apply`` parallelises: each stage on its own (the router is not run in training)."""
+        return list(self.stage_modules.values())
 
     def split(self, module: nn.Module, is_global_zero: bool) -> list[nn.Module]:
         """Prune ``module`` to this rank's stages; returns the stage modules (the kept children)."""
@@ -264,6 +292,23 @@ class PipelineRunner:
                                             f"samples; or set drop_last=True")
 
     # ------------------------------------------------------------------ step
+    def check_manual_optimisation(self) -> None:
+        raise ConfigError("manual optimisation (training_step driving the optimizers) is not supported under "
+                          "pipeline parallelism: the schedule owns forward and backward; use automatic "
+                          "optimisation")
+
+    def new_optimizers(self) -> None:
+        """A fit configured its optimizers: check anew that they line up over the stages."""
+        self.optimizers_checked = False
+
+    def clip_norm(self, optimizer: torch.optim.Optimizer, value: float) -> torch.Tensor:
+        """Optimizer ``optimizer``'s norm over every stage (a tie's copies counted once) and tensor-parallel
+        shard; its gradients scaled to ``value``."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.check_optimizers_line_up(self.strategy.optimizers)
+        tp_fn.reduce_partial_grads(params)  # idempotent: clipping by hand under manual optimisation
+        return tp_fn.clip_grad_norm(params, value, self.pp_group, self.counted_elsewhere)
+
     def forward_backward(self, batch: Any, batch_idx: int, accumulate: int,
                          zero_grad: Callable[[], None] | None) -> StepResult:
         s = self.strategy
@@ -442,6 +487,9 @@ class PipelineRunner:
         the stages, torch's stage defers its own reduction)."""
         return self._held_back()
 
+    def prepare_evaluation(self) -> None:
+        """Nothing before an evaluation pass: no wrapper broadcasts buffers around a stage."""
+
     @contextlib.contextmanager
     def _held_back(self) -> Iterator[None]:
         self.sync_grads = False
@@ -462,6 +510,11 @@ class PipelineRunner:
             flat = C.all_reduce(torch._utils._flatten_dense_tensors(same), "mean", group)
             for g, synced in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
                 g.copy_(synced)
+
+    # ------------------------------------------------------------------ checkpoints
+    def module_state_dict(self) -> dict[str, Any]:
+        """The whole model on global rank 0, gathered from every stage (a collective)."""
+        return gathered_stage_state(self.module, self.strategy.is_global_zero)
 
     # ------------------------------------------------------------------ evaluation
     def eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
