@@ -38,8 +38,9 @@ class Classifier(pl.LightningModule):
     """A small classifier logging what Lightning projects log: a step loss on the progress bar,
     validation loss and accuracy per epoch, test loss and accuracy."""
 
-    def __init__(self, n_train: int = 32, n_val: int = 12, n_test: int = 10, batch_size: int = 4, lr: float = 0.1,
-                 shuffle: bool = True, batchnorm: bool = False, unused: bool = False) -> None:
+    def __init__(self, n_train: int = 32, n_val: int = 12, n_test: int = 10, batch_size: int = 4,
+                 lr: float = 0.1, shuffle: bool = True, batchnorm: bool = False,
+                 unused: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         layers: list[nn.Module] = [nn.Linear(6, 16)]
@@ -76,7 +77,8 @@ class Classifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_data(self.hparams.n_train), batch_size=self.hparams.batch_size, shuffle=self.hparams.shuffle)
+        return DataLoader(_data(self.hparams.n_train), batch_size=self.hparams.batch_size,
+                          shuffle=self.hparams.shuffle)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(_data(self.hparams.n_val, seed=4), batch_size=self.hparams.batch_size)
@@ -116,7 +118,8 @@ def _csv(save_dir: str) -> list[Any]:
 
 
 def onecycle_case(save_dir: str, **kwargs: Any) -> dict[str, Any]:
-    return {"model": OneCycle(**kwargs), "callbacks": [pl.callbacks.LearningRateMonitor(logging_interval="step")],
+    return {"model": OneCycle(**kwargs),
+            "callbacks": [pl.callbacks.LearningRateMonitor(logging_interval="step")],
             "trainer": {"logger": _csv(save_dir), "log_every_n_steps": 2}}
 
 

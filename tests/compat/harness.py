@@ -131,7 +131,8 @@ def module_source(framework: str, path: Path = MODULES_FILE) -> str:
 
 
 def load_modules(framework: str, path: Path = MODULES_FILE) -> types.ModuleType:
-    """``modules.py`` (or ``path``) executed with its framework line for ``framework`` (cached per process)."""
+    """``modules.py`` (or ``path``) executed with its framework line for ``framework``
+    (cached per process)."""
     key = framework if path == MODULES_FILE else f"{framework}:{path.stem}"
     if key not in _loaded:
         name = f"compat_modules_{framework}" if path == MODULES_FILE else f"compat_{path.stem}_{framework}"
@@ -242,7 +243,8 @@ class Recorder:
             bound = getattr(obj, name, None)
             if bound is None or not callable(bound) or name in obj.__dict__:
                 continue
-            obj.__dict__[name] = self._wrapper(bound, who, name, module if module is not None else obj, skip_args)
+            obj.__dict__[name] = self._wrapper(bound, who, name, module if module is not None else obj,
+                                               skip_args)
 
     def _wrapper(self, bound: Callable, who: str, name: str, module: Any, skip_args: int = 0) -> Callable:
         recorder = self
@@ -300,8 +302,8 @@ def _detached(value: Any) -> Any:
     return value
 
 
-_EVENT_KEYS = {"who", "hook", "args", "kwargs", "depth", "epoch", "step", "training", "grad", "rng_in", "rng_out",
-               "rng_before", "callback_metrics"}
+_EVENT_KEYS = {"who", "hook", "args", "kwargs", "depth", "epoch", "step", "training", "grad", "rng_in",
+               "rng_out", "rng_before", "callback_metrics"}
 
 
 def events_text(events: Iterable[Mapping[str, Any]], rng: bool = False) -> str:
@@ -347,7 +349,8 @@ def comparable(events: Iterable[Mapping[str, Any]], rng: bool = True) -> list[tu
     for e in events:
         if e["who"] == "harness" and not e["hook"].startswith("stage:"):
             continue
-        item = (e["who"], e["hook"], repr(_normalize(e.get("args", []))), repr(_normalize(e.get("kwargs", {}))),
+        item = (e["who"], e["hook"], repr(_normalize(e.get("args", []))),
+                repr(_normalize(e.get("kwargs", {}))),
                 e["depth"], e.get("epoch"), e.get("step"), e.get("training"), e.get("grad"))
         if rng:
             item += (e.get("rng_in"), e.get("rng_out"))
@@ -566,14 +569,16 @@ def run_case(framework: str, case: str, *, case_kwargs: Mapping[str, Any] | None
         after_stage: list[dict[str, Any]] = []
         for stage in stages:
             name, stage_kwargs = (stage, {}) if isinstance(stage, str) else (stage[0], dict(stage[1]))
-            stage_kwargs = {k: v.replace("{root}", root_dir) if isinstance(v, str) else v for k, v in stage_kwargs.items()}
+            stage_kwargs = {k: v.replace("{root}", root_dir) if isinstance(v, str) else v
+                            for k, v in stage_kwargs.items()}
             if "trainer" in stage_kwargs:
                 trainer = make_trainer(stage_kwargs.pop("trainer"))
             recorder.note(f"stage:{name}")
             if name == "save_checkpoint":
                 trainer.save_checkpoint(stage_kwargs.get("path", os.path.join(root_dir, "saved.ckpt")))
                 continue
-            if name == "call":  # the case's own step between Trainer calls (change the Trainer, add a callback)
+            if name == "call":  # the case's own step between Trainer calls
+                # (change the Trainer, add a callback)
                 built["calls"][stage_kwargs["fn"]](trainer, model)
                 continue
             if name in ("fit", "validate", "test", "predict"):
@@ -601,7 +606,8 @@ def run_case(framework: str, case: str, *, case_kwargs: Mapping[str, Any] | None
                              "rank_zero_notes": list(getattr(model, "rank_zero_notes", [])),
                              "log_dir": trainer.log_dir, "root_dir": root_dir,
                              "logger_dirs": {type(lg).__name__: lg.log_dir for lg in trainer.loggers},
-                             "after_stage": after_stage, "optimizer_builds": getattr(model, "optimizer_builds", None)}
+                             "after_stage": after_stage,
+                             "optimizer_builds": getattr(model, "optimizer_builds", None)}
     for cb in user_callbacks:
         if hasattr(cb, "images"):
             extra["images"] = [img.clone() for img in cb.images]
@@ -628,7 +634,8 @@ def snapshot(stage: str, trainer: Any, model: Any) -> dict[str, Any]:
                 with open(path, newline="", encoding="utf-8") as fh:
                     rows = list(csv.DictReader(fh))
     return {"stage": stage, "metrics": {name: _floats(getattr(trainer, name, {}) or {})
-                                        for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics")},
+                                        for name in ("callback_metrics", "logged_metrics",
+                                                     "progress_bar_metrics")},
             "state_dict": {k: v.detach().clone() for k, v in type(model).state_dict(model).items()},
             "global_step": int(trainer.global_step), "current_epoch": int(trainer.current_epoch), "csv": rows}
 
@@ -650,7 +657,8 @@ def describe_sampler(loader: Any) -> dict[str, Any] | None:
     return out
 
 
-def _distributed_worker(rank: int, world_size: int, framework: str, case: str, kwargs: dict[str, Any]) -> RunResult:
+def _distributed_worker(rank: int, world_size: int, framework: str, case: str,
+                        kwargs: dict[str, Any]) -> RunResult:
     return run_case(framework, case, world_size=world_size, rank=rank, **kwargs)
 
 
@@ -668,4 +676,5 @@ def run_case_distributed(framework: str, case: str, world_size: int = 2, *, time
         if importlib.util.find_spec("lightning") is not None:
             distributed._PRELOAD.append("lightning.pytorch")
     kwargs.setdefault("root_dir", tempfile.mkdtemp(prefix=f"{framework}-{case}-ddp-", dir=_scratch_dir()))
-    return distributed.run_distributed(_distributed_worker, world_size, framework, case, kwargs, timeout=timeout)
+    return distributed.run_distributed(_distributed_worker, world_size, framework, case, kwargs,
+                                       timeout=timeout)

@@ -57,7 +57,8 @@ class BoringModel(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.layer = nn.Linear(in_features, out_features)
-        # p=0 draws nothing; p>0 draws a mask from the global RNG in every training step (1-process tests only).
+        # p=0 draws nothing; p>0 draws a mask from the global RNG in every training step
+        # (1-process tests only).
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,8 +87,8 @@ class BoringModel(pl.LightningModule):
         return [optimizer], [scheduler]
 
     def _loader(self, seed: int, n: int, shuffle: bool = False) -> DataLoader:
-        return DataLoader(RandomVectors(self.hparams.in_features, n, seed), batch_size=self.hparams.batch_size,
-                          shuffle=shuffle)
+        return DataLoader(RandomVectors(self.hparams.in_features, n, seed),
+                          batch_size=self.hparams.batch_size, shuffle=shuffle)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(1, self.hparams.n_train, shuffle=self.hparams.shuffle)
@@ -108,7 +109,8 @@ class NoteCallback(pl.Callback):
     def __init__(self) -> None:
         self.batches = 0
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         self.batches += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -167,7 +169,8 @@ class HookedBoringModel(BoringModel):
         self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
                             gradient_clip_algorithm=gradient_clip_algorithm)
 
-    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any,
+                       optimizer_closure: Any = None) -> None:
         optimizer.step(closure=optimizer_closure)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
@@ -209,7 +212,8 @@ class EpochMetricsModel(BoringModel):
 
     def on_validation_epoch_end(self) -> None:
         self.log("val_note", 10.0 * (self.current_epoch + 1), sync_dist=True)
-        self.seen_in_hooks.append(("on_validation_epoch_end", float(self.trainer.callback_metrics["val_note"])))
+        self.seen_in_hooks.append(("on_validation_epoch_end",
+                                   float(self.trainer.callback_metrics["val_note"])))
 
     def on_test_epoch_end(self) -> None:
         self.log("test_note", 5.0, sync_dist=True)
@@ -254,7 +258,8 @@ class TransformerLM(pl.LightningModule):
         self.pos = nn.Parameter(torch.zeros(seq_len, d_model))
         layer = nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout=dropout, batch_first=True,
                                            norm_first=True)
-        self.encoder = nn.TransformerEncoder(layer, num_layers, norm=nn.LayerNorm(d_model), enable_nested_tensor=False)
+        self.encoder = nn.TransformerEncoder(layer, num_layers, norm=nn.LayerNorm(d_model),
+                                             enable_nested_tensor=False)
         self.head = nn.Linear(d_model, vocab_size)
         self.register_buffer("causal_mask", nn.Transformer.generate_square_subsequent_mask(seq_len),
                              persistent=False)
@@ -285,7 +290,8 @@ class TransformerLM(pl.LightningModule):
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
         warmup = self.hparams.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
     def _loader(self, n: int, seed: int, shuffle: bool) -> DataLoader:
         data = SyntheticTokens(self.hparams.vocab_size, self.hparams.seq_len, n, seed)
@@ -424,9 +430,10 @@ class AutoEncoder(pl.LightningModule):
     def __init__(self, hidden: int = 32, latent: int = 8, lr: float = 1e-2) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.encoder = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, latent))
-        self.decoder = nn.Sequential(nn.Linear(latent, hidden), nn.ReLU(), nn.Linear(hidden, 64), nn.Sigmoid(),
-                                     nn.Unflatten(1, (1, 8, 8)))
+        self.encoder = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(),
+                                     nn.Linear(hidden, latent))
+        self.decoder = nn.Sequential(nn.Linear(latent, hidden), nn.ReLU(), nn.Linear(hidden, 64),
+                                     nn.Sigmoid(), nn.Unflatten(1, (1, 8, 8)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.encoder(x))
@@ -569,5 +576,5 @@ def gan_case(**kwargs: Any) -> dict[str, Any]:
     return {"model": GAN(**kwargs), "ddp_strategy": "ddp_find_unused_parameters_true"}
 
 
-CASES = {"boring": boring_case, "transformer": transformer_case, "autoencoder": autoencoder_case, "gan": gan_case,
-         "epoch_metrics": epoch_metrics_case}
+CASES = {"boring": boring_case, "transformer": transformer_case, "autoencoder": autoencoder_case,
+         "gan": gan_case, "epoch_metrics": epoch_metrics_case}

@@ -65,7 +65,8 @@ class ImbalancedClassifier(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
-        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
+        return {"optimizer": optimizer,
+                "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
 
     def _split(self, train: bool) -> TensorDataset:
         n = self.hparams.n_train
@@ -93,8 +94,8 @@ class PredictionFiles(pl.callbacks.BasePredictionWriter):
         super().__init__(write_interval="batch_and_epoch")
         self.out_dir = out_dir
 
-    def write_on_batch_end(self, trainer: Any, pl_module: Any, prediction: Any, batch_indices: Any, batch: Any,
-                           batch_idx: int, dataloader_idx: int) -> None:
+    def write_on_batch_end(self, trainer: Any, pl_module: Any, prediction: Any, batch_indices: Any,
+                           batch: Any, batch_idx: int, dataloader_idx: int) -> None:
         os.makedirs(self.out_dir, exist_ok=True)
         torch.save({"prediction": prediction, "indices": list(batch_indices)},
                    os.path.join(self.out_dir, f"rank{trainer.global_rank}-batch{batch_idx}.pt"))

@@ -34,8 +34,9 @@ ONE_PROCESS = {
                     dict(accumulate_grad_batches=2, gradient_clip_val=0.5), ["fit"]),
     "boring-plain": ("boring", dict(n_train=36, dropout=0.5), {}, ["fit"]),
     "boring-resume": ("boring", dict(hooked=True, n_train=8), dict(max_epochs=1, enable_checkpointing=True),
-                      ["fit", "save_checkpoint", ("fit", {"trainer": {"max_epochs": 2, "enable_checkpointing": True},
-                                                          "ckpt_path": "{root}/saved.ckpt"})]),
+                      ["fit", "save_checkpoint",
+                       ("fit", {"trainer": {"max_epochs": 2, "enable_checkpointing": True},
+                                "ckpt_path": "{root}/saved.ckpt"})]),
     "transformer": ("transformer", dict(dropout=0.1), dict(accumulate_grad_batches=2), ["fit", "test"]),
     "autoencoder": ("autoencoder", {}, {}, ["fit", "test", "predict"]),
     "gan": ("gan", dict(n_train=128), {}, ["fit"]),
@@ -53,7 +54,8 @@ DDP = {
 
 def _run(framework: str, spec: tuple, **kwargs) -> harness.RunResult:
     case, case_kwargs, trainer_kwargs, stages = spec
-    return run_case(framework, case, case_kwargs=case_kwargs, trainer_kwargs=trainer_kwargs, stages=stages, **kwargs)
+    return run_case(framework, case, case_kwargs=case_kwargs, trainer_kwargs=trainer_kwargs, stages=stages,
+                    **kwargs)
 
 
 def _run_ddp(framework: str, spec: tuple) -> list[harness.RunResult]:
@@ -106,7 +108,8 @@ def test_lightning_reference_is_deterministic(name: str) -> None:
 def test_lightning_one_process_equals_a_plain_loop() -> None:
     """Lightning's 1-process fit draws from the global RNG exactly where a plain loop does (its sanity
     check runs under isolate_rng), so with dropout and shuffling the two agree bitwise."""
-    spec = ("boring", dict(n_train=36, dropout=0.5), dict(gradient_clip_val=0.5, accumulate_grad_batches=2), ["fit"])
+    spec = ("boring", dict(n_train=36, dropout=0.5), dict(gradient_clip_val=0.5, accumulate_grad_batches=2),
+            ["fit"])
     ref = _run("lightning", spec)
     ns = harness.load_modules("lightning")
     ns.pl.seed_everything(0, verbose=False)
@@ -185,7 +188,8 @@ def _assert_same_epoch_end_metrics(a: harness.RunResult, b: harness.RunResult) -
     seen_a, seen_b = harness.epoch_end_metrics(a.events), harness.epoch_end_metrics(b.events)
     assert len(seen_a) >= 10, seen_a  # sanity check, 2 epochs of validation and training, validate, test
     diff = first_difference(seen_a, seen_b)
-    assert diff is None, f"callback_metrics inside the epoch-end hooks differ ({a.framework} vs {b.framework}): {diff}"
+    assert diff is None, ("callback_metrics inside the epoch-end hooks differ "
+                          f"({a.framework} vs {b.framework}): {diff}")
     assert a.extra["seen_in_hooks"] == b.extra["seen_in_hooks"]
 
 

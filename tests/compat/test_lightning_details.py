@@ -28,14 +28,14 @@ SECOND_FIT = ("second_fit", {}, dict(max_epochs=1), ["fit", ("call", {"fn": "nex
 
 def _run(framework: str, spec: tuple, **kwargs: Any) -> harness.RunResult:
     case, case_kwargs, trainer_kwargs, stages = spec
-    return harness.run_case(framework, case, case_kwargs=case_kwargs, trainer_kwargs=trainer_kwargs, stages=stages,
-                            **kwargs)
+    return harness.run_case(framework, case, case_kwargs=case_kwargs, trainer_kwargs=trainer_kwargs,
+                            stages=stages, **kwargs)
 
 
 def _run_ddp(framework: str, spec: tuple, seed: int = 0) -> list[harness.RunResult]:
     case, case_kwargs, trainer_kwargs, stages = spec
-    return harness.run_case_distributed(framework, case, 2, case_kwargs=case_kwargs, trainer_kwargs=trainer_kwargs,
-                                        stages=stages, seed=seed, timeout=300)
+    return harness.run_case_distributed(framework, case, 2, case_kwargs=case_kwargs,
+                                        trainer_kwargs=trainer_kwargs, stages=stages, seed=seed, timeout=300)
 
 
 def _rows(rows: list[dict[str, str]] | None) -> list[dict[str, str]]:
@@ -48,7 +48,8 @@ def assert_same_rows(lightning: list[dict[str, str]] | None, polytrain: list[dic
     theirs, ours = _rows(lightning), _rows(polytrain)
     assert theirs and len(ours) == len(theirs), (theirs, ours)
     for i, (a, b) in enumerate(zip(theirs, ours)):
-        assert {k: v for k, v in a.items() if k != "step"} == {k: v for k, v in b.items() if k != "step"}, (i, a, b)
+        assert ({k: v for k, v in a.items() if k != "step"}
+                == {k: v for k, v in b.items() if k != "step"}), (i, a, b)
         assert int(b["step"]) - int(a["step"]) in (0, 1), (i, a, b)  # polytrain counts a fit's steps from 1
 
 
@@ -66,7 +67,8 @@ def assert_same_after_every_call(lightning: harness.RunResult, polytrain: harnes
 
 
 def test_detail_modules_differ_only_in_the_framework_line() -> None:
-    lightning, polytrain = (harness.module_source(f, harness.DETAIL_FILE).splitlines() for f in ("lightning", "polytrain"))
+    lightning, polytrain = (harness.module_source(f, harness.DETAIL_FILE).splitlines()
+                            for f in ("lightning", "polytrain"))
     differing = [(a, b) for a, b in zip(lightning, polytrain) if a != b]
     assert differing == [(harness.FRAMEWORK_LINES["lightning"], harness.FRAMEWORK_LINES["polytrain"])]
 
@@ -121,7 +123,8 @@ def test_ddp_batchnorm_buffers_and_evaluation_match_lightning_on_every_rank() ->
         assert_same_run(a, b, rng=False)
         assert_same_after_every_call(a, b)
     stats = [r.extra["after_stage"][0]["state_dict"]["net.1.running_mean"] for r in polytrain]
-    assert torch.equal(stats[0], stats[1])  # after fit (its last validation), rank 1 holds rank 0's statistics
+    # after fit (its last validation), rank 1 holds rank 0's statistics
+    assert torch.equal(stats[0], stats[1])
 
 
 @pytest.mark.distributed

@@ -26,7 +26,8 @@ TRAINER = dict(max_epochs=2, log_every_n_steps=2)
 
 
 def test_surface_module_differs_only_in_the_framework_line() -> None:
-    lightning, polytrain = (harness.module_source(f, harness.SURFACE_FILE).splitlines() for f in ("lightning", "polytrain"))
+    lightning, polytrain = (harness.module_source(f, harness.SURFACE_FILE).splitlines()
+                            for f in ("lightning", "polytrain"))
     differing = [(a, b) for a, b in zip(lightning, polytrain) if a != b]
     assert differing == [(harness.FRAMEWORK_LINES["lightning"], harness.FRAMEWORK_LINES["polytrain"])]
 
@@ -38,7 +39,8 @@ def _csv_values(log_dir: str) -> tuple[list[tuple[str, str]], list[tuple[str, st
     with open(os.path.join(log_dir, "metrics.csv"), newline="", encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
     values = sorted((k, v) for row in rows for k, v in row.items()
-                    if v != "" and k not in ("step", "epoch") and not k.startswith("goodput/"))  # polytrain's own
+                    if v != "" and k not in ("step", "epoch")
+                    and not k.startswith("goodput/"))  # polytrain's own
     return values, [(row["train_loss"], row["epoch"]) for row in rows if row.get("train_loss")]
 
 
@@ -69,13 +71,15 @@ def _assert_same_files(lightning: harness.RunResult, polytrain: harness.RunResul
         tags = _tensorboard_tags(ours["TensorBoardLogger"])
         assert tags == _tensorboard_tags(theirs["TensorBoardLogger"])
         assert "lr-SGD" in tags["scalars"] and "logits" in tags["histograms"]
-    written, reference = _prediction_files(polytrain.extra["root_dir"]), _prediction_files(lightning.extra["root_dir"])
+    written, reference = (_prediction_files(polytrain.extra["root_dir"]),
+                          _prediction_files(lightning.extra["root_dir"]))
     assert sorted(written) == sorted(reference) and written
     for name in reference:
         a, b = reference[name], written[name]
         assert a.keys() == b.keys()
         assert a.get("indices") == b.get("indices")
-        for x, y in zip(a.get("predictions", [a.get("prediction")]), b.get("predictions", [b.get("prediction")])):
+        for x, y in zip(a.get("predictions", [a.get("prediction")]),
+                        b.get("predictions", [b.get("prediction")])):
             assert torch.equal(x, y), name
 
 

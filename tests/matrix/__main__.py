@@ -1,4 +1,5 @@
-"""``python -m tests.matrix [--full] [pytest args]``: the matrix's tests; ``--full`` runs the whole product."""
+"""``python -m tests.matrix [--full] [pytest args]``: the matrix's tests; ``--full`` runs the whole
+product."""
 
 from __future__ import annotations
 

@@ -44,9 +44,9 @@ INVALID: dict[Combo, str] = {
         "refused (ConfigError): torch's fused SGD on CPU fills its momentum buffer from the overflowed "
         "gradients of a step the GradScaler skips (plain PyTorch diverges the same way)",
     (("strategy", "pipeline"), ("optimizers", 2), ("clip", True)):
-        "refused (ConfigError): clipping by norm reduces optimizer k's norm over the stages, and the matrix's "
-        "stages hold one optimizer each (stage 0 the first, stage 1 the second), so optimizer 0 is not one "
-        "optimizer across stages",
+        "refused (ConfigError): clipping by norm reduces optimizer k's norm over the stages, and the "
+        "matrix's stages hold one optimizer each (stage 0 the first, stage 1 the second), so optimizer 0 "
+        "is not one optimizer across stages",
 }
 
 
@@ -150,9 +150,10 @@ def full_cases() -> list[Case]:
 def tolerance(case: Case) -> tuple[float, str]:
     """(max |difference| allowed, why) for a case's weights against the reference."""
     if case.strategy == "tensor" and case.precision != "32":
-        return 1e-2, ("not tight: the row-parallel layer adds two half-width bf16 matmuls (DTensor's partial sums and "
-                      "bias), where the reference rounds one full matmul; bf16 keeps 8 bits, and 12 steps compound it "
-                      "(measured 5e-3; emulating the split in the reference did not reproduce DTensor's rounding)")
+        return 1e-2, ("not tight: the row-parallel layer adds two half-width bf16 matmuls (DTensor's "
+                      "partial sums and bias), where the reference rounds one full matmul; bf16 keeps 8 "
+                      "bits, and 12 steps compound it (measured 5e-3; emulating the split in the reference "
+                      "did not reproduce DTensor's rounding)")
     if case.strategy == "tensor":
         return 1e-5, "tensor parallel splits the row-parallel matmul's sum over two ranks"
     if case.clip and case.strategy in ("fsdp", "pipeline"):

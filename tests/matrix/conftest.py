@@ -22,7 +22,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if not rows:
         return
     full = config.getoption("--matrix-full")
-    terminalreporter.write_sep("=", f"feature matrix: {len(rows)} cases ({'full product' if full else 'all pairs'}), "
+    terminalreporter.write_sep("=", f"feature matrix: {len(rows)} cases "
+                                    f"({'full product' if full else 'all pairs'}), "
                                     f"max |weight - reference|")
     for line in format_table(list(rows.values())):
         terminalreporter.write_line(line)

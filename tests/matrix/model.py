@@ -63,8 +63,8 @@ def validation_set() -> Noisy:
 def build(dropout: bool) -> nn.Sequential:
     """The network; call under ``torch.manual_seed(SEED)`` for the matrix's initial weights."""
     drop = (lambda: nn.Dropout(P_DROP)) if dropout else nn.Identity
-    return nn.Sequential(nn.Linear(FEATURES, 16), drop(), nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16), drop(),
-                         nn.Linear(16, 1))
+    return nn.Sequential(nn.Linear(FEATURES, 16), drop(), nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16),
+                         drop(), nn.Linear(16, 1))
 
 
 def loss_of(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -87,7 +87,8 @@ def make_optimizers(groups: list[list[nn.Parameter]], impl: str = "for-loop") ->
     refuses an optimizer over nothing, and an empty param group does not load from a sharded checkpoint),
     each with the implementation ``impl`` asked for explicitly."""
     settings = [dict(lr=0.01, momentum=0.9), dict(lr=0.02, momentum=0.5)]
-    return [torch.optim.SGD(params, **settings[k], **IMPLEMENTATIONS[impl]) for k, params in enumerate(groups) if params]
+    return [torch.optim.SGD(params, **settings[k], **IMPLEMENTATIONS[impl])
+            for k, params in enumerate(groups) if params]
 
 
 class MatrixNet(TrainModule):
@@ -117,7 +118,8 @@ class MatrixNet(TrainModule):
         return loss_of(outputs, targets)
 
     def configure_optimizers(self) -> Any:
-        return make_optimizers(optimizer_groups(list(self.net.named_parameters()), self.n_optimizers), self.impl)
+        return make_optimizers(optimizer_groups(list(self.net.named_parameters()), self.n_optimizers),
+                               self.impl)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(Noisy(), batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)

@@ -27,12 +27,15 @@ PER_CASE_SECONDS = 15.0
 
 
 REFUSED_WITH = {  # the invalid combinations' errors, as polytrain words them
-    (("strategy", "tensor"), ("precision", "16-mixed")): r"ConfigError: precision '16-mixed' is not supported by "
-                                                         r"tensor parallelism",
-    (("strategy", "pipeline"), ("precision", "16-mixed")): r"ConfigError: precision '16-mixed' is not supported by "
-                                                           r"the pipeline strategy",
+    (("strategy", "tensor"), ("precision", "16-mixed")):
+        r"ConfigError: precision '16-mixed' is not supported by "
+        r"tensor parallelism",
+    (("strategy", "pipeline"), ("precision", "16-mixed")):
+        r"ConfigError: precision '16-mixed' is not supported by "
+        r"the pipeline strategy",
     (("strategy", "pipeline"), ("optimizers", 2), ("clip", True)):
-        r"ConfigError: gradient clipping by norm under pipeline parallelism .* same optimizers in the same order",
+        r"ConfigError: gradient clipping by norm under pipeline parallelism .* "
+        r"same optimizers in the same order",
     (("precision", "16-mixed"), ("impl", "fused")):
         r"ConfigError: optimizer 0 is SGD\(fused=True, momentum=0.9\) under precision '16-mixed' on CPU",
 }

@@ -45,7 +45,8 @@ def build_jobs(root: Path) -> list[Job]:
     n = trials()
     jobs: list[Job] = []
 
-    def add(name: str, cmd: list[str], env: dict[str, str], out: Path, timeout: float = 300.0, **kw: Any) -> None:
+    def add(name: str, cmd: list[str], env: dict[str, str], out: Path, timeout: float = 300.0,
+            **kw: Any) -> None:
         jobs.append(Job(name, cmd, env, timeout, str(out), **kw))
 
     # 1. elastic restarts: the uninterrupted reference, then kills of rank 0 and rank 1
@@ -63,24 +64,26 @@ def build_jobs(root: Path) -> list[Job]:
             config = out / "config.yaml"
             out.mkdir(parents=True, exist_ok=True)
             write_config(config, out / "run", out, extra_trainer={"max_restarts": 2})
-            add(f"elastic/cli/rank{rank}/{t}", polytrain_cli(config), job_env(fault=f"kill:{rank}:{KILL_STEP}"), out,
-                meta={"rank": rank})
+            add(f"elastic/cli/rank{rank}/{t}", polytrain_cli(config),
+                job_env(fault=f"kill:{rank}:{KILL_STEP}"), out, meta={"rank": rank})
 
     # 2. one rank fails -> all stop (torchrun, polytrain fit, launcher: spawn, plain processes)
     slow_timeout = dict(ELASTIC_TRAINER, timeout=300.0)  # prompt exit must not come from a collective timeout
     fault = f"raise:1:{FAIL_STEP}"
     out = root / "fail-torchrun"
-    add("fail/torchrun", torchrun(run_script_args(out, slow_timeout, every_n_steps=2)), job_env(fault=fault), out)
+    add("fail/torchrun", torchrun(run_script_args(out, slow_timeout, every_n_steps=2)), job_env(fault=fault),
+        out)
     out = root / "fail-cli"
     out.mkdir(parents=True, exist_ok=True)
     write_config(out / "config.yaml", out / "run", out, extra_trainer={"timeout": 300})
     add("fail/cli", polytrain_cli(out / "config.yaml"), job_env(fault=fault), out)
     out = root / "fail-spawn"
-    add("fail/spawn", [sys.executable, *run_script_args(out, dict(slow_timeout, launcher="spawn"), every_n_steps=2)],
+    add("fail/spawn",
+        [sys.executable, *run_script_args(out, dict(slow_timeout, launcher="spawn"), every_n_steps=2)],
         job_env(fault=fault), out)
     out = root / "fail-plain"
-    add("fail/plain", [sys.executable, *run_script_args(out, slow_timeout, every_n_steps=2)], job_env(fault=fault), out,
-        ranks=2)
+    add("fail/plain", [sys.executable, *run_script_args(out, slow_timeout, every_n_steps=2)],
+        job_env(fault=fault), out, ranks=2)
     # a rank stuck outside any collective
     out = root / "stuck-torchrun"
     add("stuck/torchrun", torchrun(run_script_args(out, dict(ELASTIC_TRAINER, timeout=STUCK_TIMEOUT),
@@ -95,8 +98,10 @@ def build_jobs(root: Path) -> list[Job]:
         out / "regular-file" / "run")), every_n_steps=2)], job_env(), out, ranks=2, timeout=150.0)
     out = root / "unwritable-ckpt-dir"
     (out / "run" / "version_0").mkdir(parents=True, exist_ok=True)
-    (out / "run" / "version_0" / "checkpoints").write_text("a regular file where the checkpoint directory should be\n")
-    add("unwritable/checkpoints", [sys.executable, *run_script_args(out, dict(ELASTIC_TRAINER, version=0), every_n_steps=2)],
+    (out / "run" / "version_0" / "checkpoints").write_text(
+        "a regular file where the checkpoint directory should be\n")
+    add("unwritable/checkpoints",
+        [sys.executable, *run_script_args(out, dict(ELASTIC_TRAINER, version=0), every_n_steps=2)],
         job_env(),
         out, ranks=2, timeout=150.0)
     for t in range(n):
@@ -107,8 +112,8 @@ def build_jobs(root: Path) -> list[Job]:
                                      str(save_number)], job_env(), out, timeout=150.0,
                 meta={"save_number": save_number, "mode": mode})
     out = root / "ckpt-enospc"
-    add("ckpt/enospc", [sys.executable, str(SCRIPTS / "ckpt_fault.py"), str(out / "run"), "enospc", "4"], job_env(), out,
-        timeout=150.0, meta={"save_number": 4})
+    add("ckpt/enospc", [sys.executable, str(SCRIPTS / "ckpt_fault.py"), str(out / "run"), "enospc", "4"],
+        job_env(), out, timeout=150.0, meta={"save_number": 4})
 
     # 4b. a full file system and a file-size limit under sync and async saves (single, ddp x2, fsdp x2)
     for strategy, world in DISK_FAULT_STRATEGIES:

@@ -79,7 +79,8 @@ def figure(scenario: str, text: str, **data: Any) -> None:
 def job_env(fault: str | None = None, out_dir: str | None = None, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("PYTEST_")}
     env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(SCRIPTS), str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+               PYTHONPATH=os.pathsep.join([str(SCRIPTS), str(REPO),
+                                           env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     if fault:
         env["POLYTRAIN_REL_FAULT"] = fault
     if out_dir:
@@ -96,7 +97,8 @@ def torchrun(args: Iterable[str], nproc: int = 2, max_restarts: int = 0) -> list
 
 def run_script_args(out_dir: str | Path, trainer: dict[str, Any], module: dict[str, Any] | None = None,
                     every_n_steps: int = 0, top_k: int = 1) -> list[str]:
-    return [str(RUN_SCRIPT), str(out_dir), "--trainer", json.dumps(trainer), "--module", json.dumps(module or {}),
+    return [str(RUN_SCRIPT), str(out_dir), "--trainer", json.dumps(trainer),
+            "--module", json.dumps(module or {}),
             "--every-n-steps", str(every_n_steps), "--top-k", str(top_k)]
 
 
@@ -106,15 +108,16 @@ def with_small_tmpfs(mount_point: str | Path, cmd: list[str], size: str = "32m")
     root: ``unshare -m``; otherwise a user namespace, ``unshare -rm``)."""
     flags = ["-m"] if os.geteuid() == 0 else ["-r", "-m"]
     try:
-        probe = subprocess.run(["unshare", *flags, "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt 2>/dev/null "
+        probe = subprocess.run(["unshare", *flags, "sh", "-c",
+                                "mount -t tmpfs -o size=1m tmpfs /mnt 2>/dev/null "
                                 "|| mount -t tmpfs -o size=1m tmpfs /tmp"], capture_output=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if probe.returncode != 0:
         return None
     os.makedirs(mount_point, exist_ok=True)
-    return ["unshare", *flags, "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$@"', str(mount_point),
-            *cmd, "--full-fs", str(mount_point)]
+    return ["unshare", *flags, "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$@"',
+            str(mount_point), *cmd, "--full-fs", str(mount_point)]
 
 
 def polytrain_cli(config: str | Path, *overrides: str) -> list[str]:
@@ -194,7 +197,8 @@ def _run_one(job: Job) -> Done:
     if job.ranks:
         port = free_port()
         envs = [dict(job.env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(job.ranks),
-                     LOCAL_WORLD_SIZE=str(job.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GROUP_RANK="0")
+                     LOCAL_WORLD_SIZE=str(job.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                     GROUP_RANK="0")
                 for r in range(job.ranks)]
     start = time.time()
     files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in envs]

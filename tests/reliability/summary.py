@@ -25,12 +25,14 @@ REPO = HERE.parent.parent
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--parallel", type=int, default=int(os.environ.get("POLYTRAIN_RELIABILITY_PARALLEL", 4)))
+    parser.add_argument("--parallel", type=int,
+                        default=int(os.environ.get("POLYTRAIN_RELIABILITY_PARALLEL", 4)))
     args, pytest_args = parser.parse_known_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.jsonl"
         env = dict(os.environ, POLYTRAIN_RELIABILITY_TRIALS=str(args.trials),
-                   POLYTRAIN_RELIABILITY_PARALLEL=str(args.parallel), POLYTRAIN_RELIABILITY_REPORT=str(report))
+                   POLYTRAIN_RELIABILITY_PARALLEL=str(args.parallel),
+                   POLYTRAIN_RELIABILITY_REPORT=str(report))
         start = time.time()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE),
                                *pytest_args], cwd=REPO, env=env, capture_output=True, text=True)
@@ -39,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     tail = [x for x in proc.stdout.splitlines() if x.strip()]
     result = tail[-1] if tail else f"pytest exited {proc.returncode}"
     width = max((len(x["scenario"]) for x in lines), default=0)
-    print(f"reliability battery: {args.trials} trial(s) per repeated scenario, {args.parallel} jobs at a time")
+    print(f"reliability battery: {args.trials} trial(s) per repeated scenario, "
+          f"{args.parallel} jobs at a time")
     for x in lines:
         print(f"  {x['scenario']:<{width}}  {x['figure']}")
     print(f"pytest: {result} ({seconds:.0f}s)")

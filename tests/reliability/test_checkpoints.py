@@ -40,13 +40,14 @@ def _module() -> Any:
     return rel_module().RelModule(n=32, batch_size=4)
 
 
-def _fit(run_dir: str, ckpt_path: str | None = None, max_steps: int = MAX_STEPS, callbacks: list | None = None,
-         every_n: int = 1, top_k: int = 1) -> tuple[Any, Trainer]:
+def _fit(run_dir: str, ckpt_path: str | None = None, max_steps: int = MAX_STEPS,
+         callbacks: list | None = None, every_n: int = 1, top_k: int = 1) -> tuple[Any, Trainer]:
     module = _module()
-    trainer = Trainer(strategy="single", accelerator="cpu", devices=1, max_steps=max_steps, run_dir=run_dir, seed=0,
-                      logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[*(callbacks or []), ModelCheckpoint(every_n_train_steps=every_n, save_top_k=top_k,
-                                                                     save_on_fit_end=False)])
+    trainer = Trainer(strategy="single", accelerator="cpu", devices=1, max_steps=max_steps, run_dir=run_dir,
+                      seed=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[*(callbacks or []),
+                                 ModelCheckpoint(every_n_train_steps=every_n, save_top_k=top_k,
+                                                 save_on_fit_end=False)])
     trainer.fit(module, ckpt_path=ckpt_path)
     return module, trainer
 
@@ -96,8 +97,9 @@ def test_writer_killed_mid_save_never_yields_a_corrupt_load(jobs: dict[str, Done
         same = bitwise_equal(_weights(module), reference) and trainer.global_step == MAX_STEPS
         exact += same
         results[mode].append(f"save {k}: resumed from step {step}, bitwise={same}")
-    figure("checkpoint writer SIGKILLed mid-save", f"corrupt loads {corrupt}/{total}; resumed runs bitwise equal "
-                                                   f"{exact}/{total} ({results})", corrupt=corrupt, trials=total)
+    figure("checkpoint writer SIGKILLed mid-save",
+           f"corrupt loads {corrupt}/{total}; resumed runs bitwise equal "
+           f"{exact}/{total} ({results})", corrupt=corrupt, trials=total)
     assert corrupt == 0 and exact == total, results
 
 
@@ -114,7 +116,8 @@ def test_truncated_newest_checkpoint_falls_back_to_previous(tmp_path: Path, refe
     caplog.set_level(logging.WARNING, logger="polytrain")
     module, trainer = _fit(run_dir, ckpt_path="last", every_n=2, top_k=-1)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    fell_back = [w for w in warnings if "resuming from" in w and "step=4" in w and "incomplete or corrupt" in w]
+    fell_back = [w for w in warnings
+                 if "resuming from" in w and "step=4" in w and "incomplete or corrupt" in w]
     same = bitwise_equal(_weights(module), reference)
     figure("truncated newest checkpoint", f"resume fell back to step 4 with a warning: {bool(fell_back)}; "
                                           f"final weights bitwise equal: {same}")
@@ -128,7 +131,8 @@ def test_truncated_newest_checkpoint_falls_back_to_previous(tmp_path: Path, refe
 def test_unwritable_checkpoint_destination_fails_every_rank_clearly(jobs: dict[str, Done], case: str) -> None:
     done = pick(jobs, f"unwritable/{case}")[0]
     assert not done.timed_out, done.output[-3000:]
-    expected = {"run_dir": "cannot write trainer.run_dir=", "checkpoints": "checkpoint failed on rank 0: cannot write"}[case]
+    expected = {"run_dir": "cannot write trainer.run_dir=",
+                "checkpoints": "checkpoint failed on rank 0: cannot write"}[case]
     reason = {"run_dir": "Not a directory", "checkpoints": "File exists"}[case]
     per_rank = [(code, expected in err and reason in err) for code, err in zip(done.returncode, done.stderr)]
     figure(f"unwritable checkpoint destination ({case}, 2 ranks)",

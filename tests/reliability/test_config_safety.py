@@ -121,7 +121,8 @@ def test_every_key_rejects_typos_wrong_types_and_missing_values(tmp_path: Path) 
             named = (value if kind == "typo" else key) in message
             explained = any(w in message for w in EXPLAINS)
             if kind == "typo":
-                explained = "valid:" in message and key in message  # the list of valid keys holds the intended one
+                # the list of valid keys holds the intended one
+                explained = "valid:" in message and key in message
             if not (named and explained):
                 failures.append(f"{where}.{key} [{kind}={value!r}]: unclear message: {message}")
             continue
@@ -132,9 +133,10 @@ def test_every_key_rejects_typos_wrong_types_and_missing_values(tmp_path: Path) 
     assert not dist.is_initialized()  # nothing above started a process group
     keys = len(dataclasses.fields(TrainerConfig)) + sum(len(dataclasses.fields(strategy_class(n).Options))
                                                          for n in _STRATEGIES)
-    figure("config mutation walk", f"rejected with a message naming key and valid choices: {total - len(failures)}/"
-                                   f"{total} mutations over {keys} keys (TrainerConfig + {len(_STRATEGIES)} "
-                                   f"strategies' options)", rejected=total - len(failures), total=total)
+    figure("config mutation walk",
+           f"rejected with a message naming key and valid choices: {total - len(failures)}/"
+           f"{total} mutations over {keys} keys (TrainerConfig + {len(_STRATEGIES)} "
+           f"strategies' options)", rejected=total - len(failures), total=total)
     assert not failures, "\n".join(failures)
 
 
@@ -152,7 +154,8 @@ def test_yaml_python_tags_are_refused_and_never_run(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match="forbidden tag"):
             parse_yaml(text)
         refused += 1
-    figure("YAML !!python tags", f"refused {refused}/{len(documents)}; marker files created: {int(marker.exists())}")
+    figure("YAML !!python tags",
+           f"refused {refused}/{len(documents)}; marker files created: {int(marker.exists())}")
     assert not marker.exists()
 
 
@@ -187,5 +190,6 @@ def test_cli_rejects_bad_config_before_starting_workers(jobs: dict[str, Done]) -
 @pytest.mark.timeout(60)
 def test_mutation_walk_covers_every_registered_strategy() -> None:
     walked = {where.split(":", 1)[1] for where, *_ in _mutations() if where.startswith("strategy:")}
-    figure("config mutation walk coverage", f"strategies walked {len(walked)}/{len(_STRATEGIES)}: {sorted(walked)}")
+    figure("config mutation walk coverage",
+           f"strategies walked {len(walked)}/{len(_STRATEGIES)}: {sorted(walked)}")
     assert walked == set(_STRATEGIES)

@@ -21,18 +21,20 @@ from .helpers import figure, quiet, rel_module
 pytestmark = [pytest.mark.reliability, pytest.mark.distributed]
 
 CASES = {  # name: (RelModule keywords, extra Trainer keywords)
-    # (shuffle=False: with shuffle=True torch's own RandomSampler already refuses 0 samples in the user's code)
+    # (shuffle=False: with shuffle=True torch's own RandomSampler already refuses 0 samples in the
+    # user's code)
     "empty dataset": (dict(n=0, batch_size=4, shuffle=False), {}),
     "fewer samples than ranks": (dict(n=1, batch_size=1), {}),
     "drop_last leaves zero batches": (dict(n=6, batch_size=4, drop_last=True), {}),
-    "uneven user sampler (use_distributed_sampler=false)": (dict(n=20, batch_size=4), dict(use_distributed_sampler=False)),
+    "uneven user sampler (use_distributed_sampler=false)":
+        (dict(n=20, batch_size=4), dict(use_distributed_sampler=False)),
 }
 EXPECTED = {
     "empty dataset": ("EmptyDataError", "the train dataset has 0 sample(s)"),
     "fewer samples than ranks": ("EmptyDataError", "has 1 sample(s) for 2 data-parallel ranks"),
     "drop_last leaves zero batches": ("EmptyDataError", "yields 0 batches on data-parallel rank(s) [0, 1]"),
-    "uneven user sampler (use_distributed_sampler=false)": ("ValueError",
-                                                            "different numbers of train batches per epoch: [3, 2]"),
+    "uneven user sampler (use_distributed_sampler=false)":
+        ("ValueError", "different numbers of train batches per epoch: [3, 2]"),
 }
 
 
@@ -88,7 +90,8 @@ def test_bad_data_fails_clearly_on_every_rank_before_training(runs: list[dict[st
 
 
 @pytest.mark.timeout(600)
-def test_validation_over_5_samples_on_2_ranks_equals_one_process(runs: list[dict[str, Any]], tmp_path: Any) -> None:
+def test_validation_over_5_samples_on_2_ranks_equals_one_process(runs: list[dict[str, Any]],
+                                                                  tmp_path: Any) -> None:
     from polytrain import Trainer
 
     module = rel_module().RelModule(n=8, batch_size=2, val_n=5)

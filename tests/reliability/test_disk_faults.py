@@ -30,7 +30,8 @@ CAUSE = {"enospc": "No space left on device (ENOSPC): it needs about ",
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("fault", ["efbig", "enospc"])
 @pytest.mark.parametrize("strategy", [s for s, _ in DISK_FAULT_STRATEGIES])
-def test_disk_fault_is_named_on_every_rank_and_nothing_is_lost(jobs: dict[str, Done], strategy: str, fault: str) -> None:
+def test_disk_fault_is_named_on_every_rank_and_nothing_is_lost(jobs: dict[str, Done], strategy: str,
+                                                               fault: str) -> None:
     done = pick(jobs, f"disk/{strategy}")[0]
     if fault == "enospc" and not done.job.meta["full_fs"]:
         pytest.skip("no mount namespace can be made here (unshare -m / -rm), so no file system to fill")
@@ -46,12 +47,15 @@ def test_disk_fault_is_named_on_every_rank_and_nothing_is_lost(jobs: dict[str, D
         failing = ranks[0]["failing_rank"] if fault == "efbig" else 0  # a full disk: rank 0 meets it first
         assert errors[0] is not None and len(set(errors)) == 1, (case, errors)
         message = errors[0]
-        assert "\n" not in message and message.startswith(f"checkpoint failed on rank {failing}: cannot write {kind} "), message
+        assert ("\n" not in message
+                and message.startswith(f"checkpoint failed on rank {failing}: cannot write {kind} ")), message
         assert CAUSE[fault] in message and "step=4" in message, message
-        assert first["after_fault"]["complete"] and all("step=2" in n for n in first["after_fault"]["complete"]), first
+        assert (first["after_fault"]["complete"]
+                and all("step=2" in n for n in first["after_fault"]["complete"])), first
         assert not [n for n in first["after_fault"]["names"] if n.startswith(".")], first["after_fault"]
         assert all(r["cases"][case]["resumed_to"] == 8 for r in ranks)
         assert first["bitwise"], case
         lines.append(f"{mode}: rank {failing}: {message[message.index(CAUSE[fault]):][:110]}")
-    figure(f"{fault} during a save, {strategy}", f"same one-line error on {len(ranks)} rank(s), previous checkpoint "
-                                                f"intact, resume bitwise; {' | '.join(lines)}")
+    figure(f"{fault} during a save, {strategy}",
+           f"same one-line error on {len(ranks)} rank(s), previous checkpoint "
+           f"intact, resume bitwise; {' | '.join(lines)}")

@@ -79,6 +79,7 @@ def test_rank_that_never_arrives_is_named(tmp_path: Any) -> None:
     named = "DivergenceError" in message and "rank(s) [1] never reached it" in message \
         and "rank 1 last checked in at" in message and "all_reduce@rel_module.py" in message
     figure("divergence guard, a rank that never arrives",
-           f"DivergenceError names missing rank 1: {named} (after trainer.timeout={TIMEOUT:g}s; test took {seconds:.0f}s)")
+           f"DivergenceError names missing rank 1: {named} (after trainer.timeout={TIMEOUT:g}s; "
+           f"test took {seconds:.0f}s)")
     assert named, message[-3000:]
     assert message.startswith("rank 0 failed")

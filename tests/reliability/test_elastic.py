@@ -47,8 +47,9 @@ def _scenario(jobs: dict[str, Done], prefix: str, label: str) -> None:
     failures = {d.job.name: why for d in trials if (why := _check_trial(d, reference)) is not None}
     recovered = len(trials) - len(failures)
     seconds = sorted(d.seconds for d in trials)
-    figure(label, f"recovered {recovered}/{len(trials)} bitwise (SIGKILL at step {KILL_STEP}, resumed from step "
-                  f"{KILL_STEP - 1}; job wall time median {seconds[len(seconds) // 2]:.0f}s)",
+    figure(label, f"recovered {recovered}/{len(trials)} bitwise (SIGKILL at step {KILL_STEP}, "
+                  f"resumed from step {KILL_STEP - 1}; job wall time median "
+                  f"{seconds[len(seconds) // 2]:.0f}s)",
            recovered=recovered, trials=len(trials))
     assert not failures, failures
 

@@ -64,9 +64,10 @@ def _wait_for(out: Path, event: str, procs: list[subprocess.Popen], until: float
 
 
 def _run_scenario(out: Path) -> dict[str, tuple[int | None, str]]:
-    config = write_config(out / "config.yaml", out / "run", out, devices=1, max_epochs=EPOCHS, every_n_steps=2,
-                          extra_trainer={"num_nodes": "1:2", "max_restarts": 3},
-                          module={"_target_": "grow_module.GrowModule", "n": N, "batch_size": BATCH, "dropout": 0.0})
+    config = write_config(out / "config.yaml", out / "run", out, devices=1, max_epochs=EPOCHS,
+                          every_n_steps=2, extra_trainer={"num_nodes": "1:2", "max_restarts": 3},
+                          module={"_target_": "grow_module.GrowModule", "n": N, "batch_size": BATCH,
+                                  "dropout": 0.0})
     base = job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), POLYTRAIN_RDZV_CONF=RDZV,
                    POLYTRAIN_GROW_HOLD_AFTER=str(HOLD_AFTER), LOGLEVEL="INFO")
     joiner = dict(base, POLYTRAIN_RDZV_CONF=RDZV + ",is_host=0")
@@ -131,7 +132,8 @@ def _world_sizes(kept: list[list[dict[str, Any]]]) -> list[int]:
 def test_two_nodes_lose_one_and_regain_one_in_one_run(tmp_path: Path) -> None:
     out = tmp_path
     results = _run_scenario(out)
-    outputs = "\n".join(f"--- {n} rc={rc}\n{text[-4000:]}" for n, (rc, text) in results.items() if rc is not None)
+    outputs = "\n".join(f"--- {n} rc={rc}\n{text[-4000:]}"
+                        for n, (rc, text) in results.items() if rc is not None)
     assert results["A"][0] == 0 and results.get("C", (None,))[0] == 0, outputs
     assert results["B"][0] == -9, outputs  # B's agent was SIGKILLed: the node is gone
     events = _records(out, "events")
@@ -158,7 +160,8 @@ def test_two_nodes_lose_one_and_regain_one_in_one_run(tmp_path: Path) -> None:
     restarts = sorted({(e["pid"], e["restart_count"]) for e in events if e["event"] == "fit_start"},
                       key=lambda p: p[0])
     figure("elastic both ways, polytrain fit num_nodes 1:2",
-           f"world sizes {_world_sizes(kept)} over {len(kept)} kept steps, resumed (world size, step) {resumed}; "
+           f"world sizes {_world_sizes(kept)} over {len(kept)} kept steps, "
+           f"resumed (world size, step) {resumed}; "
            f"{EPOCHS} epochs x {N} samples each trained exactly once; max |weights - replay| {diff:.2e}; "
            f"{results['seconds'][1]}s", max_diff=diff, steps=len(kept), restarts=restarts)
     assert diff < 1e-5, diff

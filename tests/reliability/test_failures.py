@@ -76,8 +76,8 @@ def test_exception_on_one_rank_ends_plain_processes_without_agent(jobs: dict[str
     done = pick(jobs, "fail/plain")[0]
     _check_failed_job(done, "one rank fails, plain processes (no agent)")
     assert MESSAGE in done.stderr[1]
-    expected = f"RankUnresponsiveError: rank 1 raised at step {FAIL_STEP} (its last position: training_step): " \
-               f"RuntimeError: {MESSAGE}"
+    expected = (f"RankUnresponsiveError: rank 1 raised at step {FAIL_STEP} "
+                f"(its last position: training_step): RuntimeError: {MESSAGE}")
     assert expected in done.stderr[0], done.stderr[0][-3000:]
 
 

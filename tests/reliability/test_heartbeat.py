@@ -28,7 +28,8 @@ def store() -> Any:
 def _peer(store: Any, rank: int, step: int, where: str, seq: int, idle: float, silent: float) -> None:
     now = time.time()
     store.set(f"polytrain/heartbeat/{rank}", json.dumps({
-        "rank": rank, "step": step, "where": where, "seq": seq, "changed_at": now - idle, "pushed_at": now - silent}))
+        "rank": rank, "step": step, "where": where, "seq": seq, "changed_at": now - idle,
+        "pushed_at": now - silent}))
 
 
 @pytest.mark.timeout(60)
@@ -87,8 +88,8 @@ def test_other_errors_are_left_alone(store: Any) -> None:
     assert heartbeat.explain(RuntimeError("CUDA out of memory")) is None
     heartbeat.stop()
     assert heartbeat.explain(RuntimeError("Timed out")) is None  # no heartbeat: nothing to add
-    figure("heartbeat diagnosis, unrelated errors", "left unchanged: 4/4 (ValueError, DivergenceError, CUDA OOM, "
-                                                    "no heartbeat running)")
+    figure("heartbeat diagnosis, unrelated errors", "left unchanged: 4/4 (ValueError, DivergenceError, "
+                                                    "CUDA OOM, no heartbeat running)")
 
 
 @pytest.mark.timeout(60)

@@ -43,9 +43,11 @@ MAX_STEPS = 8
 
 def _trainer(run_dir: str, strategy: str = "single", devices: int = 1, max_steps: int = MAX_STEPS,
              **kwargs: Any) -> Trainer:
-    return Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, run_dir=run_dir, seed=0,
+    return Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps,
+                   run_dir=run_dir, seed=0,
                    logger=False, enable_progress_bar=False, enable_model_summary=False, timeout=60.0,
-                   callbacks=[ModelCheckpoint(every_n_train_steps=2, save_top_k=-1, save_on_fit_end=False)], **kwargs)
+                   callbacks=[ModelCheckpoint(every_n_train_steps=2, save_top_k=-1, save_on_fit_end=False)],
+                   **kwargs)
 
 
 def _module() -> Any:
@@ -114,23 +116,26 @@ def test_a_flipped_bit_in_a_checkpoint_file_is_refused_and_skipped(tmp_path: Pat
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     named = [w for w in warnings if "epoch=0-step=6.ckpt is incomplete or corrupt" in w and "CRC-32" in w]
     same = bitwise_equal(_weights(resumed), reference)
-    figure("one flipped bit in a checkpoint file", f"torch.load loads it silently; polytrain refuses it ({record}), "
-                                                   f"resume skips it with a warning: {bool(named)}; bitwise: {same}")
+    figure("one flipped bit in a checkpoint file",
+           f"torch.load loads it silently; polytrain refuses it ({record}), "
+           f"resume skips it with a warning: {bool(named)}; bitwise: {same}")
     assert named, warnings
     assert os.path.basename(resumed.ckpt_path) == "epoch=0-step=4.ckpt"
     assert same and resumed.global_step == MAX_STEPS
 
 
 @pytest.mark.timeout(600)
-def test_resume_last_refuses_to_start_over_when_nothing_loads(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_resume_last_refuses_to_start_over_when_nothing_loads(tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
     empty = str(tmp_path / "empty")
-    with pytest.raises(ConfigError, match=r"resume='last' continues a run, but there is nothing to continue in .*"
-                                          r"it holds no checkpoint\. Start fresh with resume=auto"):
+    with pytest.raises(ConfigError, match=r"resume='last' continues a run, but there is nothing to continue "
+                                          r"in .*it holds no checkpoint\. Start fresh with resume=auto"):
         _trainer(empty, resume="last").fit(_module())
     assert not os.path.exists(os.path.join(empty, "version_0"))  # refused before the run claimed a directory
 
     caplog.set_level(logging.WARNING, logger="polytrain")
-    lightning = _trainer(empty, max_steps=2)  # Lightning's ckpt_path="last" with no checkpoint: warn, start fresh
+    # Lightning's ckpt_path="last" with no checkpoint: warn, start fresh
+    lightning = _trainer(empty, max_steps=2)
     lightning.fit(_module(), ckpt_path="last")
     assert lightning.ckpt_path is None and lightning.global_step == 2
     assert any("holds no checkpoint; starting from scratch" in r.getMessage() for r in caplog.records)
@@ -148,9 +153,11 @@ def test_resume_last_refuses_to_start_over_when_nothing_loads(tmp_path: Path, ca
     fresh = _trainer(run_dir, resume="auto", max_steps=2)
     fresh.fit(_module())
     assert fresh.ckpt_path is None and fresh.global_step == 2
-    assert any("resume='auto': no checkpoint under" in r.getMessage() and "epoch=0-step=2.ckpt" in r.getMessage()
+    assert any("resume='auto': no checkpoint under" in r.getMessage()
+               and "epoch=0-step=2.ckpt" in r.getMessage()
                for r in caplog.records)
-    figure("resume: last with nothing loadable", "refused (no checkpoint; only a damaged one); auto starts fresh")
+    figure("resume: last with nothing loadable",
+           "refused (no checkpoint; only a damaged one); auto starts fresh")
 
 
 # --------------------------------------------------------------------------- fsdp x2, sharded directories
@@ -203,7 +210,8 @@ def _damage(path: str, how: str) -> None:
             fh.write(b"\0" * size)
     elif how == "random":
         with open(path, "r+b") as fh:
-            fh.write(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+            fh.write(torch.randint(0, 256, (size,), dtype=torch.uint8,
+                                   generator=torch.Generator().manual_seed(0))
                      .numpy().tobytes())
     elif how == "one bit":
         with open(path, "r+b") as fh:
@@ -215,7 +223,8 @@ def _damage(path: str, how: str) -> None:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("how", ["truncated", "zeroed", "random", "one bit"])
-def test_a_damaged_shard_is_refused_on_load_and_skipped_on_resume(sharded_run: dict, tmp_path: Path, how: str) -> None:
+def test_a_damaged_shard_is_refused_on_load_and_skipped_on_resume(sharded_run: dict, tmp_path: Path,
+                                                                  how: str) -> None:
     run = tmp_path / "run" / "version_0"
     shutil.copytree(sharded_run["cut"], run)
     newest = next((run / "checkpoints").glob("epoch=*-step=6"))
@@ -231,18 +240,21 @@ def test_a_damaged_shard_is_refused_on_load_and_skipped_on_resume(sharded_run: d
     assert direct[0]["error"] == direct[1]["error"]
 
     resumed = _sharded(str(tmp_path / "run"), resume="last")
-    warned = [w for w in resumed[0]["warnings"] if f"{newest} is incomplete or corrupt" in w and "__1_0.distcp" in w]
+    warned = [w for w in resumed[0]["warnings"]
+              if f"{newest} is incomplete or corrupt" in w and "__1_0.distcp" in w]
     same = all(bitwise_equal(r["weights"], sharded_run["reference"]) for r in resumed[:1])
-    figure(f"damaged shard ({how}), fsdp x2", f"direct load refused on both ranks; resume skipped it with a warning: "
-                                             f"{bool(warned)}; resumed from {os.path.basename(resumed[0]['ckpt_path'])}; "
-                                             f"bitwise: {same}")
+    figure(f"damaged shard ({how}), fsdp x2",
+           f"direct load refused on both ranks; resume skipped it with a warning: "
+           f"{bool(warned)}; resumed from {os.path.basename(resumed[0]['ckpt_path'])}; "
+           f"bitwise: {same}")
     assert warned, resumed[0]["warnings"]
     assert all(os.path.basename(r["ckpt_path"]).endswith("-step=4") for r in resumed)
     assert same and resumed[0]["step"] == MAX_STEPS
 
 
 @pytest.mark.timeout(600)
-def test_dcp_failure_on_a_directory_without_manifest_names_the_checkpoint(sharded_run: dict, tmp_path: Path) -> None:
+def test_dcp_failure_on_a_directory_without_manifest_names_the_checkpoint(sharded_run: dict,
+                                                                          tmp_path: Path) -> None:
     run = tmp_path / "run" / "version_0"
     shutil.copytree(sharded_run["cut"], run)
     newest = next((run / "checkpoints").glob("epoch=*-step=6"))
@@ -252,6 +264,7 @@ def test_dcp_failure_on_a_directory_without_manifest_names_the_checkpoint(sharde
         direct = _sharded(str(tmp_path / "other"), ckpt_path=str(newest))
     except DistributedRunError as err:  # a raw CheckpointException escaping would end up here
         pytest.fail(f"the load did not raise CheckpointError on every rank: {err}")
-    assert all(r.get("type") == "CheckpointError" and f"sharded checkpoint {newest} cannot be loaded" in r["error"]
+    assert all(r.get("type") == "CheckpointError"
+               and f"sharded checkpoint {newest} cannot be loaded" in r["error"]
                for r in direct), direct
     assert all("\n" not in r["error"] for r in direct), direct

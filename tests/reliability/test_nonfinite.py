@@ -54,7 +54,8 @@ def _worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
         def __init__(self) -> None:
             self.history: list[tuple[int, int, torch.Tensor]] = []  # (batch, global_step, params after it)
 
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
             self.history.append((batch_idx, trainer.global_step, _flat(module)))
 
     out = {}
@@ -103,7 +104,8 @@ def _skip_figure(runs: list[dict[str, Any]], name: str) -> tuple[bool, str]:
     ok &= all(torch.equal(a[2], b[2]) for a, b in zip(r0["history"], r1["history"]))
     ok &= torch.isfinite(r0["final"]).all() and torch.equal(r0["final"], r1["final"])
     ok &= r0["global_step"] == r1["global_step"] == 7
-    return bool(ok), f"skipped together on batch(es) {skipped_batches}, params unchanged and equal on both ranks"
+    return bool(ok), (f"skipped together on batch(es) {skipped_batches}, "
+                      "params unchanged and equal on both ranks")
 
 
 @pytest.mark.timeout(600)
@@ -112,8 +114,9 @@ def test_nan_loss_on_rank1_errors_on_every_rank(runs: list[dict[str, Any]]) -> N
     expected = "non-finite loss at step 3 on rank(s) [1]"
     ok = all(e is not None and expected in e for e in errors)
     newest = [(r["error_loss"]["newest_step"], r["error_loss"]["newest_finite"]) for r in runs]
-    figure("NaN loss on rank 1, nan_policy=error", f"stopped on {sum(e is not None for e in errors)}/2 ranks naming "
-                                                   f"step 3 and rank 1; newest checkpoint (step, finite) = {newest[0]}")
+    figure("NaN loss on rank 1, nan_policy=error",
+           f"stopped on {sum(e is not None for e in errors)}/2 ranks naming "
+           f"step 3 and rank 1; newest checkpoint (step, finite) = {newest[0]}")
     assert ok, errors
     assert newest == [(3, True), (3, True)]
 
@@ -137,7 +140,8 @@ def test_nan_gradient_with_clipping_errors_naming_the_step(runs: list[dict[str, 
     errors = [r["error_grad_clipped"]["error"] for r in runs]
     # Gradients are all-reduced before the norm is taken, so every rank sees the NaN norm.
     ok = all(e is not None and "non-finite gradient norm at step 3 on rank(s) [0, 1]" in e for e in errors)
-    newest = [(r["error_grad_clipped"]["newest_step"], r["error_grad_clipped"]["newest_finite"]) for r in runs]
+    newest = [(r["error_grad_clipped"]["newest_step"], r["error_grad_clipped"]["newest_finite"])
+              for r in runs]
     figure("NaN gradient (finite loss) on rank 1, clipping by norm, nan_policy=error",
            f"stopped on every rank naming step 3: {ok}; newest checkpoint (step, finite) = {newest[0]}")
     assert ok, errors
@@ -148,9 +152,10 @@ def test_nan_gradient_with_clipping_errors_naming_the_step(runs: list[dict[str, 
 def test_nan_gradient_without_clipping_never_reaches_a_checkpoint(runs: list[dict[str, Any]]) -> None:
     errors = [r["error_grad_unclipped"]["error"] for r in runs]
     ok = all(e is not None and "non-finite parameters on rank(s) [0, 1] after step 4" in e for e in errors)
-    newest = [(r["error_grad_unclipped"]["newest_step"], r["error_grad_unclipped"]["newest_finite"]) for r in runs]
+    newest = [(r["error_grad_unclipped"]["newest_step"], r["error_grad_unclipped"]["newest_finite"])
+              for r in runs]
     figure("NaN gradient (finite loss) on rank 1, no clipping, nan_policy=error",
-           f"caught as non-finite parameters before the step-4 checkpoint: {ok}; newest checkpoint (step, finite) = "
-           f"{newest[0]}")
+           f"caught as non-finite parameters before the step-4 checkpoint: {ok}; "
+           f"newest checkpoint (step, finite) = {newest[0]}")
     assert ok, errors
     assert newest == [(3, True), (3, True)]

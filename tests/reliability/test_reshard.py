@@ -53,7 +53,8 @@ def _worker(rank: int, world_size: int, root: str, phase: str, ckpt_path: str | 
     out_dir = os.path.join(root, phase)
     after_load = AfterLoad()
     module = rel_module().RelModule(n=N, batch_size=BATCH, out_dir=out_dir)
-    trainer = Trainer(strategy="fsdp", accelerator="cpu", devices=world_size, max_epochs=1, max_steps=max_steps, seed=0,
+    trainer = Trainer(strategy="fsdp", accelerator="cpu", devices=world_size, max_epochs=1,
+                      max_steps=max_steps, seed=0,
                       run_dir=os.path.join(out_dir, "run"), logger=False, enable_progress_bar=False,
                       enable_model_summary=False, timeout=60.0, callbacks=[after_load])
     trainer.fit(module, ckpt_path=ckpt_path)
@@ -77,7 +78,8 @@ def test_fsdp_checkpoint_resumes_at_other_world_sizes_exactly(tmp_path: Any) -> 
     # The full model state is gathered on rank 0 only; the optimizer's on every rank.
     optim_only = {k: v for k, v in b[0]["final"].items() if k.startswith("optimizer.")}
     exact_c = same(c[0]["loaded"], b[0]["final"]) and same(c[1]["loaded"], optim_only)
-    assert os.path.isdir(a[0]["checkpoint"]) and os.path.isdir(b[0]["checkpoint"])  # sharded (DCP) checkpoints
+    # sharded (DCP) checkpoints
+    assert os.path.isdir(a[0]["checkpoint"]) and os.path.isdir(b[0]["checkpoint"])
     meta = torch.load(os.path.join(b[0]["checkpoint"], "meta.pt"), weights_only=True)
     assert meta["loop"]["dp_size"] == 1 and meta["loop"]["sample_offset"] == 20
 
@@ -88,16 +90,19 @@ def test_fsdp_checkpoint_resumes_at_other_world_sizes_exactly(tmp_path: Any) -> 
                          for i in rec["indices"]]
     expected = set()
     for rank in range(2):  # what an uninterrupted 2-rank epoch consumes
-        sampler = DistributedSampler(rel_module().IndexedRegression(N), num_replicas=2, rank=rank, shuffle=True, seed=0)
+        sampler = DistributedSampler(rel_module().IndexedRegression(N), num_replicas=2, rank=rank,
+                                     shuffle=True, seed=0)
         sampler.set_epoch(0)
         expected |= set(sampler)
     padding = (-(N - 20)) % 2  # C re-split the last 7 samples over 2 ranks: one padding copy
     duplicates = len(consumed) - len(set(consumed))
-    figure("resharding resume fsdp 2 -> 1 -> 2", f"model+optimizer exact after load: 2->1 {exact_b}, 1->2 {exact_c}; "
-                                                 f"epoch samples covered {len(set(consumed))}/{N}, duplicates "
-                                                 f"{duplicates} (padding allows {padding})")
+    figure("resharding resume fsdp 2 -> 1 -> 2",
+           f"model+optimizer exact after load: 2->1 {exact_b}, 1->2 {exact_c}; "
+           f"epoch samples covered {len(set(consumed))}/{N}, duplicates "
+           f"{duplicates} (padding allows {padding})")
     assert exact_b and exact_c
-    assert any(k.startswith("model.") for k in a[0]["final"]) and any(k.startswith("optimizer.") for k in a[0]["final"])
+    assert (any(k.startswith("model.") for k in a[0]["final"])
+            and any(k.startswith("optimizer.") for k in a[0]["final"]))
     assert set(consumed) == expected == set(range(N))
     assert duplicates <= padding
     assert [r["global_step"] for r in c] == [9, 9]

@@ -47,15 +47,16 @@ def _foreign_safe_globals() -> list[Any]:
     for entry in torch.serialization.get_safe_globals():
         obj = entry[0] if isinstance(entry, tuple) else entry
         module = getattr(obj, "__module__", "") or ""
-        if module.startswith("torch") or module == "traceback" or (isinstance(obj, type) and issubclass(obj, BaseException)):
+        if (module.startswith("torch") or module == "traceback"
+                or (isinstance(obj, type) and issubclass(obj, BaseException))):
             continue
         out.append(obj)
     return out
 
 
 def _trainer(run_dir: Path, **kwargs: Any) -> Trainer:
-    return Trainer(strategy="single", accelerator="cpu", devices=1, run_dir=str(run_dir), logger=False, seed=0,
-                   enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    return Trainer(strategy="single", accelerator="cpu", devices=1, run_dir=str(run_dir), logger=False,
+                   seed=0, enable_progress_bar=False, enable_model_summary=False, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -94,15 +95,18 @@ def test_our_checkpoints_load_with_weights_only_and_no_allowlist(good_checkpoint
         text = path.read_text()
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
-                safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant)
+                           and k.value.value is True
                            for k in node.keywords)
                 if not safe:
                     loose.append(f"{path.relative_to(REPO)}: {ast.unparse(node)}")
         assert "add_safe_globals" not in text and "safe_globals(" not in text, path
     spawned = "polytrain/trainer/process_placement.py: torch.load(result_path, weights_only=False)"
     assert loose == [spawned], loose
-    figure("our checkpoints", f"load with weights_only=True, no allow-list of ours (entries beyond torch's own: {len(_foreign_safe_globals())}); library "
-                              f"torch.load calls without weights_only=True: {len(loose)} (the spawn result file)")
+    figure("our checkpoints",
+           "load with weights_only=True, no allow-list of ours (entries beyond torch's own: "
+           f"{len(_foreign_safe_globals())}); library "
+           f"torch.load calls without weights_only=True: {len(loose)} (the spawn result file)")
 
 
 @pytest.mark.timeout(300)
@@ -124,14 +128,16 @@ def test_reduce_payload_is_refused_on_every_load_path(tmp_path: Path, good_check
     assert find_resumable(str(ckpt_dir)) == str(ckpt_dir / "epoch=0-step=2.ckpt")
     refused.append("find_resumable (fell back)")
     with pytest.raises(CheckpointError):
-        _trainer(tmp_path / "fit", max_steps=3).fit(rel_module().RelModule(n=16, batch_size=4), ckpt_path=str(evil))
+        _trainer(tmp_path / "fit", max_steps=3).fit(rel_module().RelModule(n=16, batch_size=4),
+                                                    ckpt_path=str(evil))
     refused.append("Trainer.fit(ckpt_path)")
     with pytest.raises(CheckpointError):
         cli_main(["checkpoint", "consolidate", str(evil), str(tmp_path / "out.pt")])
     refused.append("polytrain checkpoint consolidate")
     assert not (tmp_path / "out.pt").exists()
-    figure("checkpoint with a __reduce__ payload", f"refused on {len(refused)}/5 load paths; marker files created: "
-                                                   f"{int(marker.exists())}")
+    figure("checkpoint with a __reduce__ payload",
+           f"refused on {len(refused)}/5 load paths; marker files created: "
+           f"{int(marker.exists())}")
     assert not marker.exists()
 
 
@@ -143,7 +149,8 @@ def test_crafted_dcp_metadata_is_refused_before_unpickling(tmp_path: Path, good_
     with pytest.raises(CheckpointError, match="refusing to load posix.system"):
         read_checkpoint(str(evil))
     with pytest.raises(CheckpointError, match="refusing to load posix.system"):
-        _trainer(tmp_path / "fit", max_steps=3).fit(rel_module().RelModule(n=16, batch_size=4), ckpt_path=str(evil))
+        _trainer(tmp_path / "fit", max_steps=3).fit(rel_module().RelModule(n=16, batch_size=4),
+                                                    ckpt_path=str(evil))
     with pytest.raises(CheckpointError):
         cli_main(["checkpoint", "consolidate", str(evil), str(tmp_path / "out.pt")])
     figure("crafted DCP .metadata", f"refused on 3/3 load paths before unpickling; marker files created: "

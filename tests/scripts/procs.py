@@ -89,7 +89,8 @@ def finish(started: tuple, deadline: float) -> Finished:
         _kill_group(proc)
         out, err = proc.communicate()
         done = Finished(list(map(str, proc.args)), proc.returncode, out, err, t0, time.time())
-        raise AssertionError(f"did not finish within {deadline - t0:.0f}s, killed:\n{done.describe()}") from None
+        raise AssertionError(f"did not finish within {deadline - t0:.0f}s, killed:\n"
+                             f"{done.describe()}") from None
     ended = time.time()
     _kill_group(proc)  # a worker orphaned by its launcher must not outlive the test
     return Finished(list(map(str, proc.args)), proc.returncode, out, err, t0, ended)
@@ -107,7 +108,8 @@ def _attempts(launch: Callable[[], list[Finished]], retry: bool, before_retry: C
     results = launch()
     if retry and _exit_abort(results):
         warnings.warn(f"a worker aborted at interpreter exit ({EXIT_ABORT!r}, the known torch/gloo "
-                      f"shutdown race); running the launch once more:\n" + "\n".join(r.describe() for r in results),
+                      f"shutdown race); running the launch once more:\n"
+                      + "\n".join(r.describe() for r in results),
                       stacklevel=3)
         if before_retry is not None:
             before_retry()
@@ -115,7 +117,8 @@ def _attempts(launch: Callable[[], list[Finished]], retry: bool, before_retry: C
     return results
 
 
-def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
+def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
         retry_exit_abort: bool = True, before_retry: Callable[[], None] | None = None) -> Finished:
     """Run one command to completion within ``timeout`` seconds (per attempt)."""
     return _attempts(lambda: [finish(start(cmd, env, cwd), time.time() + timeout)], retry_exit_abort,
@@ -123,7 +126,8 @@ def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: 
 
 
 def run_together(make_cmds: Callable[[], list[tuple[list[str], dict[str, str]]]], timeout: float,
-                 retry_exit_abort: bool = True, before_retry: Callable[[], None] | None = None) -> list[Finished]:
+                 retry_exit_abort: bool = True,
+                 before_retry: Callable[[], None] | None = None) -> list[Finished]:
     """Start every command ``make_cmds()`` returns at once (the ranks or nodes of one job), then wait for
     all of them. ``make_cmds`` is called again for a retry, so it can pick a fresh port."""
 

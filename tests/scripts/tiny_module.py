@@ -67,7 +67,8 @@ class TinyRegressor(TrainModule):
         if self.trainer.global_rank == self.fail_rank and self.trainer.global_step >= self.fail_step:
             if self.record_dir:  # when it failed, so a test can measure how long the job lingered
                 os.makedirs(self.record_dir, exist_ok=True)
-                write_json(os.path.join(self.record_dir, f"failed-rank{self.fail_rank}.json"), {"time": time.time()})
+                write_json(os.path.join(self.record_dir, f"failed-rank{self.fail_rank}.json"),
+                           {"time": time.time()})
             raise RuntimeError(f"tiny-module deliberate failure on rank {self.fail_rank}")
         x, y = batch
         loss = F.mse_loss(self(x), y)

@@ -37,7 +37,8 @@ def main() -> None:
     torch.manual_seed(0)
     module = TinyRegressor(fail_rank=args.fail_rank, record_dir=args.out_dir)
     initial = weights(module)
-    trainer = Trainer(accelerator="cpu", devices=args.devices if args.devices == "auto" else int(args.devices),
+    trainer = Trainer(accelerator="cpu",
+                      devices=args.devices if args.devices == "auto" else int(args.devices),
                       num_nodes=args.num_nodes, launcher=args.launcher, max_epochs=args.max_epochs,
                       run_dir=os.path.join(args.out_dir, "run"), logger=False, enable_progress_bar=False,
                       enable_model_summary=False, log_every_n_steps=1, timeout=args.timeout)

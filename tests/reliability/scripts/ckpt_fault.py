@@ -72,7 +72,8 @@ def main() -> None:
     torch.save = save
     os.replace = replace
     trainer = Trainer(strategy="single", accelerator="cpu", devices=1, max_steps=args.max_steps, seed=0,
-                      run_dir=args.run_dir, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      run_dir=args.run_dir, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False,
                       callbacks=[ModelCheckpoint(every_n_train_steps=1, save_top_k=args.top_k,
                                                  save_on_fit_end=False)])
     trainer.fit(RelModule(n=32, batch_size=4))

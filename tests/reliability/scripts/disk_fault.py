@@ -77,7 +77,8 @@ class Fault(Callback):
             fill(self.full_fs)
             self.filled = True
         if self.kind == "efbig" and trainer.global_rank == self.failing_rank:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+            resource.setrlimit(resource.RLIMIT_FSIZE,
+                               (FILE_LIMIT, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
         trainer.strategy.barrier("fault-in-place")
 
     def undo(self) -> None:
@@ -88,10 +89,11 @@ class Fault(Callback):
 
 
 def trainer_for(strategy: str, world: int, run_dir: str, callbacks: list[Any], async_save: bool) -> Trainer:
-    return Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=MAX_STEPS, seed=0, run_dir=run_dir,
-                   logger=False, enable_progress_bar=False, enable_model_summary=False, timeout=60.0,
-                   callbacks=[*callbacks, ModelCheckpoint(every_n_train_steps=2, save_top_k=1, async_save=async_save,
-                                                          save_on_fit_end=False)])
+    return Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=MAX_STEPS, seed=0,
+                   run_dir=run_dir, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   timeout=60.0,
+                   callbacks=[*callbacks, ModelCheckpoint(every_n_train_steps=2, save_top_k=1,
+                                                          async_save=async_save, save_on_fit_end=False)])
 
 
 def module() -> RelModule:
@@ -137,7 +139,8 @@ def rank_main(rank: int, world: int, out_dir: str, strategy: str, full_fs: str |
             resumed.fit(module(), ckpt_path="last")
             got = weights(resumed)
             record["resumed_to"] = resumed.global_step
-            record["bitwise"] = bool(got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got))
+            record["bitwise"] = bool(got.keys() == expected.keys()
+                                     and all(torch.equal(got[k], expected[k]) for k in got))
             results[case] = record
     return {"rank": rank, "failing_rank": failing_rank, "cases": results}
 

@@ -30,7 +30,8 @@ class GrowModule(RelModule):
         self.steps_here = 0
 
     def _write(self, name: str, record: dict[str, Any]) -> None:
-        super()._write(name, {**record, "rank": self.rank, "pid": os.getpid(), "group": os.environ.get("MASTER_PORT"),
+        super()._write(name, {**record, "rank": self.rank, "pid": os.getpid(),
+                              "group": os.environ.get("MASTER_PORT"),
                               "restart_count": self._attempt(), "world_size": self.trainer.world_size})
 
     def on_fit_start(self) -> None:

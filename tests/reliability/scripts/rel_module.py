@@ -128,14 +128,16 @@ class RelModule(TrainModule):
     def _fault(self, kind: str) -> bool:
         for fault in self.faults:
             k, rank, step = fault
-            if k == kind and rank == self.rank and self.trainer.global_step == step and fault not in self.fired:
+            if (k == kind and rank == self.rank and self.trainer.global_step == step
+                    and fault not in self.fired):
                 self.fired.add(fault)
                 return True
         return False
 
     # ------------------------------------------------------------------ hooks
     def on_fit_start(self) -> None:
-        self._write("events", {"event": "fit_start", "attempt": self._attempt(), "step": self.trainer.global_step,
+        self._write("events", {"event": "fit_start", "attempt": self._attempt(),
+                               "step": self.trainer.global_step,
                                "pid": os.getpid(), "world_size": self.trainer.world_size})
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -153,7 +155,8 @@ class RelModule(TrainModule):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._fault("raise"):
             self._write("events", {"event": "raising", "step": self.trainer.global_step,
-                                   "checkpoints": _listing(os.path.join(self.trainer.log_dir, "checkpoints"))})
+                                   "checkpoints": _listing(os.path.join(self.trainer.log_dir,
+                                                                        "checkpoints"))})
             raise RuntimeError(f"deliberate failure on rank {self.rank} at step {self.trainer.global_step}")
         if self._fault("sleep"):
             self._write("events", {"event": "sleeping", "step": self.trainer.global_step})
@@ -187,7 +190,8 @@ class RelModule(TrainModule):
             self.trainer.strategy.reduce(torch.ones(1))  # a collective in a rank-dependent branch: a bug
 
     def on_fit_end(self) -> None:
-        self._write("events", {"event": "fit_end", "attempt": self._attempt(), "step": self.trainer.global_step})
+        self._write("events", {"event": "fit_end", "attempt": self._attempt(),
+                               "step": self.trainer.global_step})
         state = self.trainer.strategy.module_state_dict()  # a collective under sharded strategies
         if self.out_dir and state:
             state = {k: v.detach().clone() for k, v in state.items()}

@@ -35,7 +35,8 @@ def main() -> None:
     args = parser.parse_args()
 
     kwargs = dict(accelerator="cpu", run_dir=os.path.join(args.out_dir, "run"), logger=False,
-                  enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1, timeout=60.0, seed=0)
+                  enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1, timeout=60.0,
+                  seed=0)
     kwargs.update(json.loads(args.trainer))
     callbacks = []
     if args.every_n_steps:
