@@ -15,7 +15,8 @@ class CollectiveVerbs:
 
     root_device: torch.device
 
-    def reduce(self, tensor: torch.Tensor, op: str = "mean", dst: int | None = None, group: Any = None) -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor, op: str = "mean", dst: int | None = None,
+               group: Any = None) -> torch.Tensor:
         """``dst=None``: every rank gets the reduced value (a copy). ``dst=r``: ``dist.reduce`` to rank r."""
         tensor = tensor.detach().clone()
         if dst is None:

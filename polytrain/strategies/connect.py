@@ -47,5 +47,6 @@ def connect(strategy: Any = "ddp", accelerator: str = "auto", precision: str = "
                            num_nodes=max(1, env.world_size // env.local_world_size), precision=precision,
                            timeout=timeout, env=env)
     built.setup_environment()
-    built.join_process_group()  # a strategy may defer its rendezvous to setup_module, which connect never calls
+    # a strategy may defer its rendezvous to setup_module, which connect never calls
+    built.join_process_group()
     return built

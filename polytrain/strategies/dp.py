@@ -58,8 +58,8 @@ class DataParallelStrategy(Strategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         self.module = self.precision.convert_module(module.to(self.root_device))
         if len(self._device_ids) > 1 and (self.compile_options, self.checkpointing_options) != (None, None):
-            raise ConfigError("strategy 'dp' copies the module to every GPU each step, which drops compiled and "
-                              "checkpointed forwards; use strategy 'ddp' with trainer.compile / "
+            raise ConfigError("strategy 'dp' copies the module to every GPU each step, which drops "
+                              "compiled and checkpointed forwards; use strategy 'ddp' with trainer.compile / "
                               "trainer.activation_checkpointing")
         checkpoint_and_compile(self.module, self.checkpointing_options, self.compile_options)
         router = StepRouter(self.module)

@@ -73,14 +73,15 @@ def _resolve_accelerator(name: str) -> str:
 
 
 def _resolve_device_list(devices: list[int], accelerator: str) -> int:
-    """``devices=[i, j]`` (Lightning's GPU indices): one process per listed GPU, local rank r on ``cuda:devices[r]``."""
+    """``devices=[i, j]`` (Lightning's GPU indices): one process per listed GPU, local rank r on
+    ``cuda:devices[r]``."""
     if accelerator != "cuda":
         raise ConfigError(f"trainer.devices={devices} is a list of GPU indices, but the accelerator is "
                           f"{accelerator!r}; on CPU give a number of processes, e.g. devices={len(devices)}")
     count = torch.cuda.device_count()
     if len(set(devices)) != len(devices) or any(i < 0 or i >= count for i in devices):
-        raise ConfigError(f"trainer.devices={devices}: list distinct GPU indices below {count} (the GPUs visible "
-                          f"here are cuda:0..cuda:{count - 1})")
+        raise ConfigError(f"trainer.devices={devices}: list distinct GPU indices below {count} (the GPUs "
+                          f"visible here are cuda:0..cuda:{count - 1})")
     return len(devices)
 
 
@@ -99,9 +100,10 @@ def _resolve_devices(devices: Any, accelerator: str, env: ClusterEnvironment) ->
                               f"trainer.devices to at most {available}")
         if os.environ.get(OVERSUBSCRIBE_ENV, "") not in ("", "0"):
             return devices  # asked for on purpose: the processes share the cores
-        raise ConfigError(f"trainer.devices={devices} CPU processes but only {available} CPU cores are available; "
-                          f"set trainer.devices to at most {available}, or set {OVERSUBSCRIBE_ENV}=1 in the "
-                          f"environment to start {devices} processes on {available} cores anyway (each slower)")
+        raise ConfigError(f"trainer.devices={devices} CPU processes but only {available} CPU cores are "
+                          f"available; set trainer.devices to at most {available}, or set "
+                          f"{OVERSUBSCRIBE_ENV}=1 in the environment to start {devices} processes on "
+                          f"{available} cores anyway (each slower)")
     return devices
 
 
@@ -116,8 +118,9 @@ def _nodes_here(cfg: LaunchRequest, env: ClusterEnvironment, per_node: int, name
     if extra or not low <= nodes <= high:
         raise ConfigError(
             f"the launcher started {env.world_size} processes but trainer.num_nodes={cfg.num_nodes!r} with "
-            f"{per_node} process(es) per node (strategy '{name}') allows {low * per_node}..{high * per_node}; "
-            f"start every node with {per_node} process(es) and --nnodes={low}:{high}, or widen the range")
+            f"{per_node} process(es) per node (strategy '{name}') allows "
+            f"{low * per_node}..{high * per_node}; start every node with {per_node} process(es) and "
+            f"--nnodes={low}:{high}, or widen the range")
     return nodes
 
 
@@ -126,7 +129,8 @@ def plan_launch(cfg: LaunchRequest) -> LaunchPlan:
     accelerator = _resolve_accelerator(cfg.accelerator)
     devices = _resolve_devices(cfg.devices, accelerator, env)
     select_cuda_devices(list(cfg.devices) if isinstance(cfg.devices, (list, tuple)) else None)
-    spec = cfg.strategy if isinstance(cfg.strategy, dict) else {"name": getattr(cfg.strategy, "name", "custom")}
+    spec = (cfg.strategy if isinstance(cfg.strategy, dict)
+            else {"name": getattr(cfg.strategy, "name", "custom")})
     name = spec["name"]
     low, high = node_range(cfg.num_nodes)
     elastic = is_elastic_range(cfg.num_nodes)
@@ -143,9 +147,10 @@ def plan_launch(cfg: LaunchRequest) -> LaunchPlan:
         # refuse before anything is built.
         raise ConfigError(
             f"strategy '{name}' trains in one process, but the launcher ({env.source}) started "
-            f"{env.world_size} processes (WORLD_SIZE={env.world_size}): each would train its own unsynchronised "
-            f"replica. Use strategy: ddp (or auto) for {env.world_size} processes, or launch one process "
-            f"(e.g. torchrun --nproc_per_node=1){' and let dp drive the GPUs' if name == 'dp' else ''}"
+            f"{env.world_size} processes (WORLD_SIZE={env.world_size}): each would train its own "
+            f"unsynchronised replica. Use strategy: ddp (or auto) for {env.world_size} processes, or launch "
+            f"one process (e.g. torchrun --nproc_per_node=1)"
+            f"{' and let dp drive the GPUs' if name == 'dp' else ''}"
         )
     if env.is_distributed:
         if cfg.devices != "auto" and env.world_size != wanted:
@@ -173,9 +178,10 @@ def plan_launch(cfg: LaunchRequest) -> LaunchPlan:
 def _elastic_method(cfg: LaunchRequest, per_node: int, low: int, high: int) -> str:
     """``num_nodes: "MIN:MAX"`` outside a launcher: only torch's elastic agent can admit and lose nodes."""
     if cfg.launcher not in ("auto", "elastic"):
-        raise ConfigError(f"trainer.num_nodes={cfg.num_nodes!r} (elastic, {low} to {high} nodes) needs the elastic "
-                          f"launcher, but trainer.launcher={cfg.launcher!r}; set trainer.launcher=auto (or elastic), "
-                          f"or start each node with torchrun --nnodes={low}:{high} --nproc_per_node={per_node}")
+        raise ConfigError(f"trainer.num_nodes={cfg.num_nodes!r} (elastic, {low} to {high} nodes) needs the "
+                          f"elastic launcher, but trainer.launcher={cfg.launcher!r}; set "
+                          f"trainer.launcher=auto (or elastic), or start each node with torchrun "
+                          f"--nnodes={low}:{high} --nproc_per_node={per_node}")
     return "elastic"
 
 
@@ -197,7 +203,8 @@ def _launch_config(plan: LaunchPlan, max_restarts: int) -> Any:
         rdzv = dict(rdzv_backend="static", rdzv_endpoint=f"{addr}:{port}",
                     rdzv_configs={"rank": int(node_rank), "timeout": 900})
     else:
-        rdzv = dict(rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_configs={"timeout": 900})
+        rdzv = dict(rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                    rdzv_configs={"timeout": 900})
     return LaunchConfig(
         min_nodes=plan.num_nodes, max_nodes=plan.num_nodes, nproc_per_node=plan.processes_per_node,
         run_id=f"polytrain-{uuid.uuid4().hex[:8]}", max_restarts=max_restarts, monitor_interval=0.1,
@@ -205,7 +212,8 @@ def _launch_config(plan: LaunchPlan, max_restarts: int) -> Any:
     )
 
 
-RDZV_CONF_ENV = "POLYTRAIN_RDZV_CONF"  # torchrun's --rdzv-conf for num_nodes "MIN:MAX", e.g. last_call_timeout=5
+# torchrun's --rdzv-conf for num_nodes "MIN:MAX", e.g. last_call_timeout=5
+RDZV_CONF_ENV = "POLYTRAIN_RDZV_CONF"
 RUN_ID_ENV = "POLYTRAIN_RUN_ID"  # the rendezvous id every node of one job shares
 
 

@@ -40,9 +40,10 @@ def find_sequential(module: nn.Module, name: str | None) -> tuple[str, nn.Sequen
     found = [(n, c) for n, c in module.named_children() if isinstance(c, nn.Sequential)]
     if len(found) != 1:
         raise ConfigError(
-            f"{type(module).__name__} has {len(found)} nn.Sequential children ({', '.join(n for n, _ in found) or 'none'}); "
-            f"model_parallel layers mode places exactly one: set strategy option sequential=<attribute>, or define "
-            f"place_layers(self, devices) to place layers yourself"
+            f"{type(module).__name__} has {len(found)} nn.Sequential children "
+            f"({', '.join(n for n, _ in found) or 'none'}); model_parallel layers mode places exactly one: "
+            f"set strategy option sequential=<attribute>, or define place_layers(self, devices) to place "
+            f"layers yourself"
         )
     return found[0]
 
@@ -53,9 +54,9 @@ def _check_placed(module: nn.Module, devices: list[torch.device]) -> None:
     stray = [f"{n} on {t.device}" for n, t in [*module.named_parameters(), *module.named_buffers()]
              if (t.device.type, t.device.index if t.device.index is not None else 0) not in allowed]
     if stray:
-        raise ConfigError(f"{type(module).__name__}.place_layers(devices) left {len(stray)} tensor(s) off this "
-                          f"process's devices {[str(d) for d in devices]}: {', '.join(stray[:5])}; move every "
-                          f"layer to one of the devices it was given")
+        raise ConfigError(f"{type(module).__name__}.place_layers(devices) left {len(stray)} tensor(s) off "
+                          f"this process's devices {[str(d) for d in devices]}: {', '.join(stray[:5])}; "
+                          f"move every layer to one of the devices it was given")
 
 
 class LayerPlacementStrategy(Strategy):
@@ -76,8 +77,8 @@ class LayerPlacementStrategy(Strategy):
         if first + per > count:
             raise RuntimeError(
                 f"local rank {self.local_rank} with devices_per_process={per} needs cuda:{first}..cuda:"
-                f"{first + per - 1} but {count} GPU(s) are visible; use at most {count // per} process(es) per "
-                f"node (trainer.devices={count // per * per}) or lower devices_per_process"
+                f"{first + per - 1} but {count} GPU(s) are visible; use at most {count // per} "
+                f"process(es) per node (trainer.devices={count // per * per}) or lower devices_per_process"
             )
         torch.cuda.set_device(first)
         return [torch.device("cuda", first + i) for i in range(per)]
@@ -86,9 +87,10 @@ class LayerPlacementStrategy(Strategy):
         o, devices = self.options, self._devices
         if callable(getattr(module, "place_layers", None)):
             if o.split_points is not None or o.split_size is not None:
-                raise ConfigError(f"{type(module).__name__} defines place_layers(), so polytrain does not cut its "
-                                  f"layers: drop split_points/split_size, or build a polytrain.layers."
-                                  f"PlacedSequential(seq, devices, split_points, split_size) inside place_layers")
+                raise ConfigError(f"{type(module).__name__} defines place_layers(), so polytrain does not "
+                                  f"cut its layers: drop split_points/split_size, or build a "
+                                  f"polytrain.layers.PlacedSequential(seq, devices, split_points, "
+                                  f"split_size) inside place_layers")
             module.place_layers(list(devices))
             _check_placed(module, devices)
         else:
@@ -102,7 +104,8 @@ class LayerPlacementStrategy(Strategy):
             setattr(module, name, nn.Identity())
             module.to(devices[0])
             setattr(module, name, placed)
-            log.info("model_parallel layers: %s.%s placed as %s", type(module).__name__, name, placed.extra_repr())
+            log.info("model_parallel layers: %s.%s placed as %s", type(module).__name__, name,
+                     placed.extra_repr())
         module = self.precision.convert_module(module)
         checkpoint_and_compile(module, self.checkpointing_options, self.compile_options, "blocks")
         router = StepRouter(module)
@@ -131,6 +134,7 @@ class LayerPlacementStrategy(Strategy):
 
 def processes_for(devices: int, per: int) -> int:
     if devices % per:
-        raise ConfigError(f"trainer.devices={devices} is not a multiple of model_parallel devices_per_process="
-                          f"{per}; each process drives {per} devices, so use devices={per * max(1, devices // per)}")
+        raise ConfigError(f"trainer.devices={devices} is not a multiple of model_parallel "
+                          f"devices_per_process={per}; each process drives {per} devices, so use "
+                          f"devices={per * max(1, devices // per)}")
     return devices // per

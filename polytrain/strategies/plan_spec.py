@@ -5,11 +5,12 @@
 
 A degree is an integer (pinned) or ``"auto"`` (planned); under ``plan: true`` every degree not given is
 planned; with ``"auto"`` degrees alone, the degrees not given keep their defaults (1) but ``dp_shard``
-(default: whatever the others leave) is planned. ``-1`` counts as ``"auto"``. ``cp`` is never planned (pin it). Planning options:
-``global_batch`` (default: the train loader's batch x the data-parallel size the pinned degrees leave,
-as ``polytrain plan``), ``hardware`` (a preset; default: the accelerator's) and ``chosen`` (written by
-the Trainer: the layout picked, which a resume at the same world size reuses). Plain ``strategy: auto``
-is not the planner: it keeps Lightning's meaning, ``single`` on one device and ``ddp`` on several.
+(default: whatever the others leave) is planned. ``-1`` counts as ``"auto"``. ``cp`` is never planned
+(pin it). Planning options: ``global_batch`` (default: the train loader's batch x the data-parallel size
+the pinned degrees leave, as ``polytrain plan``), ``hardware`` (a preset; default: the accelerator's)
+and ``chosen`` (written by the Trainer: the layout picked, which a resume at the same world size
+reuses). Plain ``strategy: auto`` is not the planner: it keeps Lightning's meaning, ``single`` on one
+device and ``ddp`` on several.
 
 This module checks and rewrites the spec only; ``polytrain.trainer.planned`` does the planning.
 """
@@ -50,24 +51,29 @@ def _degree(key: str, value: Any, planning: bool) -> int | str:
 def _check_chosen(chosen: Any) -> None:
     if chosen is None:
         return
-    if not isinstance(chosen, dict) or not set(CHOSEN_REQUIRED) <= set(chosen) or not set(chosen) <= set(CHOSEN_KEYS):
-        raise ConfigError(f"{WHERE} chosen={chosen!r} is not valid: the Trainer writes it, a mapping with the keys "
-                          f"{', '.join(CHOSEN_REQUIRED)} (optional: {', '.join(CHOSEN_KEYS[len(CHOSEN_REQUIRED):])})")
+    if (not isinstance(chosen, dict) or not set(CHOSEN_REQUIRED) <= set(chosen)
+            or not set(chosen) <= set(CHOSEN_KEYS)):
+        raise ConfigError(f"{WHERE} chosen={chosen!r} is not valid: the Trainer writes it, a mapping with "
+                          f"the keys {', '.join(CHOSEN_REQUIRED)} (optional: "
+                          f"{', '.join(CHOSEN_KEYS[len(CHOSEN_REQUIRED):])})")
     ints = [chosen[k] for k in ("world_size", *DEGREES)]
     if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in ints) or \
             math.prod(ints[1:]) != ints[0]:
-        raise ConfigError(f"{WHERE} chosen={chosen!r}: degrees must be positive integers whose product is world_size")
+        raise ConfigError(f"{WHERE} chosen={chosen!r}: degrees must be positive integers whose product is "
+                          f"world_size")
 
 
 def _check_plan_options(options: dict[str, Any]) -> None:
     plan, batch, preset = options.get("plan", True), options.get("global_batch"), options.get("hardware")
     if not isinstance(plan, bool):
-        raise ConfigError(f"{WHERE} plan={plan!r} is not valid: true (the planner chooses every degree not given) "
-                          f"or false")
+        raise ConfigError(f"{WHERE} plan={plan!r} is not valid: true (the planner chooses every degree not "
+                          f"given) or false")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
-        raise ConfigError(f"{WHERE} global_batch={batch!r} is not valid: a positive integer (samples per step)")
+        raise ConfigError(f"{WHERE} global_batch={batch!r} is not valid: a positive integer "
+                          f"(samples per step)")
     if preset is not None and preset not in PRESETS:
-        raise ConfigError(f"{WHERE} hardware={preset!r} is not valid; choose one of: {', '.join(sorted(PRESETS))}")
+        raise ConfigError(f"{WHERE} hardware={preset!r} is not valid; choose one of: "
+                          f"{', '.join(sorted(PRESETS))}")
     _check_chosen(options.get("chosen"))
 
 
@@ -81,7 +87,8 @@ def split_plan(options: dict[str, Any], valid: list[str]) -> tuple[dict[str, Any
     _check_plan_options(options)
     planning = options.get("plan", False) is True or any(options.get(k) == AUTO for k in DEGREES)
     degrees = {k: _degree(k, options[k], planning) for k in DEGREES if k in options}
-    if planning:  # plan: true plans every degree not given; 'auto' degrees alone, dp_shard (default: the rest)
+    # plan: true plans every degree not given; 'auto' degrees alone, dp_shard (default: the rest)
+    if planning:
         missing = PLANNED_DEGREES if options.get("plan") is True else ("dp_shard",)
         degrees = {**{k: AUTO for k in missing if k not in degrees}, **degrees}
     plain = {k: v for k, v in options.items() if k not in PLAN_KEYS and k not in DEGREES}
@@ -89,8 +96,8 @@ def split_plan(options: dict[str, Any], valid: list[str]) -> tuple[dict[str, Any
     if not planning:
         extra = [k for k in PLAN_KEYS if k in options and k != "plan"]
         if extra:
-            raise ConfigError(f"{WHERE} option(s) {', '.join(extra)} plan the layout: add plan: true or set a "
-                              f"degree to 'auto'")
+            raise ConfigError(f"{WHERE} option(s) {', '.join(extra)} plan the layout: add plan: true or "
+                              f"set a degree to 'auto'")
         return plain, None
     auto = sorted((k for k, v in degrees.items() if v == AUTO), key=DEGREES.index)
     return plain, {"auto": auto, **{k: options.get(k) for k in PLAN_KEYS if k != "plan"}}
@@ -118,8 +125,8 @@ def resolved_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], bool | str]:
     False off, True full, "op" per-op)."""
     chosen = spec.get("chosen")
     if chosen is None:
-        raise ConfigError(f"{WHERE} plan: true is resolved when a stage starts (the planner needs the module); "
-                          f"this strategy was built before that")
+        raise ConfigError(f"{WHERE} plan: true is resolved when a stage starts (the planner needs the "
+                          f"module); this strategy was built before that")
     plain = {k: v for k, v in spec.items() if k not in PLAN_KEYS}
     plain.update({k: chosen[k] for k in DEGREES})
     if chosen["pp"] > 1 and plain.get("n_microbatches") is None:

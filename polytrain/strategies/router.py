@@ -54,7 +54,8 @@ def user_step(module: Any, name: str) -> Callable[..., Any]:
     func = getattr(method, "__func__", method)
     if _takes_batch_idx(func, func is not method):
         return method
-    return functools.wraps(method)(lambda batch, batch_idx=None, *rest, **kwargs: method(batch, *rest, **kwargs))
+    return functools.wraps(method)(
+        lambda batch, batch_idx=None, *rest, **kwargs: method(batch, *rest, **kwargs))
 
 
 class StepRouter(nn.Module):

@@ -11,7 +11,8 @@ from polytrain.strategies.base import Strategy
 from polytrain.strategies.router import PADDING_BATCH
 
 
-def padded_eval_step(strategy: Strategy, padding: PaddingState, stage: str, batch: Any, batch_idx: int) -> Any:
+def padded_eval_step(strategy: Strategy, padding: PaddingState, stage: str, batch: Any,
+                     batch_idx: int) -> Any:
     """An evaluation step through the sharded root (its forward gathers parameters, so every rank
     must run it); on a padding batch the step still runs, its logs are dropped and the loops are
     told with ``PADDING_BATCH``."""

@@ -40,13 +40,15 @@ class DataModule(HyperparametersMixin, DataHooks):
                       test_dataset: Dataset | None = None, predict_dataset: Dataset | None = None,
                       batch_size: int = 1, num_workers: int = 0, **loader_kwargs: Any) -> DataModule:
         """A DataModule serving the given datasets (training shuffled)."""
-        datasets = {"train": train_dataset, "val": val_dataset, "test": test_dataset, "predict": predict_dataset}
+        datasets = {"train": train_dataset, "val": val_dataset, "test": test_dataset,
+                    "predict": predict_dataset}
 
         def loader(stage: str) -> Callable[[DataModule], Any]:
             def make(self: DataModule) -> Any:
                 dataset = datasets[stage]
                 return None if dataset is None else DataLoader(
-                    dataset, batch_size=batch_size, shuffle=stage == "train", num_workers=num_workers, **loader_kwargs)
+                    dataset, batch_size=batch_size, shuffle=stage == "train", num_workers=num_workers,
+                    **loader_kwargs)
 
             make.__name__ = f"{stage}_dataloader"
             return make

@@ -60,13 +60,14 @@ def _loggers(spec: Any, run_dir: str, version: int | str | None) -> list[Callbac
             out.append(TensorBoardLogger(run_dir, name="", version=version))
         elif name == "csv":
             out.append(CSVLogger(run_dir, name="", version=version))
-        elif name == "mlflow":  # by name: a file store in the run directory, unless MLFLOW_TRACKING_URI is set
+        elif name == "mlflow":
+            # by name: a file store in the run directory, unless MLFLOW_TRACKING_URI is set
             out.append(MLFlowLogger(save_dir=os.path.join(run_dir, "mlruns")))
         elif name == "wandb":  # online unless WANDB_MODE=offline; files under <run_dir>/wandb
             out.append(WandbLogger(save_dir=run_dir))
         else:
-            raise ConfigError(f"trainer.logger has unknown logger '{name}'; valid: {', '.join(_LOGGER_NAMES)}, "
-                              f"true, false")
+            raise ConfigError(f"trainer.logger has unknown logger '{name}'; valid: "
+                              f"{', '.join(_LOGGER_NAMES)}, true, false")
     return out
 
 
@@ -94,7 +95,8 @@ def build_callbacks(cfg: TrainerConfig, objects: list[Callback], logger_objects:
         callbacks.append(CompileTime())  # one log line: how long compiling took
     if cfg.enable_progress_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(ProgressBar())
-    if cfg.enable_checkpointing and not cfg.fast_dev_run and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+    if (cfg.enable_checkpointing and not cfg.fast_dev_run
+            and not any(isinstance(c, ModelCheckpoint) for c in callbacks)):
         callbacks.append(ModelCheckpoint())
     # Checkpointing runs last so a saved state includes what the other callbacks updated this step.
     callbacks.sort(key=lambda c: isinstance(c, ModelCheckpoint))

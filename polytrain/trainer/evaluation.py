@@ -71,7 +71,8 @@ def run_eval_pass(trainer: Trainer, loader: Any, stage: str, limit: int | None, 
     set_epoch(loader, trainer.current_epoch)
     modes = {m: m.training for m in module.modules()}
     metric_stage = "sanity" if sanity else stage
-    eval_step = functools.partial(hooks.instrument(step_name, trainer.strategy.eval_step), step_name[:-len("_step")])
+    eval_step = functools.partial(hooks.instrument(step_name, trainer.strategy.eval_step),
+                                  step_name[:-len("_step")])
     record = trainer.predict_loop
     if stage == "predict":
         loader = record.start(trainer, loader)

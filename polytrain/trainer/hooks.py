@@ -92,7 +92,8 @@ def is_overridden(obj: Any, name: str, base: type, *, patched: bool = False) -> 
     return getattr(attr, "__func__", attr) is not getattr(base, name, None)
 
 
-_read: set[tuple[type, type]] = set()  # classes already read: dir() of a module class is slow, and asked often
+# classes already read: dir() of a module class is slow, and asked often
+_read: set[tuple[type, type]] = set()
 
 
 def warn_unknown_hooks(obj: Any, known: frozenset[str], base: type) -> None:
@@ -108,7 +109,8 @@ def warn_unknown_hooks(obj: Any, known: frozenset[str], base: type) -> None:
         renamed = name.replace("_begin", "_start")  # Lightning 0.x's names (on_epoch_begin, ...)
         close = [renamed] if renamed in known else difflib.get_close_matches(name, sorted(known), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        warnings.warn(f"{type(obj).__name__}.{name} is never called by polytrain: it is not one of its hooks.{hint}",
+        warnings.warn(f"{type(obj).__name__}.{name} is never called by polytrain: it is not one of its "
+                      f"hooks.{hint}",
                       stacklevel=3)
 
 
@@ -133,7 +135,8 @@ class Hooks:
     ``instrument(row, fn)`` (a profiler's) wraps each planned callable once; the default returns it."""
 
     def __init__(self, trainer: Any, module: TrainModule, callbacks: list[Callback],
-                 datamodule: DataModule | None = None, instrument: Callable[[str, Callable], Callable] | None = None
+                 datamodule: DataModule | None = None,
+                 instrument: Callable[[str, Callable], Callable] | None = None
                  ) -> None:
         self.trainer = trainer
         self._module = module
@@ -155,7 +158,8 @@ class Hooks:
             module_hook = None
             if name in MODULE_HOOKS and (name in ALWAYS_CALLED or name in MODULE_ONLY_HOOKS
                                           or is_overridden(self._module, name, TrainModule, patched=True)):
-                module_hook = self.instrument(f"{name}: {type(self._module).__name__}", getattr(self._module, name))
+                module_hook = self.instrument(f"{name}: {type(self._module).__name__}",
+                                              getattr(self._module, name))
             cached = self._plans[name] = (before, after, module_hook)
         return cached
 
@@ -171,7 +175,8 @@ class Hooks:
 
     def epoch_end(self, name: str, after_module: Callable[[], None]) -> None:
         """``name`` with ``after_module()`` between the module's hook and the callbacks that watch metrics
-        (the epoch's values logged in the module's hook are reduced there, before those callbacks read them)."""
+        (the epoch's values logged in the module's hook are reduced there, before those callbacks read
+        them)."""
         before, after, module_hook = self.plan(name)
         trainer, module = self.trainer, self._module
         for fn in before:
@@ -214,7 +219,8 @@ class Hooks:
         before, after, module_hook = self.plan(name)
         trainer, module = self.trainer, self._module
         # functools.partial is written in C: binding (trainer, module) adds no Python frame per call.
-        calls: list[Callable] = [functools.partial(fn, trainer, module) for fn in before if not _idle(fn, name)]
+        calls: list[Callable] = [functools.partial(fn, trainer, module) for fn in before
+                                 if not _idle(fn, name)]
         if module_hook is not None:
             calls.append(module_hook)
         calls.extend(functools.partial(fn, trainer, module) for fn in after if not _idle(fn, name))

@@ -41,7 +41,8 @@ def _init_args(frame: types.FrameType) -> dict[str, Any]:
     local = frame.f_locals
     args = {n: local[n] for n in names[1:] if n in local}  # [0] is self
     if code.co_flags & inspect.CO_VARKEYWORDS:
-        extra = code.co_varnames[code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)]
+        extra = code.co_varnames[code.co_argcount + code.co_kwonlyargcount
+                                 + bool(code.co_flags & inspect.CO_VARARGS)]
         args.update(local.get(extra) or {})
     return args
 
@@ -81,8 +82,8 @@ class HyperparametersMixin:
             values = {k: v for k, v in init_args.items() if k not in ignore}
         modules = [k for k, v in values.items() if isinstance(v, nn.Module)]
         if modules:
-            warnings.warn(f"{type(self).__name__}.save_hyperparameters(): {modules} are nn.Modules, already saved "
-                          f"with the weights; pass ignore={modules} to leave them out", stacklevel=2)
+            warnings.warn(f"{type(self).__name__}.save_hyperparameters(): {modules} are nn.Modules, already "
+                          f"saved with the weights; pass ignore={modules} to leave them out", stacklevel=2)
         hparams = self.__dict__.setdefault("_hparams", AttributeDict())
         hparams.update(values)
         self.__dict__["_hparams_initial"] = copy.deepcopy(AttributeDict(hparams))
@@ -118,7 +119,8 @@ def load_module_from_checkpoint(cls: type, path: str, map_location: Any = None, 
         module = cls(**hparams)
     except TypeError as err:
         raise TypeError(f"{cls.__name__}.load_from_checkpoint({path!r}): cannot build {cls.__name__}(**"
-                        f"{sorted(hparams)}): {err}. Pass missing or non-plain arguments as keywords") from None
+                        f"{sorted(hparams)}): {err}. Pass missing or non-plain arguments "
+                        f"as keywords") from None
     if callable(getattr(module, "configure_model", None)):
         module.configure_model()
     state = checkpoint.get("model", {})
@@ -143,8 +145,8 @@ def _mapped_device(map_location: Any) -> torch.device | None:
         return torch.device(target) if target is not None else None
     if isinstance(map_location, (str, torch.device)):
         return torch.device(map_location)
-    raise TypeError(f"load_from_checkpoint(map_location={map_location!r}): give a device, a device name or a dict "
-                    f"such as {{'cuda:0': 'cpu'}} (the weights are read to the CPU first)")
+    raise TypeError(f"load_from_checkpoint(map_location={map_location!r}): give a device, a device name or "
+                    f"a dict such as {{'cuda:0': 'cpu'}} (the weights are read to the CPU first)")
 
 
 def load_datamodule_from_checkpoint(cls: type, path: str, **kwargs: Any) -> Any:

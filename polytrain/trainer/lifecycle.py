@@ -85,9 +85,9 @@ def begin(trainer: Trainer, stage: str) -> None:
             hooks.module("configure_model")
         if not first and [id(p) for p in module.parameters()] != before:
             raise ConfigError(
-                f"{type(module).__name__}.configure_model() built new layers when called again for {stage}(): the "
-                f"trained weights were replaced. It runs in every stage (as in Lightning), so make it idempotent, "
-                f"e.g. start it with `if hasattr(self, 'net'): return`")
+                f"{type(module).__name__}.configure_model() built new layers when called again for "
+                f"{stage}(): the trained weights were replaced. It runs in every stage (as in Lightning), so "
+                f"make it idempotent, e.g. start it with `if hasattr(self, 'net'): return`")
     float8 = resolve_float8(trainer.config.float8)
     if first and float8 is not None and float8["auto"] and not has_float8_matmuls(strategy.root_device):
         log.info("float8: auto leaves the Linear layers in high precision: %s has no float8 matmuls",
@@ -135,11 +135,13 @@ def _prepare_data(trainer: Trainer) -> None:
 def _raise_first_failure(strategy: Any, error: Exception | None, step: str) -> None:
     """Every rank calls this once a rank failed in ``step``: the failing ranks raise their own error, the
     others an error holding the first failing rank's traceback (whichever a launcher shows first is real)."""
-    reports = strategy.all_gather_object(None if error is None else "".join(traceback.format_exception(error)))
+    reports = strategy.all_gather_object(None if error is None
+                                         else "".join(traceback.format_exception(error)))
     if error is not None:
         raise error
     rank = next(r for r, report in enumerate(reports) if report is not None)
-    raise RankFailedError(f"{step} raised on rank {rank}, so every rank stops (this is rank {strategy.global_rank}). "
+    raise RankFailedError(f"{step} raised on rank {rank}, so every rank stops (this is rank "
+                          f"{strategy.global_rank}). "
                           f"Rank {rank}'s error:\n{reports[rank].rstrip()}")
 
 

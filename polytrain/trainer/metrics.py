@@ -73,7 +73,8 @@ def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
         return value.reshape(()).float()
     if isinstance(value, (int, float, bool)):
         return torch.tensor(float(value), device=device)
-    raise TypeError(f"self.log needs a number, a scalar tensor or a torchmetrics Metric, got {type(value).__name__}")
+    raise TypeError(f"self.log needs a number, a scalar tensor or a torchmetrics Metric, got "
+                    f"{type(value).__name__}")
 
 
 def _agreed_names(local: list[tuple[str, str]], device: torch.device, group: Any) -> list[tuple[str, str]]:
@@ -82,7 +83,8 @@ def _agreed_names(local: list[tuple[str, str]], device: torch.device, group: Any
     Ranks nearly always logged the same names: a gather of (count, 64-bit digest) shows it in one small
     collective; only when they differ are the names themselves gathered (two collectives and pickling). A
     name given two reductions keeps the first in order."""
-    digest = int.from_bytes(hashlib.blake2b(repr(local).encode(), digest_size=8).digest(), "little", signed=True)
+    digest = int.from_bytes(hashlib.blake2b(repr(local).encode(), digest_size=8).digest(), "little",
+                            signed=True)
     rows = C.all_gather(torch.tensor([len(local), digest], dtype=torch.long, device=device), group).tolist()
     if all(row == rows[0] for row in rows):
         return local
@@ -158,17 +160,18 @@ class MetricCollector:
             self._current = self.results.setdefault(stage, {})
             self._fresh = self._fresh_by_stage.setdefault(stage, {})
 
-    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
-            on_epoch: bool | None = None, reduce_fx: str = "mean", sync_dist: bool = False,
-            batch_size: int | None = None) -> None:
+    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True,
+            on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: str = "mean",
+            sync_dist: bool = False, batch_size: int | None = None) -> None:
         if self.refused_in is not None or self.stage is None:
             where = self.refused_in or "outside the training and evaluation loops"
-            raise RuntimeError(f"self.log({name!r}) in {_calling_hook()}: nothing can be logged there ({where}), as in "
-                               f"Lightning. Log from training_step, validation_step, test_step or the batch/epoch hooks "
-                               f"around them")
+            raise RuntimeError(f"self.log({name!r}) in {_calling_hook()}: nothing can be logged there "
+                               f"({where}), as in Lightning. Log from training_step, validation_step, "
+                               f"test_step or the batch/epoch hooks around them")
         if on_step and self.epoch_level():
-            raise ValueError(f"self.log({name!r}, on_step=True) in {_calling_hook()}: an epoch-level hook logs once per "
-                             f"epoch; drop on_step=True (as in Lightning, where it is an error too)")
+            raise ValueError(f"self.log({name!r}, on_step=True) in {_calling_hook()}: an epoch-level hook "
+                             f"logs once per epoch; drop on_step=True (as in Lightning, where it is an "
+                             f"error too)")
         defaults = self.defaults
         on_step = defaults[0] if on_step is None else on_step
         on_epoch = defaults[1] if on_epoch is None else on_epoch
@@ -176,7 +179,8 @@ class MetricCollector:
         entry = self._current.get(name)
         if entry is None or entry.options != options:
             if reduce_fx not in REDUCE_FX:
-                raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}); valid: {', '.join(REDUCE_FX)}")
+                raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}); valid: "
+                                 f"{', '.join(REDUCE_FX)}")
             if not (on_step or on_epoch):
                 raise ValueError(f"self.log({name!r}) with on_step=False and on_epoch=False records nothing")
             entry = self._current[name] = Logged(name, options)
@@ -189,8 +193,9 @@ class MetricCollector:
                     return
                 value = getattr(value, "_forward_cache", None)
                 if value is None:
-                    raise ValueError(f"self.log({name!r}, <Metric>, on_step=True): call the metric on the batch "
-                                     f"(metric(preds, target)) before logging it, so it has a per-step value")
+                    raise ValueError(f"self.log({name!r}, <Metric>, on_step=True): call the metric on the "
+                                     f"batch (metric(preds, target)) before logging it, so it has a "
+                                     f"per-step value")
             tensor = _as_tensor(value, self.device)
         if on_step:
             entry.step_value = tensor
@@ -224,7 +229,8 @@ class MetricCollector:
             entry.count = 1.0
         else:
             entry.total = (entry.total + tensor if fx == "sum" else
-                           torch.maximum(entry.total, tensor) if fx == "max" else torch.minimum(entry.total, tensor))
+                           torch.maximum(entry.total, tensor) if fx == "max" else
+                           torch.minimum(entry.total, tensor))
             entry.count += 1.0
 
     # ------------------------------------------------------------------ publishing
@@ -250,7 +256,8 @@ class MetricCollector:
                 self.callback[e.step_name()] = v
         return values
 
-    def reduce_epoch(self, stage: str, group: Any = None, more: bool = False) -> dict[str, tuple[Logged, torch.Tensor]]:
+    def reduce_epoch(self, stage: str, group: Any = None,
+                     more: bool = False) -> dict[str, tuple[Logged, torch.Tensor]]:
         """Epoch values of ``stage`` reduced over the epoch and the data-parallel ranks, by published
         name, and into ``callback``; the stage's records are cleared. Called by every rank at the same
         point: before the epoch-end hooks (they read the epoch's values), then with ``more=True`` after
@@ -296,7 +303,8 @@ class MetricCollector:
             if e.forked:
                 self.callback[e.epoch_name()] = v
         if stage == "train":
-            last = {e.step_name(): (e, e.step_value) for e in results.values() if e.on_step and e.step_value is not None}
+            last = {e.step_name(): (e, e.step_value) for e in results.values()
+                    if e.on_step and e.step_value is not None}
             self.last_step_values = {**self.last_step_values, **last} if more else last
         elif stage in ("val", "test"):
             stepped = [e for e in results.values() if e.on_step]
@@ -345,7 +353,8 @@ class MetricCollector:
 
 
 def publish(trainer: Trainer, values: dict[str, tuple[Logged, torch.Tensor]], step: int) -> None:
-    """Hand values to the loggers (``on_log``) and the progress bar: the only place metrics leave the device."""
+    """Hand values to the loggers (``on_log``) and the progress bar: the only place metrics leave the
+    device."""
     logged = trainer.metrics.publish(values)
     if values:
         trainer.hooks.callbacks("on_log", logged, step)

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
     """Subclass this; override ``training_step`` and ``configure_optimizers`` at least."""
 
-    example_input_array: Any = None  # Lightning's attribute; set it to describe an input (unused by polytrain)
+    # Lightning's attribute; set it to describe an input (unused by polytrain)
+    example_input_array: Any = None
     strict_loading: bool = True  # load_from_checkpoint's default for strict=None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -42,7 +43,8 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
     def trainer(self) -> Trainer:
         trainer = self.__dict__.get("_trainer")
         if trainer is None:
-            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer; call trainer.fit(module) first")
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer; "
+                               f"call trainer.fit(module) first")
         return trainer
 
     def _attach(self, trainer: Trainer | None) -> None:
@@ -105,11 +107,11 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
         return self._trainer_value("loggers", [])
 
     # ------------------------------------------------------------------ logging
-    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
-            on_epoch: bool | None = None, reduce_fx: str = "mean", enable_graph: bool = False,
-            sync_dist: bool = False, sync_dist_group: Any = None, add_dataloader_idx: bool = True,
-            batch_size: int | None = None, metric_attribute: str | None = None,
-            rank_zero_only: bool = False) -> None:
+    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True,
+            on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: str = "mean",
+            enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
+            add_dataloader_idx: bool = True, batch_size: int | None = None,
+            metric_attribute: str | None = None, rank_zero_only: bool = False) -> None:
         """Record a metric. Training steps log per step by default; evaluation per epoch; epoch hooks
         per epoch. Epoch values are reduced (``reduce_fx``) over the epoch and across data-parallel
         ranks; ``sync_dist=True`` also reduces per-step values, on the steps that are logged.
@@ -126,7 +128,8 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
                              reduce_fx=reduce_fx, sync_dist=sync_dist, batch_size=batch_size)))
             if getattr(tap, "silent", False):
                 return  # recorded only (protocol.recorded_logs: a pipeline stage logs the mean later)
-        trainer.metrics.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size)
+        trainer.metrics.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist,
+                            batch_size)
 
     def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
         for name, value in dictionary.items():
@@ -224,7 +227,8 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
         self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
                             gradient_clip_algorithm=gradient_clip_algorithm)
 
-    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any,
+                       optimizer_closure: Any = None) -> None:
         optimizer.step(closure=optimizer_closure)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
@@ -279,19 +283,22 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
     def on_validation_epoch_start(self) -> None: ...
     def on_validation_epoch_end(self) -> None: ...
     def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
-    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None: ...
     def on_test_start(self) -> None: ...
     def on_test_end(self) -> None: ...
     def on_test_epoch_start(self) -> None: ...
     def on_test_epoch_end(self) -> None: ...
     def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
-    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int,
+                          dataloader_idx: int = 0) -> None: ...
     def on_predict_start(self) -> None: ...
     def on_predict_end(self) -> None: ...
     def on_predict_epoch_start(self) -> None: ...
     def on_predict_epoch_end(self) -> None: ...
     def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
-    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int,
+                             dataloader_idx: int = 0) -> None: ...
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
 
@@ -315,12 +322,14 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: str, map_location: Any = None, hparams_file: str | None = None,
+    def load_from_checkpoint(cls, checkpoint_path: str, map_location: Any = None,
+                             hparams_file: str | None = None,
                              strict: bool | None = None, **kwargs: Any) -> TrainModule:
         """A new module built from the checkpoint's saved hyperparameters (``**kwargs`` win) with its
         weights, from any polytrain checkpoint: a file or a sharded directory."""
         if hparams_file is not None:
-            raise ValueError("hparams_file is not supported: polytrain checkpoints carry their hyperparameters")
+            raise ValueError("hparams_file is not supported: polytrain checkpoints carry their "
+                             "hyperparameters")
         strict = cls.strict_loading if strict is None else strict
         return load_module_from_checkpoint(cls, checkpoint_path, map_location, strict, **kwargs)
 

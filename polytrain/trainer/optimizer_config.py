@@ -35,8 +35,8 @@ def _scheduler_entry(item: Any) -> SchedulerConfig:
     if isinstance(item, dict):
         unknown = [k for k in item if k not in _SCHEDULER_KEYS]
         if unknown or "scheduler" not in item:
-            raise ValueError(f"lr_scheduler dict needs 'scheduler' and may have {', '.join(_SCHEDULER_KEYS)}; "
-                             f"got {sorted(item)}")
+            raise ValueError(f"lr_scheduler dict needs 'scheduler' and may have "
+                             f"{', '.join(_SCHEDULER_KEYS)}; got {sorted(item)}")
         entry = SchedulerConfig(**item)
     else:
         entry = SchedulerConfig(item)
@@ -68,8 +68,8 @@ def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[Sch
         if all(isinstance(x, torch.optim.Optimizer) for x in result):
             return list(result), []
     raise TypeError(
-        f"configure_optimizers returned {type(result).__name__}; return an optimizer, (optimizer, scheduler), "
-        f"([optimizers], [schedulers]) or {{'optimizer': ..., 'lr_scheduler': ...}}"
+        f"configure_optimizers returned {type(result).__name__}; return an optimizer, "
+        f"(optimizer, scheduler), ([optimizers], [schedulers]) or {{'optimizer': ..., 'lr_scheduler': ...}}"
     )
 
 

@@ -37,22 +37,26 @@ def _spawn_entry(trainer_cls: type[Trainer], trainer_kwargs: dict[str, Any], cal
     state_dict = trainer.strategy.module_state_dict()
     if trainer.is_global_zero:
         # Hand the trained weights and the result back to the launching process.
-        torch.save({"state_dict": state_dict, "result": result, "log_dir": trainer.log_dir, "ckpt_path": trainer.ckpt_path,
-                    "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, result_path)
+        torch.save({"state_dict": state_dict, "result": result, "log_dir": trainer.log_dir,
+                    "ckpt_path": trainer.ckpt_path,
+                    "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
+                   result_path)
     trainer.strategy.teardown()
 
 
 def launch_from_trainer(trainer: Trainer, plan: LaunchPlan, stage: str, module: TrainModule,
                         kwargs: dict[str, Any]) -> dict[str, Any]:
     """Run ``stage`` in worker processes; the trained weights are loaded into ``module``, and what the
-    launching Trainer shows afterwards comes back: ``result``, ``callback_metrics``, ``log_dir``, ``ckpt_path``."""
+    launching Trainer shows afterwards comes back: ``result``, ``callback_metrics``, ``log_dir``,
+    ``ckpt_path``."""
     if plan.method == "elastic":
         relaunch_script(plan, trainer.config.max_restarts)  # exits with the job's status
     trainer_kwargs = trainer_to_dict(trainer.config)
     user_callbacks = [cb for cb in trainer.callbacks if getattr(cb, "_user_given", False)]
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.pt")
-        launch_spawn(plan, _spawn_entry, (type(trainer), trainer_kwargs, user_callbacks, stage, module, kwargs, result_path))
+        launch_spawn(plan, _spawn_entry,
+                     (type(trainer), trainer_kwargs, user_callbacks, stage, module, kwargs, result_path))
         out = torch.load(result_path, weights_only=False)  # written by our own worker just now
     if stage == "fit":
         module.load_state_dict(out.pop("state_dict"))
@@ -61,8 +65,8 @@ def launch_from_trainer(trainer: Trainer, plan: LaunchPlan, stage: str, module: 
 
 
 def strategy_for(config: TrainerConfig, plan: LaunchPlan) -> Strategy:
-    """The strategy this process runs (a ``Strategy`` given as ``trainer.strategy`` is used as it is), with the
-    process-wide switches the config asks for set before its process group starts."""
+    """The strategy this process runs (a ``Strategy`` given as ``trainer.strategy`` is used as it is),
+    with the process-wide switches the config asks for set before its process group starts."""
     compile_options = resolve_compile(config.compile)
     checkpointing = resolve_checkpointing(config.activation_checkpointing)
     if isinstance(config.strategy, Strategy):
@@ -75,9 +79,12 @@ def strategy_for(config: TrainerConfig, plan: LaunchPlan) -> Strategy:
             if checkpointing is None and planned_ac:
                 checkpointing = resolve_checkpointing({"mode": "op"} if planned_ac == "op" else True)
         spec["name"] = plan.strategy_name
-        if config.sync_batchnorm and "sync_batchnorm" in strategy_class(spec["name"]).Options.__dataclass_fields__:
-            spec["sync_batchnorm"] = True  # Lightning's Trainer(sync_batchnorm=True); one process: nothing to sync
-        strategy = build_strategy(spec, accelerator=plan.accelerator, devices=plan.devices, num_nodes=plan.num_nodes,
+        if (config.sync_batchnorm
+                and "sync_batchnorm" in strategy_class(spec["name"]).Options.__dataclass_fields__):
+            # Lightning's Trainer(sync_batchnorm=True); one process: nothing to sync
+            spec["sync_batchnorm"] = True
+        strategy = build_strategy(spec, accelerator=plan.accelerator, devices=plan.devices,
+                                  num_nodes=plan.num_nodes,
                                   precision=config.precision, timeout=config.timeout, env=plan.env,
                                   compile_options=compile_options, checkpointing_options=checkpointing)
     if config.benchmark is not None:

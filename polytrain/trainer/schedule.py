@@ -17,16 +17,18 @@ def val_check_batches(config: Any, num_batches: int | None) -> int:
         return num_batches if num_batches is not None else 0
     if isinstance(interval, float):
         if num_batches is None:
-            raise ConfigError(f"trainer.val_check_interval={interval} is a fraction of an epoch, but the training "
-                              f"loader has no length; give a number of batches")
+            raise ConfigError(f"trainer.val_check_interval={interval} is a fraction of an epoch, but the "
+                              f"training loader has no length; give a number of batches")
         return max(1, int(num_batches * interval))
     if config.check_val_every_n_epoch is None and num_batches is None:
-        raise ConfigError(f"trainer.val_check_interval={interval} with check_val_every_n_epoch=null counts batches "
-                          f"across epochs, but the training loader has no length (an IterableDataset?); set "
-                          f"check_val_every_n_epoch, or trainer.limit_train_batches to fix the epoch's length")
+        raise ConfigError(f"trainer.val_check_interval={interval} with check_val_every_n_epoch=null counts "
+                          f"batches across epochs, but the training loader has no length "
+                          f"(an IterableDataset?); set check_val_every_n_epoch, or "
+                          f"trainer.limit_train_batches to fix the epoch's length")
     if config.check_val_every_n_epoch is not None and num_batches is not None and interval > num_batches:
-        raise ConfigError(f"trainer.val_check_interval={interval} is more than the {num_batches} training batches "
-                          f"of an epoch; lower it, or set check_val_every_n_epoch=null to count across epochs")
+        raise ConfigError(f"trainer.val_check_interval={interval} is more than the {num_batches} training "
+                          f"batches of an epoch; lower it, or set check_val_every_n_epoch=null to count "
+                          f"across epochs")
     return int(interval)
 
 
@@ -56,7 +58,8 @@ class ValidationSchedule:
     def at_epoch_end(self, epoch: int) -> bool:
         n = self.num_batches
         if n is None:  # an epoch of unknown length: validation at its end, or by count
-            return self.every == 0 and self.every_n_epochs is not None and (epoch + 1) % self.every_n_epochs == 0
+            return (self.every == 0 and self.every_n_epochs is not None
+                    and (epoch + 1) % self.every_n_epochs == 0)
         if self.every_n_epochs is None:
             return (epoch + 1) * n % self.every == 0
         return (epoch + 1) % self.every_n_epochs == 0 and n % self.every == 0

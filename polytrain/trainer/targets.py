@@ -62,7 +62,8 @@ def import_target(target: str, where: str = "_target_") -> Any:
                           f"named '{missing}'{hint}); it is looked for next to the config, in the working "
                           f"directory ({os.getcwd()}) and on sys.path (PYTHONPATH)") from None
     except ImportError as err:
-        raise ConfigError(f"{where}: _target_ '{target}': cannot import module '{module_name}': {err}") from None
+        raise ConfigError(f"{where}: _target_ '{target}': cannot import module '{module_name}': "
+                          f"{err}") from None
     if not hasattr(module, attr):
         raise missing_attribute(where, target, {*dir(module), *getattr(module, "__all__", ())})
     return getattr(module, attr)
@@ -97,7 +98,8 @@ def check_signature(signature: inspect.Signature, kwargs: dict[str, Any], where:
         key = unknown[0]
         more = f" (and {', '.join(repr(k) for k in unknown[1:])})" if unknown[1:] else ""
         hint = _did_you_mean(key, valid)
-        raise ConfigError(f"{where}: {target}() got an unexpected keyword '{key}'{more}{hint or '.'} {listing}")
+        raise ConfigError(f"{where}: {target}() got an unexpected keyword '{key}'{more}{hint or '.'} "
+                          f"{listing}")
     missing = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in kwargs
                and p.kind in (*_NAMED, inspect.Parameter.POSITIONAL_ONLY)]
     if missing:
@@ -110,7 +112,8 @@ def check_spec(spec: Any, where: str, config_dir: str | None = None) -> None:
     """Import ``spec['_target_']`` and check ``spec``'s other keys against its signature (nested
     ``_target_`` mappings too), without calling anything."""
     if not isinstance(spec, dict) or not isinstance(spec.get("_target_"), str):
-        raise ConfigError(f"{where} must be a mapping with _target_: package.Class (and its keyword arguments)")
+        raise ConfigError(f"{where} must be a mapping with _target_: package.Class (and its keyword "
+                          f"arguments)")
     search_from(config_dir)  # what instantiate does in the workers: targets resolve the same way
     kwargs = {k: v for k, v in spec.items() if k != "_target_"}
     for key, value in kwargs.items():
@@ -120,8 +123,8 @@ def check_spec(spec: Any, where: str, config_dir: str | None = None) -> None:
 
 
 def check_run_targets(config: dict[str, Any]) -> dict[str, Any]:
-    """Check every ``_target_`` of a whole config (``module``, ``data`` or ``datamodule``, ``trainer.callbacks``);
-    returns the config."""
+    """Check every ``_target_`` of a whole config (``module``, ``data`` or ``datamodule``,
+    ``trainer.callbacks``); returns the config."""
     config_dir = config.get("config_dir")
     check_spec(config["module"], "module", config_dir)
     for section in ("data", "datamodule"):
