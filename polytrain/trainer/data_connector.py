@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -213,16 +212,3 @@ def agreed_batches(iterator: Iterator[Any], any_missing: Callable[[bool], bool],
     found = state_source(loader)
     return AgreedBatches(iterator, any_missing, found[0].state_dict if found is not None else None)
 
-
-def estimated_stepping_batches(trainer: Trainer) -> int | float:
-    """The optimizer steps ``fit`` will take (Lightning's ``trainer.estimated_stepping_batches``). As
-    Lightning, asking before training requests the training loader early (this fit then uses that
-    loader); a loader without length gives ``inf``."""
-    cfg, data = trainer.config, trainer.fit_loop.data
-    if data.train_loader is None:
-        data.train_loader, data.requested_early = trainer.fit_loop.request_train_loader(), True
-    batches = batch_limit(trainer, "train", data.train_loader) if data.train_loader is not None else 0
-    epochs = 1 if cfg.fast_dev_run else cfg.max_epochs if cfg.max_epochs is not None else \
-        (1000 if cfg.max_steps < 0 else float("inf"))
-    steps = float("inf") if batches is None else math.ceil(batches / cfg.accumulate_grad_batches) * max(epochs, 1)
-    return min(steps, cfg.max_steps) if cfg.max_steps >= 0 else steps

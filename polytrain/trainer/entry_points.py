@@ -70,8 +70,7 @@ def _evaluate(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: 
                          f"on {type(trainer.module).__name__} (or its DataModule)")
     limit = batch_limit(trainer, loader_stage, loader)
     if loader_stage == "val":  # trainer.val_dataloaders / num_val_batches show the standalone validation's
-        data = trainer.fit_loop.data
-        data.val_loader, data.num_val_batches = loader, limit
+        trainer.fit_loop.data.use_val(loader, limit)
     result = run_eval_pass(trainer, loader, loader_stage, limit)
     if stage == "predict":
         return result if trainer.predict_loop.return_predictions else None

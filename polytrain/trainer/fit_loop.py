@@ -15,6 +15,7 @@ plans, the validation schedule, whether a heartbeat runs) is fixed before the fi
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -122,7 +123,6 @@ class FitLoop:
         strategy = trainer.strategy
         lightning_seed = user_seed() if trainer.world_size > 1 else None  # the user's seed_everything
         training_streams(cfg.seed, strategy.dp_rank, strategy.global_rank, lightning_seed)
-        self.progress.train_batch_size = getattr(data.train_loader, "batch_size", None)
         self.schedule = ValidationSchedule(cfg, data.num_training_batches)
         self._started, self._multi_rank = time.monotonic(), trainer.world_size > 1
         self._loaded = {"train": self.progress.epoch, "val": self.progress.epoch}  # reload_dataloaders_every_...
@@ -147,6 +147,26 @@ class FitLoop:
         hooks("on_fit_end")
         report_goodput(trainer, self.goodput, self.progress.global_step)
 
+    def estimated_stepping_batches(self) -> int | float:
+        """The optimizer steps ``fit`` will take (Lightning's ``trainer.estimated_stepping_batches``). As
+        Lightning, asking before training requests the training loader early (this fit then uses that
+        loader); a loader without length gives ``inf``."""
+        cfg, data = self.t.config, self.data
+        if data.train_loader is None:
+            data.train_loader, data.requested_early = self.request_train_loader(), True
+        batches = batch_limit(self.t, "train", data.train_loader) if data.train_loader is not None else 0
+        if cfg.fast_dev_run:
+            epochs: float = 1
+        elif cfg.max_epochs is not None:
+            epochs = cfg.max_epochs
+        else:
+            epochs = 1000 if cfg.max_steps < 0 else float("inf")
+        if batches is None:
+            steps: float = float("inf")
+        else:
+            steps = math.ceil(batches / cfg.accumulate_grad_batches) * max(epochs, 1)
+        return min(steps, cfg.max_steps) if cfg.max_steps >= 0 else steps
+
     def request_train_loader(self) -> Any:
         saved = self.resumed.loop
         return request_loader(self.t, "train", saved.get("dp_size") if saved is not None else None)
@@ -166,13 +186,15 @@ class FitLoop:
                               f"optimisation ({type(module).__name__}.automatic_optimization is False): call "
                               f"self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm=...) "
                               f"in training_step before optimizer.step(), and drop the option")
-        self.progress.world_size, self.progress.dp_size = strategy.world_size, strategy.dp_size
+        self.progress.start_fit(strategy.world_size, strategy.dp_size)
         self.guard = NonFiniteGuard(t.config.nan_policy, strategy, module, self.progress)
         phase = t.profiler.phase
         if module.automatic_optimization:
             self.optimization = AutomaticOptimization(strategy, module, t.hooks, self.guard, t.config, phase)
         else:
-            self.optimization = ManualOptimization(strategy, t.hooks, self.guard, self.progress, phase)
+            # Manual optimisation steps inside training_step: each step counts as it is taken.
+            self.optimization = ManualOptimization(strategy, t.hooks, self.guard, self.progress.count_optimizer_step,
+                                                   phase)
 
     def _restore(self, ckpt_path: str | None) -> None:
         """Resume from the checkpoint settled with the run's directory (the same on every rank)."""
@@ -198,8 +220,7 @@ class FitLoop:
         """A stop request waits (stays pending) until min_epochs and min_steps are met."""
         cfg, p = self.t.config, self.progress
         reached = p.epoch >= (cfg.min_epochs or 0) and p.global_step >= (cfg.min_steps or 0)
-        if not reached and not self.stopping.told_min:
-            self.stopping.told_min = True
+        if not reached and self.stopping.first_wait_for_min():
             log.info("trainer.should_stop was set but min_epochs=%s / min_steps=%s are not reached yet: training "
                      "continues until they are", cfg.min_epochs, cfg.min_steps)
         return reached
@@ -207,20 +228,21 @@ class FitLoop:
     def _agree_at_epoch_end(self) -> None:
         s, strategy = self.stopping, self.t.strategy
         if self.t.max_time_seconds is not None and strategy.reduce_boolean_decision(self._time_up()):
-            s.requested = s.out_of_time = True
-        s.requested = s.agreed = strategy.reduce_boolean_decision(s.requested)
+            s.time_up()
+        s.agree(strategy.reduce_boolean_decision(s.requested))
 
     def _agree_on_stop(self) -> None:  # at a point every rank reaches together (logging step, validation)
         if self._multi_rank:
             s = self.stopping
-            s.agreed = s.requested = self.t.strategy.reduce_boolean_decision(s.requested)
+            s.agree(self.t.strategy.reduce_boolean_decision(s.requested))
 
     # ------------------------------------------------------------------ an epoch
     def _epoch_iterator(self) -> tuple[Any, int]:
         p, data, t = self.progress, self.data, self.t
-        iterator, start, p.sample_base, data.loader_rng = epoch_iterator(
+        iterator, start, sample_base, data.loader_rng = epoch_iterator(
             data.train_loader, p.epoch, p.batch_in_epoch, data.num_training_batches, t.strategy.dp_size,
             self.resumed)
+        p.start_epoch(sample_base, getattr(data.train_loader, "batch_size", None))
         return iterator, start
 
     def _run_epoch(self) -> None:
@@ -232,7 +254,7 @@ class FitLoop:
         t.hooks("on_train_epoch_start")
         iterator, start = first if first is not None else self._epoch_iterator()  # after the hook, as Lightning
         if start and p.validation_due is None:  # a file from before the loop recorded it
-            p.validation_due = start == self.data.num_training_batches and self._end_due()
+            p.expect_validation(start == self.data.num_training_batches and self._end_due())
         if start and p.validation_due and start != self.data.num_training_batches:
             self._validate()  # the checkpoint was taken between a batch and its validation
             t.metrics.start_stage("train", EPOCH_ONLY)
@@ -268,12 +290,10 @@ class FitLoop:
             if step is EPOCH_SKIPPED:
                 return False
             batch, output, stepped, last = step
-            if stepped or not automatic:
-                p.batches_stepped += 1
-                if p.batches_stepped % log_every == 0:
-                    self._log_step()
+            if (stepped or not automatic) and p.count_stepped_batch(log_every):
+                self._log_step()
             # Set before on_train_batch_end: a checkpoint taken there records that a validation follows.
-            p.validation_due = end_due if last else inside and schedule.after_batch(epoch, batch_idx)
+            p.expect_validation(end_due if last else inside and schedule.after_batch(epoch, batch_idx))
             if end_hooks:
                 outputs = _batch_outputs(output, automatic)
                 for fn in end_hooks:
@@ -286,7 +306,7 @@ class FitLoop:
                 return last
             if not last and (stopping.agreed if self._multi_rank else stopping.requested) and self._min_reached():
                 # As Lightning: the epoch ends here, validating first if this batch did not (and the epoch does).
-                p.validation_due = not validated and has_val and schedule.epoch_validates(epoch)
+                p.expect_validation(not validated and has_val and schedule.epoch_validates(epoch))
                 return True
         return True
 
@@ -334,7 +354,7 @@ class FitLoop:
         with self._transfer_phase:
             batch = self._transfer(batch)
         self.t.metrics.batch = batch  # its size is read only if a value is logged per epoch
-        p.batch_in_epoch = batch_idx + 1
+        p.take_batch(batch_idx)
         end_of_window = (batch_idx + 1) % self._accumulate == 0 or last
         if self._beat is not None:
             self._beat(p.global_step, "training_step")
@@ -343,7 +363,7 @@ class FitLoop:
         with self._batch_phase:
             output, stepped = optimization.run(batch, batch_idx, end_of_window, p.epoch)
         if stepped:
-            p.global_step += 1
+            p.count_optimizer_step()
             if self._schedulers:
                 self._after_optimizer_step(last)
         return batch, output, stepped, last
@@ -363,9 +383,9 @@ class FitLoop:
         publish(t, t.metrics.pop_step_values(t.strategy.dp_group), self.progress.global_step)
         stop, time_up = self.guard.check((s.requested, self._time_up()), parameters=False)
         if time_up:  # max_time: every rank stops here; the fit-end checkpoint lets a resubmitted job continue
-            s.requested = s.out_of_time = True
+            s.time_up()
         if self._multi_rank:
-            s.agreed = s.requested = stop or time_up
+            s.agree(stop or time_up)
 
     def _after_optimizer_step(self, last_batch: bool) -> None:
         t, p = self.t, self.progress
@@ -418,7 +438,7 @@ class FitLoop:
 
     def _run_validation(self) -> None:
         t, data = self.t, self.data
-        self.progress.validation_due = False  # from here on, a checkpoint resumes after this validation
+        self.progress.expect_validation(False)  # from here on, a checkpoint resumes after this validation
         if self._reload_due("val"):  # before the validation, as Lightning
             self._request_val()
         if data.num_val_batches == 0:  # None: a loader without length, run until it ends
@@ -435,8 +455,7 @@ class FitLoop:
         t, p, metrics, group = self.t, self.progress, self.t.metrics, self.t.strategy.dp_group
         heartbeat.at("train_epoch_end")
         metrics.start_stage("train", EPOCH_ONLY)
-        p.at_epoch_end = complete  # a checkpoint taken now resumes at the next epoch
-        try:
+        with p.ending_epoch(complete):  # a checkpoint taken now resumes at the next epoch
             values = metrics.reduce_epoch("train", group)
 
             def reduced_and_published() -> None:
@@ -444,15 +463,12 @@ class FitLoop:
                 publish(t, values, p.global_step)
 
             t.hooks.epoch_end("on_train_epoch_end", reduced_and_published)
-        finally:
-            p.at_epoch_end = False
         if complete:
             step_schedulers(t.lr_scheduler_configs, "epoch", p.epoch + 1, t.callback_metrics, self._scheduler_step,
                             plateau=True)
             # A mid-epoch stop (max_steps) keeps its position, so a checkpoint taken at fit end
             # resumes from the next batch instead of skipping the rest of the epoch.
-            p.epoch += 1
-            p.batch_in_epoch = 0
+            p.finish_epoch()
 
 
 def _batch_outputs(output: Any, automatic: bool) -> Any:

@@ -41,7 +41,6 @@ from polytrain.core import heartbeat
 from polytrain.core.precision import runs_closure_itself
 from polytrain.trainer.guards import NonFiniteGuard
 from polytrain.trainer.hooks import Hooks
-from polytrain.trainer.progress import FitProgress
 
 Phase = Callable[..., contextlib.AbstractContextManager]  # the profiler's: phase(row, excluding=None)
 
@@ -248,9 +247,10 @@ def _rerun_guard(closure: Closure) -> Callable[[], Any]:
 class ManualOptimization:
     """A fit's training batch under manual optimisation: the module steps; each step counts."""
 
-    def __init__(self, strategy: Any, hooks: Hooks, guard: NonFiniteGuard, progress: FitProgress,
+    def __init__(self, strategy: Any, hooks: Hooks, guard: NonFiniteGuard, count_step: Callable[[], None],
                  phase: Phase = _no_phase) -> None:
-        self.strategy, self.hooks, self.guard, self.progress = strategy, hooks, guard, progress
+        self.strategy, self.hooks, self.guard = strategy, hooks, guard
+        self.count_step = count_step  # the loop's step count (FitProgress.count_optimizer_step)
         self.optimizers = list(strategy.optimizers)
         self.forward_backward_phase = phase("forward+backward")
         self.update_phase = phase("optimizer update")
@@ -275,7 +275,7 @@ class ManualOptimization:
         with self.update_phase:
             result = self.strategy.optimizer_step(optimizer, closure or _no_closure,
                                                   functools.partial(self._before_update, optimizer))
-        self.progress.global_step += 1  # manual optimisation counts every optimizer.step(), as Lightning
+        self.count_step()  # manual optimisation counts every optimizer.step(), as Lightning
         return result
 
     def _before_update(self, optimizer: torch.optim.Optimizer) -> None:

@@ -1,11 +1,16 @@
 """Loop state in one place: where a fit stands (``FitProgress``, saved in every checkpoint as ``loop``),
-what a resume left for the next epoch to pick up (``Resumed``), and whether the loop is to stop
-(``Stopping``). The fit loop owns them and is the only writer; the Trainer reads them through
-Lightning's names (``current_epoch``, ``global_step``, ``should_stop``, ...).
+what a resume left for the next epoch to pick up (``Resumed``), whether the loop is to stop
+(``Stopping``) and the fit's loaders (``EpochData``). The fit loop owns them and is the only writer:
+each changes through its own methods, which the loop calls (or hands on: manual optimisation counts
+its steps through ``FitProgress.count_optimizer_step``). The Trainer reads them through Lightning's
+names (``current_epoch``, ``global_step``, ...); ``should_stop`` is the one request it passes on
+(``Stopping.request``), for callbacks.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,15 +29,54 @@ class FitProgress:
     batch_in_epoch: int = 0
     batches_stepped: int = 0
     validation_due: bool | None = False  # None: a file from before this was recorded (the loop decides)
-    at_epoch_end: bool = False  # while a complete epoch's on_train_epoch_end runs: a save resumes at the next epoch
+    # While a complete epoch's on_train_epoch_end runs: a save resumes at the next epoch.
+    at_epoch_end: bool = False
     # The data position (for a resume at another data-parallel size), fixed when the fit starts.
     world_size: int = 1
     dp_size: int = 1
     train_batch_size: int | None = None
     sample_base: tuple[int, int] = (0, 0)  # (samples, batches) already consumed when a resume re-split the epoch
 
+    # ------------------------------------------------------------------ the loop's moves
+    def start_fit(self, world_size: int, dp_size: int) -> None:
+        self.world_size, self.dp_size = world_size, dp_size
+
+    def start_epoch(self, sample_base: tuple[int, int], train_batch_size: int | None) -> None:
+        """The epoch's iterator is made: what a resume at this data-parallel size had consumed."""
+        self.sample_base, self.train_batch_size = sample_base, train_batch_size
+
+    def take_batch(self, batch_idx: int) -> None:
+        self.batch_in_epoch = batch_idx + 1
+
+    def count_optimizer_step(self) -> None:
+        self.global_step += 1
+
+    def count_stepped_batch(self, log_every_n_steps: int) -> bool:
+        """A batch after which an optimizer stepped; True when it is a logging step."""
+        self.batches_stepped += 1
+        return self.batches_stepped % log_every_n_steps == 0
+
+    def expect_validation(self, due: bool | None) -> None:
+        """Whether a validation follows the batch just run (False once it ran)."""
+        self.validation_due = due
+
+    @contextlib.contextmanager
+    def ending_epoch(self, complete: bool) -> Iterator[None]:
+        """While ``on_train_epoch_end`` runs: a checkpoint taken then resumes at the next epoch when this
+        one is complete."""
+        self.at_epoch_end = complete
+        try:
+            yield
+        finally:
+            self.at_epoch_end = False
+
+    def finish_epoch(self) -> None:
+        self.epoch += 1
+        self.batch_in_epoch = 0
+
     def sample_offset(self) -> int | None:
-        """Global sample positions of this epoch's permutation already consumed (None: unknown batch size)."""
+        """Global sample positions of this epoch's permutation already consumed (None: unknown batch
+        size)."""
         if self.at_epoch_end or self.batch_in_epoch == 0:
             return 0
         if not self.train_batch_size:
@@ -97,6 +141,23 @@ class Stopping:
         self.agreed = False
         self.out_of_time = False
 
+    def request(self, stop: bool) -> None:
+        """``trainer.should_stop = stop`` (a callback's request, or a time limit on this rank)."""
+        self.requested = stop
+
+    def agree(self, stop: bool) -> None:
+        """What the ranks agreed on (reduced across them): the request is now theirs."""
+        self.requested = self.agreed = stop
+
+    def time_up(self) -> None:
+        """``max_time`` reached, agreed by every rank: the fit stops and saves."""
+        self.requested = self.out_of_time = True
+
+    def first_wait_for_min(self) -> bool:
+        """True the first time a request waits for ``min_epochs``/``min_steps`` (it is said once)."""
+        first, self.told_min = not self.told_min, True
+        return first
+
 
 @dataclass
 class EvalProgress:
@@ -122,4 +183,8 @@ class EpochData:
     num_val_batches: int | None = None
     loader_rng: torch.Tensor | None = None
     stream: Any = None  # the epoch's AgreedBatches (iterable-style data): its snapshot of stateful data
-    requested_early: bool = False  # estimated_stepping_batches asked for the train loader before the fit did
+    # estimated_stepping_batches asked for the train loader before the fit did.
+    requested_early: bool = False
+
+    def use_val(self, loader: Any, num_batches: int | None) -> None:
+        self.val_loader, self.num_val_batches = loader, num_batches

@@ -31,7 +31,6 @@ from polytrain.trainer.config import (
     trainer_to_dict,
     validate_trainer_config,
 )
-from polytrain.trainer.data_connector import estimated_stepping_batches
 from polytrain.trainer.datamodule import DataModule
 from polytrain.trainer.default_callbacks import build_callbacks, split_objects
 from polytrain.trainer.entry_points import run_stage
@@ -181,8 +180,8 @@ class Trainer:
         return self.stage in ("validate", "test") or self.sanity_checking
 
     @property
-    def estimated_stepping_batches(self) -> int | float:  # e.g. OneCycleLR(total_steps=...): data_connector.py
-        return estimated_stepping_batches(self)
+    def estimated_stepping_batches(self) -> int | float:  # e.g. OneCycleLR(total_steps=...): fit_loop.py
+        return self.fit_loop.estimated_stepping_batches()
 
     @property
     def progress_bar_callback(self) -> ProgressBar | None:
@@ -227,7 +226,7 @@ class Trainer:
 
     @should_stop.setter
     def should_stop(self, value: bool) -> None:  # a callback's request (EarlyStopping); agreed on by the ranks
-        self.fit_loop.stopping.requested = bool(value)
+        self.fit_loop.stopping.request(bool(value))
 
     @property
     def sanity_checking(self) -> bool:
