@@ -24,7 +24,8 @@ class Lin(TrainModule):
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         g = torch.Generator().manual_seed(1)
-        self.x, self.y, self.batch_size = torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g), batch_size
+        self.x, self.y, self.batch_size = (torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g),
+                                           batch_size)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -55,7 +56,8 @@ class WeightsAt(Callback):
             self.weights[trainer.global_step] = {k: v.detach().clone() for k, v in state.items()
                                                  if isinstance(v, torch.Tensor)}
             optim = full_optimizer_state(trainer.strategy.state_parts())  # AdamW's moments, by name
-            self.optimizer[trainer.global_step] = {k: v.clone() for k, v in optim.items() if isinstance(v, torch.Tensor)}
+            self.optimizer[trainer.global_step] = {k: v.clone() for k, v in optim.items()
+                                                   if isinstance(v, torch.Tensor)}
 
 
 class LinManual(Lin):
@@ -89,6 +91,7 @@ def trainer(root: str, strategy: str = "single", devices: int = 1, max_steps: in
             trainer_kwargs: dict[str, Any] | None = None, **ckpt: Any) -> Trainer:
     saver = saver_class(every_n_train_steps=every_n, every_n_epochs=None, async_save=True,
                         **{"save_top_k": -1, **ckpt})
-    return Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, run_dir=root, seed=0,
-                   logger=False, enable_progress_bar=False, enable_model_summary=False,
-                   use_distributed_sampler="always", callbacks=[*(callbacks or []), saver], **(trainer_kwargs or {}))
+    return Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, run_dir=root,
+                   seed=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   use_distributed_sampler="always", callbacks=[*(callbacks or []), saver],
+                   **(trainer_kwargs or {}))

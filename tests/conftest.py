@@ -146,7 +146,8 @@ def tiny_module() -> type[TinyModule]:
 
 @pytest.fixture
 def sgd_closures(monkeypatch: Any) -> list[bool]:
-    """Whether each ``torch.optim.SGD.step`` call got a closure, in call order (the step itself runs as usual)."""
+    """Whether each ``torch.optim.SGD.step`` call got a closure, in call order (the step itself runs as
+    usual)."""
     closures: list[bool] = []
     original = torch.optim.SGD.step
 
@@ -161,7 +162,8 @@ def sgd_closures(monkeypatch: Any) -> list[bool]:
 def pytest_addoption(parser: Any) -> None:
     # Here, not in tests/matrix/conftest.py: options must be known before that folder is collected.
     parser.addoption("--matrix-full", action="store_true", default=False,
-                     help="tests/matrix: every valid case of the cartesian product, not the all-pairs covering set")
+                     help="tests/matrix: every valid case of the cartesian product, not the all-pairs "
+                          "covering set")
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:

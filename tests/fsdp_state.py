@@ -25,5 +25,6 @@ def fsdp_units(model: nn.Module) -> dict[str, dict[str, Any]]:
                 "offload": (type(group.offload_policy).__name__, {p.offload_to_cpu for p in params}),
                 "reshard": group.post_forward_mesh_info is not None,
                 "devices": {p.sharded_param.device.type for p in params},
-                "grad_devices": {p.sharded_param.grad.device.type for p in params if p.sharded_param.grad is not None}}
+                "grad_devices": {p.sharded_param.grad.device.type for p in params
+                                 if p.sharded_param.grad is not None}}
     return units

@@ -79,7 +79,8 @@ PUBLISHED = {
     "405B": PublishedRun("405B", 512, (1, 8, 8, 8), 32, 96, "interleaved_1f1b", 2, float8=True,
                          fsdp_float8_all_gather=True, async_tp=True),
 }
-PUBLISHED_VARIANTS = {"70B-async-tp": PublishedRun("70B", 256, (1, 32, 8, 1), 16, 96, float8=True, async_tp=True)}
+PUBLISHED_VARIANTS = {"70B-async-tp": PublishedRun("70B", 256, (1, 32, 8, 1), 16, 96, float8=True,
+                                                   async_tp=True)}
 
 
 class Attention(nn.Module):
@@ -134,12 +135,14 @@ class Llama(nn.Module):
     def tensor_parallel_plan(self) -> dict[str, Any]:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-        plan: dict[str, Any] = {"net.0": RowwiseParallel(), f"net.{self.shape.n_layers + 1}": SequenceParallel(),
+        plan: dict[str, Any] = {"net.0": RowwiseParallel(),
+                                f"net.{self.shape.n_layers + 1}": SequenceParallel(),
                                 f"net.{self.shape.n_layers + 2}": ColwiseParallel()}
         for i in range(1, self.shape.n_layers + 1):
             plan[f"net.{i}.attention_norm"] = SequenceParallel()
             plan[f"net.{i}.ffn_norm"] = SequenceParallel()
-            for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1",
+                         "feed_forward.w3"):
                 plan[f"net.{i}.{name}"] = ColwiseParallel()
             plan[f"net.{i}.attention.wo"] = RowwiseParallel()
             plan[f"net.{i}.feed_forward.w2"] = RowwiseParallel()

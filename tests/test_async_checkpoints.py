@@ -47,7 +47,8 @@ def test_at_most_one_save_in_flight_the_next_waits_and_logs_it(tmp_path: Path, c
     with caplog.at_level(logging.WARNING, logger="polytrain"):
         t.save_checkpoint(second, async_save=True)
     assert is_complete(first)  # the second save waited for the first
-    assert re.search(r"b\.ckpt waited [0-9.]+ s for the asynchronous save of .*a\.ckpt", caplog.text), caplog.text
+    assert re.search(r"b\.ckpt waited [0-9.]+ s for the asynchronous save of .*a\.ckpt",
+                     caplog.text), caplog.text
     assert not os.path.exists(second)
     t.strategy.checkpoint_io.finish()
     assert is_complete(second)
@@ -69,7 +70,8 @@ class DiskObserver(Callback):
             named = _named(pointer)
             # The writer thread may move the pointer on and prune the file it named between our read and
             # our check: only a file the pointer still names must be complete.
-            assert is_complete(named) or _named(pointer) != named, f"latest names {named}, which is not complete"
+            assert is_complete(named) or _named(pointer) != named, (
+                f"latest names {named}, which is not complete")
         last = os.path.join(directory, "last.ckpt")
         if os.path.exists(last):
             assert is_complete(last), "last.ckpt links to an incomplete file"
@@ -81,7 +83,8 @@ class DiskObserver(Callback):
                             if n.startswith("epoch") and is_complete(os.path.join(directory, n))]
                 if complete:
                     break
-            assert complete, "pruning removed the only complete checkpoint while the next one was being written"
+            assert complete, ("pruning removed the only complete checkpoint while the next one was being "
+                              "written")
 
 
 def _named(pointer: str) -> str:
@@ -109,7 +112,8 @@ def test_weights_changed_after_staging_never_reach_the_file(tmp_path: Path) -> N
         saved = read_checkpoint(os.path.join(_ckpt_dir(t), f"epoch=0-step={step}.ckpt"))["model"]
         for name, value in weights.weights[step].items():
             assert torch.equal(saved[name], value), (step, name)
-            assert not torch.equal(saved[name], weights.weights[6][name]), f"{name} did not change after step {step}"
+            assert not torch.equal(saved[name], weights.weights[6][name]), (
+                f"{name} did not change after step {step}")
 
 
 @pytest.mark.parametrize("path", ["plain", "closure", "manual"])
@@ -131,7 +135,8 @@ def test_the_next_update_waits_for_the_background_staging_copy(tmp_path: Path, p
         assert moments and all(torch.equal(saved["optimizer"][k], v) for k, v in moments.items()), step
     waits = t.strategy.checkpoint_io.writer.staging_waits
     assert len(waits) == 3 and waits[0] > 0 and waits[1] > 0, waits  # the updates after steps 2 and 4 waited
-    assert t.fit_loop.goodput.last["checkpoint"] >= sum(waits)  # goodput counts those waits as checkpoint time
+    # goodput counts those waits as checkpoint time
+    assert t.fit_loop.goodput.last["checkpoint"] >= sum(waits)
 
 
 def test_a_save_outside_fit_copies_before_it_returns(tmp_path: Path) -> None:
@@ -209,7 +214,8 @@ class BadSave(Callback):
 def test_a_failed_background_write_raises_at_the_end_of_fit(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     bad = str(tmp_path / "file" / "c.ckpt")  # under a regular file: ENOTDIR, even for root
-    t = trainer(str(tmp_path / "run"), max_steps=3, callbacks=[BadSave(bad)], every_n=100, save_on_fit_end=False)
+    t = trainer(str(tmp_path / "run"), max_steps=3, callbacks=[BadSave(bad)], every_n=100,
+                save_on_fit_end=False)
     with pytest.raises(CheckpointError, match=r"checkpoint failed on rank 0: cannot write .*c\.ckpt"):
         t.fit(Lin())
 

@@ -32,7 +32,8 @@ def _failing(rank: int, world: int, root: str, strategy: str, fail_rank: int) ->
 
 
 @pytest.mark.parametrize("strategy,fail_rank", [("ddp", 0), ("fsdp", 1)])
-def test_a_failed_background_write_raises_on_every_rank(tmp_path: Path, strategy: str, fail_rank: int) -> None:
+def test_a_failed_background_write_raises_on_every_rank(tmp_path: Path, strategy: str,
+                                                        fail_rank: int) -> None:
     results = run_distributed(_failing, 2, str(tmp_path), strategy, fail_rank, timeout=240)
     for message in results:  # both ranks, at the next save (step 4), with the failing rank's reason
         assert message.startswith("4: checkpoint failed on rank"), results
@@ -46,7 +47,8 @@ def _train_and_record(rank: int, world: int, root: str, strategy: str, ckpt: str
     weights, start = WeightsAt({4, steps}), StepAtStart()
     t = trainer(root, strategy=strategy, devices=world, max_steps=steps, callbacks=[weights, start])
     t.fit(Lin(), ckpt_path=ckpt)
-    return {"weights": weights.weights, "start": start.step, "dir": os.path.dirname(t.checkpoint_callback.last_model_path)}
+    return {"weights": weights.weights, "start": start.step,
+            "dir": os.path.dirname(t.checkpoint_callback.last_model_path)}
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -59,8 +61,8 @@ def test_ddp_async_checkpoints_resume_on_one_process_and_back(tmp_path: Path) ->
     assert _equal(read_checkpoint(step4)["model"], first["weights"][4])  # staged at step 4, not later
     single = _train_and_record(0, 1, str(tmp_path / "one"), "single", step4, 8)
     assert single["start"] == 4
-    back = run_distributed(_train_and_record, 2, str(tmp_path / "two"), "ddp", find_resumable(single["dir"]), 10,
-                           timeout=240)[0]
+    back = run_distributed(_train_and_record, 2, str(tmp_path / "two"), "ddp", find_resumable(single["dir"]),
+                           10, timeout=240)[0]
     assert back["start"] == 8
 
 
@@ -95,10 +97,12 @@ def _staged_under(rank: int, world: int, root: str, strategy: Any) -> tuple[bool
     t = trainer(root, strategy=strategy, devices=world, max_steps=8, callbacks=[weights])
     t.fit(_Stack())
     name = "epoch=0-step=4" + (".ckpt" if t.strategy.replicated else "")
-    saved = read_checkpoint(os.path.join(os.path.dirname(t.checkpoint_callback.last_model_path), name))["model"]
+    saved = read_checkpoint(os.path.join(os.path.dirname(t.checkpoint_callback.last_model_path),
+                                         name))["model"]
     io = t.strategy.checkpoint_io
     waits = io.writer.staging_waits if "_writer" in io.__dict__ else []
-    # Where the whole model is gathered (pipeline, tp), global rank 0 alone holds it: the others record nothing.
+    # Where the whole model is gathered (pipeline, tp), global rank 0 alone holds it: the others record
+    # nothing.
     mine = weights.weights[4]
     return (all(torch.equal(saved[k], v) for k, v in mine.items()) if mine else None), waits
 

@@ -27,7 +27,8 @@ def _run(args: list[str], timeout: float) -> str:
 def test_overhead_benchmark_prints_ratios() -> None:
     # Tiny: one timed pair of 6 steps per mode; the DDP part spawns two gloo workers.
     out = _run([os.path.join(BENCH, "overhead.py"), "--rounds", "1", "--steps", "6", "--epochs", "2",
-                "--hidden", "16", "--features", "8", "--batch-size", "4", "--log-every-n-steps", "2"], timeout=280)
+                "--hidden", "16", "--features", "8", "--batch-size", "4", "--log-every-n-steps", "2"],
+               timeout=280)
     for label in ("single", r"ddp x2 \(gloo\)"):
         assert re.search(rf"^{label}: polytrain [0-9.]+ ms/step, hand [0-9.]+ ms/step, ratio [0-9.]+ "
                          rf"\(target <= 1\.0[36]\)", out, re.M), out
@@ -49,33 +50,36 @@ def test_overhead_benchmark_in_lightning_order_ends_with_the_same_weights() -> N
 def test_overhead_benchmark_times_lightning_on_the_same_work() -> None:
     pytest.importorskip("lightning")  # a dev-only dependency
     out = _run([os.path.join(BENCH, "overhead.py"), "--mode", "single", "--rounds", "1", "--steps", "6",
-                "--epochs", "2", "--hidden", "16", "--features", "8", "--batch-size", "4", "--log-every-n-steps", "2",
-                "--lightning"], timeout=280)
+                "--epochs", "2", "--hidden", "16", "--features", "8", "--batch-size", "4",
+                "--log-every-n-steps", "2", "--lightning"], timeout=280)
     # Lightning's Trainer on the hand loop's sampler and arithmetic ends with the hand loop's weights.
-    assert re.search(r"^single:\s+Lightning [0-9][^:]*: [0-9.]+ ms/step, ratio [0-9.]+ over hand \(inside the epochs "
-                     r"[0-9.]+\); weights match hand: yes$", out, re.M), out
+    assert re.search(r"^single:\s+Lightning [0-9][^:]*: [0-9.]+ ms/step, ratio [0-9.]+ over hand "
+                     r"\(inside the epochs [0-9.]+\); weights match hand: yes$", out, re.M), out
 
 
 @pytest.mark.timeout(300)
 def test_import_time_benchmark_prints_ratio() -> None:
     out = _run([os.path.join(BENCH, "import_time.py"), "--runs", "1"], timeout=280)
-    assert re.search(r"^import: polytrain over torch [0-9.]+ s, ratio [0-9.]+ \(target <= 0\.3 s extra\)", out,
-                     re.M), out
+    assert re.search(r"^import: polytrain over torch [0-9.]+ s, ratio [0-9.]+ "
+                     r"\(target <= 0\.3 s extra\)", out, re.M), out
 
 
 @pytest.mark.timeout(300)
 def test_gpt_throughput_benchmark_prints_ratios() -> None:
     # --tiny on CPU: single and DDP x2, eager and compiled with aot_eager (dynamo and AOTAutograd trace
     # the same graphs as with inductor; only code generation, minutes on a 2-core machine, is skipped).
-    out = _run([os.path.join(BENCH, "gpt_throughput.py"), "--tiny", "--strategies", "single,ddp", "--compile", "both",
+    out = _run([os.path.join(BENCH, "gpt_throughput.py"), "--tiny", "--strategies", "single,ddp",
+                "--compile", "both",
                 "--compile-backend", "aot_eager", "--rounds", "1", "--steps", "4", "--warmup", "2",
                 "--log-every", "2"], timeout=280)
     assert "MFU n/a" in out  # no CPU peak is claimed
-    for label in ("single eager", r"single compiled \(aot_eager\)", "ddp x2 eager", r"ddp x2 compiled \(aot_eager\)"):
+    for label in ("single eager", r"single compiled \(aot_eager\)", "ddp x2 eager",
+                  r"ddp x2 compiled \(aot_eager\)"):
         assert re.search(rf"^{label}: polytrain [0-9.]+ ms/step [0-9.]+k tok/s MFU n/a, hand [0-9.]+ ms/step "
                          rf"[0-9.]+k tok/s MFU n/a, ratio [0-9.]+$", out, re.M), out
         # Same data, same arithmetic: the last step's loss is the same in both variants.
-        match = re.search(rf"^{label}:\s+per-pair .* last loss polytrain ([0-9.]+) hand ([0-9.]+)$", out, re.M)
+        match = re.search(rf"^{label}:\s+per-pair .* last loss polytrain ([0-9.]+) hand ([0-9.]+)$", out,
+                          re.M)
         assert match and match.group(1) == match.group(2), out
 
 
@@ -107,8 +111,8 @@ def test_the_planners_float8_ratio_for_an_h100() -> None:
 
 
 def test_activation_memory_benchmark_shows_a_saving() -> None:
-    out = _run([os.path.join(BENCH, "activation_memory.py"), "--layers", "2", "--d-model", "64", "--seq-len", "128",
-                "--steps", "2"], timeout=280)
+    out = _run([os.path.join(BENCH, "activation_memory.py"), "--layers", "2", "--d-model", "64",
+                "--seq-len", "128", "--steps", "2"], timeout=280)
     match = re.search(r"^memory: ([0-9.]+) of off \(([0-9.]+) MB saved\); step time: [0-9.]+ of off; "
                       r"last loss off ([0-9.]+) on ([0-9.]+)$", out, re.M)
     assert match, out
@@ -124,17 +128,21 @@ def test_loop_cost_benchmark_prints_added_time() -> None:
 @pytest.mark.timeout(300)
 def test_checkpoint_blocking_benchmark_prints_ratios() -> None:
     # --tiny: a 2-layer model, 6 steps, a save every 2; single and fsdp x2 (DCP's async_save).
-    out = _run([os.path.join(BENCH, "checkpoint_blocking.py"), "--tiny", "--modes", "single,fsdp"], timeout=280)
+    out = _run([os.path.join(BENCH, "checkpoint_blocking.py"), "--tiny", "--modes", "single,fsdp"],
+               timeout=280)
     for label in ("single", "fsdp x2"):
         assert re.search(rf"^{label}: blocked per save: sync [0-9.]+ ms, async [0-9.]+ ms, ratio [0-9.]+ "
                          rf"\(target <= 0\.10\)$", out, re.M), out
-        assert re.search(rf"^{label}: steps/s: no saves [0-9.]+, sync [0-9.]+ \(ratio [0-9.]+\), async [0-9.]+ "
-                         rf"\(ratio [0-9.]+, target >= 0\.95\)$", out, re.M), out
+        assert re.search(rf"^{label}: steps/s: no saves [0-9.]+, sync [0-9.]+ \(ratio [0-9.]+\), "
+                         rf"async [0-9.]+ \(ratio [0-9.]+, target >= 0\.95\)$", out, re.M), out
 
 
 @pytest.mark.timeout(300)
 def test_planner_order_benchmark_prints_both_orders() -> None:
     # --tiny on 2 ranks: plans the GPT example, runs its top layouts once each through Trainer on gloo.
-    out = _run([os.path.join(BENCH, "planner_order.py"), "--tiny", "--ranks", "2", "--threads", "1"], timeout=280)
-    assert re.search(r"^predicted order: .+$", out, re.M) and re.search(r"^measured order: .+$", out, re.M), out
-    assert re.search(r"^planner order: measured order of the predicted top [0-9] agrees: (yes|NO)", out, re.M), out
+    out = _run([os.path.join(BENCH, "planner_order.py"), "--tiny", "--ranks", "2", "--threads", "1"],
+               timeout=280)
+    assert (re.search(r"^predicted order: .+$", out, re.M)
+            and re.search(r"^measured order: .+$", out, re.M)), out
+    assert re.search(r"^planner order: measured order of the predicted top [0-9] agrees: (yes|NO)", out,
+                     re.M), out

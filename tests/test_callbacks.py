@@ -65,7 +65,8 @@ def test_every_n_train_steps(make_trainer: MakeTrainer, run_dir: str) -> None:
     trainer.fit(TinyModule(n=32, batch_size=4, lr=0.05, val_n=None))  # 8 steps
     assert ckpt_files(run_dir) == [f"epoch=0-step={s}.ckpt" for s in (2, 4, 6, 8)]
     assert latest(run_dir) == "epoch=0-step=8.ckpt"
-    ckpt = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "epoch=0-step=4.ckpt"), weights_only=True)
+    ckpt = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "epoch=0-step=4.ckpt"),
+                      weights_only=True)
     assert ckpt["loop"]["global_step"] == 4 and ckpt["loop"]["batch_in_epoch"] == 4
 
 
@@ -91,7 +92,8 @@ def test_every_n_epochs(make_trainer: MakeTrainer, run_dir: str) -> None:
     trainer = make_trainer(max_epochs=4, callbacks=[ModelCheckpoint(every_n_epochs=2, save_top_k=-1)])
     trainer.fit(TinyModule(n=8, batch_size=4, lr=0.05, val_n=None))  # 2 steps per epoch
     assert ckpt_files(run_dir) == ["epoch=1-step=4.ckpt", "epoch=3-step=8.ckpt"]
-    ckpt = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "epoch=1-step=4.ckpt"), weights_only=True)
+    ckpt = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "epoch=1-step=4.ckpt"),
+                      weights_only=True)
     assert ckpt["loop"]["epoch"] == 2 and ckpt["loop"]["batch_in_epoch"] == 0  # resumes at epoch 2
 
 
@@ -216,7 +218,8 @@ def test_read_only_run_dir_raises_checkpoint_error(make_trainer: MakeTrainer, tm
         if os.access(ro, os.W_OK):
             pytest.skip("running as root: chmod does not stop writes (the file-path variant covers this)")
         with pytest.raises(CheckpointError) as info:
-            make_trainer(max_epochs=1, run_dir=str(ro), enable_checkpointing=True).fit(TinyModule(n=8, val_n=None))
+            make_trainer(max_epochs=1, run_dir=str(ro), enable_checkpointing=True).fit(
+                TinyModule(n=8, val_n=None))
         assert str(ro) in str(info.value)
     finally:
         ro.chmod(0o700)
@@ -281,7 +284,8 @@ def test_csv_logger_rows(make_trainer: MakeTrainer, run_dir: str) -> None:
     rows = read_csv(os.path.join(run_dir, "version_0", "metrics.csv"))
     # A row per log_metrics call, as Lightning: the training step's, then each validation's of its own, at
     # the step it was computed at and with its epoch.
-    assert [(int(r["step"]), r["epoch"]) for r in rows if r["train/loss"]] == [(1, "0"), (2, "0"), (3, "1"), (4, "1")]
+    assert [(int(r["step"]), r["epoch"]) for r in rows if r["train/loss"]] == [(1, "0"), (2, "0"), (3, "1"),
+                                                                               (4, "1")]
     validation = [r for r in rows if r["val/loss"]]
     assert [(int(r["step"]), r["epoch"], r["train/loss"]) for r in validation] == [(2, "0", ""), (4, "1", "")]
     assert float(validation[-1]["val/loss"]) == pytest.approx(float(trainer.callback_metrics["val/loss"]))
@@ -396,7 +400,8 @@ def test_monitored_checkpoint_before_any_validation_saves_last_only(make_trainer
     trainer.fit(ScoredModule([0.1, 0.2, 0.3], n=32, batch_size=4))  # 8 steps per epoch
     assert ckpt_files(run_dir) == []
     assert latest(run_dir) == "last.ckpt"
-    loop = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt"), weights_only=True)["loop"]
+    loop = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt"),
+                      weights_only=True)["loop"]
     assert loop["global_step"] == 2
 
 
@@ -439,7 +444,8 @@ def test_csv_logger_writes_only_what_changed_and_drops_rows_past_a_resume(tmp_pa
     logger.on_fit_start(SimpleNamespace(is_logging_rank=True, global_step=3), None)  # resumed at step 3
     logger.flush()
     with open(path, newline="", encoding="utf-8") as fh:
-        assert [int(r["step"]) for r in csv.DictReader(fh)] == [1, 2, 3]  # the interrupted run's 4..6 are gone
+        # the interrupted run's 4..6 are gone
+        assert [int(r["step"]) for r in csv.DictReader(fh)] == [1, 2, 3]
     path.unlink()
     logger.flush()  # nothing logged since the last write: nothing to write
     assert not path.exists()

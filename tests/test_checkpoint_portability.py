@@ -87,7 +87,8 @@ def test_ddp_file_loads_into_fsdp_and_training_continues(saved: dict[str, Any]) 
         # ...and 6 more fsdp steps land where an uninterrupted ddp run does.
         _same(run["fsdp"], run["reference"], "continued under fsdp", exact=False)
     # The replicated file's model is a plain state_dict for a plain module.
-    plain = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.0), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    plain = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.0), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 4))
     weights = torch.load(saved["file"], weights_only=True)["model"]
     plain.load_state_dict({k[len("net."):]: v for k, v in weights.items() if k.startswith("net.")})
 
@@ -170,7 +171,8 @@ def test_crafted_metadata_is_refused_before_anything_runs(saved: dict[str, Any],
     with open(evil / ".metadata", "wb") as fh:
         pickle.dump(_Marker(str(marker)), fh)
     # pickle names the builtin by its __module__: io.open up to Python 3.11, _io.open from 3.12.
-    with pytest.raises(CheckpointError, match=re.escape(f"refusing to load {open.__module__}.{open.__name__}")):
+    with pytest.raises(CheckpointError,
+                       match=re.escape(f"refusing to load {open.__module__}.{open.__name__}")):
         consolidate(str(evil), str(tmp_path / "out.pt"))
     trainer = Trainer(strategy="single", devices=1, **quiet(str(tmp_path / "run")))
     with pytest.raises(CheckpointError, match="refusing"):
@@ -183,8 +185,8 @@ def test_legacy_replicated_file_with_index_keyed_optimizers_still_loads(tmp_path
     trainer = _train(str(tmp_path / "a"), "single", 1, 3)
     module, optimizer = trainer.strategy.module, trainer.strategy.optimizers[0]
     legacy = {"polytrain": {"format": 1, "version": "0.1.0"}, "model": module.state_dict(),
-              "optimizers": [optimizer.state_dict()], "loop": {"epoch": 0, "global_step": 3, "batch_in_epoch": 3,
-                                                               "world_size": 1, "dp_size": 1}}
+              "optimizers": [optimizer.state_dict()],
+              "loop": {"epoch": 0, "global_step": 3, "batch_in_epoch": 3, "world_size": 1, "dp_size": 1}}
     torch.save(legacy, tmp_path / "legacy.ckpt")
     resumed = _train(str(tmp_path / "b"), "single", 1, 3, ckpt=str(tmp_path / "legacy.ckpt"))
     _same(full_state(resumed.strategy.module), full_state(module), "legacy weights")

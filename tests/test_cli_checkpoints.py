@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def _polytrain(command: str, run_dir: Path, *args: str) -> object:
-    return run([*POLYTRAIN, command, "-c", str(TINY_CONFIG), f"trainer.run_dir={run_dir}", *args], timeout=120)
+    return run([*POLYTRAIN, command, "-c", str(TINY_CONFIG), f"trainer.run_dir={run_dir}", *args],
+               timeout=120)
 
 
 def _one_line(stderr: str) -> str:
@@ -57,14 +58,16 @@ def test_a_damaged_file_is_one_line_before_any_worker(fitted: Path, tmp_path: Pa
     result = _polytrain("test", fitted, "--ckpt", str(torn))
     assert result.returncode == 2, result.describe()
     line = _one_line(result.stderr)
-    assert line.startswith(f"polytrain test: the checkpoint to test cannot be used: checkpoint {torn} is damaged"), line
+    assert line.startswith("polytrain test: the checkpoint to test cannot be used: "
+                           f"checkpoint {torn} is damaged"), line
 
 
 def test_last_with_nothing_to_evaluate_says_so(tmp_path: Path) -> None:
     result = _polytrain("validate", tmp_path / "empty", "--ckpt", "last")
     assert result.returncode == 2, result.describe()
     line = _one_line(result.stderr)
-    assert line == (f"polytrain validate: ckpt_path='last': there is no checkpoint to validate in {tmp_path / 'empty'}: "
+    assert line == ("polytrain validate: ckpt_path='last': there is no checkpoint to validate in "
+                    f"{tmp_path / 'empty'}: "
                     f"it holds no checkpoint. Fit first, or name a checkpoint file"), line
     assert not (tmp_path / "empty").exists()  # refused before anything was written
 
@@ -73,7 +76,8 @@ def test_best_on_the_command_line_is_the_best_the_run_recorded(fitted: Path) -> 
     best = _polytrain("validate", fitted, "--ckpt", "best")
     assert best.returncode == 0, best.describe()
     # Without a monitor the best is the newest checkpoint kept (Lightning's meaning): the same table.
-    named = _polytrain("validate", fitted, "--ckpt", str(fitted / "version_0" / "checkpoints" / "epoch=1-step=16.ckpt"))
+    named = _polytrain("validate", fitted, "--ckpt",
+                       str(fitted / "version_0" / "checkpoints" / "epoch=1-step=16.ckpt"))
     assert named.returncode == 0, named.describe()
     table = [line for line in best.stdout.splitlines() if "val/loss" in line]
     assert table and table == [line for line in named.stdout.splitlines() if "val/loss" in line]

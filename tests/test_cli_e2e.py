@@ -21,7 +21,8 @@ CONSOLE_SCRIPT = Path(sys.executable).parent / "polytrain"
 def _last_checkpoint(run_dir: Path) -> dict:
     import torch
 
-    return torch.load(run_dir / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    return torch.load(run_dir / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu",
+                      weights_only=True)
 
 
 def _flat(state: dict) -> list[float]:
@@ -46,14 +47,17 @@ def test_help():
 @pytest.mark.parametrize("override, named", [
     ("trainer.max_epoch=3", ["trainer has no key 'max_epoch'", "did you mean 'max_epochs'"]),
     ("trainer.strategy=dpp", ["unknown strategy 'dpp' (did you mean 'dp' or 'ddp'?)"]),
-    ("trainer.precision=bf16-mixd", ["trainer.precision='bf16-mixd' is not valid (did you mean 'bf16-mixed'?)"]),
+    ("trainer.precision=bf16-mixd",
+     ["trainer.precision='bf16-mixd' is not valid (did you mean 'bf16-mixed'?)"]),
     ("trainer.accelerator=cpuu", ["trainer.accelerator='cpuu' is not valid (did you mean 'cpu'?)"]),
-    ("trainer.strategy.find_unused=true", ["strategy 'ddp' has no option 'find_unused'", "find_unused_parameters"]),
+    ("trainer.strategy.find_unused=true",
+     ["strategy 'ddp' has no option 'find_unused'", "find_unused_parameters"]),
     ("modle.lr=0.1", ["config has no key 'modle'", "did you mean 'module'"]),
     # The module's own keywords, checked against TinyRegressor.__init__ in the launching process.
-    ("module.lrr=0.1", ["module: tiny_module.TinyRegressor() got an unexpected keyword 'lrr'", "did you mean 'lr'?",
-                        "Valid: n, batch_size, lr"]),
-    ("module._target_=tiny_modul.TinyRegressor", ["cannot import module 'tiny_modul'", "did you mean 'tiny_module'"]),
+    ("module.lrr=0.1", ["module: tiny_module.TinyRegressor() got an unexpected keyword 'lrr'",
+                        "did you mean 'lr'?", "Valid: n, batch_size, lr"]),
+    ("module._target_=tiny_modul.TinyRegressor",
+     ["cannot import module 'tiny_modul'", "did you mean 'tiny_module'"]),
     ("trainer.callbacks=[{_target_: polytrain.callbacks.EarlyStopping, monitr: val/loss}]",
      ["trainer.callbacks[0]: polytrain.callbacks.EarlyStopping() got an unexpected keyword 'monitr'",
       "did you mean 'monitor'?"]),
@@ -61,8 +65,8 @@ def test_help():
 def test_config_typo_exits_2_before_starting_any_process(tmp_path, override, named):
     run_dir = tmp_path / "run"
     extra = ["trainer.strategy=ddp"] if override.startswith("trainer.strategy.") else []
-    result = run([*POLYTRAIN, "fit", "-c", TINY_CONFIG, "trainer.devices=2", f"trainer.run_dir={run_dir}", *extra,
-                  override], timeout=50)
+    result = run([*POLYTRAIN, "fit", "-c", TINY_CONFIG, "trainer.devices=2", f"trainer.run_dir={run_dir}",
+                  *extra, override], timeout=50)
     assert result.returncode == 2, result.describe()
     message = result.stderr.strip()
     assert message.startswith("polytrain: config error:") and "\n" not in message, result.describe()
@@ -104,7 +108,8 @@ def test_fit_with_two_devices_through_elastic_then_resume(tmp_path):
         shutil.rmtree(run_dir)
         shutil.copytree(saved, run_dir)
 
-    second = run([*base, "trainer.resume=last", "trainer.max_epochs=3", f"module.record_dir={tmp_path / 'second'}"],
+    second = run([*base, "trainer.resume=last", "trainer.max_epochs=3",
+                  f"module.record_dir={tmp_path / 'second'}"],
                  RUN_TIMEOUT, before_retry=restore)
     assert second.returncode == 0, second.describe()
     assert second.stdout.count("final metrics:") == 1, second.describe()
@@ -124,7 +129,8 @@ def test_fit_with_two_devices_through_elastic_then_resume(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_fit_worker_failure_ends_the_job_with_that_ranks_traceback(tmp_path):
-    result = run([*POLYTRAIN, "fit", "-c", TINY_CONFIG, "trainer.devices=2", f"trainer.run_dir={tmp_path / 'run'}",
+    result = run([*POLYTRAIN, "fit", "-c", TINY_CONFIG, "trainer.devices=2",
+                  f"trainer.run_dir={tmp_path / 'run'}",
                   "trainer.timeout=600", "module.fail_rank=1", f"module.record_dir={tmp_path}"], RUN_TIMEOUT,
                  retry_exit_abort=False)
     assert result.returncode == 1, result.describe()

@@ -20,13 +20,15 @@ from polytrain.trainer.config import TrainerConfig, elastic_warning, load_config
 
 
 def test_final_metrics_keep_four_significant_digits(capsys: pytest.CaptureFixture[str]) -> None:
-    trainer = SimpleNamespace(callback_metrics={"train/loss": torch.tensor(0.000194), "val/acc": torch.tensor(0.98333),
+    trainer = SimpleNamespace(callback_metrics={"train/loss": torch.tensor(0.000194),
+                                                "val/acc": torch.tensor(0.98333),
                                                 "val/loss": torch.tensor(12.3456)})
     _print_metrics(trainer)
     assert capsys.readouterr().out == "final metrics: train/loss=0.000194  val/acc=0.9833  val/loss=12.35\n"
 
 
-STEP_CHECKPOINTS = "trainer.callbacks=[{_target_: polytrain.callbacks.ModelCheckpoint, every_n_train_steps: 4}]"
+STEP_CHECKPOINTS = ("trainer.callbacks=[{_target_: polytrain.callbacks.ModelCheckpoint, "
+                    "every_n_train_steps: 4}]")
 
 
 @pytest.mark.parametrize("overrides, missing", [
@@ -54,7 +56,8 @@ def test_the_cli_prints_the_elastic_warning_as_one_line(tmp_path: Path) -> None:
                   "trainer.max_restarts=1", "trainer.max_epochs=1"], timeout=150)
     assert result.returncode == 0, result.describe()
     warnings = [line for line in result.stderr.splitlines() if line.startswith("polytrain: warning:")]
-    assert len(warnings) == 1 and "trainer.max_restarts=1 restarts the workers" in warnings[0], result.describe()
+    assert len(warnings) == 1 and "trainer.max_restarts=1 restarts the workers" in warnings[0], (
+        result.describe())
 
 
 # --------------------------------------------------------------------------- callback options and _target_s
@@ -63,7 +66,8 @@ DIGITS = Path(__file__).resolve().parent.parent / "examples" / "digits"
 
 
 @pytest.mark.parametrize("override", ["trainer.callbacks.ModelCheckpoint.async_save=true",
-                                      "trainer.callbacks.1.async_save=true", "trainer.callbacks.-1.async_save=true"])
+                                      "trainer.callbacks.1.async_save=true",
+                                      "trainer.callbacks.-1.async_save=true"])
 def test_a_callback_option_is_set_by_class_name_or_index(override: str) -> None:
     config = load_config(str(DIGITS / "config.yaml"), [override])
     [checkpoint] = [cb for cb in config["trainer"]["callbacks"] if cb["_target_"].endswith("ModelCheckpoint")]
@@ -73,8 +77,8 @@ def test_a_callback_option_is_set_by_class_name_or_index(override: str) -> None:
 @pytest.mark.parametrize("override, message", [
     ("trainer.callbacks.EarlyStoping.patience=3",
      "trainer.callbacks.EarlyStoping: trainer.callbacks has no entry of class EarlyStoping; its entries: "
-     "0: LearningRateMonitor, 1: ModelCheckpoint. Name an entry by its class or its index, or set the whole list: "
-     "trainer.callbacks=[...]"),
+     "0: LearningRateMonitor, 1: ModelCheckpoint. Name an entry by its class or its index, or set the "
+     "whole list: trainer.callbacks=[...]"),
     ("trainer.callbacks.5.async_save=true", "trainer.callbacks.5: trainer.callbacks has 2 entries (0 to 1)"),
     ("trainer.callbacks.ModelCheckpoint.asyncsave=true",
      "trainer.callbacks[1]: polytrain.callbacks.ModelCheckpoint() got an unexpected keyword 'asyncsave'; "
@@ -97,7 +101,8 @@ def test_a_copied_config_finds_its_target_from_the_working_directory(tmp_path: P
     copied.parent.mkdir()
     shutil.copyfile(DIGITS / "config.yaml", copied)
     command = Path(sys.executable).parent / "polytrain"
-    result = run([str(command), "fit", "-c", str(copied), f"trainer.run_dir={tmp_path / 'run'}", "trainer.devices=1",
+    result = run([str(command), "fit", "-c", str(copied), f"trainer.run_dir={tmp_path / 'run'}",
+                  "trainer.devices=1",
                   "trainer.strategy=single", "trainer.fast_dev_run=true", "trainer.enable_progress_bar=false",
                   "trainer.callbacks.ModelCheckpoint.async_save=true"], timeout=150, cwd=DIGITS)
     assert result.returncode == 0, result.describe()
@@ -112,18 +117,21 @@ def test_help_and_a_malformed_command_answer_without_importing_torch(args: list[
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "polytrain", *args], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == (2 if args == ["validate"] else 0), done.stderr[-2000:]
-    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:")}
     assert "argparse" in imported and "torch" not in imported and "polytrain.commands" not in imported
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("trainer.max_epoch=3", "trainer has no key 'max_epoch' (did you mean 'max_epochs'?); valid: accelerator,"),
+    ("trainer.max_epoch=3",
+     "trainer has no key 'max_epoch' (did you mean 'max_epochs'?); valid: accelerator,"),
     ("trainer.precision=fp17", "trainer.precision='fp17' is not valid; choose one of: 32, 16-mixed,"),
     ("modul.hidden=8", "config has no key 'modul' (did you mean 'module'?); valid: module, data,"),
     ("trainer.max_time=12h", "trainer.max_time='12h'; write it as DD:HH:MM:SS"),
     ("trainer.strategy=ddpp", "unknown strategy 'ddpp' (did you mean 'ddp' or 'dp'?); valid: auto, single,"),
     ("trainer.strategy.bucket_cap=1", "strategy 'ddp' has no option 'bucket_cap'; valid: backend,"),
-    ("trainer.strategy={name: parallel, schedule: gpipee}", "pipeline schedule='gpipee' is not known; valid:"),
+    ("trainer.strategy={name: parallel, schedule: gpipee}",
+     "pipeline schedule='gpipee' is not known; valid:"),
     ("trainer.strategy={name: parallel, plan: true, hardware: h1000}",
      "trainer.strategy (parallel) hardware='h1000' is not valid; choose one of: a100, cpu, h100"),
     ("trainer.strategy={name: parallel, tp: auto, tpp: 2}",
@@ -150,7 +158,8 @@ def test_a_typo_in_the_config_answers_in_one_line_before_torch_loads(override: s
     assert done.returncode == 2, done.stderr[-2000:]
     said = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
     assert len(said) == 1 and said[0].startswith(f"polytrain: config error: {message}"), said
-    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:")}
     assert "yaml.loader" in imported and "torch" not in imported and "polytrain.commands" not in imported
 
 
@@ -166,17 +175,20 @@ def test_the_root_cause_is_the_rank_that_raised_not_a_rank_that_stopped_for_it(t
         made.message, made.timestamp = {"message": message}, timestamp
         return made
 
-    echo = "RankFailedError: prepare_data raised on rank 0, so every rank stops (this is rank 1). Rank 0's error:"
+    echo = ("RankFailedError: prepare_data raised on rank 0, so every rank stops (this is rank 1). "
+            "Rank 0's error:")
     cause = "RuntimeError: module.data_root=/x: CIFAR-10 is not there\nTraceback ..."
     for echo_time in (5, 6, 7):  # before, with and after the rank that raised
         err = ChildFailedError("fit", {1: failure(1, echo, echo_time), 0: failure(0, cause, 6)})
         assert root_cause(err) == "rank 0: RuntimeError: module.data_root=/x: CIFAR-10 is not there"
     # The agent stopped rank 0 (a signal) before it recorded its error, or it is not listed at all: the
     # echo carries rank 0's traceback, whose last line is the error.
-    carried = f"{echo}\nTraceback (most recent call last):\n  File ...\nRuntimeError: module.data_root=/x: gone"
+    carried = (f"{echo}\nTraceback (most recent call last):\n  File ...\n"
+               "RuntimeError: module.data_root=/x: gone")
     stopped = failure(0, "Signal 15 (SIGTERM) received by PID 100", 6)
     stopped.exitcode = -15
     for failures in ({1: failure(1, carried, 6), 0: stopped}, {1: failure(1, carried, 6)}):
-        assert root_cause(ChildFailedError("fit", failures)) == "rank 0: RuntimeError: module.data_root=/x: gone"
+        assert root_cause(ChildFailedError("fit", failures)) == (
+            "rank 0: RuntimeError: module.data_root=/x: gone")
     killed = ChildFailedError("fit", {0: failure(0, "", 6)})
     assert root_cause(killed) == "rank 0: exit code 1"

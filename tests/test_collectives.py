@@ -17,7 +17,8 @@ def _payload(rank: int) -> dict[str, Any]:
         "rng": torch.get_rng_state(),  # uint8, what a checkpoint gathers
         "ints": torch.randint(-2**40, 2**40, (7,), generator=g),
         "floats": [torch.randn(3, 4, generator=g).t(), torch.randn(2, generator=g, dtype=torch.float64)],
-        "small": (torch.tensor(rank, dtype=torch.int16), torch.tensor(rank == 1), torch.ones(2, dtype=torch.float16)),
+        "small": (torch.tensor(rank, dtype=torch.int16), torch.tensor(rank == 1),
+                  torch.ones(2, dtype=torch.float16)),
         "empty": torch.zeros(0, 5),
         "bf16": torch.full((2,), rank + 0.5, dtype=torch.bfloat16),  # numpy cannot hold it: pickled as before
         "grad": torch.ones(2, requires_grad=True),  # likewise

@@ -195,7 +195,8 @@ def test_compile_single_matches_eager_without_graph_breaks(run_dir: str, caplog:
     assert lines[0].startswith("torch.compile: 1 module(s) (Sequential x1)")
     assert len([m for m in lines if "compiling (first training batch" in m]) == 1, lines  # reported once
     # Evaluation after fit runs the same compiled module (no_grad: a graph of its own).
-    assert compiled.validate(module)[0]["val/loss"] == pytest.approx(eager.validate()[0]["val/loss"], abs=1e-5)
+    assert compiled.validate(module)[0]["val/loss"] == pytest.approx(eager.validate()[0]["val/loss"],
+                                                                     abs=1e-5)
 
 
 # --------------------------------------------------------------------------- distributed
@@ -231,12 +232,15 @@ def _parity_run(rank: int, world: int, strategy: Any, backend: str, d_model: int
     applied = {}  # per variant: (dynamo graphs compiled, checkpointed blocks on this rank)
     for name, (dropout, kwargs) in variants.items():
         torch._dynamo.utils.counters.clear()
-        _, trainer = fit(strategy, world, dropout=dropout, d_model=d_model, run_dir=f"{run_dir}/{name}", **kwargs)
+        _, trainer = fit(strategy, world, dropout=dropout, d_model=d_model, run_dir=f"{run_dir}/{name}",
+                         **kwargs)
         out[name] = state(trainer)
         counters = torch._dynamo.utils.counters
         applied[name] = (counters["stats"]["unique_graphs"],
-                         sum(hasattr(type(m), "_polytrain_checkpointed_from") for m in trainer.strategy.module.modules()))
-        assert not counters["graph_break"], (name, dict(counters["graph_break"]))  # no silent fallback to eager
+                         sum(hasattr(type(m), "_polytrain_checkpointed_from")
+                             for m in trainer.strategy.module.modules()))
+        # no silent fallback to eager
+        assert not counters["graph_break"], (name, dict(counters["graph_break"]))
     # Every rank compiled and checkpointed where asked (a pipeline rank: its own blocks), and only there.
     assert [applied[n][0] > 0 for n in variants] == [False, False, False, False, True, True], applied
     assert [applied[n][1] > 0 for n in variants] == [False, True, True, False, False, True], applied
@@ -281,14 +285,17 @@ def _example_run(rank: int, world: int, run_dir: str) -> dict[str, Any]:
 
     path = os.path.join(GPT_DIR, "config_compile.yaml")
     overrides = [f"trainer.run_dir={run_dir}", "trainer.enable_progress_bar=false", "trainer.logger=false",
-                 "trainer.enable_checkpointing=false", "trainer.max_epochs=1", "trainer.limit_train_batches=3",
+                 "trainer.enable_checkpointing=false", "trainer.max_epochs=1",
+                 "trainer.limit_train_batches=3",
                  "trainer.limit_val_batches=1", "trainer.compile.backend=aot_eager"]  # inductor: see the top
     config = load_config(path, overrides)
-    assert config["trainer"]["compile"] == {"backend": "aot_eager"} and config["trainer"]["activation_checkpointing"]
+    assert (config["trainer"]["compile"] == {"backend": "aot_eager"}
+            and config["trainer"]["activation_checkpointing"])
     module = instantiate(config["module"], "module", config.get("config_dir"))
     trainer = Trainer.from_config(config)
     trainer.fit(module)
-    return {"steps": trainer.global_step, "compiled": [hasattr(type(b), "_polytrain_compiled_from") for b in module.net],
+    return {"steps": trainer.global_step,
+            "compiled": [hasattr(type(b), "_polytrain_compiled_from") for b in module.net],
             "checkpointed": [hasattr(type(b), "_polytrain_checkpointed_from") for b in module.net]}
 
 

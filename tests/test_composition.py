@@ -87,7 +87,8 @@ def fit(root: str, layout: str | None, steps: int, save: str | None = None, ckpt
     recorder = Losses()
     name = f"{layout or 'single'}-{steps}{'-resumed' if ckpt else ''}{'-acc' if trainer_kwargs else ''}"
     trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy(layout), max_steps=steps, seed=0,
-                      logger=False, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                      logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                      enable_model_summary=False,
                       num_sanity_val_steps=0, val_check_interval=STEPS, run_dir=os.path.join(root, name),
                       callbacks=[recorder], timeout=120.0, use_distributed_sampler="always",
                       **trainer_kwargs)  # validation once, after step 10
@@ -99,7 +100,8 @@ def fit(root: str, layout: str | None, steps: int, save: str | None = None, ckpt
     return {"losses": recorder.losses, "steps": trainer.global_step, "dp": (s.dp_rank, s.dp_size),
             "state": {k: v.detach().cpu().clone() for k, v in state.items()} or None,
             "logged": float(trainer.callback_metrics["train/loss"]), "logging": trainer.is_logging_rank,
-            "val": float(trainer.callback_metrics["val/loss"]) if "val/loss" in trainer.callback_metrics else None}
+            "val": (float(trainer.callback_metrics["val/loss"]) if "val/loss" in trainer.callback_metrics
+                    else None)}
 
 
 def hand_loop(steps: int, accumulate: int = 1, clip: float | None = None) -> dict[str, Any]:
@@ -131,7 +133,8 @@ def hand_loop(steps: int, accumulate: int = 1, clip: float | None = None) -> dic
         with torch.no_grad():
             batches = list(module.val_dataloader())
             val = sum(loss_of(x, y).item() * len(x) for x, y in batches) / sum(len(x) for x, _ in batches)
-    return {"losses": losses, "val": val, "state": {f"net.{k}": v.clone() for k, v in net.state_dict().items()}}
+    return {"losses": losses, "val": val,
+            "state": {f"net.{k}": v.clone() for k, v in net.state_dict().items()}}
 
 
 def jobs_for(world: int, root: str) -> list[tuple[str, dict[str, Any]]]:
@@ -143,7 +146,8 @@ def jobs_for(world: int, root: str) -> list[tuple[str, dict[str, Any]]]:
                 ("single -> 3d", dict(layout="pp2_tp2_dp2", steps=STEPS, ckpt=ck("single-step5.ckpt"))),
                 ("dp4 -> 3d", dict(layout="pp2_tp2_dp2", steps=STEPS, ckpt=ck("dp4-step5")))]
     if not os.path.exists(ck("3d-step5")):
-        return [("pp2_dp2", dict(layout="pp2_dp2", steps=STEPS)), ("pp2_tp2", dict(layout="pp2_tp2", steps=STEPS)),
+        return [("pp2_dp2", dict(layout="pp2_dp2", steps=STEPS)),
+                ("pp2_tp2", dict(layout="pp2_tp2", steps=STEPS)),
                 ("save dp4", dict(layout="dp4", steps=HALF, save=ck("dp4-step5"))),
                 ("pp2_dp2 acc+clip", dict(layout="pp2_dp2", steps=HALF, **ACC_CLIP))]
     return [("3d -> dp4", dict(layout="dp4", steps=STEPS, ckpt=ck("3d-step5")))]
@@ -171,7 +175,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 ranks.setdefault(key, [None] * world)[rank] = value
     ranks["3d -> single"] = [fit(root, None, STEPS, ckpt=os.path.join(root, "3d-step5"))]
     return {"single": hand_loop(STEPS), "ranks": ranks,
-            "single acc+clip": hand_loop(HALF, ACC_CLIP["accumulate_grad_batches"], ACC_CLIP["gradient_clip_val"])}
+            "single acc+clip": hand_loop(HALF, ACC_CLIP["accumulate_grad_batches"],
+                                         ACC_CLIP["gradient_clip_val"])}
 
 
 def results(runs: dict[str, Any], key: str) -> list[dict[str, Any]]:
@@ -248,7 +253,7 @@ def test_the_saved_halves_match_one_device(runs: dict[str, Any]) -> None:
         assert_close(global_losses(ranks), torch.tensor(half["losses"]), **TOL)
 
 
-# --------------------------------------------------------------------------- one process: dims, config, registry
+# ------------------------------------------------------------------------ one process: dims, config, registry
 
 
 def test_parallel_dims_infer_one_degree_and_print_every_number() -> None:
@@ -259,7 +264,8 @@ def test_parallel_dims_infer_one_degree_and_print_every_number() -> None:
     assert (dims.dp_shard, dims.dp_size, dims.fsdp_size) == (2, 2, 2)
     assert dims.coordinates() == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1}
     assert (dims.pp_rank, dims.dp_rank, dims.tp_rank, dims.cp_rank) == (1, 0, 1, 0)
-    assert dims.group_ranks("tp") == [4, 5] and dims.group_ranks("dp") == [5, 7] and dims.group_ranks("pp") == [1, 5]
+    assert (dims.group_ranks("tp") == [4, 5] and dims.group_ranks("dp") == [5, 7]
+            and dims.group_ranks("pp") == [1, 5])
     assert dims.pp_enabled and dims.tp_enabled and dims.dp_shard_enabled and not dims.cp_enabled
     assert ParallelDims(8, dp_shard=2, tp=2, pp=-1).pp == 2  # any one degree may be inferred
     with pytest.raises(ConfigError) as err:
@@ -268,8 +274,8 @@ def test_parallel_dims_infer_one_degree_and_print_every_number() -> None:
         assert part in str(err.value)
     with pytest.raises(ConfigError, match="only one parallel degree may be -1"):
         ParallelDims(8, tp=-1)  # dp_shard is -1 by default
-    with pytest.raises(ConfigError, match=r"cannot infer pp: world_size=8 is not divisible by dp_replicate=1 x "
-                                          r"dp_shard=3 = 3"):
+    with pytest.raises(ConfigError, match=r"cannot infer pp: world_size=8 is not divisible by "
+                                          r"dp_replicate=1 x dp_shard=3 = 3"):
         ParallelDims(8, dp_shard=3, pp=-1)
     with pytest.raises(RuntimeError, match="mesh is not built"):
         dims.get_mesh("tp")
@@ -316,7 +322,8 @@ def test_parallel_degrees_are_checked_at_config_load_and_cp_refused_on_cpu() -> 
         Trainer(accelerator="cpu", strategy={"name": "parallel", "cp": 2})
     with pytest.raises(ConfigError, match="schedule='pipes' is not known"):
         Trainer(accelerator="cpu", strategy={"name": "parallel", "pp": 2, "schedule": "pipes"})
-    with pytest.raises(ConfigError, match=r"schedule='zbv' splits backward .* use gpipe, 1f1b or interleaved_1f1b"):
+    with pytest.raises(ConfigError,
+                       match=r"schedule='zbv' splits backward .* use gpipe, 1f1b or interleaved_1f1b"):
         Trainer(accelerator="cpu", strategy={"name": "parallel", "pp": 2, "dp_shard": 2, "schedule": "zbv",
                                              "stages_per_rank": 2})
     with pytest.raises(ConfigError, match="strategy 'parallel' has no option 'tp_size'"):
@@ -331,10 +338,12 @@ def test_every_name_is_a_registered_class_and_lightning_names_still_work() -> No
         strategy_class,
     )
 
-    assert available_strategies() == ["auto", "single", "dp", "ddp", "fsdp", "model_parallel", "pipeline", "parallel"]
+    assert available_strategies() == ["auto", "single", "dp", "ddp", "fsdp", "model_parallel", "pipeline",
+                                      "parallel"]
     for name in _STRATEGIES:
         assert strategy_class(name).name == name
-    assert normalize_strategy("ddp_find_unused_parameters_true") == {"name": "ddp", "find_unused_parameters": True}
+    assert normalize_strategy("ddp_find_unused_parameters_true") == {"name": "ddp",
+                                                                     "find_unused_parameters": True}
     assert normalize_strategy("single_device") == {"name": "single"}
     trainer = Trainer(strategy="ddp_find_unused_parameters_true", accelerator="cpu")
     assert trainer.config.strategy["name"] == "ddp" and trainer.config.strategy["find_unused_parameters"]
@@ -345,8 +354,9 @@ def test_presets_compose_the_layouts_they_always_had() -> None:
     from polytrain.strategies.registry import build_strategy
 
     def build(spec: dict[str, Any], world: int = 8, nodes: int = 1) -> Any:
-        return build_strategy(spec, accelerator="cpu", devices=world // nodes, num_nodes=nodes, precision="32",
-                              timeout=10.0, env=ClusterEnvironment(world_size=world, local_world_size=world // nodes))
+        return build_strategy(spec, accelerator="cpu", devices=world // nodes, num_nodes=nodes,
+                              precision="32", timeout=10.0,
+                              env=ClusterEnvironment(world_size=world, local_world_size=world // nodes))
 
     expected = {  # spec -> (pp, dp_replicate, dp_shard, tp, data parallel, sharded checkpoints)
         "ddp": (1, 8, 1, 1, "ddp", False),
@@ -356,8 +366,9 @@ def test_presets_compose_the_layouts_they_always_had() -> None:
     }
     for name, (pp, rep, shard, tp, mode, sharded) in expected.items():
         s = build({"name": name})
-        assert (s.dims.pp, s.dims.dp_replicate, s.dims.dp_shard, s.dims.tp, s.data_parallel, not s.replicated) == \
-            (pp, rep, shard, tp, mode, sharded), name
+        assert ((s.dims.pp, s.dims.dp_replicate, s.dims.dp_shard, s.dims.tp, s.data_parallel,
+                 not s.replicated)
+                == (pp, rep, shard, tp, mode, sharded)), name
     s = build({"name": "fsdp"}, nodes=2)  # one replica per node: HSDP
     assert (s.dims.dp_replicate, s.dims.dp_shard) == (2, 4)
     s = build({"name": "pipeline", "pp": 2})
@@ -394,7 +405,8 @@ def test_a_new_strategy_is_one_class_that_registers_itself() -> None:
     try:
         assert strategy_class("two_d_test") is TwoD
         assert validate_strategy_spec({"name": "two_d_test", "tp": 4}) == {"name": "two_d_test", "tp": 4}
-        assert Trainer(strategy="two_d_test", accelerator="cpu").config.strategy == {"name": "two_d_test", "tp": 2}
+        assert Trainer(strategy="two_d_test", accelerator="cpu").config.strategy == {"name": "two_d_test",
+                                                                                     "tp": 2}
     finally:
         _CLASSES.pop("two_d_test")
 

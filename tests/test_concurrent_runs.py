@@ -42,7 +42,8 @@ def _run(index: int, root: str, barrier: Any, results: Any) -> None:
                 self.log("run_index", float(index))
                 return super().training_step(batch, batch_idx)
 
-        trainer = Trainer(strategy="single", accelerator="cpu", devices=1, max_steps=4, run_dir=root, seed=index,
+        trainer = Trainer(strategy="single", accelerator="cpu", devices=1, max_steps=4, run_dir=root,
+                          seed=index,
                           log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
                           callbacks=[ModelCheckpoint(every_n_train_steps=2, save_last=True)])
         module = Indexed(n=16, batch_size=4)
@@ -96,4 +97,5 @@ def test_twenty_runs_started_together_get_twenty_versions_and_keep_every_file(tm
         column = rows[0].split(",").index("run_index")
         assert {float(r.split(",")[column]) for r in rows[1:] if r.split(",")[column]} == {float(index)}
         saved = torch.load(os.path.join(log_dir, "checkpoints", "last.ckpt"), weights_only=True)["model"]
-        assert all(torch.equal(saved[k], weights[k]) for k in weights), f"run {index}: last.ckpt holds another run's weights"
+        assert all(torch.equal(saved[k], weights[k]) for k in weights), (
+            f"run {index}: last.ckpt holds another run's weights")

@@ -278,7 +278,8 @@ def test_instantiate_builds_nested_targets() -> None:
 
 def test_instantiate_bad_kwargs_names_target() -> None:
     with pytest.raises(ConfigError) as info:
-        instantiate({"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 3, "bogus": 1}, "module")
+        instantiate({"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 3, "bogus": 1},
+                    "module")
     msg = str(info.value)
     assert "torch.nn.Linear" in msg and "bogus" in msg and msg.startswith("module")
 

@@ -244,7 +244,8 @@ def test_user_loader_settings_are_kept(ranks: list[dict[str, Any]]) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
-def test_validation_metric_on_two_ranks_equals_one_process(ranks: list[dict[str, Any]], tmp_path: Any) -> None:
+def test_validation_metric_on_two_ranks_equals_one_process(ranks: list[dict[str, Any]],
+                                                           tmp_path: Any) -> None:
     single = _trainer(str(tmp_path)).validate(Recorder(), dataloaders=_val_loader())
     assert single == [{"val/x": 3.0}]
     for out in ranks:
@@ -307,7 +308,8 @@ class DrawDataset(Dataset):
     def __getitem__(self, idx: int) -> torch.Tensor:
         info = torch.utils.data.get_worker_info()
         return torch.tensor([idx, info.id if info else -1, int(np.random.randint(2**31)),
-                             random.getrandbits(31), int(torch.randint(2**31, ()))], dtype=torch.int64).unsqueeze(0)
+                             random.getrandbits(31), int(torch.randint(2**31, ()))],
+                            dtype=torch.int64).unsqueeze(0)
 
 
 class DrawRecorder(TrainModule):

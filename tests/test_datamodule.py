@@ -66,7 +66,8 @@ class Data(DataModule):
     def setup(self, stage: str) -> None:
         self.calls.append(("dm.setup", stage))
         g = torch.Generator().manual_seed(0)
-        self.ds = TensorDataset(torch.randn(self.hparams.n, 4, generator=g), torch.randn(self.hparams.n, 1, generator=g))
+        self.ds = TensorDataset(torch.randn(self.hparams.n, 4, generator=g),
+                                torch.randn(self.hparams.n, 1, generator=g))
 
     def teardown(self, stage: str) -> None:
         self.calls.append(("dm.teardown", stage))
@@ -88,13 +89,14 @@ class Data(DataModule):
         self.batches_served = state_dict["batches_served"]
 
 
-# --------------------------------------------------------------------------- setup / teardown / trainer.datamodule
+# ---------------------------------------------------------------------- setup / teardown / trainer.datamodule
 
 
 def test_setup_and_teardown_get_each_stage_and_the_datamodule_comes_first(tmp_path: Any) -> None:
     calls: list = []
     dm, module = Data(calls=calls), Model(calls=calls)
-    trainer = Trainer(**QUIET, devices=1, default_root_dir=str(tmp_path), max_epochs=1, enable_checkpointing=False)
+    trainer = Trainer(**QUIET, devices=1, default_root_dir=str(tmp_path), max_epochs=1,
+                      enable_checkpointing=False)
     trainer.fit(module, datamodule=dm)
     assert trainer.datamodule is dm and dm.trainer is trainer
     trainer.validate(module, datamodule=dm, verbose=False)
@@ -110,13 +112,14 @@ def test_setup_and_teardown_get_each_stage_and_the_datamodule_comes_first(tmp_pa
 
 
 def test_fit_takes_a_datamodule_positionally_too(tmp_path: Any) -> None:
-    trainer = Trainer(**QUIET, devices=1, default_root_dir=str(tmp_path), max_epochs=1, enable_checkpointing=False)
+    trainer = Trainer(**QUIET, devices=1, default_root_dir=str(tmp_path), max_epochs=1,
+                      enable_checkpointing=False)
     dm = Data()
     trainer.fit(Model(), dm)  # Lightning allows fit(model, datamodule) as the second positional argument
     assert trainer.datamodule is dm and trainer.global_step == 4
 
 
-# --------------------------------------------------------------------------- state and hyperparameters in checkpoints
+# ------------------------------------------------------------------- state and hyperparameters in checkpoints
 
 
 def test_datamodule_state_and_hparams_round_trip_through_a_checkpoint(tmp_path: Any) -> None:
@@ -176,8 +179,8 @@ def _prepare_worker(rank: int, world_size: int, root: str, nodes: int, per_node:
     if nodes == world_size:  # one process per node: each is local rank 0 of its node
         os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), NODE_RANK=str(rank))
     dm = Prepared(root, per_node)
-    trainer = Trainer(**QUIET, strategy="ddp", devices=world_size // nodes, num_nodes=nodes, default_root_dir=root,
-                      max_epochs=1, enable_checkpointing=False)
+    trainer = Trainer(**QUIET, strategy="ddp", devices=world_size // nodes, num_nodes=nodes,
+                      default_root_dir=root, max_epochs=1, enable_checkpointing=False)
     trainer.fit(Model(), datamodule=dm)
     return {"node": trainer.node_rank, "local_rank": trainer.local_rank, "seen": dm.seen_at_setup}
 
@@ -192,7 +195,8 @@ def test_prepare_data_runs_once_per_node_while_the_others_wait(tmp_path: Any, no
                                                                   preparers: list[int]) -> None:
     root = str(tmp_path)
     results = run_distributed(_prepare_worker, 2, root, nodes, per_node, timeout=180.0)
-    assert sorted(int(n.rsplit("rank", 1)[1]) for n in os.listdir(root) if n.startswith("prepare-ran")) == preparers
+    assert sorted(int(n.rsplit("rank", 1)[1]) for n in os.listdir(root)
+                  if n.startswith("prepare-ran")) == preparers
     assert [r["node"] for r in results] == ([0, 1] if nodes == 2 else [0, 0])
     expected = {f"prepared-node{results[r]['node']}.txt": f"written by global rank {r}" for r in preparers}
     for r in results:
@@ -238,11 +242,12 @@ class Numbers(LightningDataModule):
 
 
 def test_a_datamodule_section_is_accepted_like_data(tmp_path: Any) -> None:
-    (tmp_path / "lightning_style.py").write_text(MODULE_FILE)  # loading imports the targets (building nothing)
+    # loading imports the targets (building nothing)
+    (tmp_path / "lightning_style.py").write_text(MODULE_FILE)
     cfg = tmp_path / "cfg.yaml"
     try:
-        cfg.write_text("module: {_target_: lightning_style.Net}\ndatamodule: {_target_: lightning_style.Numbers, "
-                       "n: 8}\n")
+        cfg.write_text("module: {_target_: lightning_style.Net}\n"
+                       "datamodule: {_target_: lightning_style.Numbers, n: 8}\n")
         loaded = load_config(str(cfg), ["datamodule.batch_size=2"])
         assert loaded["data"] == {"_target_": "lightning_style.Numbers", "n": 8, "batch_size": 2}
         cfg.write_text("module: {_target_: lightning_style.Net}\ndata: {_target_: lightning_style.Numbers}\n"

@@ -103,7 +103,8 @@ OPTION_RUNS: dict[str, tuple[dict[str, Any], bool]] = {  # name -> (ddp options,
 def _ddp_attrs(ddp: nn.parallel.DistributedDataParallel) -> dict[str, Any]:
     return {"type": type(ddp).__name__, "find_unused_parameters": ddp.find_unused_parameters,
             "static_graph": ddp.static_graph, "bucket_bytes_cap": ddp.bucket_bytes_cap,
-            "gradient_as_bucket_view": ddp.gradient_as_bucket_view, "broadcast_buffers": ddp.broadcast_buffers}
+            "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
+            "broadcast_buffers": ddp.broadcast_buffers}
 
 
 def _callbacks_run(root: str) -> dict[str, Any]:
@@ -129,7 +130,8 @@ def _eval_run(root: str) -> dict[str, Any]:
     trainer = _trainer(root, {})
     test = trainer.test(module, dataloaders=DataLoader(data, batch_size=2))[0]["test/loss"]
     preds = trainer.predict(module, dataloaders=DataLoader(data, batch_size=2))
-    return {"test": float(test), "preds": torch.cat(preds).tolist(), "data": [t.tolist() for t in data.tensors]}
+    return {"test": float(test), "preds": torch.cat(preds).tolist(),
+            "data": [t.tolist() for t in data.tensors]}
 
 
 class _EpochClock(Callback):
@@ -200,7 +202,8 @@ def test_ddp_options_reach_distributed_data_parallel_and_keep_parity(ranks: Any,
     for rank, result in enumerate(results):
         assert result[name]["ddp"] == expected, f"rank {rank}"
         for key, value in reference.items():
-            assert_close(result[name]["state"][key], value, **TOL, msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}")
+            assert_close(result[name]["state"][key], value, **TOL,
+                         msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}")
     if not use_extra:  # the unused head really received no update
         assert torch.equal(results[0][name]["state"]["extra.weight"], Branchy().extra.weight.detach())
 
@@ -247,7 +250,8 @@ def test_loggers_write_on_rank_zero_only_and_throughput_is_global(ranks: Any) ->
     root, results = ranks
     assert [r["logging"]["logging_rank"] for r in results] == [True, False]
     run_dir = os.path.join(root, "logging")
-    events = [n for n in os.listdir(os.path.join(run_dir, "version_0")) if n.startswith("events.out.tfevents")]
+    events = [n for n in os.listdir(os.path.join(run_dir, "version_0"))
+              if n.startswith("events.out.tfevents")]
     assert len(events) == 1, events  # a second writer (rank 1) would add its own file
     with open(os.path.join(run_dir, "version_0", "metrics.csv"), newline="", encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
@@ -256,7 +260,8 @@ def test_loggers_write_on_rank_zero_only_and_throughput_is_global(ranks: Any) ->
     # Lightning), then the fit's goodput: a second writer (rank 1) would add its own.
     throughput = [r for r in rows if r.get("throughput/samples_per_sec")]
     goodput = [r for r in rows if r.get("goodput/productive_fraction")]
-    assert [int(r["step"]) for r in rows if r not in throughput and r not in goodput] == list(range(1, steps + 1))
+    assert ([int(r["step"]) for r in rows if r not in throughput and r not in goodput]
+            == list(range(1, steps + 1)))
     assert [int(r["step"]) for r in goodput] == [steps]
     assert [int(r["step"]) for r in throughput] == list(range(1, steps + 1))
     rates = [float(r["throughput/samples_per_sec"]) for r in throughput]

@@ -132,7 +132,8 @@ def _fit(variant: str, run_dir: str, batch_size: int, **trainer_kwargs: Any) -> 
     module = Regressor(batch_size, spec.get("samples", NUM_SAMPLES), spec["bn"])
     recorder, counter = LossRecorder(), AllReduceCounter()
     trainer = Trainer(accelerator="cpu", enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                      run_dir=run_dir, log_every_n_steps=1, callbacks=[recorder, counter], seed=0, use_distributed_sampler="always", **spec["trainer"],
+                      run_dir=run_dir, log_every_n_steps=1, callbacks=[recorder, counter], seed=0,
+                      use_distributed_sampler="always", **spec["trainer"],
                       **trainer_kwargs)
     trainer.fit(module)
     bn_layers = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
@@ -160,7 +161,8 @@ def _ddp_worker(rank: int, world_size: int, root: str) -> dict[str, dict[str, An
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = str(tmp_path_factory.mktemp("parity"))
     ddp = run_distributed(_ddp_worker, WORLD, root, timeout=150.0)
-    single = {v: _fit(v, os.path.join(root, f"single-{v}"), PER_RANK_BATCH * WORLD, strategy="single", devices=1)
+    single = {v: _fit(v, os.path.join(root, f"single-{v}"), PER_RANK_BATCH * WORLD, strategy="single",
+                      devices=1)
               for v in VARIANTS}
     return {"ddp": ddp, "single": single}
 

@@ -28,7 +28,8 @@ def _run(args: list[str], cwd: str, timeout: float, expect_rc: int = 0) -> subpr
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # the examples must start their own workers
     proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == expect_rc, f"{' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == expect_rc, (f"{' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n"
+                                          f"{proc.stderr}")
     return proc
 
 
@@ -47,7 +48,8 @@ def documented_command(readme: str, marker: str) -> list[str]:
 
 def _quiet(run_dir: str) -> list[str]:
     return [f"trainer.run_dir={run_dir}", "trainer.enable_progress_bar=false", "trainer.logger=false",
-            "trainer.max_epochs=1", "trainer.limit_val_batches=1", "trainer.accelerator=cpu", "trainer.devices=2"]
+            "trainer.max_epochs=1", "trainer.limit_val_batches=1", "trainer.accelerator=cpu",
+            "trainer.devices=2"]
 
 
 @pytest.fixture
@@ -85,8 +87,10 @@ def test_cifar10_config_asks_for_ddp_amp_and_sync_batchnorm() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_cifar10_prepare_data_downloads_and_fake_data_needs_no_download(cifar_module: Any, tmp_path: Any) -> None:
-    """One process: ``prepare_data`` downloads (which rank calls it is the Trainer's job, proven end to end below)."""
+def test_cifar10_prepare_data_downloads_and_fake_data_needs_no_download(cifar_module: Any,
+                                                                        tmp_path: Any) -> None:
+    """One process: ``prepare_data`` downloads (which rank calls it is the Trainer's job, proven end to end
+    below)."""
     root = str(tmp_path / "data")
     cifar_module.CIFAR10ResNet(data_root=root, dataset_class="offline_cifar.RehearsalCIFAR10").prepare_data()
     assert [f for f in os.listdir(root) if f.startswith("download-")]
@@ -178,11 +182,12 @@ def test_cifar10_failed_download_shows_the_download_error_on_two_processes(tmp_p
                       "module.dataset_class=offline_cifar.UnreachableCIFAR10", f"module.data_root={typo}",
                       "module.num_workers=0", "trainer.precision=32", cwd=str(tmp_path), expect_rc=1)
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == (f"polytrain: fit failed on rank 0: RuntimeError: module.data_root={typo}: CIFAR-10 is not "
-                    f"there, and downloading it failed (URLError: <urlopen error [Errno -3] Temporary failure in "
-                    f"name resolution (fetching https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz)>). Point "
-                    f"module.data_root at your copy, run where the download can reach the internet, or train on "
-                    f"stand-in pictures with module.fake=true"), proc.stderr[-3000:]
+    assert last == (f"polytrain: fit failed on rank 0: RuntimeError: module.data_root={typo}: CIFAR-10 is "
+                    f"not there, and downloading it failed (URLError: <urlopen error [Errno -3] Temporary "
+                    f"failure in name resolution (fetching "
+                    f"https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz)>). Point module.data_root at "
+                    f"your copy, run where the download can reach the internet, or train on stand-in "
+                    f"pictures with module.fake=true"), proc.stderr[-3000:]
     assert "in prepare_data" in proc.stderr, proc.stderr
     assert not (tmp_path / "dat").exists()
 
@@ -247,8 +252,9 @@ def test_toy_spawn_script_returns_trained_weights_to_parent(tmp_path: Any) -> No
 def test_toy_spawn_cli_config(tmp_path: Any) -> None:
     run_dir = str(tmp_path / "run")
     proc = _polytrain("fit", "-c", os.path.join(EXAMPLES, "toy_spawn", "config.yaml"),
-                      f"trainer.run_dir={run_dir}", "trainer.max_epochs=1", "trainer.enable_progress_bar=false",
-                      "trainer.logger=false", cwd=str(tmp_path), timeout=180)
+                      f"trainer.run_dir={run_dir}", "trainer.max_epochs=1",
+                      "trainer.enable_progress_bar=false", "trainer.logger=false", cwd=str(tmp_path),
+                      timeout=180)
     assert "final metrics: train/loss=" in proc.stdout
     assert os.path.isfile(os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt"))
 
@@ -314,7 +320,8 @@ def test_readme_test_and_validate_commands_run_as_printed(tmp_path: Any) -> None
     readme = os.path.join(ROOT, "README.md")
     run_dir = tmp_path / "run"
     quiet = [f"trainer.run_dir={run_dir}", "trainer.enable_progress_bar=false"]
-    _polytrain("fit", "-c", "examples/digits/config.yaml", "trainer.max_epochs=2", *quiet, cwd=ROOT, timeout=240)
+    _polytrain("fit", "-c", "examples/digits/config.yaml", "trainer.max_epochs=2", *quiet, cwd=ROOT,
+               timeout=240)
     for marker, folder in (("--ckpt best", "test_0"), ("--ckpt last", "validate_0")):
         proc = _polytrain(*documented_command(readme, marker), *quiet, cwd=ROOT, timeout=240)
         assert "metric" in proc.stdout and "val/acc" in proc.stdout, proc.stdout  # the results table

@@ -59,7 +59,8 @@ def _fit_example(path: str, run_dir: str) -> dict[str, Any]:
     recorder = _LossRecorder()
     trainer.callbacks.append(recorder)  # what fit() merges with the module's configure_callbacks()
     trainer.fit(module)
-    return {"metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "steps": trainer.global_step,
+    return {"metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "steps": trainer.global_step,
             "losses": recorder.losses,
             "strategy": type(trainer.strategy).__name__, "dp_size": trainer.strategy.dp_size}
 
@@ -81,7 +82,8 @@ def _examples_worker(rank: int, world_size: int, root: str, names: list[str]) ->
 @pytest.fixture(scope="module")
 def example_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     names = [n for n in RUNS if _available(n)]
-    return run_distributed(_examples_worker, 2, str(tmp_path_factory.mktemp("examples")), names, timeout=260.0)
+    return run_distributed(_examples_worker, 2, str(tmp_path_factory.mktemp("examples")), names,
+                           timeout=260.0)
 
 
 def _check(runs: list[dict[str, Any]], name: str, strategy: str) -> dict[str, float]:

@@ -82,7 +82,8 @@ def fit(run_dir: str, logger: Any) -> Trainer:
 # --------------------------------------------------------------------------- MLflow
 
 
-mlflow_needed = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="pip install polytrain[mlflow]")
+mlflow_needed = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None,
+                                   reason="pip install polytrain[mlflow]")
 
 
 def mlflow_points(client: Any, run_id: str) -> set[tuple[int, str, float]]:
@@ -95,14 +96,17 @@ def test_mlflow_by_name_writes_what_the_csv_logger_writes(tmp_path: Any, monkeyp
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     run_dir = str(tmp_path / "run")
-    trainer = Trainer.from_config({"trainer": {**QUIET, "default_root_dir": run_dir, "logger": ["csv", "mlflow"]}})
+    trainer = Trainer.from_config({"trainer": {**QUIET, "default_root_dir": run_dir,
+                                               "logger": ["csv", "mlflow"]}})
     trainer.fit(Tracked(**HPARAMS))
     logger = trainer.loggers[1]
     assert isinstance(logger, MLFlowLogger)
-    assert logger.tracking_uri == "file:" + os.path.join(run_dir, "mlruns")  # a file store in the run directory
+    # a file store in the run directory
+    assert logger.tracking_uri == "file:" + os.path.join(run_dir, "mlruns")
     client = logger.experiment
     points = csv_points(run_dir)
-    assert {n for _, n, _ in points} >= {"train/loss_step", "train/loss_epoch", "val/loss", "val/step_loss", "epoch"}
+    assert {n for _, n, _ in points} >= {"train/loss_step", "train/loss_epoch", "val/loss", "val/step_loss",
+                                         "epoch"}
     assert mlflow_points(client, logger.run_id) == points
     run = client.get_run(logger.run_id)
     assert run.data.params == {k: str(v) for k, v in flatten_hparams(csv_hparams(run_dir)).items()}
@@ -128,7 +132,8 @@ def test_mlflow_as_an_object_with_a_file_uri(tmp_path: Any, monkeypatch: Any) ->
 # --------------------------------------------------------------------------- W&B
 
 
-wandb_needed = pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="pip install polytrain[wandb]")
+wandb_needed = pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
+                                  reason="pip install polytrain[wandb]")
 
 
 def wandb_records(run_file: str) -> list[Any]:
@@ -172,7 +177,8 @@ def wandb_run(save_dir: str) -> tuple[set[tuple[int, str, float]], dict[str, Any
     for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "history":
-            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                   for item in record.history.item}
             step = row.pop("trainer/global_step")
             points |= {(step, k, float(v)) for k, v in row.items() if not k.startswith("_")}
         elif kind in ("run", "config"):
@@ -202,10 +208,13 @@ def test_wandb_offline_writes_what_the_csv_logger_writes(tmp_path: Any, monkeypa
 # --------------------------------------------------------------------------- optional dependency handling
 
 
-@pytest.mark.parametrize(("cls", "module", "extra"), [(MLFlowLogger, "mlflow", "mlflow"), (WandbLogger, "wandb", "wandb")])
-def test_a_missing_library_names_the_install_command(monkeypatch: Any, cls: type, module: str, extra: str) -> None:
+@pytest.mark.parametrize(("cls", "module", "extra"), [(MLFlowLogger, "mlflow", "mlflow"),
+                                                      (WandbLogger, "wandb", "wandb")])
+def test_a_missing_library_names_the_install_command(monkeypatch: Any, cls: type, module: str,
+                                                     extra: str) -> None:
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == module else real(name, *a))
     with pytest.raises(ImportError, match=rf"pip install polytrain\[{extra}\]"):
         cls()
     with pytest.raises(ImportError, match=rf"pip install polytrain\[{extra}\]"):

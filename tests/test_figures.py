@@ -25,7 +25,8 @@ def _load(name: str) -> ModuleType:
 def test_the_committed_drawings_are_what_the_script_draws() -> None:
     diagrams = _load("diagrams")
     for name, draw in diagrams.DRAWINGS.items():
-        assert (FIGURES / name).read_text(encoding="utf-8") == draw(), f"run python docs/figures/diagrams.py ({name})"
+        assert (FIGURES / name).read_text(encoding="utf-8") == draw(), (
+            f"run python docs/figures/diagrams.py ({name})")
     mesh = diagrams.mesh_svg()
     assert all(f"rank {r}</text>" in mesh for r in range(8))
 
@@ -34,18 +35,21 @@ def test_the_docs_show_the_pictures() -> None:
     root = FIGURES.parent.parent
     assert "docs/figures/digits-curves.png" in (root / "README.md").read_text(encoding="utf-8")
     assert "figures/fit.svg" in (root / "docs" / "architecture.md").read_text(encoding="utf-8")
-    assert "../figures/mesh.svg" in (root / "docs" / "strategies" / "composition.md").read_text(encoding="utf-8")
+    assert "../figures/mesh.svg" in (root / "docs" / "strategies" / "composition.md").read_text(
+        encoding="utf-8")
     assert (FIGURES / "digits-curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_curves_are_drawn_from_a_runs_metrics_csv(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")  # a dev extra; the docs extra installs it alone
     rows = [{"step": s, "epoch": s // 4, "train/loss": 2.0 / s} for s in range(1, 13)]
-    rows += [{"step": s, "epoch": s // 4 - 1, "val/loss": 1.0 / s, "val/acc": 0.5 + s / 30} for s in (4, 8, 12)]
+    rows += [{"step": s, "epoch": s // 4 - 1, "val/loss": 1.0 / s, "val/acc": 0.5 + s / 30}
+             for s in (4, 8, 12)]
     rows += [{"step": s, "lr-SGD": 0.1 / s} for s in range(1, 13)]
     metrics = tmp_path / "metrics.csv"
     with open(metrics, "w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=["step", "epoch", "train/loss", "val/loss", "val/acc", "lr-SGD"])
+        writer = csv.DictWriter(fh, fieldnames=["step", "epoch", "train/loss", "val/loss", "val/acc",
+                                                "lr-SGD"])
         writer.writeheader()
         writer.writerows(rows)
     curves = _load("curves")

@@ -30,7 +30,8 @@ FEATURES, CLASSES = 32, 10
 
 def _data() -> TensorDataset:
     g = torch.Generator().manual_seed(5)
-    return TensorDataset(torch.randn(SAMPLES, FEATURES, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g))
+    return TensorDataset(torch.randn(SAMPLES, FEATURES, generator=g),
+                         torch.randint(0, CLASSES, (SAMPLES,), generator=g))
 
 
 def _net(bias: bool = True) -> nn.Sequential:
@@ -85,7 +86,8 @@ def test_which_linears_convert_and_why_the_others_do_not() -> None:
     assert chosen == ["net.0", "net.2"]
     assert skipped == {"net.4": "32 x 20 features: float8 matmuls take multiples of 16",
                        "net.6": "the output head (convert_head: true converts it)"}
-    chosen, skipped = linears_to_convert(module, resolve_float8({"filter_fqns": ["net.2"], "convert_head": True}))
+    chosen, skipped = linears_to_convert(module, resolve_float8({"filter_fqns": ["net.2"],
+                                                                 "convert_head": True}))
     assert chosen == ["net.0"] and skipped["net.2"] == "filter_fqns names 'net.2'"
     assert "multiples of 16" in skipped["net.6"]  # the head converts when asked, if its shape allows
 
@@ -166,7 +168,8 @@ def _fit(strategy: Any, world: int, run_dir: str, max_steps: int, ckpt_path: str
                       enable_checkpointing=max_steps == STOP_AT, num_sanity_val_steps=0, timeout=60,
                       **options)
     trainer.fit(module, ckpt_path=ckpt_path)
-    kinds = sorted({f"{name}:{_kind(m)}" for name, m in module.net.named_children() if isinstance(m, nn.Linear)})
+    kinds = sorted({f"{name}:{_kind(m)}" for name, m in module.net.named_children()
+                    if isinstance(m, nn.Linear)})
     state = trainer.strategy.module_state_dict()
     # Scales computed after the last optimizer step, for the next FSDP gather (float8 all-gather)
     local = {name: getattr(getattr(m, "weight", None), "_local_tensor", None)
@@ -361,7 +364,8 @@ def test_a_float8_checkpoint_loads_with_float8_off_and_back(tmp_path: Any) -> No
     assert back["layers"] == LAYERS and back["steps_run"] == 1
     loaded = Float8Net(PER_RANK)
     loaded.load_state_dict({k: v for k, v in stopped["weights"].items()})  # strict: the same keys
-    _assert_close({f"{k}": v for k, v in loaded.state_dict().items()}, stopped["weights"], "float8 -> plain module")
+    _assert_close({f"{k}": v for k, v in loaded.state_dict().items()}, stopped["weights"],
+                  "float8 -> plain module")
 
 
 def test_the_converted_layers_get_torchaos_float8_tensor_parallel_styles() -> None:
@@ -426,13 +430,15 @@ def test_float8_composes_with_bf16_mixed_and_compile(tmp_path: Any) -> None:
         seen: list[float] = []
         original = module.training_step
 
-        def step(batch: Any, batch_idx: int, original: Any = original, seen: list[float] = seen) -> torch.Tensor:
+        def step(batch: Any, batch_idx: int, original: Any = original,
+                 seen: list[float] = seen) -> torch.Tensor:
             loss = original(batch, batch_idx)
             seen.append(loss.item())
             return loss
 
         module.training_step = step  # type: ignore[method-assign]
-        trainer = Trainer(strategy="single", accelerator="cpu", precision="bf16-mixed", compile=True, float8=float8,
+        trainer = Trainer(strategy="single", accelerator="cpu", precision="bf16-mixed", compile=True,
+                          float8=float8,
                           max_steps=3, logger=False, enable_progress_bar=False, enable_checkpointing=False,
                           enable_model_summary=False, run_dir=str(tmp_path / str(float8)))
         trainer.fit(module)

@@ -63,7 +63,8 @@ class Net(TrainModule):
     """Three Linear blocks in a Sequential (FSDP units) plus a head the root unit owns."""
 
     def __init__(self, batch_size: int, num_samples: int = NUM_SAMPLES, build_now: bool = True,
-                 dropout: float = 0.0, val_samples: int = 5, lr: float = 0.01, poison_step: int | None = None) -> None:
+                 dropout: float = 0.0, val_samples: int = 5, lr: float = 0.01,
+                 poison_step: int | None = None) -> None:
         super().__init__()
         self.batch_size, self.num_samples, self.val_samples = batch_size, num_samples, val_samples
         self.dropout, self.lr, self.poison_step = dropout, lr, poison_step
@@ -144,7 +145,8 @@ def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def quiet(root: str, **kwargs: Any) -> dict[str, Any]:
     defaults = dict(accelerator="cpu", run_dir=root, enable_progress_bar=False, logger=False,
-                    enable_checkpointing=False, log_every_n_steps=1, max_steps=STEPS, seed=0, use_distributed_sampler="always")
+                    enable_checkpointing=False, log_every_n_steps=1, max_steps=STEPS, seed=0,
+                    use_distributed_sampler="always")
     return {**defaults, **kwargs}
 
 
@@ -178,8 +180,8 @@ def _two_rank_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
         strategy = {**FSDP, **settings.pop("fsdp", {})}
         run = fit(os.path.join(root, name), strategy, PER_RANK_BATCH, world_size, **settings)
         module, strategy = run.pop("module"), run.pop("trainer").strategy
-        run["wrapped"] = sorted({type(m).__name__ for m in strategy.model.modules() if type(m).__name__.startswith(
-            "FSDP")})
+        run["wrapped"] = sorted({type(m).__name__ for m in strategy.model.modules()
+                                 if type(m).__name__.startswith("FSDP")})
         run["dp"] = (strategy.dp_rank, strategy.dp_size)
         run["local_rows"] = module.net[0].weight.to_local().shape[0]
         run["units"] = fsdp_units(strategy.model)
@@ -216,7 +218,8 @@ def _check_parity(two_ranks: dict[str, Any], variant: str, tol: tuple[dict, dict
     for rank, run in enumerate(ranks):
         assert run["state"].keys() == single["state"].keys()
         for name, value in single["state"].items():
-            assert_close(run["state"][name], value, **tol[1], msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+            assert_close(run["state"][name], value, **tol[1],
+                         msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
 
 
 @pytest.mark.distributed
@@ -233,7 +236,8 @@ def test_fsdp_matches_single_device(two_ranks: dict[str, Any]) -> None:
     for name, unit in units.items():
         assert unit["param_dtype"] == unit["reduce_dtype"] == {"None"}, (name, unit)  # fp32: no casts
         assert unit["offload"] == ("OffloadPolicy", {False}), (name, unit)
-        assert unit["reshard"] is (name != "<root>"), (name, unit)  # blocks free after forward; the root stays
+        # blocks free after forward; the root stays
+        assert unit["reshard"] is (name != "<root>"), (name, unit)
 
 
 @pytest.mark.distributed
@@ -266,7 +270,8 @@ def test_fsdp_gradient_clipping_uses_the_global_norm(two_ranks: dict[str, Any]) 
     for run in two_ranks["ranks"]:
         # The whole model's gradient norm after clipping: a per-shard norm would leave it above 0.05.
         assert max(run["clip"]["norms"]) <= 0.05 + 1e-6
-        assert_close(torch.tensor(run["clip"]["norms"]), torch.tensor(two_ranks["single"]["clip"]["norms"]), **TOL)
+        assert_close(torch.tensor(run["clip"]["norms"]), torch.tensor(two_ranks["single"]["clip"]["norms"]),
+                     **TOL)
 
 
 @pytest.mark.distributed
@@ -289,7 +294,8 @@ def test_fsdp_bf16_mixed_matches_single_device_bf16_mixed(two_ranks: dict[str, A
         # gradients in fp32, on every unit.
         assert run["bf16"]["weight_dtypes"] == ["torch.bfloat16"]
         for name, unit in run["bf16"]["units"].items():
-            assert unit["param_dtype"] == {"torch.bfloat16"} and unit["reduce_dtype"] == {"torch.float32"}, name
+            assert (unit["param_dtype"] == {"torch.bfloat16"}
+                    and unit["reduce_dtype"] == {"torch.float32"}), name
     assert two_ranks["single"]["bf16"]["weight_dtypes"] == ["torch.float32"]
     # And the arithmetic differs from fp32 by far more than fp32's own summation-order noise (1e-5).
     bf16, fp32 = (torch.tensor(two_ranks["ranks"][0][v]["losses"]) for v in ("bf16", "plain"))
@@ -313,7 +319,8 @@ def test_fsdp_16_mixed_grad_scaler_works_with_sharded_gradients(two_ranks: dict[
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_fsdp_evaluation_with_uneven_shares_equals_one_process(two_ranks: dict[str, Any], tmp_path: Any) -> None:
+def test_fsdp_evaluation_with_uneven_shares_equals_one_process(two_ranks: dict[str, Any],
+                                                               tmp_path: Any) -> None:
     rank0, rank1 = (r["eval"] for r in two_ranks["ranks"])
     assert rank0["val_batches"] == rank1["val_batches"] == 2  # both ranks run 2 forwards: no hang
     # One process with the trained weights over all 5 samples.
@@ -404,6 +411,7 @@ def test_fsdp_resume_mid_epoch_is_bitwise_equal_to_an_uninterrupted_run(tmp_path
         assert run["error"] is not None and "plain-file" in run["error"]
     assert ranks[0]["error"] == ranks[1]["error"]
     ckpt = tmp_path / "part" / "version_0" / "checkpoints" / "epoch=1-step=18"
-    assert sorted(os.listdir(ckpt)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json", "meta.pt"]
+    assert sorted(os.listdir(ckpt)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json",
+                                        "meta.pt"]
     meta = torch.load(ckpt / "meta.pt", weights_only=True)
     assert meta["loop"]["global_step"] == 18 and meta["loop"]["batch_in_epoch"] == 6 and "model" not in meta

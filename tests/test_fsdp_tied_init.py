@@ -33,7 +33,8 @@ class TiedLM(TrainModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)  # the weights after one step are the initial ones
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(torch.randint(0, 16, (8, 3), generator=torch.Generator().manual_seed(1))),
+        return DataLoader(TensorDataset(torch.randint(0, 16, (8, 3),
+                                                      generator=torch.Generator().manual_seed(1))),
                           batch_size=2)
 
 

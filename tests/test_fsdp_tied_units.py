@@ -31,8 +31,8 @@ class Head(nn.Linear):
 
 def tied_net() -> nn.Sequential:
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
-                        Head(WIDTH, VOCAB, bias=False))
+    net = nn.Sequential(nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+                        nn.Linear(WIDTH, WIDTH), Head(WIDTH, VOCAB, bias=False))
     net[4].weight = net[0].weight  # tied, as GPT-2's head is to its embedding
     return net
 
@@ -69,8 +69,8 @@ def _reference() -> dict[str, torch.Tensor]:
 
 def _fsdp(rank: int, world_size: int, run_dir: str) -> dict[str, Any]:
     module = TiedSequential()
-    trainer = Trainer(strategy="fsdp", accelerator="cpu", devices=world_size, max_steps=STEPS, run_dir=run_dir,
-                      logger=False, enable_progress_bar=False, enable_checkpointing=False,
+    trainer = Trainer(strategy="fsdp", accelerator="cpu", devices=world_size, max_steps=STEPS,
+                      run_dir=run_dir, logger=False, enable_progress_bar=False, enable_checkpointing=False,
                       enable_model_summary=False, num_sanity_val_steps=0, timeout=60)
     trainer.fit(module)
     state = trainer.strategy.module_state_dict()  # every rank: a collective

@@ -36,8 +36,9 @@ def _module() -> DigitsGAN:
 def _fit(module: DigitsGAN, root: str, devices: int) -> Any:
     from polytrain import Trainer
 
-    trainer = Trainer(accelerator="cpu", devices=devices, strategy="ddp_find_unused_parameters_true" if devices > 1
-                      else "single", max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
+    trainer = Trainer(accelerator="cpu", devices=devices,
+                      strategy="ddp_find_unused_parameters_true" if devices > 1 else "single",
+                      max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, run_dir=root,
                       use_distributed_sampler="always")
     trainer.fit(module)
@@ -50,7 +51,8 @@ def _hand_loop(world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     opt_g = torch.optim.Adam(gen.parameters(), lr=model.hparams.lr, betas=(0.5, 0.999))
     opt_d = torch.optim.Adam(disc.parameters(), lr=model.hparams.lr, betas=(0.5, 0.999))
     data = TensorDataset(digit_images(N_IMAGES))
-    samplers = [DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0) for r in range(world)]
+    samplers = [DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0)
+                for r in range(world)]
     noise = [torch.Generator().manual_seed(NOISE_SEED + r) for r in range(world)]
     losses = []
     for epoch in range(EPOCHS):
@@ -59,7 +61,8 @@ def _hand_loop(world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
         loaders = [DataLoader(data, batch_size=BATCH, sampler=s) for s in samplers]
         for parts in zip(*loaders):
             reals = [p[0] for p in parts]
-            zs = [torch.randn(r.shape[0], model.hparams.latent_dim, generator=g) for r, g in zip(reals, noise)]
+            zs = [torch.randn(r.shape[0], model.hparams.latent_dim, generator=g)
+                  for r, g in zip(reals, noise)]
             for p in disc.parameters():
                 p.requires_grad_(False)
             g_loss = torch.stack([F.binary_cross_entropy_with_logits(disc(gen(z)), torch.ones(len(z), 1))
@@ -74,8 +77,10 @@ def _hand_loop(world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
             d_losses = []
             for real, z in zip(reals, zs):
                 fake = gen(z).detach()
-                d_losses.append(0.5 * (F.binary_cross_entropy_with_logits(disc(real), torch.ones(len(real), 1))
-                                       + F.binary_cross_entropy_with_logits(disc(fake), torch.zeros(len(z), 1))))
+                d_losses.append(0.5 * (F.binary_cross_entropy_with_logits(disc(real),
+                                                                          torch.ones(len(real), 1))
+                                       + F.binary_cross_entropy_with_logits(disc(fake),
+                                                                            torch.zeros(len(z), 1))))
             d_loss = torch.stack(d_losses).mean()
             d_loss.backward()
             torch.nn.utils.clip_grad_norm_(disc.parameters(), model.hparams.clip)
@@ -129,9 +134,12 @@ def test_gan_config_trains_through_the_cli(tmp_path: Any) -> None:
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p))
-    args = [sys.executable, "-m", "polytrain", "fit", "-c", "examples/gan/config.yaml", f"trainer.run_dir={tmp_path}",
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p))
+    args = [sys.executable, "-m", "polytrain", "fit", "-c", "examples/gan/config.yaml",
+            f"trainer.run_dir={tmp_path}",
             "trainer.max_epochs=1", "trainer.limit_train_batches=3", "trainer.enable_progress_bar=false",
             "trainer.logger=false", "module.n_images=192"]
     proc = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=240)

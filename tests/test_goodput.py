@@ -94,7 +94,8 @@ def test_goodput_after_one_forced_restart_matches_the_hand_computed_split(run_di
     redone = sum(end - begun for step, begun, end in first.steps if step >= 8)
     assert split["restart_and_lost"] >= redone
     assert split["data"] >= 16 * 2 * FETCH_SLEEP * 0.9 and split["validation"] > 0 and split["checkpoint"] > 0
-    parts = sum(split[k] for k in ("training", "checkpoint", "validation", "data", "restart_and_lost", "other"))
+    parts = sum(split[k] for k in ("training", "checkpoint", "validation", "data", "restart_and_lost",
+                                   "other"))
     assert parts == pytest.approx(split["wall"], rel=1e-6)
 
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("goodput:"))

@@ -45,7 +45,8 @@ class Net(TrainModule):
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.losses.append(float(self.trainer.strategy.reduce(outputs["loss"].detach())))  # Lightning: {"loss": t}
+        # Lightning: {"loss": t}
+        self.losses.append(float(self.trainer.strategy.reduce(outputs["loss"].detach())))
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
@@ -85,7 +86,8 @@ def test_nccl_ddp_equals_single_gpu(tmp_path: Any, bn: bool) -> None:
     assert ranks[0]["backend"] == "nccl"
     if bn:
         assert ranks[0]["bn_type"] == "SyncBatchNorm"  # torch's own on CUDA
-    torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(single.losses), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(single.losses), atol=1e-5,
+                               rtol=1e-5)
     for key, value in single.state_dict().items():
         torch.testing.assert_close(ranks[0]["state"][key], value.cpu(), atol=1e-5, rtol=1e-5)
 
@@ -145,8 +147,8 @@ def test_async_checkpoints_on_cuda_hold_the_weights_of_their_step(tmp_path: Any)
     from polytrain.callbacks import ModelCheckpoint
 
     module = _SavedWeights()
-    saver = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=3, save_top_k=-1, async_save=True,
-                            every_n_epochs=None)
+    saver = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=3, save_top_k=-1,
+                            async_save=True, every_n_epochs=None)
     trainer = Trainer(devices=1, strategy="single", callbacks=[saver], **{**_quiet(str(tmp_path)),
                                                                           "enable_checkpointing": True})
     trainer.fit(module)

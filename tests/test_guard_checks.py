@@ -25,7 +25,8 @@ MakeTrainer = Callable[..., Any]
 class LossAt(TinyModule):
     """The loss becomes ``transform(loss)`` on the given batch indices (epoch 0)."""
 
-    def __init__(self, at: set[int], transform: Callable[[torch.Tensor], torch.Tensor], **kwargs: Any) -> None:
+    def __init__(self, at: set[int], transform: Callable[[torch.Tensor], torch.Tensor],
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.at, self.transform = at, transform
         self.seen: list[int] = []
@@ -37,7 +38,8 @@ class LossAt(TinyModule):
 
 
 @pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
-def test_an_infinite_or_nan_loss_is_named_at_the_next_logging_step(make_trainer: MakeTrainer, bad: float) -> None:
+def test_an_infinite_or_nan_loss_is_named_at_the_next_logging_step(make_trainer: MakeTrainer,
+                                                                   bad: float) -> None:
     # batch 3 is bad; the first check after it is the logging step at step 4 (log_every_n_steps=4)
     module = LossAt({3}, lambda loss: loss * bad, n=40, batch_size=4, val_n=None)
     with pytest.raises(NonFiniteError, match="non-finite loss at step 3 on rank"):

@@ -18,7 +18,8 @@ from polytrain import Callback, DataModule, Trainer
 from polytrain.trainer.hooks import CALLBACK_HOOKS, DATAMODULE_HOOKS, MODULE_HOOKS, is_overridden
 from polytrain.trainer.module import TrainModule
 
-STEPS = {"training_step", "validation_step", "test_step", "predict_step"}  # the strategy runs them: phase rows
+# the strategy runs them: phase rows
+STEPS = {"training_step", "validation_step", "test_step", "predict_step"}
 NOT_CALLED_BY_THE_LOOP = {"forward"}  # the module's own code calls it (predict_step's default does)
 
 
@@ -75,7 +76,8 @@ class EveryHookData(DataModule):
         return self.module.val_dataloader()
 
 
-for _name in DATAMODULE_HOOKS - {"train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader"}:
+for _name in DATAMODULE_HOOKS - {"train_dataloader", "val_dataloader", "test_dataloader",
+                                 "predict_dataloader"}:
     setattr(EveryHookData, _name, _pass_through(_name, DataModule))
 
 
@@ -107,9 +109,11 @@ def test_every_hook_is_reached_through_the_funnel(quiet_kwargs: dict, tmp_path: 
     owners = {row.split(": ")[1] for row in rows if ": " in row}
     assert {"EveryHookModule", "EveryHookCallback", "EveryHookData"} <= owners
     by_owner = {owner: {row.split(": ")[0] for row in rows if row.endswith(f": {owner}")} for owner in owners}
-    assert CALLBACK_HOOKS <= by_owner["EveryHookCallback"], sorted(CALLBACK_HOOKS - by_owner["EveryHookCallback"])
+    assert CALLBACK_HOOKS <= by_owner["EveryHookCallback"], (
+        sorted(CALLBACK_HOOKS - by_owner["EveryHookCallback"]))
     module_hooks = MODULE_HOOKS - STEPS - NOT_CALLED_BY_THE_LOOP
     module_missing = sorted(module_hooks - by_owner["EveryHookModule"] - by_owner["EveryHookData"])
-    assert not module_missing, module_missing  # the *_dataloader hooks come from the DataModule (it comes first)
+    # the *_dataloader hooks come from the DataModule (it comes first)
+    assert not module_missing, module_missing
     assert DATAMODULE_HOOKS <= by_owner["EveryHookData"], sorted(DATAMODULE_HOOKS - by_owner["EveryHookData"])
     assert STEPS <= rows, sorted(STEPS - rows)

@@ -3,11 +3,11 @@ reads a tensor's value on the host.
 
 On CPU nothing syncs, so the test counts the calls that *would* sync on a GPU: reading a value
 (``item``, ``float()``, ``int()``, ``bool()``, ``tolist``, ``numpy``, formatting), ``nonzero``
-(a data-dependent shape), and copies to the host (``cpu()``, ``.to("cpu")``). Counting runs from each training batch's
-``on_train_batch_start`` to the next one's (or validation, or the epoch's end), so a window holds
-the whole step: forward, backward, optimizer, the logging step when there is one, every callback's
-batch-end hook, then fetching and moving the next batch. With SGD: Adam keeps its step count in a
-CPU tensor and reads it with ``.item()`` (a host read even on CUDA, not a sync).
+(a data-dependent shape), and copies to the host (``cpu()``, ``.to("cpu")``). Counting runs from each
+training batch's ``on_train_batch_start`` to the next one's (or validation, or the epoch's end), so a
+window holds the whole step: forward, backward, optimizer, the logging step when there is one, every
+callback's batch-end hook, then fetching and moving the next batch. With SGD: Adam keeps its step
+count in a CPU tensor and reads it with ``.item()`` (a host read even on CUDA, not a sync).
 
 CUDA pieces are exercised by simulation: a loader pins when the strategy computes on CUDA
 (unless the user chose), and batches move with ``non_blocking=True``.
@@ -54,7 +54,8 @@ class SyncCounter:
         counter = self
 
         def patched(*args: Any, **kwargs: Any) -> Any:
-            if counter.active and not counter._inside and (is_host_copy is None or is_host_copy(*args, **kwargs)):
+            if (counter.active and not counter._inside
+                    and (is_host_copy is None or is_host_copy(*args, **kwargs))):
                 counter._hit(name)
             counter._inside, outer = True, counter._inside  # what torch calls inside one read is not another
             try:
@@ -96,8 +97,8 @@ class Windows(Callback):
         self.counter.hits, self.counter.active = [], True
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._logging = trainer.batches_stepped % trainer.config.log_every_n_steps == 0 and trainer.batch_in_epoch \
-            % trainer.config.accumulate_grad_batches == 0
+        self._logging = (trainer.batches_stepped % trainer.config.log_every_n_steps == 0
+                         and trainer.batch_in_epoch % trainer.config.accumulate_grad_batches == 0)
 
     def on_validation_start(self, trainer: Any, module: Any) -> None:
         self._close()
@@ -258,7 +259,8 @@ def test_no_implicit_sync_on_cuda(run_dir: str) -> None:
             quiet = (trainer.batches_stepped + 1) % LOG_EVERY != 0
             torch.cuda.set_sync_debug_mode("error" if quiet else 0)
 
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
             torch.cuda.set_sync_debug_mode(0)
 
     trainer = Trainer(strategy="single", accelerator="cuda", devices=1, max_epochs=1, run_dir=run_dir,

@@ -31,7 +31,8 @@ QUIET = dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=
 
 
 class AllArgs(LightningModule):
-    def __init__(self, lr: float = 0.1, depth: int = 2, net: nn.Module | None = None, *args: Any, **kwargs: Any):
+    def __init__(self, lr: float = 0.1, depth: int = 2, net: nn.Module | None = None, *args: Any,
+                 **kwargs: Any):
         super().__init__()
         self.save_hyperparameters(ignore=["net"])
 
@@ -61,11 +62,13 @@ class Sub(AllArgs):
 
 
 @pytest.mark.parametrize(("build", "expected"), [
-    (lambda: AllArgs(0.2, 3, nn.Linear(1, 1), 7, extra_kw=1), {"lr": 0.2, "depth": 3, "extra_kw": 1}),  # *args dropped
+    # *args dropped
+    (lambda: AllArgs(0.2, 3, nn.Linear(1, 1), 7, extra_kw=1), {"lr": 0.2, "depth": 3, "extra_kw": 1}),
     (lambda: Chosen(0.3), {"lr": 0.3, "name": "x"}),
     (lambda: FromObject({"a": 1, "b": [1, 2]}), {"a": 1, "b": [1, 2]}),
     (lambda: FromObject(argparse.Namespace(a=1, b="z")), {"a": 1, "b": "z"}),
-    (lambda: Sub(extra=6, lr=0.5), {"lr": 0.5, "depth": 2, "extra": 6}),  # a subclass after its base: the union
+    # a subclass after its base: the union
+    (lambda: Sub(extra=6, lr=0.5), {"lr": 0.5, "depth": 2, "extra": 6}),
 ])
 def test_save_hyperparameters_forms(build: Any, expected: dict) -> None:
     assert dict(build().hparams) == expected
@@ -149,17 +152,21 @@ def _tensorboard_hparams(log_dir: str) -> dict[str, Any]:
 def test_hparams_in_the_checkpoint_and_in_the_loggers_files(tmp_path: Any) -> None:
     root = str(tmp_path / "run")
     module = Regressor(hidden=8, lr=0.05, optim={"momentum": 0.9, "nesterov": True})
-    Trainer(**QUIET, devices=1, default_root_dir=root, max_epochs=1).fit(module, datamodule=Data(batch_size=4))
+    Trainer(**QUIET, devices=1, default_root_dir=root, max_epochs=1).fit(module,
+                                                                         datamodule=Data(batch_size=4))
     checkpoint = read_checkpoint(os.path.join(root, "version_0", "checkpoints", "last.ckpt"))
-    assert checkpoint["hyper_parameters"] == {"hidden": 8, "lr": 0.05, "optim": {"momentum": 0.9, "nesterov": True}}
+    assert checkpoint["hyper_parameters"] == {"hidden": 8, "lr": 0.05,
+                                              "optim": {"momentum": 0.9, "nesterov": True}}
     assert checkpoint["datamodule_hyper_parameters"] == {"batch_size": 4, "augment": False}
-    expected = {"batch_size": 4, "augment": False, "hidden": 8, "lr": 0.05, "optim": {"momentum": 0.9, "nesterov": True}}
+    expected = {"batch_size": 4, "augment": False, "hidden": 8, "lr": 0.05,
+                "optim": {"momentum": 0.9, "nesterov": True}}
     # Both default loggers write hparams.yaml into the run's directory (as Lightning's, in theirs).
     with open(os.path.join(root, "version_0", "hparams.yaml"), encoding="utf-8") as fh:
         assert yaml.safe_load(fh) == expected
     # The HParams tab, flattened (torch's hparams summary stores booleans as numbers, as under Lightning).
     assert _tensorboard_hparams(os.path.join(root, "version_0")) == pytest.approx(
-        {"batch_size": 4.0, "augment": 0.0, "hidden": 8.0, "lr": 0.05, "optim/momentum": 0.9, "optim/nesterov": 1.0})
+        {"batch_size": 4.0, "augment": 0.0, "hidden": 8.0, "lr": 0.05, "optim/momentum": 0.9,
+         "optim/nesterov": 1.0})
 
 
 def test_save_hyperparameters_logger_false_keeps_them_out_of_the_loggers(tmp_path: Any) -> None:
@@ -171,7 +178,8 @@ def test_save_hyperparameters_logger_false_keeps_them_out_of_the_loggers(tmp_pat
     root = str(tmp_path / "run")
     Trainer(**QUIET, devices=1, default_root_dir=root, max_epochs=1, logger="csv").fit(Quiet())
     assert not os.path.exists(os.path.join(root, "version_0", "hparams.yaml"))
-    assert read_checkpoint(os.path.join(root, "version_0", "checkpoints", "last.ckpt"))["hyper_parameters"]["hidden"] == 8
+    assert read_checkpoint(os.path.join(root, "version_0", "checkpoints",
+                                        "last.ckpt"))["hyper_parameters"]["hidden"] == 8
 
 
 # --------------------------------------------------------------------------- load_from_checkpoint
@@ -219,7 +227,8 @@ def _distributed_fit(rank: int, world_size: int, root: str, strategy: str) -> di
 def test_load_from_checkpoint_of_a_two_rank_run(tmp_path: Any, strategy: str) -> None:
     results = run_distributed(_distributed_fit, 2, str(tmp_path / strategy), strategy, timeout=180.0)
     path = results[0]["path"]
-    assert os.path.isdir(path) if strategy == "fsdp" else path.endswith(".ckpt")  # fsdp: a sharded DCP directory
+    # fsdp: a sharded DCP directory
+    assert os.path.isdir(path) if strategy == "fsdp" else path.endswith(".ckpt")
     _check_loaded(path, results[0]["state"])
 
 

@@ -223,7 +223,8 @@ def test_imports_point_down() -> None:
         if e.kind == "typing" and (src, dst) in TYPING_ONLY:
             continue
         if LAYERS[dst] > LAYERS[src] or (LAYERS[dst] == LAYERS[src] < TOP):
-            upward.append(f"{e.source}:{e.line} ({e.kind}) imports {e.target}: layer {LAYERS[src]} -> {LAYERS[dst]}")
+            upward.append(f"{e.source}:{e.line} ({e.kind}) imports {e.target}: "
+                          f"layer {LAYERS[src]} -> {LAYERS[dst]}")
     assert not upward, "imports that do not point down:\n" + "\n".join(upward)
 
 
@@ -245,16 +246,18 @@ def test_late_imports_say_why_and_only_fall() -> None:
                              "or move it to module level:\n" + "\n".join(unexplained))
     listing = "\n".join(f"  {m}:{line}: {text}" for m, line, text in LATE)
     assert len(LATE) <= LATE_IMPORT_BUDGET, (
-        f"{len(LATE)} function-level imports, budget {LATE_IMPORT_BUDGET}: the count may only fall. Load the new "
-        f"one at module level, or remove another:\n{listing}")
+        f"{len(LATE)} function-level imports, budget {LATE_IMPORT_BUDGET}: the count may only fall. "
+        f"Load the new one at module level, or remove another:\n{listing}")
     assert len(LATE) == LATE_IMPORT_BUDGET, (
-        f"only {len(LATE)} function-level imports remain: lower LATE_IMPORT_BUDGET in {__file__} to {len(LATE)}")
+        f"only {len(LATE)} function-level imports remain: lower LATE_IMPORT_BUDGET in {__file__} "
+        f"to {len(LATE)}")
 
 
 def test_the_collector_sees_a_circle_and_an_upward_import() -> None:
     """The checks above can fail: a planted circle and upward import are found."""
     planted = [Edge("polytrain.core.batch", "polytrain.trainer.fit_loop", "module", 1),
                Edge("polytrain.trainer.fit_loop", "polytrain.core.batch", "module", 1)]
-    assert any({"polytrain.core.batch", "polytrain.trainer.fit_loop"} <= set(c) for c in _cycles(EDGES + planted))
+    assert any({"polytrain.core.batch", "polytrain.trainer.fit_loop"} <= set(c)
+               for c in _cycles(EDGES + planted))
     src, dst = _package(planted[0].source), _package(planted[0].target)
     assert LAYERS[dst] > LAYERS[src]

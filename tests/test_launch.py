@@ -114,7 +114,8 @@ def test_launcher_agreement_runs_here(monkeypatch):
     for devices, num_nodes in (("auto", 1), (1, 2)):
         plan = plan_launch(validate_trainer_config({"accelerator": "cpu", "devices": devices,
                                                     "num_nodes": num_nodes}))
-        assert (plan.method, plan.strategy_name, plan.env.global_rank, plan.env.node_rank) == ("here", "ddp", 1, 1)
+        assert ((plan.method, plan.strategy_name, plan.env.global_rank, plan.env.node_rank)
+                == ("here", "ddp", 1, 1))
 
 
 def test_more_cpu_processes_than_cores_is_refused_with_the_way_to_ask_for_it(monkeypatch):
@@ -126,7 +127,8 @@ def test_more_cpu_processes_than_cores_is_refused_with_the_way_to_ask_for_it(mon
         plan_launch(cfg)
     message = str(info.value)
     assert "trainer.devices=3 CPU processes but only 2 CPU cores" in message
-    assert "at most 2" in message and "POLYTRAIN_OVERSUBSCRIBE=1" in message  # both ways out, with the numbers
+    # both ways out, with the numbers
+    assert "at most 2" in message and "POLYTRAIN_OVERSUBSCRIBE=1" in message
     monkeypatch.setenv("POLYTRAIN_OVERSUBSCRIBE", "1")  # asked for on purpose: planned as given
     plan = plan_launch(cfg)
     assert (plan.devices, plan.world_size, plan.method) == (3, 3, "spawn")
@@ -182,7 +184,8 @@ def test_relaunched_script_failing_on_one_rank_ends_the_job_with_its_traceback(t
 def test_spawn_launcher_hands_trained_weights_back_to_the_caller(tmp_path, expected_weights, launcher):
     import torch
 
-    result = run([sys.executable, TRAIN_SCRIPT, tmp_path, "--devices", "2", "--launcher", launcher], RUN_TIMEOUT)
+    result = run([sys.executable, TRAIN_SCRIPT, tmp_path, "--devices", "2", "--launcher", launcher],
+                 RUN_TIMEOUT)
     assert_ok(result)
     records = read_records(tmp_path)
     assert_two_rank_ddp(records, expected_weights, source="torchrun")
@@ -192,7 +195,8 @@ def test_spawn_launcher_hands_trained_weights_back_to_the_caller(tmp_path, expec
     assert parent["pid"] not in {r["pid"] for r in records.values()}
     assert parent["weights"] != parent["initial"]
     assert parent["weights"] == records[0]["weights"]
-    ckpt = torch.load(tmp_path / "run" / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    ckpt = torch.load(tmp_path / "run" / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu",
+                      weights_only=True)
     assert ckpt["loop"]["global_step"] == STEPS and ckpt["loop"]["world_size"] == 2
     saved = [float(v) for t in ckpt["model"].values() for v in t.flatten().tolist()]
     assert parent["weights"] == saved
@@ -283,8 +287,9 @@ def test_two_slurm_tasks_train_as_ddp(tmp_path, expected_weights):
     def tasks():
         port = str(free_port())
         return [([sys.executable, TRAIN_SCRIPT, tmp_path],
-                 child_env(SLURM_JOB_ID="4242", SLURM_JOB_NAME="tiny", SLURM_NTASKS="2", SLURM_PROCID=str(task),
-                           SLURM_LOCALID=str(task), SLURM_NODEID="0", SLURM_NODELIST="127.0.0.1", MASTER_PORT=port))
+                 child_env(SLURM_JOB_ID="4242", SLURM_JOB_NAME="tiny", SLURM_NTASKS="2",
+                           SLURM_PROCID=str(task), SLURM_LOCALID=str(task), SLURM_NODEID="0",
+                           SLURM_NODELIST="127.0.0.1", MASTER_PORT=port))
                 for task in (0, 1)]
 
     for result in run_together(tasks, RUN_TIMEOUT):
@@ -308,8 +313,9 @@ def test_two_slurm_tasks_train_as_ddp(tmp_path, expected_weights):
 def test_two_nodes_on_loopback(tmp_path, expected_weights):
     def nodes():
         port = free_port()
-        return [([*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}", "--master_addr=127.0.0.1",
-                  f"--master_port={port}", TRAIN_SCRIPT, tmp_path, "--devices", "1", "--num-nodes", "2"], child_env())
+        return [([*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
+                  "--master_addr=127.0.0.1", f"--master_port={port}", TRAIN_SCRIPT, tmp_path, "--devices",
+                  "1", "--num-nodes", "2"], child_env())
                 for node in (0, 1)]
 
     for result in run_together(nodes, RUN_TIMEOUT):
@@ -336,8 +342,8 @@ def _join_and_sum(path: str) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(RUN_TIMEOUT)
-def test_spawn_starts_again_on_another_port_when_its_port_was_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                                                   ) -> None:
+def test_spawn_starts_again_on_another_port_when_its_port_was_taken(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The port chosen for the rendezvous is free when chosen; another program may bind it before rank 0
     does (a busy machine). The spawn launcher then starts the job again on another port."""
     import socket

@@ -20,9 +20,9 @@ from polytrain.utilities import rank_zero_only
 
 
 def _kwargs(run_dir: str, **over: Any) -> dict[str, Any]:
-    return {**dict(strategy="single", accelerator="cpu", devices=1, run_dir=run_dir, enable_progress_bar=False,
-                   enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1,
-                   num_sanity_val_steps=0, max_epochs=1), **over}
+    return {**dict(strategy="single", accelerator="cpu", devices=1, run_dir=run_dir,
+                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                   log_every_n_steps=1, num_sanity_val_steps=0, max_epochs=1), **over}
 
 
 class _Drawing(TinyModule):
@@ -172,7 +172,8 @@ def test_experiment_is_a_stand_in_on_ranks_that_do_not_log(tmp_path: Any, run_di
     assert "picture" in tags["images"] and "weights" in tags["histograms"]
 
 
-def test_mlflow_logger_lightning_arguments_and_log_model(tmp_path: Any, run_dir: str, monkeypatch: Any) -> None:
+def test_mlflow_logger_lightning_arguments_and_log_model(tmp_path: Any, run_dir: str,
+                                                         monkeypatch: Any) -> None:
     pytest.importorskip("mlflow")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a file store named explicitly (MLflow 3 asks)
     from polytrain.callbacks import ModelCheckpoint
@@ -196,8 +197,8 @@ def test_wandb_logger_lightning_arguments_offline(tmp_path: Any, run_dir: str, m
     from polytrain.loggers import WandbLogger
 
     monkeypatch.setenv("WANDB_SILENT", "true")
-    logger = WandbLogger(name="first", dir=str(tmp_path / "wb"), version="abc123", project="proj", offline=True,
-                         prefix="x")
+    logger = WandbLogger(name="first", dir=str(tmp_path / "wb"), version="abc123", project="proj",
+                         offline=True, prefix="x")
     Trainer(**_kwargs(run_dir, logger=logger)).fit(TinyModule())
     assert logger.version == "abc123" and logger.save_dir == str(tmp_path / "wb")
     runs = [d for d in os.listdir(tmp_path / "wb" / "wandb") if d.endswith("abc123")]

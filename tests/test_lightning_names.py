@@ -98,7 +98,8 @@ def test_learning_rates_are_in_callback_metrics(make_trainer: Any) -> None:
         def configure_optimizers(self) -> Any:
             return torch.optim.Adam(self.parameters(), lr=0.01)
 
-    trainer = make_trainer(max_epochs=1, callbacks=[LearningRateMonitor(logging_interval="epoch")])  # no logger
+    trainer = make_trainer(max_epochs=1,
+                           callbacks=[LearningRateMonitor(logging_interval="epoch")])  # no logger
     trainer.fit(Adam(n=16))
     assert float(trainer.callback_metrics["lr-Adam"]) == pytest.approx(0.01)
 

@@ -117,7 +117,8 @@ def test_a_validation_step_value_never_reaches_a_training_logging_step(run: tupl
     # Validation step values get their own axis: the validation batch count over the fit, without the
     # sanity check's batches (Lightning: 0, 1, 2 then 3, 4, 5).
     assert recorder.rows_with("vstep") == [(0, 30.0), (1, 31.0), (2, 32.0), (3, 30.0), (4, 31.0), (5, 32.0)]
-    # Training step rows at the logging steps (global steps 3 and 6: Lightning's 2 and 5) and every row an epoch.
+    # Training step rows at the logging steps (global steps 3 and 6: Lightning's 2 and 5) and every row an
+    # epoch.
     assert recorder.rows_with("a") == [(3, 7.0), (6, 6.0)]
     assert [m["epoch"] for _, m in recorder.calls if "a" in m] == [0.0, 1.0]
 
@@ -126,13 +127,16 @@ def test_forked_names_in_logged_callback_and_progress_bar_metrics(run: tuple) ->
     trainer, _, recorder = run
     assert recorder.rows_with("b_step") == [(3, 7.0), (6, 6.0)]
     assert recorder.rows_with("b_epoch") == [(4, 6.5), (8, 6.5)]  # at each epoch's end
-    assert recorder.rows_with("vs_epoch") == [(4, 21.0), (8, 21.0)] and recorder.rows_with("vs_step")[0] == (0, 20.0)
+    assert (recorder.rows_with("vs_epoch") == [(4, 21.0), (8, 21.0)]
+            and recorder.rows_with("vs_step")[0] == (0, 20.0))
     assert not recorder.rows_with("b") and not recorder.rows_with("vs")  # loggers never see the plain name
     # callback_metrics: all three forms; the plain name is the latest (the step value mid-epoch) ...
-    assert {k: recorder.mid_epoch[k] for k in ("b", "b_step", "b_epoch")} == {"b": 7.0, "b_step": 7.0, "b_epoch": 6.5}
+    assert ({k: recorder.mid_epoch[k] for k in ("b", "b_step", "b_epoch")}
+            == {"b": 7.0, "b_step": 7.0, "b_epoch": 6.5})
     cm = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    assert {k: cm[k] for k in ("b", "b_step", "b_epoch", "vs", "vs_epoch")} == \
-        {"b": 6.5, "b_step": 8.0, "b_epoch": 6.5, "vs": 21.0, "vs_epoch": 21.0}  # ... the epoch value after it
+    # ... the epoch value after it
+    assert ({k: cm[k] for k in ("b", "b_step", "b_epoch", "vs", "vs_epoch")}
+            == {"b": 6.5, "b_step": 8.0, "b_epoch": 6.5, "vs": 21.0, "vs_epoch": 21.0})
     assert "hidden" in cm and "hidden" not in trainer.logged_metrics  # logger=False: callbacks only
     # logged_metrics: only the suffixed forms; progress_bar_metrics: only prog_bar ones, suffixed.
     assert "b" not in trainer.logged_metrics and {"b_step", "b_epoch"} <= set(trainer.logged_metrics)
@@ -164,7 +168,8 @@ def test_torchmetrics_objects(run: tuple) -> None:
     assert recorder.rows_with("t_metric_step")[0][1] == pytest.approx(module.batch_means[2])
     x = module.train_ds.tensors[0][:, 0]
     assert float(trainer.callback_metrics["t_metric_epoch"]) == pytest.approx(float(x.mean()))
-    assert float(trainer.callback_metrics["v_metric"]) == pytest.approx(float(module.val_ds.tensors[0][:, 1].mean()))
+    assert float(trainer.callback_metrics["v_metric"]) == pytest.approx(
+        float(module.val_ds.tensors[0][:, 1].mean()))
     assert module.train_metric.update_count == 0  # reset at the epoch's end
 
 
@@ -186,13 +191,15 @@ def test_print_and_all_gather_on_one_process(tmp_path: Any, capsys: Any) -> None
             seen["vector"] = self.all_gather(torch.arange(3.0))
             seen["scalar"] = self.all_gather(torch.tensor(1.0))
 
-    Trainer(**QUIET, devices=1, default_root_dir=str(tmp_path), max_epochs=1, num_sanity_val_steps=0).fit(Gathers())
+    Trainer(**QUIET, devices=1, default_root_dir=str(tmp_path), max_epochs=1,
+            num_sanity_val_steps=0).fit(Gathers())
     assert "hello from 0" in capsys.readouterr().out
     assert seen["vector"].shape == (3,) and seen["scalar"].shape == ()  # unchanged on one process
 
 
 @pytest.mark.parametrize(("hook", "args"), [
-    ("setup", ("fit",)), ("configure_model", ()), ("on_fit_start", ()), ("on_train_end", ()), ("on_fit_end", ()),
+    ("setup", ("fit",)), ("configure_model", ()), ("on_fit_start", ()), ("on_train_end", ()),
+    ("on_fit_end", ()),
     ("on_validation_end", ()), ("on_validation_model_eval", ()), ("on_validation_model_zero_grad", ()),
     ("on_save_checkpoint", (None,)), ("on_before_batch_transfer", (None, 0)), ("teardown", ("fit",)),
 ])
@@ -346,6 +353,7 @@ def test_print_and_all_gather_across_two_ranks(two_ranks: list[dict]) -> None:
     assert "printed by rank" not in two_ranks[1]["printed"]
     for r in two_ranks:
         g = r["gathered"]
-        assert torch.equal(g["vector"], torch.stack([torch.arange(3.0), torch.arange(3.0) + 10]))  # [3] -> [2, 3]
+        assert torch.equal(g["vector"],
+                           torch.stack([torch.arange(3.0), torch.arange(3.0) + 10]))  # [3] -> [2, 3]
         assert torch.equal(g["scalar"], torch.tensor([0.0, 1.0]))  # scalar -> [2]
         assert torch.equal(g["dict"]["k"], torch.tensor([[0.0, 0.0], [1.0, 1.0]]))  # dicts elementwise

@@ -315,7 +315,8 @@ def test_limit_train_and_val_batches(make_trainer: MakeTrainer) -> None:
     assert module.val_epochs == 2 and module.val_batches == 2
 
 
-@pytest.mark.parametrize(("interval", "expected_val_runs"), [(1, 4), (2, 2), (3, 1), (0.5, 2), (0.25, 4), (1.0, 1)])
+@pytest.mark.parametrize(("interval", "expected_val_runs"), [(1, 4), (2, 2), (3, 1), (0.5, 2), (0.25, 4),
+                                                             (1.0, 1)])
 def test_val_check_interval(make_trainer: MakeTrainer, interval: Any, expected_val_runs: int) -> None:
     module = CountingModule(n=16, batch_size=4, val_n=4, lr=0.05)  # 4 train batches
     make_trainer(max_epochs=1, val_check_interval=interval).fit(module)
@@ -462,7 +463,8 @@ class TwoOptimizers(TinyModule):
         return self.net(x) + self.head(x)
 
     def configure_optimizers(self) -> Any:
-        return [torch.optim.SGD(self.net.parameters(), lr=0.05), torch.optim.Adam(self.head.parameters(), lr=0.01)]
+        return [torch.optim.SGD(self.net.parameters(), lr=0.05),
+                torch.optim.Adam(self.head.parameters(), lr=0.01)]
 
 
 def test_two_optimizers_both_step(make_trainer: MakeTrainer) -> None:

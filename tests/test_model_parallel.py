@@ -110,8 +110,9 @@ def _fit(run_dir: str, strategy: Any, batch_size: int = GLOBAL_BATCH, module: Tr
     module = module if module is not None else Classifier(batch_size)
     recorder = LossRecorder()
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False,
-                      enable_progress_bar=False, enable_checkpointing=False, run_dir=run_dir, log_every_n_steps=1,
-                      callbacks=[recorder], seed=0, use_distributed_sampler="always", **kwargs)
+                      enable_progress_bar=False, enable_checkpointing=False, run_dir=run_dir,
+                      log_every_n_steps=1, callbacks=[recorder], seed=0, use_distributed_sampler="always",
+                      **kwargs)
     trainer.fit(module)
     state = trainer.strategy.module_state_dict()  # every rank calls: it gathers under tensor parallelism
     return {
@@ -125,7 +126,8 @@ def _fit(run_dir: str, strategy: Any, batch_size: int = GLOBAL_BATCH, module: Tr
 
 def _check(run: dict[str, Any], single: dict[str, Any], what: str) -> None:
     assert len(run["losses"]) == len(single["losses"]) == 20, what
-    assert_close(torch.tensor(run["losses"]), torch.tensor(single["losses"]), **TOL, msg=lambda m: f"{what}: {m}")
+    assert_close(torch.tensor(run["losses"]), torch.tensor(single["losses"]), **TOL,
+                 msg=lambda m: f"{what}: {m}")
     assert single["losses"][-1] < single["losses"][0]  # it trained: parity of frozen weights proves nothing
     if run["state"] is None:  # a rank that does not hold the gathered model (tensor mode, rank > 0)
         return _check_val(run, single, what)
@@ -145,7 +147,8 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
     runs = {"plain": _fit(os.path.join(root, "plain"), "single"),
             "clip": _fit(os.path.join(root, "clip"), "single", gradient_clip_val=CLIP)}
     runs["plain"]["ckpt"] = os.path.join(root, "single.ckpt")
-    runs["plain"]["trainer"].save_checkpoint(runs["plain"]["ckpt"])  # a replicated file, for tensor mode to load
+    runs["plain"]["trainer"].save_checkpoint(runs["plain"]["ckpt"])  # a replicated file, for tensor mode
+    # to load
     return runs
 
 
@@ -156,7 +159,8 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
                          ids=["balanced", "split_size", "split_points"])
 def test_layers_on_two_cpu_devices_match_single(single: dict[str, Any], tmp_path: Any,
                                                 options: dict[str, Any]) -> None:
-    run = _fit(str(tmp_path), {"name": "model_parallel", "mode": "layers", "devices_per_process": 2, **options},
+    run = _fit(str(tmp_path), {"name": "model_parallel", "mode": "layers", "devices_per_process": 2,
+                               **options},
                devices=2)
     placed = run["trainer"].strategy.module.net
     assert type(placed).__name__ == "PlacedSequential"
@@ -191,13 +195,15 @@ def test_layers_place_layers_hook_matches_single(single: dict[str, Any], tmp_pat
     module = TwoHalves()
     run = _fit(str(tmp_path), {"name": "model_parallel", "devices_per_process": 2}, module=module, devices=2)
     assert module.placed_on == ["cpu", "cpu"]
-    assert isinstance(module.net, nn.Sequential) and type(module.net).__name__ == "Sequential"  # not re-placed
+    assert (isinstance(module.net, nn.Sequential)
+            and type(module.net).__name__ == "Sequential")  # not re-placed
     _check(run, single["plain"], "place_layers")
 
 
 def _layers_ddp_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     strategy = {"name": "model_parallel", "mode": "layers", "devices_per_process": 2, "split_size": 2}
-    run = _fit(os.path.join(root, "layers-ddp"), strategy, batch_size=GLOBAL_BATCH // world_size, devices="auto")
+    run = _fit(os.path.join(root, "layers-ddp"), strategy, batch_size=GLOBAL_BATCH // world_size,
+               devices="auto")
     strat = run.pop("trainer").strategy
     run["wrapper"] = type(strat.model).__name__
     run["dp"] = (strat.dp_rank, strat.dp_size)
@@ -221,7 +227,8 @@ def _tensor_worker(rank: int, world_size: int, root: str, strategy: dict[str, An
                    clip: float | None, single_ckpt: str | None = None) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
-    run = _fit(os.path.join(root, "tensor"), strategy, batch_size=batch_size, devices="auto", gradient_clip_val=clip)
+    run = _fit(os.path.join(root, "tensor"), strategy, batch_size=batch_size, devices="auto",
+               gradient_clip_val=clip)
     trainer = run.pop("trainer")
     module = trainer.strategy.module
     run["dp"] = (trainer.strategy.dp_rank, trainer.strategy.dp_size)
@@ -246,8 +253,8 @@ def _has_sharded_io() -> bool:
 def tp2(tmp_path_factory: pytest.TempPathFactory, single: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     root = str(tmp_path_factory.mktemp("tp2"))
     strategy = {"name": "model_parallel", "mode": "tensor", "tp": 2}
-    return root, run_distributed(_tensor_worker, 2, root, strategy, GLOBAL_BATCH, CLIP, single["plain"]["ckpt"],
-                                 timeout=150.0)
+    return root, run_distributed(_tensor_worker, 2, root, strategy, GLOBAL_BATCH, CLIP,
+                                 single["plain"]["ckpt"], timeout=150.0)
 
 
 @pytest.mark.distributed
@@ -266,11 +273,12 @@ def test_tensor_parallel_two_ranks_matches_single(single: dict[str, Any], tp2: A
 @pytest.mark.timeout(180)
 def test_tensor_checkpoint_loads_into_single_device(single: dict[str, Any], tp2: Any, tmp_path: Any) -> None:
     if not _has_sharded_io():
-        pytest.skip("polytrain/strategies/sharded_io.py does not exist yet: no sharded checkpoint to round-trip")
+        pytest.skip("polytrain/strategies/sharded_io.py does not exist yet: no sharded checkpoint to "
+                    "round-trip")
     root, runs = tp2
     module = Classifier()
-    trainer = Trainer(accelerator="cpu", devices=1, strategy="single", logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False, run_dir=str(tmp_path))
+    trainer = Trainer(accelerator="cpu", devices=1, strategy="single", logger=False,
+                      enable_progress_bar=False, enable_checkpointing=False, run_dir=str(tmp_path))
     trainer.validate(module, ckpt_path=os.path.join(root, "tp.ckpt"))
     for name, value in runs[0]["state"].items():
         assert_close(module.state_dict()[name], value, rtol=0.0, atol=0.0, msg=lambda m, n=name: f"{n}: {m}")
@@ -283,7 +291,8 @@ def test_single_device_checkpoint_loads_into_tensor_parallel(single: dict[str, A
     _, runs = tp2
     assert runs[1]["loaded_single"] is None  # gathered on rank 0 only
     for name, value in single["plain"]["state"].items():
-        assert_close(runs[0]["loaded_single"][name], value, rtol=0.0, atol=0.0, msg=lambda m, n=name: f"{n}: {m}")
+        assert_close(runs[0]["loaded_single"][name], value, rtol=0.0, atol=0.0,
+                     msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.distributed
@@ -319,14 +328,17 @@ def test_plan_naming_a_missing_submodule_fails_before_any_process_group(tmp_path
 
 def test_plan_values_must_be_parallel_styles(tmp_path: Any) -> None:
     with pytest.raises(ConfigError, match=r"'net\.1\.fc' is a str, not a ParallelStyle"):
-        _fit(str(tmp_path), {"name": "model_parallel", "mode": "tensor"}, module=Classifier(plan={"net.1.fc": "colwise"}))
+        _fit(str(tmp_path), {"name": "model_parallel", "mode": "tensor"},
+             module=Classifier(plan={"net.1.fc": "colwise"}))
 
 
 def _strategy(world_size: int, **options: Any) -> ModelParallelStrategy:
     # ``build``, as the registry does: mode "layers" is LayerPlacementStrategy's.
-    return ModelParallelStrategy.build(ModelParallelStrategy.Options(**options), accelerator="cpu", devices=world_size,
-                                       num_nodes=1, precision=Precision.for_accelerator("32", "cpu"), timeout=30.0,
-                                       env=ClusterEnvironment(world_size=world_size, local_world_size=world_size))
+    return ModelParallelStrategy.build(ModelParallelStrategy.Options(**options), accelerator="cpu",
+                                       devices=world_size, num_nodes=1,
+                                       precision=Precision.for_accelerator("32", "cpu"), timeout=30.0,
+                                       env=ClusterEnvironment(world_size=world_size,
+                                                              local_world_size=world_size))
 
 
 def test_degrees_that_do_not_multiply_to_the_world_size_print_every_number() -> None:
@@ -336,8 +348,8 @@ def test_degrees_that_do_not_multiply_to_the_world_size_print_every_number() -> 
         assert part in str(err.value)
     with pytest.raises(ConfigError, match=r"world_size=4 is not divisible by dp_replicate=1 x tp=3"):
         _strategy(4, mode="tensor", tp=3).setup_environment()
-    with pytest.raises(ConfigError, match=r"cannot infer tp: world_size=4 is not divisible by dp_replicate=1 x "
-                                          r"dp_shard=3 = 3"):
+    with pytest.raises(ConfigError, match=r"cannot infer tp: world_size=4 is not divisible by "
+                                          r"dp_replicate=1 x dp_shard=3 = 3"):
         _strategy(4, mode="tensor", dp_shard=3).setup_environment()
     assert not dist.is_initialized()
 
@@ -386,10 +398,11 @@ def test_layers_on_two_gpus_match_one_gpu(tmp_path: Any) -> None:
                   enable_checkpointing=False, log_every_n_steps=1)
     runs = {}
     for name, strategy, devices in [("one", "single", 1),
-                                    ("two", {"name": "model_parallel", "devices_per_process": 2, "split_size": 3}, 2)]:
+                                    ("two", {"name": "model_parallel", "devices_per_process": 2,
+                                             "split_size": 3}, 2)]:
         module, recorder = Classifier(), LossRecorder()
-        Trainer(strategy=strategy, devices=devices, run_dir=str(tmp_path / name), callbacks=[recorder], seed=0,
-                **kwargs).fit(module)
+        Trainer(strategy=strategy, devices=devices, run_dir=str(tmp_path / name), callbacks=[recorder],
+                seed=0, **kwargs).fit(module)
         runs[name] = (recorder.losses, module)
     placed = runs["two"][1].net
     assert {str(p.device) for p in placed[0].parameters()} == {"cuda:0"}

@@ -40,7 +40,8 @@ class ModeProbe(TinyModule):
         return super().validation_step(batch, batch_idx)
 
 
-def test_validation_runs_in_eval_mode_without_grad_and_training_resumes_in_train_mode(make_trainer: Any) -> None:
+def test_validation_runs_in_eval_mode_without_grad_and_training_resumes_in_train_mode(
+        make_trainer: Any) -> None:
     module = ModeProbe()
     make_trainer(max_epochs=1, val_check_interval=2).fit(module)  # 4 batches: validation after 2 and 4
     kinds = [(k, i) for k, i, *_ in module.seen]
@@ -48,7 +49,8 @@ def test_validation_runs_in_eval_mode_without_grad_and_training_resumes_in_train
                      ("val", 0), ("val", 1)]
     for kind, idx, training, child_training, grad in module.seen:
         expected = (True, True, True) if kind == "train" else (False, False, False)
-        assert (training, child_training, grad) == expected, f"{kind} batch {idx}: {(training, child_training, grad)}"
+        assert (training, child_training, grad) == expected, (
+            f"{kind} batch {idx}: {(training, child_training, grad)}")
     assert module.training and module.drop.training  # fit returns the module in train mode
 
 
@@ -70,7 +72,8 @@ def test_dp_on_cpu_warns_and_trains_exactly_like_a_plain_loop(make_trainer: Any)
             opt.zero_grad()
             F.mse_loss(reference(x), y).backward()
             opt.step()
-    for (name, ours), theirs in zip(module.state_dict().items(), reference.state_dict().values(), strict=True):
+    for (name, ours), theirs in zip(module.state_dict().items(), reference.state_dict().values(),
+                                    strict=True):
         assert torch.equal(ours, theirs), name
     assert trainer.global_step == 8
 

@@ -10,8 +10,9 @@ from polytrain.core.errors import ConfigError
 from polytrain.strategies.launcher import _launch_config, plan_launch, rdzv_conf
 from polytrain.trainer.config import TrainerConfig, load_config, validate_trainer_config
 
-LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-                 "MASTER_PORT", "SLURM_NTASKS", "SLURM_JOB_ID", "POLYTRAIN_RDZV_CONF", "POLYTRAIN_RUN_ID")
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+                 "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_JOB_ID", "POLYTRAIN_RDZV_CONF",
+                 "POLYTRAIN_RUN_ID")
 
 
 @pytest.fixture(autouse=True)
@@ -25,9 +26,10 @@ def test_counts_and_ranges_are_accepted(value: object) -> None:
     validate_trainer_config({"num_nodes": value})
 
 
-@pytest.mark.parametrize(("value", "shown"), [("0:2", "MIN=0, MAX=2"), ("3:1", "MIN=3, MAX=1"), (0, "=0 must"),
-                                              ("1:2:3", "'1:2:3' is not"), ("a:b", "'a:b' is not"),
-                                              (True, "True is not"), (1.5, "1.5 is not")])
+@pytest.mark.parametrize(("value", "shown"), [("0:2", "MIN=0, MAX=2"), ("3:1", "MIN=3, MAX=1"),
+                                              (0, "=0 must"), ("1:2:3", "'1:2:3' is not"),
+                                              ("a:b", "'a:b' is not"), (True, "True is not"),
+                                              (1.5, "1.5 is not")])
 def test_bad_ranges_name_the_value_and_the_fix(value: object, shown: str) -> None:
     with pytest.raises(ConfigError) as err:
         validate_trainer_config({"num_nodes": value})
@@ -36,7 +38,8 @@ def test_bad_ranges_name_the_value_and_the_fix(value: object, shown: str) -> Non
 
 def test_an_unquoted_range_in_yaml_is_not_base_60(tmp_path: pytest.TempPathFactory) -> None:
     path = tmp_path / "cfg.yaml"
-    path.write_text("module: {_target_: torch.nn.Linear, in_features: 1, out_features: 1}\ntrainer:\n  num_nodes: 1:4\n")
+    path.write_text("module: {_target_: torch.nn.Linear, in_features: 1, out_features: 1}\n"
+                    "trainer:\n  num_nodes: 1:4\n")
     assert load_config(str(path))["trainer"]["num_nodes"] == "1:4"  # YAML 1.1 would read 64
     assert load_config(str(path), ["trainer.num_nodes=2:3"])["trainer"]["num_nodes"] == "2:3"
 

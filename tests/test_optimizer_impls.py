@@ -124,7 +124,8 @@ class SeqParallel(Recording, TrainModule):
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-        return {"up": ColwiseParallel(), "down": RowwiseParallel(output_layouts=Shard(1)), "norm": SequenceParallel(),
+        return {"up": ColwiseParallel(), "down": RowwiseParallel(output_layouts=Shard(1)),
+                "norm": SequenceParallel(),
                 "up2": ColwiseParallel(input_layouts=Shard(1)),
                 "down2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
                 "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
@@ -147,7 +148,8 @@ class SeqParallel(Recording, TrainModule):
 MODELS = {"gpt": GPT, "seq": SeqParallel}
 
 
-def build(model: str, size: dict[str, Any], optimizer: str, impl: str | None, batch_size: int | None = None) -> GPT:
+def build(model: str, size: dict[str, Any], optimizer: str, impl: str | None,
+          batch_size: int | None = None) -> GPT:
     torch.manual_seed(0)  # every run, on every rank, starts from the same weights
     kwargs = dict(size, batch_size=batch_size or size["batch_size"])
     return MODELS[model](optimizer, impl, **kwargs)
@@ -260,8 +262,8 @@ def _norms(trainer: Any) -> list[float]:
     return next(cb.norms for cb in trainer.callbacks if isinstance(cb, NormRecorder))
 
 
-def fit(root: str, strategy: str, model: str, size: dict[str, Any], optimizer: str, impl: str | None, steps: int,
-        clip: tuple[str, float] | None = None, ckpt: str | None = None, save: str | None = None,
+def fit(root: str, strategy: str, model: str, size: dict[str, Any], optimizer: str, impl: str | None,
+        steps: int, clip: tuple[str, float] | None = None, ckpt: str | None = None, save: str | None = None,
         probe: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Train under ``strategy`` (every rank calls) on the same global batch as ``reference``."""
     from polytrain import Trainer
@@ -269,12 +271,15 @@ def fit(root: str, strategy: str, model: str, size: dict[str, Any], optimizer: s
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp = world // 2 if strategy.startswith("tensor") else world
     module = build(model, size, optimizer, impl, size["batch_size"] // dp)
-    name = "-".join(str(p) for p in (strategy, model, optimizer, impl, clip and clip[0], ckpt and "resumed", steps))
+    name = "-".join(str(p) for p in (strategy, model, optimizer, impl, clip and clip[0], ckpt and "resumed",
+                                     steps))
     trainer = Trainer(accelerator="cpu", devices=world, strategy=STRATEGIES[strategy], max_steps=steps,
-                      logger=False, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                      run_dir=os.path.join(root, name), limit_val_batches=0, gradient_clip_val=clip and clip[1],
-                      gradient_clip_algorithm=clip[0] if clip else "norm", callbacks=[NormRecorder()],
-                      use_distributed_sampler="always",  # the reference's DistributedSampler order on one rank too
+                      logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                      enable_model_summary=False, run_dir=os.path.join(root, name), limit_val_batches=0,
+                      gradient_clip_val=clip and clip[1], gradient_clip_algorithm=clip[0] if clip else "norm",
+                      callbacks=[NormRecorder()],
+                      use_distributed_sampler="always",  # the reference's DistributedSampler order on one
+                      # rank too
                       timeout=120.0)  # a collective left waiting fails the job in 2 minutes
     trainer.fit(module, ckpt_path=ckpt)
     if save is not None:
@@ -296,7 +301,8 @@ def replicas(trainer: Any) -> dict[str, Any]:
     module = trainer.strategy.module
     params = dict(module.named_parameters())
     return {"sample": direct_call(module),  # after fit, outside the step: the called module's hooks
-            "kinds": {n: str(p.placements) if isinstance(p, DTensor) else type(p).__name__ for n, p in params.items()},
+            "kinds": {n: str(p.placements) if isinstance(p, DTensor) else type(p).__name__
+                      for n, p in params.items()},
             "mesh_dims": {n: p.device_mesh.ndim if isinstance(p, DTensor) else 0 for n, p in params.items()},
             "replicas": {n: p.to_local().detach().clone() for n, p in params.items()
                          if isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements)}}
@@ -329,18 +335,20 @@ def two_rank_jobs(root: str) -> list[tuple[tuple, dict[str, Any]]]:
     """``(key, fit keywords)`` for everything the 2-rank spawn runs, in order."""
     jobs: list[tuple[tuple, dict[str, Any]]] = []
     for impl in ("foreach", "fused"):
-        jobs.append((("gpt", impl), dict(strategy="tensor", size=FULL, optimizer="adamw", impl=impl, steps=FULL_STEPS,
-                                         probe=replicas)))
+        jobs.append((("gpt", impl), dict(strategy="tensor", size=FULL, optimizer="adamw", impl=impl,
+                                         steps=FULL_STEPS, probe=replicas)))
     for strategy in ("ddp", "fsdp", "tensor"):
         for optimizer in OPTIMIZERS:
             for impl in IMPLS:
-                jobs.append(((strategy, optimizer, impl), dict(strategy=strategy, optimizer=optimizer, impl=impl)))
+                jobs.append(((strategy, optimizer, impl), dict(strategy=strategy, optimizer=optimizer,
+                                                               impl=impl)))
         jobs.append(((strategy, "cuda"), dict(strategy=strategy, impl=None, cuda=True)))
     for algorithm, value in CLIP.items():
         jobs.append((("clip", algorithm), dict(strategy="tensor", clip=(algorithm, value))))
     for optimizer, impl in SEQ_JOBS:
-        jobs.append((("seq", optimizer, impl), dict(strategy="tensor", model="seq", size=SEQ, optimizer=optimizer,
-                                                    impl=impl, clip=("value", CLIP["value"]), probe=replicas)))
+        jobs.append((("seq", optimizer, impl), dict(strategy="tensor", model="seq", size=SEQ,
+                                                    optimizer=optimizer, impl=impl,
+                                                    clip=("value", CLIP["value"]), probe=replicas)))
     # Checkpoints at step 2, resumed to step RESUMED: tensor -> fsdp and ddp here (and -> single in the
     # test's process), ddp -> tensor.
     tp_dir, ddp_file = os.path.join(root, "tensor-step2"), os.path.join(root, "ddp-step2.ckpt")
@@ -356,12 +364,14 @@ FOUR_RANK_JOBS = (("sgd", "fused"), ("adam", "for-loop"), ("adamw", None))  # No
 
 
 def four_rank_jobs(root: str) -> list[tuple[tuple, dict[str, Any]]]:
-    return [((optimizer, impl), dict(strategy="tensor_fsdp", optimizer=optimizer, impl=impl, cuda=impl is None,
-                                     probe=replicas)) for optimizer, impl in FOUR_RANK_JOBS]
+    return [((optimizer, impl), dict(strategy="tensor_fsdp", optimizer=optimizer, impl=impl,
+                                     cuda=impl is None, probe=replicas))
+            for optimizer, impl in FOUR_RANK_JOBS]
 
 
-def run_job(root: str, strategy: str, model: str = "gpt", size: dict[str, Any] = TINY, optimizer: str = "adamw",
-            impl: str | None = "foreach", steps: int = MATRIX_STEPS, cuda: bool = False, **kwargs: Any) -> Any:
+def run_job(root: str, strategy: str, model: str = "gpt", size: dict[str, Any] = TINY,
+            optimizer: str = "adamw", impl: str | None = "foreach", steps: int = MATRIX_STEPS,
+            cuda: bool = False, **kwargs: Any) -> Any:
     if cuda:
         return cuda_defaults(lambda: fit(root, strategy, model, size, optimizer, impl, steps, **kwargs))
     return fit(root, strategy, model, size, optimizer, impl, steps, **kwargs)
@@ -431,9 +441,11 @@ def check(runs: list[dict[str, Any]], reference_run: dict[str, Any], what: str) 
         got, value = state[name], value.clone()
         noise = reference_run["noise"].get(name)
         if noise is not None:  # loosely (a wrong layout would be off by O(1)), then strictly the rest
-            assert_close(got[noise], value[noise], rtol=0.0, atol=1e-3, msg=lambda m, n=name: f"{what} {n}: {m}")
+            assert_close(got[noise], value[noise], rtol=0.0, atol=1e-3,
+                         msg=lambda m, n=name: f"{what} {n}: {m}")
             noisy_entries += int(noise.sum())
-            noisy_worst = max(noisy_worst, (got[noise] - value[noise]).abs().max().item()) if noise.any() else noisy_worst
+            noisy_worst = (max(noisy_worst, (got[noise] - value[noise]).abs().max().item()) if noise.any()
+                           else noisy_worst)
             got, value = got[~noise], value[~noise]
         assert_close(got, value, **TOL, msg=lambda m, n=name: f"{what} {n}: {m}")
         worst = max(worst, (got - value).abs().max().item())
@@ -472,8 +484,10 @@ def test_gpt_tensor_parallel_adamw_matches_one_device(two_ranks: dict[str, Any],
     runs = runs_of(two_ranks, ("gpt", impl))
     check_replicas(runs, f"gpt {impl}")
     kinds = runs[0]["kinds"]
-    assert kinds["net.1.attn.qkv.weight"] == "(Shard(dim=0),)" and kinds["net.1.attn.proj.weight"] == "(Shard(dim=1),)"
-    assert {"net.0.tok.weight", "net.1.ln1.weight", "net.3.weight", "net.4.weight"} <= runs[0]["replicas"].keys()
+    assert (kinds["net.1.attn.qkv.weight"] == "(Shard(dim=0),)"
+            and kinds["net.1.attn.proj.weight"] == "(Shard(dim=1),)")
+    assert ({"net.0.tok.weight", "net.1.ln1.weight", "net.3.weight", "net.4.weight"}
+            <= runs[0]["replicas"].keys())
     reference_run = ref("gpt", FULL, "adamw", impl, FULL_STEPS)
     assert len(runs[0]["losses"]) == FULL_STEPS and reference_run["losses"][-1] < reference_run["losses"][0]
     check(runs, reference_run, f"gpt tensor adamw {impl}")
@@ -485,8 +499,8 @@ def test_gpt_tensor_parallel_adamw_matches_one_device(two_ranks: dict[str, Any],
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp", "tensor"])
-def test_optimizer_implementations_match_one_device(request: pytest.FixtureRequest, tmp_path: Any, strategy: str,
-                                                    optimizer: str, impl: str) -> None:
+def test_optimizer_implementations_match_one_device(request: pytest.FixtureRequest, tmp_path: Any,
+                                                    strategy: str, optimizer: str, impl: str) -> None:
     if strategy == "single":
         runs = [fit(str(tmp_path), "single", "gpt", TINY, optimizer, impl, MATRIX_STEPS)]
     else:
@@ -516,7 +530,8 @@ def test_gradient_clipping_under_tensor_parallel(two_ranks: dict[str, Any], algo
     check(runs, reference_run, f"tensor clip by {algorithm}")
     if algorithm == "norm":  # the single-device norm, on every rank, and large enough to have clipped
         for run in runs:
-            assert_close(torch.tensor(run["norms"]), torch.tensor(reference_run["norms"]), rtol=1e-5, atol=0.0)
+            assert_close(torch.tensor(run["norms"]), torch.tensor(reference_run["norms"]), rtol=1e-5,
+                         atol=0.0)
         assert min(reference_run["norms"]) > CLIP["norm"]
 
 
@@ -562,4 +577,5 @@ def test_tensor_x_fsdp_on_four_ranks_matches_one_device(tmp_path: Any) -> None:
         assert runs[0]["kinds"]["net.0.tok.weight"] == "(Shard(dim=0), Replicate())"  # outside the plan
         if impl is None:
             assert [r["foreach_steps"] for r in runs] == [MATRIX_STEPS] * 4
-        check(runs, ref("gpt", TINY, optimizer, impl or "foreach", MATRIX_STEPS), f"tp x fsdp {optimizer} {impl}")
+        check(runs, ref("gpt", TINY, optimizer, impl or "foreach", MATRIX_STEPS),
+              f"tp x fsdp {optimizer} {impl}")

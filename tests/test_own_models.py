@@ -43,8 +43,9 @@ def build_model(kind: str) -> nn.Module:
     """The model as its library builds it, from a fixed seed; no dropout, so every run is one function."""
     torch.manual_seed(0)
     if kind == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=POSITIONS, n_embd=32, n_layer=2, n_head=2,
-                                         bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=POSITIONS, n_embd=32, n_layer=2,
+                                         n_head=2, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+                                         embd_pdrop=0.0, attn_pdrop=0.0)
         return transformers.GPT2LMHeadModel(config)
     if kind == "llama":
         config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
@@ -178,7 +179,8 @@ def _check_against_reference(kind: str, what: str, out: list[dict[str, Any]]) ->
         if rank > 0 and not result["stopped"]["weights"]:
             continue  # a sharded strategy gathers the full state on rank 0 only
         _assert_equal(result["stopped"]["weights"], want[STOP_AT], f"{what} rank {rank}")
-        _assert_equal(result["resumed"]["weights"], want[STEPS], f"{what} rank {rank}, resumed at step {STOP_AT}")
+        _assert_equal(result["resumed"]["weights"], want[STEPS],
+                      f"{what} rank {rank}, resumed at step {STOP_AT}")
     assert out[0]["stopped"]["weights"]
 
 
@@ -192,7 +194,8 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], w
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "resnet50", "vit_b_16"])
-def test_a_library_model_trains_and_resumes_equal_to_one_process(kind: str, strategy: str, tmp_path: Any) -> None:
+def test_a_library_model_trains_and_resumes_equal_to_one_process(kind: str, strategy: str,
+                                                                 tmp_path: Any) -> None:
     out = run_distributed(_train_and_resume, 2, kind, _strategy(kind, strategy), str(tmp_path), timeout=540)
     _check_against_reference(kind, strategy, out)
 
@@ -247,14 +250,17 @@ class ValidatedModel(HeldModel):
 
 def _clipped_then_validated(rank: int, world_size: int, root: str) -> dict[str, Any]:
     module = ValidatedModel("gpt2", GLOBAL_BATCH // 2)
-    trainer = Trainer(strategy={"name": "parallel", "pp": 2, "dp_replicate": 2, "dp_shard": 1, "schedule": "1f1b"},
-                      accelerator="cpu", devices=world_size, max_steps=STEPS, gradient_clip_val=CLIP, run_dir=root,
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                      num_sanity_val_steps=0, check_val_every_n_epoch=100, timeout=120)
+    trainer = Trainer(strategy={"name": "parallel", "pp": 2, "dp_replicate": 2, "dp_shard": 1,
+                                "schedule": "1f1b"},
+                      accelerator="cpu", devices=world_size, max_steps=STEPS, gradient_clip_val=CLIP,
+                      run_dir=root, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=False, num_sanity_val_steps=0, check_val_every_n_epoch=100,
+                      timeout=120)
     trainer.fit(module)
     (metrics,) = trainer.validate(module)
     state = trainer.strategy.module_state_dict()
-    return {"weights": {k: v.detach().clone() for k, v in state.items()}, "val_loss": float(metrics["val_loss"])}
+    return {"weights": {k: v.detach().clone() for k, v in state.items()},
+            "val_loss": float(metrics["val_loss"])}
 
 
 @pytest.mark.distributed
@@ -338,7 +344,8 @@ def test_the_planner_plans_a_library_model_and_ranks_only_what_the_strategies_ru
     module, plan = _plan(kind)
     profile = plan_profile(module)
     assert profile.params == sum(p.numel() for p in module.parameters())  # GPT-2's tie once
-    assert any(e.layout.pp > 1 for e in plan.ranked) and any(e.layout.activation_checkpointing for e in plan.ranked)
+    assert (any(e.layout.pp > 1 for e in plan.ranked)
+            and any(e.layout.activation_checkpointing for e in plan.ranked))
     for pp in (2, 4) if kind in ("resnet50", "vit_b_16") else (2,):
         starts = [profile.children[first].name for first, _ in stages(profile, pp)[1:]]
         assert starts == default_split_paths(module, pp)
@@ -357,15 +364,16 @@ def plan_profile(module: nn.Module) -> Any:
     return profiler(module, tensors[0][:1], tensors[1][:1] if len(tensors) > 1 else None)(1)
 
 
-def _train_planned(rank: int, world_size: int, kind: str, chosen: dict[str, Any], root: str) -> dict[str, Any]:
+def _train_planned(rank: int, world_size: int, kind: str, chosen: dict[str, Any],
+                   root: str) -> dict[str, Any]:
     """Train the layout ``chosen`` as a planned run does (``plan: true`` reuses the plan the config holds)."""
-    strategy = {"name": "parallel", "plan": True, "chosen": chosen, **({"sync_batchnorm": True} if kind == "resnet50"
-                                                                         else {})}
+    strategy = {"name": "parallel", "plan": True, "chosen": chosen,
+                **({"sync_batchnorm": True} if kind == "resnet50" else {})}
     dp = chosen["dp_replicate"] * chosen["dp_shard"]
     module = HeldModel(kind, GLOBAL_BATCH // dp)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=STEPS, run_dir=root,
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                      num_sanity_val_steps=0, timeout=120)
+                      logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=False, num_sanity_val_steps=0, timeout=120)
     trainer.fit(module)
     held = {"params": _bytes(module.parameters()), "grads": _bytes(p.grad for p in module.parameters()),
             "optimizer": _bytes(v for state in trainer.optimizers[0].state.values() for v in state.values())}
@@ -400,8 +408,8 @@ def test_the_top_three_layouts_the_planner_ranks_train_equal_to_one_process(
         if kind in ("resnet50", "vit_b_16") and _named_preset(lay, devices) in ("ddp", "fsdp"):
             continue  # test_a_library_model_trains_and_resumes_equal_to_one_process[kind-preset]
         chosen = chosen_layout(estimate, devices, "cpu")
-        out = run_distributed(_train_planned, devices, kind, chosen, str(tmp_path / lay.label().replace(" ", "")),
-                              timeout=420)
+        out = run_distributed(_train_planned, devices, kind, chosen,
+                              str(tmp_path / lay.label().replace(" ", "")), timeout=420)
         assert out[0]["batches_run"] == STEPS
         _assert_equal(out[0]["weights"], want, lay.label())
         # What a rank holds for the model's state (the busiest rank), against the planner's terms. DDP's own
@@ -411,7 +419,8 @@ def test_the_top_three_layouts_the_planner_ranks_train_equal_to_one_process(
             predicted["grads"] //= 2
         measured = max((r["held"] for r in out), key=lambda held: sum(held.values()))
         ratio = sum(measured.values()) / sum(predicted.values())
-        assert 0.95 <= ratio <= 1.05, f"{lay.label()}: state per rank {measured} against predicted {predicted}"
+        assert 0.95 <= ratio <= 1.05, (
+            f"{lay.label()}: state per rank {measured} against predicted {predicted}")
 
 
 def _named_preset(lay: Any, devices: int) -> str | None:
@@ -431,6 +440,8 @@ def test_a_plan_style_the_strategy_refuses_rejects_tp_layouts_only() -> None:
         module = HeldModel("llama", GLOBAL_BATCH)
     module.model._tp_plan = {**module.model._tp_plan, "model.norm": "sequence_parallel"}
     tokens = dataset("llama").tensors[0][:1]
-    plan = plan_module(module, tokens, hardware("cpu", 1, 4), Training(global_batch=GLOBAL_BATCH, precision="32"))
+    plan = plan_module(module, tokens, hardware("cpu", 1, 4),
+                       Training(global_batch=GLOBAL_BATCH, precision="32"))
     assert plan.ranked and all(e.layout.tp == 1 for e in plan.ranked)
-    assert any(r.layout.tp > 1 and "splits 'model.norm' as 'sequence_parallel'" in r.reason for r in plan.rejected)
+    assert any(r.layout.tp > 1 and "splits 'model.norm' as 'sequence_parallel'" in r.reason
+               for r in plan.rejected)

@@ -106,7 +106,8 @@ def _fit(run_dir: str, strategy: Any, devices: int | str, batch_size: int, sampl
     trainer_kwargs = {"max_epochs": 2, **trainer_kwargs}
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, run_dir=run_dir,
                       enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                      log_every_n_steps=1, callbacks=[recorder], seed=0, use_distributed_sampler="always", **trainer_kwargs)
+                      log_every_n_steps=1, callbacks=[recorder], seed=0, use_distributed_sampler="always",
+                      **trainer_kwargs)
     trainer.fit(module, ckpt_path=ckpt_path)
     return {"losses": [recorder.losses[s] for s in sorted(recorder.losses)], "steps": trainer.global_step,
             "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
@@ -130,9 +131,9 @@ def _errors(root: str) -> dict[str, str]:
     }
     messages = {}
     for name, (cls, options) in cases.items():
-        trainer = Trainer(accelerator="cpu", devices=2, strategy={"name": "pipeline", **options}, max_epochs=1,
-                          run_dir=os.path.join(root, name), enable_progress_bar=False, logger=False,
-                          enable_checkpointing=False)
+        trainer = Trainer(accelerator="cpu", devices=2, strategy={"name": "pipeline", **options},
+                          max_epochs=1, run_dir=os.path.join(root, name), enable_progress_bar=False,
+                          logger=False, enable_checkpointing=False)
         try:
             trainer.fit(cls())
             messages[name] = "no error"
@@ -156,7 +157,8 @@ def _two_rank_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out["from_single"] = _fit(os.path.join(root, "from-single"), {"name": "pipeline", "schedule": "1f1b"},
                               world_size, BATCH, ckpt_path=os.path.join(root, "single-epoch1.ckpt"))
     out["from_single"].pop("trainer")
-    out["accumulate"] = _fit(os.path.join(root, "acc"), {"name": "pipeline", "schedule": "1f1b", "n_microbatches": 2},
+    out["accumulate"] = _fit(os.path.join(root, "acc"),
+                             {"name": "pipeline", "schedule": "1f1b", "n_microbatches": 2},
                              world_size, BATCH, ACCUMULATE["samples"], **ACCUMULATE["trainer"])
     out["accumulate"].pop("trainer")
     out["errors"] = _errors(root)
@@ -261,15 +263,16 @@ def test_pipeline_checkpoint_resumes_on_a_single_device(two_ranks: dict[str, Any
     torch.manual_seed(0)
     module = Regressor()
     trainer = Trainer(accelerator="cpu", devices=1, strategy="single", max_epochs=3,
-                      run_dir=os.path.join(two_ranks["root"], "resumed"), enable_progress_bar=False, logger=False,
-                      enable_checkpointing=False, log_every_n_steps=1, seed=0, use_distributed_sampler="always")
+                      run_dir=os.path.join(two_ranks["root"], "resumed"), enable_progress_bar=False,
+                      logger=False, enable_checkpointing=False, log_every_n_steps=1, seed=0,
+                      use_distributed_sampler="always")
     trainer.fit(module, ckpt_path=path)
     assert trainer.global_step == 30
     torch.manual_seed(0)
     fresh = Regressor()
-    Trainer(accelerator="cpu", devices=1, strategy="single", max_epochs=3, enable_progress_bar=False, logger=False,
-            enable_checkpointing=False, run_dir=os.path.join(two_ranks["root"], "fresh"), seed=0,
-            use_distributed_sampler="always").fit(fresh)
+    Trainer(accelerator="cpu", devices=1, strategy="single", max_epochs=3, enable_progress_bar=False,
+            logger=False, enable_checkpointing=False, run_dir=os.path.join(two_ranks["root"], "fresh"),
+            seed=0, use_distributed_sampler="always").fit(fresh)
     for key, value in fresh.state_dict().items():
         assert_close(module.state_dict()[key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}")
 
@@ -290,7 +293,8 @@ def test_single_device_checkpoint_resumes_under_the_pipeline(two_ranks: dict[str
 
 def _dp_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     # devices="auto": the launcher's 4 processes, more than this machine's cores.
-    run = _fit(root, {"name": "pipeline", "pp": 2, "schedule": "1f1b", "n_microbatches": 2}, "auto", BATCH // 2)
+    run = _fit(root, {"name": "pipeline", "pp": 2, "schedule": "1f1b", "n_microbatches": 2}, "auto",
+               BATCH // 2)
     strategy = run.pop("trainer").strategy
     run["topology"] = (strategy.pp_rank, strategy.dp_rank, strategy.dp_size)
     return run

@@ -18,7 +18,8 @@ from test_composition import BATCH, GPT, SIZE, strategy  # noqa: E402 - the comp
 
 
 def _gathers_in_one_step(rank: int, world: int, root: str, reshard: bool | None) -> int:
-    """FSDP all-gathers (of a unit's parameters) this rank issues in one pp2 x dp_shard2 step of 4 micro-batches."""
+    """FSDP all-gathers (of a unit's parameters) this rank issues in one pp2 x dp_shard2 step of 4
+    micro-batches."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
 
     calls = [0]
@@ -61,7 +62,8 @@ def _validate_and_save(rank: int, world: int, root: str, reshard: bool | None) -
     trainer.fit(GPT(batch_size=BATCH // 2, **SIZE))
     trainer.save_checkpoint(os.path.join(root, f"{reshard}.ckpt"))
     state = trainer.strategy.module_state_dict()
-    return ({k: v.detach().clone() for k, v in state.items()} or None), float(trainer.callback_metrics["val/loss"])
+    return (({k: v.detach().clone() for k, v in state.items()} or None),
+            float(trainer.callback_metrics["val/loss"]))
 
 
 @pytest.mark.timeout(300)

@@ -28,7 +28,8 @@ def _held(kind: str) -> HeldModel:
     ("vit_b_16", 4, [f"model.encoder.layers.encoder_layer_{i}" for i in (3, 6, 9)]),
     ("resnet50", 2, ["model.layer4.1"]),  # every bottleneck is a block; layer4's three hold 15M of 25.6M
 ])
-def test_the_default_cut_falls_between_the_repeated_blocks(kind: str, n_stages: int, paths: list[str]) -> None:
+def test_the_default_cut_falls_between_the_repeated_blocks(kind: str, n_stages: int,
+                                                           paths: list[str]) -> None:
     assert P.default_split_paths(_held(kind), n_stages) == paths
 
 
@@ -49,7 +50,8 @@ def test_a_rank_keeps_its_stages_modules_and_stand_ins_for_the_rest() -> None:
                                                  "model.transformer.wte"]
     kept = module.state_dict()
     assert "model.lm_head.weight" in kept and "model.transformer.wte.weight" not in kept  # the tie: head side
-    assert all(k.startswith(("model.transformer.h.1.", "model.transformer.ln_f.", "model.lm_head.")) for k in kept)
+    assert all(k.startswith(("model.transformer.h.1.", "model.transformer.ln_f.", "model.lm_head."))
+               for k in kept)
     assert all(torch.equal(v, everything[k]) for k, v in kept.items())
 
 
@@ -120,8 +122,9 @@ def test_bad_split_points_are_refused_in_words() -> None:
         P.cut_at_paths(module, ["model.model.layers.1", "model.model.layers.1.self_attn"], 3)
     with pytest.raises(PipelineSplitError, match=r"leave pipeline stage\(s\) \[1\] without a module"):
         P.cut_at_paths(module, ["model.model.rotary_emb", "model.lm_head"], 3)  # rotary: buffers only
-    with pytest.raises(PipelineSplitError, match=r"HeldModel has no nn.Sequential child and 2 repeated blocks "
-                                                 r"\(in a ModuleList or Sequential\) to cut into 3 pipeline stages"):
+    with pytest.raises(PipelineSplitError, match=r"HeldModel has no nn.Sequential child and 2 repeated "
+                                                 r"blocks \(in a ModuleList or Sequential\) to cut into 3 "
+                                                 r"pipeline stages"):
         P.default_split_paths(module, 3)
     with pytest.raises(PipelineSplitError, match=r"Linear has no nn.Sequential child and 0 repeated blocks"):
         P.default_split_paths(nn.Linear(2, 2), 2)
@@ -132,15 +135,18 @@ def test_split_points_in_a_config_are_child_indices_or_module_paths_not_a_mix() 
     from polytrain.core.options import validate_dataclass
     from polytrain.strategies.options import ParallelOptions
 
-    paths = validate_dataclass(ParallelOptions, {"pp": 2, "split_points": ["model.model.layers.4"]}, "strategy")
+    paths = validate_dataclass(ParallelOptions, {"pp": 2, "split_points": ["model.model.layers.4"]},
+                               "strategy")
     assert paths.split_points == ["model.model.layers.4"]
-    assert validate_dataclass(ParallelOptions, {"pp": 3, "split_points": [2, 4]}, "strategy").split_points == [2, 4]
+    assert validate_dataclass(ParallelOptions, {"pp": 3, "split_points": [2, 4]},
+                              "strategy").split_points == [2, 4]
     for mixed in ([2, "model.x"], [{"layer": 2}]):
-        with pytest.raises(ConfigError, match=r"strategy.split_points.*expected list\[int\] \| list\[str\] \| None"):
+        with pytest.raises(ConfigError, match=r"strategy.split_points.*expected list\[int\] \| "
+                                              r"list\[str\] \| None"):
             validate_dataclass(ParallelOptions, {"pp": 3, "split_points": mixed}, "strategy")
 
 
-# --------------------------------------------------------------------------- a Sequential with a head beside it
+# ------------------------------------------------------------------------ a Sequential with a head beside it
 
 _X = torch.randn(16, 8, generator=torch.Generator().manual_seed(4))
 _Y = torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(5))
@@ -172,7 +178,8 @@ def _train_net_and_head(rank: int, world_size: int, root: str) -> dict[str, torc
         def train_dataloader(self) -> DataLoader:
             return DataLoader(TensorDataset(_X, _Y), batch_size=8)
 
-    strategy = {"name": "parallel", "pp": 2, "split_points": ["net.2"], "schedule": "gpipe", "n_microbatches": 2}
+    strategy = {"name": "parallel", "pp": 2, "split_points": ["net.2"], "schedule": "gpipe",
+                "n_microbatches": 2}
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=3, run_dir=root,
                       logger=False, enable_progress_bar=False, enable_model_summary=False,
                       enable_checkpointing=False, num_sanity_val_steps=0, timeout=60)
@@ -182,7 +189,8 @@ def _train_net_and_head(rank: int, world_size: int, root: str) -> dict[str, torc
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
-def test_a_sequential_with_a_head_beside_it_is_cut_at_a_module_path_equal_to_one_process(tmp_path: Any) -> None:
+def test_a_sequential_with_a_head_beside_it_is_cut_at_a_module_path_equal_to_one_process(
+        tmp_path: Any) -> None:
     """The Sequential cut needs every trained layer inside it (its error says so and names this way out):
     cut at ``net.2``, the head beside the Sequential goes with the last stage."""
     import torch.nn.functional as F

@@ -88,7 +88,8 @@ def test_stages_keep_original_names_and_pruning_does_not_renumber() -> None:
 
 def test_user_split_points_that_empty_a_stage_name_the_numbers() -> None:
     assert S.check_split_points([2, 5], 7, 3) == [2, 5]
-    with pytest.raises(ConfigError, match=r"split_points=\[3, 3\] leave stage 1 empty \(children 3\.\.2 of 7\)"):
+    with pytest.raises(ConfigError, match=r"split_points=\[3, 3\] leave stage 1 empty "
+                                          r"\(children 3\.\.2 of 7\)"):
         S.check_split_points([3, 3], 7, 3)
     with pytest.raises(ConfigError, match=r"leave stage 2 empty \(children 5\.\.4 of 5\)"):
         S.check_split_points([2, 5], 5, 3)

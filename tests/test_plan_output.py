@@ -18,7 +18,8 @@ def test_the_bar_draws_each_term_in_proportion_to_the_device() -> None:
     memory = {"params": 10, "grads": 10, "optimizer": 20, "fsdp_buffers": 0, "activations": 40,
               "transients": 10}
     assert memory_bar(memory, capacity=100, width=10) == "PGOOAAAAT."
-    assert memory_bar({**memory, "activations": 500}, capacity=100, width=10) == "PGOOAAAAAA"  # capped at the width
+    assert (memory_bar({**memory, "activations": 500}, capacity=100, width=10)
+            == "PGOOAAAAAA")  # capped at the width
     assert memory_bar({"params": 0}, capacity=100, width=10) == ".........."
 
 
@@ -32,7 +33,8 @@ def test_the_table_shows_the_bars_and_their_legend() -> None:
     assert lines[1].endswith("memory of a device")
     assert lines[2].endswith("  PPGGOOOOFAAAAAT.....") and BAR_WIDTH == 20
     assert lines[3].strip().startswith("columns: memory a rank holds by term")  # the axes' legend
-    assert lines[4].strip().startswith("memory bar: 20 cells of 4 GiB each: P params, G grads, O optimizer state")
+    assert lines[4].strip().startswith("memory bar: 20 cells of 4 GiB each: P params, G grads, "
+                                       "O optimizer state")
     assert "memory of a device" not in format_table(Plan(ranked=[est]))  # no capacity, no bar
 
 
@@ -43,8 +45,9 @@ def test_the_digits_plan_names_its_cpu_its_sgd_and_ranks_no_tensor_parallel_layo
     self.trainer in configure_optimizers): the plan says so, and every tp > 1 layout is rejected in the words
     the strategy uses."""
     root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-m", "polytrain", "plan", "-c", "examples/digits/config.yaml", "--nodes",
-                           "1", "--devices-per-node", "2"], cwd=root, capture_output=True, text=True, timeout=180)
+    done = subprocess.run([sys.executable, "-m", "polytrain", "plan", "-c", "examples/digits/config.yaml",
+                           "--nodes", "1", "--devices-per-node", "2"], cwd=root, capture_output=True,
+                          text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert "on 1 x 2 cpu (from trainer.accelerator=cpu)" in lines[0] and "optimizer sgd_momentum," in lines[0]

@@ -35,12 +35,13 @@ def _module() -> Any:
 
 def _trainer(root: str, strategy: Any, steps: int) -> Trainer:
     return Trainer(accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", "1")), strategy=strategy,
-                   max_steps=steps, seed=0, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, run_dir=root,
-                   timeout=60.0)
+                   max_steps=steps, seed=0, logger=False, enable_progress_bar=False,
+                   enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
+                   limit_val_batches=0, run_dir=root, timeout=60.0)
 
 
-def _fit(rank: int, world: int, root: str, strategy: Any, steps: int, ckpt: str | None, save: str | None, forbid_planning: bool) -> dict:
+def _fit(rank: int, world: int, root: str, strategy: Any, steps: int, ckpt: str | None, save: str | None,
+         forbid_planning: bool) -> dict:
     """Every rank: fit (resuming from ``ckpt``), stdout captured; what was chosen and built."""
     import torch
 
@@ -58,9 +59,10 @@ def _fit(rank: int, world: int, root: str, strategy: Any, steps: int, ckpt: str 
     stored = None
     if save is not None and trainer.is_global_zero:
         stored = torch.load(save, weights_only=True)["config"]["trainer"]["strategy"]["chosen"]
-    return {"chosen": trainer.config.strategy["chosen"], "printed": out.getvalue(), "steps": trainer.global_step,
-            "dims": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp")}, "stored": stored,
-            "loss": float(trainer.callback_metrics["train/loss"])}
+    return {"chosen": trainer.config.strategy["chosen"], "printed": out.getvalue(),
+            "steps": trainer.global_step,
+            "dims": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp")},
+            "stored": stored, "loss": float(trainer.callback_metrics["train/loss"])}
 
 
 def _degrees(chosen: dict) -> dict:
@@ -85,11 +87,13 @@ def test_plan_true_chooses_trains_stores_and_resumes(tmp_path: Any) -> None:
 
 
 def _plan_for(strategy: dict, world: int) -> dict:
-    """Plan as rank 0 of ``world`` CPU ranks would, without starting them (planning needs no process group)."""
+    """Plan as rank 0 of ``world`` CPU ranks would, without starting them (planning needs no process
+    group)."""
     from polytrain.trainer.planned import plan_layout
 
     trainer = Trainer(accelerator="cpu", strategy=strategy, logger=False)
-    launch = SimpleNamespace(world_size=world, num_nodes=1, accelerator="cpu", env=SimpleNamespace(global_rank=1))
+    launch = SimpleNamespace(world_size=world, num_nodes=1, accelerator="cpu",
+                             env=SimpleNamespace(global_rank=1))
     module = _module()
     assert plan_layout(trainer, launch, module, module.train_dataloader(), None, "fit", None)
     return trainer.config.strategy
@@ -101,7 +105,8 @@ def test_pinned_degrees_are_kept_and_auto_ones_planned() -> None:
     spec = _plan_for({"name": "parallel", "tp": pin_tp, "dp_shard": "auto"}, 4)
     assert spec["tp"] == pin_tp and spec["pp"] == 1 and spec["dp_replicate"] == 1  # given or default: kept
     assert spec["chosen"]["tp"] == pin_tp and spec["chosen"]["dp_shard"] == 4 // pin_tp
-    again = Trainer(accelerator="cpu", strategy=spec, logger=False).config.strategy  # the stored form re-validates
+    again = Trainer(accelerator="cpu", strategy=spec, logger=False).config.strategy  # the stored form
+    # re-validates
     assert again == spec
 
 
@@ -133,8 +138,8 @@ def _fit_chosen_op(rank: int, world: int, run_dir: str) -> list[str | None]:
     """The checkpointing mode of each child after a fit whose stored plan (``chosen``) says ``op``."""
     from polytrain.parallel.activation_checkpointing import checkpointing_mode
 
-    chosen = {"world_size": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 1, "n_microbatches": 1,
-              "activation_checkpointing": "op"}
+    chosen = {"world_size": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 1,
+              "n_microbatches": 1, "activation_checkpointing": "op"}
     trainer = _trainer(run_dir, {"name": "parallel", "plan": True, "chosen": chosen}, 1)
     module = _module()
     trainer.fit(module)
@@ -142,11 +147,13 @@ def _fit_chosen_op(rank: int, world: int, run_dir: str) -> list[str | None]:
 
 
 def test_bad_values_name_what_is_valid() -> None:
-    with pytest.raises(ConfigError, match=r"tp='autox' is not valid: a degree is an integer \(pinned\) or 'auto'"):
+    with pytest.raises(ConfigError, match=r"tp='autox' is not valid: a degree is an integer \(pinned\) "
+                                          r"or 'auto'"):
         Trainer(accelerator="cpu", strategy={"name": "parallel", "tp": "autox"})
     with pytest.raises(ConfigError, match="plan='yes' is not valid: true"):
         Trainer(accelerator="cpu", strategy={"name": "parallel", "plan": "yes"})
-    with pytest.raises(ConfigError, match="no option 'tpp'; valid: dp_replicate.*for the planner: plan, global_batch"):
+    with pytest.raises(ConfigError, match="no option 'tpp'; valid: dp_replicate.*for the planner: plan, "
+                                          "global_batch"):
         Trainer(accelerator="cpu", strategy={"name": "parallel", "plan": True, "tpp": 2})
     with pytest.raises(ConfigError, match="hardware='tpu' is not valid; choose one of: a100, cpu, h100"):
         Trainer(accelerator="cpu", strategy={"name": "parallel", "plan": True, "hardware": "tpu"})

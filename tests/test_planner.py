@@ -70,13 +70,15 @@ def test_activation_checkpointing_keeps_block_inputs_only() -> None:
     assert ckpt.memory["activations"] < op.memory["activations"] < full.memory["activations"]
     assert full.time["compute"] < op.time["compute"] < ckpt.time["compute"]
     # every: 2 (as the strategy counts: every 2nd of the repeated blocks, over the whole model)
-    assert [c.kind for c in prof.children] == ["Embeddings", "Block", "Block", "Block", "Block", "LayerNorm", "Linear"]
+    assert [c.kind for c in prof.children] == ["Embeddings", "Block", "Block", "Block", "Block", "LayerNorm",
+                                               "Linear"]
     assert checkpointed(prof.children, 2) == [False, False, True, False, True, False, False]
     half = estimate(Layout(activation_checkpointing=True, checkpoint_every=2), train, prof, hw)
     assert ckpt.memory["activations"] < half.memory["activations"] < full.memory["activations"]
     assert half.layout.label() == "single +AC(every 2)"
     assert half.layout.checkpointing_config() == {"mode": "full", "every": 2}
-    assert ckpt.layout.checkpointing_config() is True and op.layout.checkpointing_config() == {"mode": "op", "every": 1}
+    assert (ckpt.layout.checkpointing_config() is True
+            and op.layout.checkpointing_config() == {"mode": "op", "every": 1})
 
 
 def test_op_checkpointing_profile_replays_the_strategys_selection() -> None:
@@ -84,7 +86,8 @@ def test_op_checkpointing_profile_replays_the_strategys_selection() -> None:
     checkpointing keeps qkv's and fc's outputs and every output of the attention kernel, and
     recomputes proj and fc2 (their matmul FLOPs) and the cheap ops (no FLOPs counted)."""
     d, s = 128, 32
-    block = next(c for c in profiler(_gpt(), torch.zeros(1, s, dtype=torch.long))(1).children if c.kind == "Block")
+    block = next(c for c in profiler(_gpt(), torch.zeros(1, s, dtype=torch.long))(1).children
+                 if c.kind == "Block")
     qkv, fc = s * 3 * d * 4, s * 4 * d * 4  # fp32 outputs of the kept matmuls
     attention = s * d * 4 + 4 * s * 4  # the output, and a float per head and position
     assert 0 <= block.op_kept_bytes - (qkv + fc + attention) <= 64  # + the flash kernel's RNG seed and offset
@@ -93,8 +96,8 @@ def test_op_checkpointing_profile_replays_the_strategys_selection() -> None:
 
 
 def test_op_checkpointing_time_by_hand() -> None:
-    """A per-op checkpointed child's backward adds what it recomputes: its recomputed FLOPs (matmuls at the fp8
-    rate under float8) and half its TP collectives under sequence parallelism (the all-gathers)."""
+    """A per-op checkpointed child's backward adds what it recomputes: its recomputed FLOPs (matmuls at
+    the fp8 rate under float8) and half its TP collectives under sequence parallelism (the all-gathers)."""
     c = ChildProfile(name="b", kind="Block", params=1000, tp_params=800, saved_bytes=0, input_bytes=0,
                      output_bytes=100, flops=4_000_000_000, tp_allreduce_bytes=200, sequence_parallel=True,
                      op_recompute_flops=1_000_000_000, op_recompute_matmul_flops=600_000_000)
@@ -136,11 +139,13 @@ def test_unit_times_by_hand() -> None:
     u = T.unit_times((c,), [False], 2, tp=2, fsdp=4, replicate=1, cp=1, param_bytes=2, master_bytes=4, hw=hw)
     f = 2 * 4e9 / 5e11
     t = 2 * 200 * 2 * (1 / 2) / 1e9 + 2 * 2 * 1 * 1e-5  # bytes x 2(t-1)/t / bw + 2 collectives x 2(t-1) steps
-    assert u.fwd[0] == pytest.approx(f + t) and u.bwd[0] == pytest.approx(2 * f + t) and u.tp == pytest.approx(2 * t)
+    assert (u.fwd[0] == pytest.approx(f + t) and u.bwd[0] == pytest.approx(2 * f + t)
+            and u.tp == pytest.approx(2 * t))
     local = 800 / 2 + 200  # this rank's TP shard of the split part, all of the rest
     assert u.gather[0] == pytest.approx(local * 2 * 3 / 4 / 1e9 + 3 * 1e-5)  # tp x fsdp = 8: inside the node
     assert u.reduce[0] == pytest.approx(local * 4 * 3 / 4 / 1e9 + 3 * 1e-5)
-    wide = T.unit_times((c,), [True], 2, tp=2, fsdp=8, replicate=1, cp=1, param_bytes=2, master_bytes=4, hw=hw)
+    wide = T.unit_times((c,), [True], 2, tp=2, fsdp=8, replicate=1, cp=1, param_bytes=2, master_bytes=4,
+                        hw=hw)
     assert wide.gather[0] == pytest.approx(local * 2 * 7 / 8 / 1e8 + 7 * 1e-4)  # 16 ranks: across nodes
     assert wide.bwd[0] == pytest.approx(3 * f + 2 * t)  # checkpointed: the forward and its collectives again
 
@@ -151,8 +156,8 @@ def test_ddp_pays_a_latency_per_bucket() -> None:
     c = ChildProfile(name="b", kind="Block", params=1000, tp_params=0, saved_bytes=0, input_bytes=0,
                      output_bytes=100, flops=0, tp_allreduce_bytes=0)
     hw = hardware("cpu", 1, 8)
-    u = T.unit_times((c, c), [False, False], 1, tp=1, fsdp=1, replicate=4, cp=1, param_bytes=4, master_bytes=4,
-                     hw=hw, ddp=True)
+    u = T.unit_times((c, c), [False, False], 1, tp=1, fsdp=1, replicate=4, cp=1, param_bytes=4,
+                     master_bytes=4, hw=hw, ddp=True)
     ring = 2 * 4000 * 3 / 4 / hw.intra_bw  # all-reduce bytes of one unit's 4000-byte gradient
     assert u.reduce == pytest.approx([ring + 2 * 3 * hw.intra_latency, ring])  # one bucket, closed at unit 0
 
@@ -175,7 +180,8 @@ def test_pipeline_schedule_is_checked() -> None:
     x = torch.zeros(1, 32, dtype=torch.long)
     train = Training(global_batch=16, precision="32", pp_schedule="interleaved_1f1b", stages_per_rank=2)
     plan = plan_module(module, x, hardware("cpu", 1, 8), train, target=x)
-    assert any("x 2 stages per rank exceeds the" in r.reason for r in plan.rejected)  # 4 ranks x 2 > 7 children
+    assert any("x 2 stages per rank exceeds the" in r.reason
+               for r in plan.rejected)  # 4 ranks x 2 > 7 children
     assert all(e.layout.pp * 2 <= 7 for e in plan.ranked)
 
 
@@ -203,11 +209,14 @@ def test_without_resharding_after_forward_a_unit_gathers_once_a_step() -> None:
     """FSDP's reshard_after_forward=False (the default under a pipeline, as torchtitan sets it): the first
     forward gathers, nothing gathers again; every unit stays gathered (memory) until its backward."""
     u = T.Units(fwd=[1.0, 1.0], bwd=[2.0, 2.0], gather=[0.5, 3.0], reduce=[1.0, 1.0])
-    kept = T.stage_time(u, pp=1, stage=0, n_microbatches=1, stages_per_rank=1, p2p=0.0, reshard_after_forward=False)
+    kept = T.stage_time(u, pp=1, stage=0, n_microbatches=1, stages_per_rank=1, p2p=0.0,
+                        reshard_after_forward=False)
     # forward 0.5 + max(1, 3) + 1; backward, no gathers: max(2, r1=1) + max(2, 0) + r0 = 5; work 6
     assert kept["dp"] == pytest.approx(4.5 + 5.0 - 6.0)
-    piped = T.stage_time(u, pp=2, stage=0, n_microbatches=4, stages_per_rank=1, p2p=0.0, reshard_after_forward=False)
-    assert piped["dp"] == pytest.approx((0.5 + 3.0 + 1.0 - 2.0) + 2.0)  # one forward's exposed gathers, the reduces
+    piped = T.stage_time(u, pp=2, stage=0, n_microbatches=4, stages_per_rank=1, p2p=0.0,
+                         reshard_after_forward=False)
+    assert piped["dp"] == pytest.approx((0.5 + 3.0 + 1.0 - 2.0) + 2.0)  # one forward's exposed gathers,
+    # the reduces
     module = _gpt()
     x = torch.zeros(1, 32, dtype=torch.long)
     prof = profiler(module, x, x)(1)
@@ -217,7 +226,8 @@ def test_without_resharding_after_forward_a_unit_gathers_once_a_step() -> None:
     kept_est = estimate(lay, Training(global_batch=8, precision="32", reshard_after_forward=False), prof, hw)
     assert kept_est.memory["fsdp_buffers"] > default.memory["fsdp_buffers"]
     assert kept_est.traffic["dp_shard"] < default.traffic["dp_shard"]
-    piped_default = estimate(Layout(dp_shard=4, pp=2, n_microbatches=2), Training(global_batch=8, precision="32"), prof, hw)
+    piped_default = estimate(Layout(dp_shard=4, pp=2, n_microbatches=2),
+                             Training(global_batch=8, precision="32"), prof, hw)
     piped_reshard = estimate(Layout(dp_shard=4, pp=2, n_microbatches=2),
                              Training(global_batch=8, precision="32", reshard_after_forward=True), prof, hw)
     assert piped_default.traffic["dp_shard"] < piped_reshard.traffic["dp_shard"]  # m + 1 gathers against 1
@@ -234,16 +244,17 @@ def test_pipeline_sends_and_traffic_per_axis_by_hand() -> None:
     assert T.boundary_sends(kids, [(0, 1), (2, 3)]) == [10, 20]  # interleaved: stages 0 and 2 of 3
     assert T.boundary_sends(kids, [(1, 2)]) == [20, 10]
     sent = volume.stage_traffic(kids[:1], [False], T.Features(), micro=2, n_microbatches=4, tp=2, dp_shard=4,
-                                dp_replicate=2, pp=2, cp=1, boundary_bytes=20, param_bytes=2, master_bytes=4, op=False)
+                                dp_replicate=2, pp=2, cp=1, boundary_bytes=20, param_bytes=2, master_bytes=4,
+                                op=False)
     local = 800 / 2 + 200
     assert sent == pytest.approx({
         "tp": 4 * 2 * 200 * 2 * (1 / 2) * 2,  # m x mb x payload x 2(t-1)/t, forward and backward
         "dp_shard": 5 * local * 2 * 3 / 4 + local * 4 * 3 / 4,  # m + 1 gathers under a pipeline, one reduce
         "dp_replicate": 2 * local / 4 * 4 * 1 / 2,  # the shard's all-reduce
         "pp": 4 * 2 * 20})
-    checkpointed = volume.stage_traffic(kids[:1], [True], T.Features(), micro=2, n_microbatches=4, tp=2, dp_shard=1,
-                                        dp_replicate=1, pp=1, cp=1, boundary_bytes=0, param_bytes=2, master_bytes=4,
-                                        op=False)
+    checkpointed = volume.stage_traffic(kids[:1], [True], T.Features(), micro=2, n_microbatches=4, tp=2,
+                                        dp_shard=1, dp_replicate=1, pp=1, cp=1, boundary_bytes=0,
+                                        param_bytes=2, master_bytes=4, op=False)
     assert checkpointed == pytest.approx({"tp": 4 * 2 * 200 * 3})  # the recompute's collectives too
 
 
@@ -269,13 +280,15 @@ def test_same_inputs_same_plan() -> None:
 
 
 def test_plan_cli_prints_the_ranked_table() -> None:
-    cmd = [sys.executable, "-m", "polytrain", "plan", "-c", os.path.join(ROOT, "examples/gpt/config_composed.yaml"),
+    cmd = [sys.executable, "-m", "polytrain", "plan", "-c",
+           os.path.join(ROOT, "examples/gpt/config_composed.yaml"),
            "--hardware", "cpu", "--nodes", "1", "--devices-per-node", "8", "--top", "5"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "sets of degrees fit" in out.stdout and "best:" in out.stdout
     assert "layers of the Sequential" in out.stdout  # pp beyond the children, with its reason
-    assert "1F1B: 1 micro-batches are fewer than the pp=2 stages" in out.stdout  # torch's Schedule1F1B refuses it
+    assert "1F1B: 1 micro-batches are fewer than the pp=2 stages" in out.stdout  # torch's Schedule1F1B
+    # refuses it
     assert "attention cpu" in out.stdout  # torch's pick on CPU (flash, math under dropout), the default
     assert "pipeline schedule 1f1b" in out.stdout  # the config's (the strategy's default)
 
@@ -286,13 +299,16 @@ def test_plans_cost_the_configs_pipeline_schedule() -> None:
     from polytrain.core.errors import ConfigError
     from polytrain.trainer.planned import schedule_settings
 
-    assert schedule_settings({}) == {"pp_schedule": "1f1b", "stages_per_rank": 1, "reshard_after_forward": None}
-    assert schedule_settings({"schedule": "interleaved_1f1b", "stages_per_rank": 2, "reshard_after_forward": False}) \
-        == {"pp_schedule": "interleaved_1f1b", "stages_per_rank": 2, "reshard_after_forward": False}
+    assert schedule_settings({}) == {"pp_schedule": "1f1b", "stages_per_rank": 1,
+                                     "reshard_after_forward": None}
+    assert (schedule_settings({"schedule": "interleaved_1f1b", "stages_per_rank": 2,
+                               "reshard_after_forward": False})
+            == {"pp_schedule": "interleaved_1f1b", "stages_per_rank": 2, "reshard_after_forward": False})
     assert schedule_settings({"schedule": "gpipe", "pp": 1}) == {"reshard_after_forward": None}
     with pytest.raises(ConfigError, match=r"not schedule='zero_bubble'; choose one of them, or pin pp: 1"):
         schedule_settings({"schedule": "zero_bubble", "pp": "auto"})
-    cmd = [sys.executable, "-m", "polytrain", "plan", "-c", os.path.join(ROOT, "examples/gpt/config_composed.yaml"),
+    cmd = [sys.executable, "-m", "polytrain", "plan", "-c",
+           os.path.join(ROOT, "examples/gpt/config_composed.yaml"),
            "--hardware", "cpu", "--devices-per-node", "8", "--top", "3",
            "trainer.strategy.schedule=interleaved_1f1b", "trainer.strategy.stages_per_rank=2"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -324,8 +340,9 @@ def test_float8_runs_linear_matmuls_at_the_fp8_peak() -> None:
     """10 GFLOP forward a sample, 8 of them Linear matmuls (6 in split layers): bf16 at 1e12 x 0.5, fp8 at
     2e12 x 0.5."""
     c = ChildProfile(name="b", kind="Block", params=1000, tp_params=800, saved_bytes=0, input_bytes=0,
-                     output_bytes=100, flops=10_000_000_000, tp_allreduce_bytes=200, linear_flops=8_000_000_000,
-                     tp_linear_flops=6_000_000_000, linear_params=500, sequence_parallel=True)
+                     output_bytes=100, flops=10_000_000_000, tp_allreduce_bytes=200,
+                     linear_flops=8_000_000_000, tp_linear_flops=6_000_000_000, linear_params=500,
+                     sequence_parallel=True)
     hw = Hardware(nodes=1, devices_per_node=8, memory_bytes=1, peak_flops=1e12, efficiency=0.5, intra_bw=1e9,
                   inter_bw=1e8, intra_latency=1e-5, inter_latency=1e-4, fp8_peak_flops=2e12)
     assert T.compute_time(c, 2, 1, hw, False) == pytest.approx((2 * 10e9 / 5e11, 2 * 6e9 / 5e11))
@@ -339,19 +356,23 @@ def test_float8_runs_linear_matmuls_at_the_fp8_peak() -> None:
 
 def test_float8_and_async_tp_collectives_by_hand() -> None:
     """tp 2, 2 samples of 200 all-reduced bytes (2 collectives: output 100): the wire time is 2 x 200 x
-    2(1/2) / 1e9. Float8 gathers (each pass's half of the bytes) in 1 byte: x 3/4. Async TP hides the wire time behind
-    the split matmuls' (t-1)/t and exposes one step's latency per collective (2 k = 4)."""
+    2(1/2) / 1e9. Float8 gathers (each pass's half of the bytes) in 1 byte: x 3/4. Async TP hides the
+    wire time behind the split matmuls' (t-1)/t and exposes one step's latency per collective
+    (2 k = 4)."""
     c = ChildProfile(name="b", kind="Block", params=1000, tp_params=800, saved_bytes=0, input_bytes=0,
                      output_bytes=100, flops=0, tp_allreduce_bytes=200, sequence_parallel=True)
-    hw = Hardware(nodes=1, devices_per_node=8, memory_bytes=1, peak_flops=1e12, intra_bw=1e9, intra_latency=1e-5)
+    hw = Hardware(nodes=1, devices_per_node=8, memory_bytes=1, peak_flops=1e12, intra_bw=1e9,
+                  intra_latency=1e-5)
     wire, steps = 2 * 200 * 2 * (1 / 2) / 1e9, 2 * 2 * 1 * 1e-5
     assert T.tp_time(c, 2, 2, hw, False, False, 0.0) == pytest.approx((wire + steps, wire + steps))
-    assert T.tp_time(c, 2, 2, hw, True, False, 0.0) == pytest.approx((0.75 * wire + steps, 0.75 * wire + steps))
+    assert (T.tp_time(c, 2, 2, hw, True, False, 0.0)
+            == pytest.approx((0.75 * wire + steps, 0.75 * wire + steps)))
     matmul = 2 * wire  # hides (t-1)/t of it = wire: nothing of the bytes left
     assert T.tp_time(c, 2, 2, hw, False, True, matmul) == pytest.approx((4 * 1e-5, 4 * 1e-5))
     assert T.tp_time(c, 2, 2, hw, False, True, wire) == pytest.approx((wire / 2 + 4e-5, wire / 2 + 4e-5))
     assert T.tp_time(c, 2, 2, hw, True, True, wire) == pytest.approx((wire / 4 + 4e-5, wire / 4 + 4e-5))
-    plain = ChildProfile(**{**c.__dict__, "sequence_parallel": False})  # no reduce-scatter to fuse: no overlap
+    plain = ChildProfile(**{**c.__dict__, "sequence_parallel": False})  # no reduce-scatter to fuse:
+    # no overlap
     assert T.tp_time(plain, 2, 2, hw, True, True, matmul) == pytest.approx((wire + steps, wire + steps))
 
 
@@ -406,7 +427,8 @@ def test_a_tied_embedding_and_head_count_once_and_no_pipeline_splits_them() -> N
     assert plan.ranked and all(e.layout.pp == 1 for e in plan.ranked)
     pipelined = [r for r in plan.rejected if r.layout.pp > 1]
     assert pipelined and any("tied weights cannot span pipeline ranks" in r.reason for r in pipelined)
-    assert "children 0 (pp rank 0) and 6 (pp rank 1) share a parameter" in " ".join(r.reason for r in pipelined)
+    assert ("children 0 (pp rank 0) and 6 (pp rank 1) share a parameter"
+            in " ".join(r.reason for r in pipelined))
 
 
 BUILT_LATE = '''
@@ -475,7 +497,8 @@ class _Attention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = (t.view(*x.shape[:2], 4, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout,
+                                                               is_causal=True)
         return out.transpose(1, 2).reshape(x.shape)
 
 
@@ -498,9 +521,11 @@ def test_the_cpu_kernel_is_flash_without_dropout_and_math_with_it(dropout: float
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
         module.net(x).sum()
     measured = counter.total - x.numel() * 4  # the input: held by the batch anyway, counted apart
-    predicted = {kind: batch * profiler(module, x[:1], attention=kind)(1).children[0].saved_bytes - x.numel() * 4
+    predicted = {kind: (batch * profiler(module, x[:1], attention=kind)(1).children[0].saved_bytes
+                        - x.numel() * 4)
                  for kind in ("cpu", "flash")}
-    assert predicted["cpu"] == pytest.approx(measured, rel=0.05), (predicted, measured)  # meta: +4 % under dropout
+    assert predicted["cpu"] == pytest.approx(measured, rel=0.05), (predicted, measured)  # meta: +4 %
+    # under dropout
     if dropout:  # the flash trace would miss the s x s matrices
         assert predicted["flash"] < 0.5 * measured
 

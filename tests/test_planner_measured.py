@@ -57,7 +57,8 @@ class _KeptGradients:
 
             def train_dataloader(self) -> DataLoader:
                 if self.kind not in ("gpt2", "llama"):
-                    return DataLoader(TensorDataset(*(torch.cat([t] * 3) for t in dataset(self.kind).tensors)),
+                    return DataLoader(TensorDataset(*(torch.cat([t] * 3)
+                                                      for t in dataset(self.kind).tensors)),
                                       batch_size=8)
                 tokens = torch.randint(0, 64, (24, 128), generator=torch.Generator().manual_seed(0))
                 return DataLoader(TensorDataset(tokens), batch_size=8)
@@ -79,9 +80,9 @@ def test_a_library_models_profile_predicts_its_measured_activations(kind: str, t
 
     Kept = _KeptGradients.build(kind)
     probe = activation_memory.memory_probe(False)
-    trainer = Trainer(strategy="single", accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      run_dir=str(tmp_path), callbacks=[probe])
+    trainer = Trainer(strategy="single", accelerator="cpu", max_steps=3, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, run_dir=str(tmp_path), callbacks=[probe])
     trainer.fit(Kept(kind, 8))
     with torch.device("meta"):
         meta = Kept(kind, 8)

@@ -74,7 +74,8 @@ class Probe(TrainModule):
             with torch.no_grad():
                 self.net[0].weight.grad[0, 0] = math.inf  # loss stays finite: only the scaler sees it
         self.after_backward.append((_grads(self), self._scale()))
-        self.around_step.append({"params": [p.detach().clone() for p in self.parameters()], "scale": self._scale()})
+        self.around_step.append({"params": [p.detach().clone() for p in self.parameters()],
+                                 "scale": self._scale()})
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.before_step.append(_grads(self))  # unscaled, not yet clipped (Lightning's order)
@@ -99,8 +100,8 @@ class Probe(TrainModule):
 def _fit(tmp_path: Any, precision: str, steps: int = 30, module: Probe | None = None, **kwargs: Any) -> Probe:
     module = module or Probe()
     trainer = Trainer(accelerator="cpu", strategy="single", devices=1, precision=precision, max_steps=steps,
-                      enable_progress_bar=False, logger=False, enable_checkpointing=False, run_dir=str(tmp_path),
-                      **kwargs)
+                      enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                      run_dir=str(tmp_path), **kwargs)
     trainer.fit(module)
     assert trainer.global_step == steps
     return module
@@ -186,9 +187,9 @@ def test_bf16_true_holds_bf16_parameters(tmp_path: Any) -> None:
 
 def _ddp_worker(rank: int, world_size: int, run_dir: str) -> dict[str, Any]:
     module = Probe(batch_size=8)
-    trainer = Trainer(accelerator="cpu", strategy="ddp", devices=world_size, precision="16-mixed", max_steps=30,
-                      gradient_clip_val=1.0, enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                      run_dir=run_dir)
+    trainer = Trainer(accelerator="cpu", strategy="ddp", devices=world_size, precision="16-mixed",
+                      max_steps=30, gradient_clip_val=1.0, enable_progress_bar=False, logger=False,
+                      enable_checkpointing=False, run_dir=run_dir)
     trainer.fit(module)
     steps = [{"grads_finite": all(bool(torch.isfinite(g).all()) for g in grads),
               "updated": not all(torch.equal(a, b) for a, b in zip(rec["params"], rec["params_after"])),

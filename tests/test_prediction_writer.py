@@ -23,14 +23,15 @@ class FileWriter(BasePredictionWriter):
         self.out = out
         self.batches = 0
 
-    def write_on_batch_end(self, trainer: Any, pl_module: Any, prediction: Any, batch_indices: Any, batch: Any,
-                           batch_idx: int, dataloader_idx: int) -> None:
+    def write_on_batch_end(self, trainer: Any, pl_module: Any, prediction: Any, batch_indices: Any,
+                           batch: Any, batch_idx: int, dataloader_idx: int) -> None:
         self.batches += 1
         torch.save({"pred": prediction, "idx": list(batch_indices)},
                    os.path.join(self.out, f"batch-{trainer.global_rank}-{batch_idx}.pt"))
 
     def write_on_epoch_end(self, trainer: Any, pl_module: Any, predictions: Any, batch_indices: Any) -> None:
-        torch.save({"preds": predictions, "idx": batch_indices}, os.path.join(self.out, f"epoch-{trainer.global_rank}.pt"))
+        torch.save({"preds": predictions, "idx": batch_indices},
+                   os.path.join(self.out, f"epoch-{trainer.global_rank}.pt"))
 
 
 class Predicting(TinyModule):
@@ -42,8 +43,8 @@ class Predicting(TinyModule):
 
 
 def _kwargs(run_dir: str, **over: Any) -> dict[str, Any]:
-    return {**dict(strategy="single", accelerator="cpu", devices=1, run_dir=run_dir, enable_progress_bar=False,
-                   enable_model_summary=False, logger=False), **over}
+    return {**dict(strategy="single", accelerator="cpu", devices=1, run_dir=run_dir,
+                   enable_progress_bar=False, enable_model_summary=False, logger=False), **over}
 
 
 def _by_index(out: str) -> dict[int, torch.Tensor]:
@@ -70,7 +71,8 @@ def _expected(module: TinyModule) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("interval", ["batch", "epoch", "batch_and_epoch"])
-def test_one_process_writes_every_prediction_with_its_index(tmp_path: Any, run_dir: str, interval: str) -> None:
+def test_one_process_writes_every_prediction_with_its_index(tmp_path: Any, run_dir: str,
+                                                            interval: str) -> None:
     out = str(tmp_path / "preds")
     os.makedirs(out)
     module = Predicting()

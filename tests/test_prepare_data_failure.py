@@ -50,7 +50,8 @@ class FailingDownload(TrainModule):
 
 def _fit_and_report(rank: int, world_size: int, run_dir: str) -> dict[str, str]:
     trainer = Trainer(accelerator="cpu", strategy="ddp", devices=world_size, max_epochs=1, logger=False,
-                      enable_progress_bar=False, enable_checkpointing=False, default_root_dir=run_dir, timeout=30)
+                      enable_progress_bar=False, enable_checkpointing=False, default_root_dir=run_dir,
+                      timeout=30)
     try:
         trainer.fit(FailingDownload())
     except Exception as err:  # noqa: BLE001 - what this rank would hand its launcher
@@ -98,12 +99,14 @@ MODULE_FILE = textwrap.dedent('''
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("launcher", ["elastic", "spawn"])
-def test_cli_shows_the_preparing_ranks_exception_and_where_it_was_raised(tmp_path: Path, launcher: str) -> None:
+def test_cli_shows_the_preparing_ranks_exception_and_where_it_was_raised(tmp_path: Path,
+                                                                         launcher: str) -> None:
     (tmp_path / "failing_download.py").write_text(MODULE_FILE)
     (tmp_path / "cfg.yaml").write_text("module: {_target_: failing_download.FailingDownload}\n")
-    result = run([*POLYTRAIN, "fit", "-c", tmp_path / "cfg.yaml", "trainer.accelerator=cpu", "trainer.devices=2",
-                  f"trainer.launcher={launcher}", f"trainer.run_dir={tmp_path / 'run'}", "trainer.logger=false",
-                  "trainer.enable_progress_bar=false", "trainer.timeout=30"], timeout=180)
+    result = run([*POLYTRAIN, "fit", "-c", tmp_path / "cfg.yaml", "trainer.accelerator=cpu",
+                  "trainer.devices=2", f"trainer.launcher={launcher}", f"trainer.run_dir={tmp_path / 'run'}",
+                  "trainer.logger=false", "trainer.enable_progress_bar=false", "trainer.timeout=30"],
+                 timeout=180)
     assert result.returncode == 1, result.describe()
     assert f"ConnectionError: cannot reach {URL}" in result.stderr, result.describe()
     assert "in fetch_archive" in result.stderr, result.describe()  # the raising function, from the traceback

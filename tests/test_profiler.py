@@ -48,7 +48,8 @@ def test_simple_profiler_times_phases_and_hooks(make_trainer: Any, tiny_module: 
     trainer.fit(module)
     records = trainer.profiler.records
     calls = {name: int(r[1]) for name, r in records.items()}
-    assert calls["train epoch"] == 2 and calls["get batch"] == 2 * STEPS and calls["training batch"] == 2 * STEPS
+    assert (calls["train epoch"] == 2 and calls["get batch"] == 2 * STEPS
+            and calls["training batch"] == 2 * STEPS)
     assert calls["forward+backward"] == calls["training_step"] == calls["backward"] == 2 * STEPS
     assert calls["optimizer update"] == 2 * STEPS and calls["logging step"] == 2 * STEPS // 4
     assert calls["validation"] == 2 and calls["epoch end"] == 2 and calls["my loss"] == 2 * STEPS
@@ -104,7 +105,8 @@ def _check_trace(path: str, active: int) -> set[str]:
     return names
 
 
-def test_torch_profiler_writes_a_trace_of_the_window(make_trainer: Any, tiny_module: Any, run_dir: str) -> None:
+def test_torch_profiler_writes_a_trace_of_the_window(make_trainer: Any, tiny_module: Any,
+                                                     run_dir: str) -> None:
     trainer = make_trainer(max_epochs=1, profiler={"name": "torch", "wait": 1, "warmup": 1, "active": 2})
     assert isinstance(trainer.profiler, TorchProfiler)
     trainer.fit(tiny_module(n=32))
@@ -119,9 +121,9 @@ def test_torch_profiler_writes_a_trace_of_the_window(make_trainer: Any, tiny_mod
 def _torch_profiled_ddp(rank: int, world: int, run_dir: str) -> list[str]:
     from conftest import TinyModule
 
-    trainer = Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, run_dir=run_dir, logger=False,
-                      enable_progress_bar=False, enable_checkpointing=False, num_sanity_val_steps=0,
-                      profiler={"name": "torch", "wait": 0, "warmup": 1, "active": 1})
+    trainer = Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, run_dir=run_dir,
+                      logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                      num_sanity_val_steps=0, profiler={"name": "torch", "wait": 0, "warmup": 1, "active": 1})
     trainer.fit(TinyModule(n=32))
     trainer.strategy.barrier()
     return sorted(os.listdir(os.path.join(trainer.log_dir, "profiler")))

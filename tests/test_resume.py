@@ -88,7 +88,8 @@ def _trainer(run_dir: str, ddp: bool, **kwargs: Any) -> Trainer:
                    **place, **kwargs)
 
 
-def _fit(run_dir: str, ddp: bool, batch_size: int, ckpt_path: str | None = None, **kwargs: Any) -> dict[str, Any]:
+def _fit(run_dir: str, ddp: bool, batch_size: int, ckpt_path: str | None = None,
+         **kwargs: Any) -> dict[str, Any]:
     kwargs.setdefault("max_steps", TOTAL_STEPS)
     kwargs.setdefault("enable_checkpointing", False)
     module = DropoutNet(batch_size)
@@ -102,7 +103,8 @@ def _scenario(root: str, ddp: bool, batch_size: int) -> dict[str, Any]:
     """All runs of one strategy; every rank calls it (the DDP runs' collectives stay matched)."""
     rank = int(os.environ.get("RANK", "0"))  # the process group starts with the first fit, not before
     snapshots = _Snapshots()
-    out: dict[str, Any] = {"uninterrupted": _fit(os.path.join(root, "C"), ddp, batch_size, callbacks=[snapshots])}
+    out: dict[str, Any] = {"uninterrupted": _fit(os.path.join(root, "C"), ddp, batch_size,
+                                                 callbacks=[snapshots])}
     out["uninterrupted"]["by_step"] = snapshots.by_step
     run_a = os.path.join(root, "A")
     saver = ModelCheckpoint(every_n_train_steps=3, save_top_k=-1)
@@ -110,13 +112,15 @@ def _scenario(root: str, ddp: bool, batch_size: int) -> dict[str, Any]:
                               callbacks=[saver])
     ckpts = os.path.join(run_a, "version_0", "checkpoints")
     out["files"] = sorted(os.listdir(ckpts))
-    out["ckpt_models"] = {step: torch.load(os.path.join(ckpts, name), map_location="cpu", weights_only=True)["model"]
+    out["ckpt_models"] = {step: torch.load(os.path.join(ckpts, name), map_location="cpu",
+                                           weights_only=True)["model"]
                           for step, name in ((3, "epoch=0-step=3.ckpt"), (5, "epoch=0-step=5.ckpt"),
                                              (6, "epoch=1-step=6.ckpt"), (7, "last.ckpt"))}
     # Fit-end checkpoint (stopped mid-epoch by max_steps), found through `last`.
     out["resume_last"] = _fit(run_a, ddp, batch_size, ckpt_path="last")
     # Epoch-boundary checkpoint and a mid-epoch every_n_train_steps one, by path.
-    out["resume_epoch_end"] = _fit(run_a, ddp, batch_size, ckpt_path=os.path.join(ckpts, "epoch=0-step=5.ckpt"))
+    out["resume_epoch_end"] = _fit(run_a, ddp, batch_size,
+                                   ckpt_path=os.path.join(ckpts, "epoch=0-step=5.ckpt"))
     out["resume_step_6"] = _fit(run_a, ddp, batch_size, ckpt_path=os.path.join(ckpts, "epoch=1-step=6.ckpt"))
 
     # Tear the newest checkpoint (the one `latest` names; last.ckpt is a hard link to the same
@@ -136,14 +140,17 @@ def _check_scenario(out: dict[str, Any]) -> None:
     reference = out["uninterrupted"]
     assert reference["global_step"] == TOTAL_STEPS and reference["steps_run"] == TOTAL_STEPS
     assert out["interrupted"]["global_step"] == STOP_AT
-    assert {"epoch=0-step=3.ckpt", "epoch=0-step=5.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"} <= set(out["files"])
+    assert ({"epoch=0-step=3.ckpt", "epoch=0-step=5.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"}
+            <= set(out["files"]))
     # Each checkpoint holds the model of its step, bitwise: the uninterrupted run's weights after that step.
     for step, model in out["ckpt_models"].items():
         assert model.keys() == reference["by_step"][step].keys()
         for key, value in reference["by_step"][step].items():
-            assert torch.equal(model[key], value), f"checkpoint of step {step}: {key} is not the model of that step"
+            assert torch.equal(model[key], value), (
+                f"checkpoint of step {step}: {key} is not the model of that step")
     # The interrupted run really differs from the finished one (else "equal after resume" is empty).
-    assert not torch.equal(out["interrupted"]["weights"]["net.0.weight"], reference["weights"]["net.0.weight"])
+    assert not torch.equal(out["interrupted"]["weights"]["net.0.weight"],
+                           reference["weights"]["net.0.weight"])
     expected_steps = {"resume_last": TOTAL_STEPS - STOP_AT, "resume_epoch_end": TOTAL_STEPS - 5,
                       "resume_step_6": TOTAL_STEPS - 6, "resume_after_torn": TOTAL_STEPS - 6}
     for name, steps in expected_steps.items():
@@ -153,7 +160,8 @@ def _check_scenario(out: dict[str, Any]) -> None:
         assert run["lr"] == reference["lr"], name
         assert run["weights"].keys() == reference["weights"].keys()
         for key, value in reference["weights"].items():
-            assert torch.equal(run["weights"][key], value), f"{name}: {key} differs from the uninterrupted run"
+            assert torch.equal(run["weights"][key], value), (
+                f"{name}: {key} differs from the uninterrupted run")
 
 
 @pytest.mark.timeout(120)
@@ -195,7 +203,8 @@ def _ddp_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     for kind, path in files.items():
         module = DropoutNet(GLOBAL_BATCH // world_size)
         # max_steps=0: load, then stop; what the DDP run holds is exactly what the file held.
-        _trainer(os.path.join(root, kind), True, max_steps=0, enable_checkpointing=False).fit(module, ckpt_path=path)
+        _trainer(os.path.join(root, kind), True, max_steps=0,
+                 enable_checkpointing=False).fit(module, ckpt_path=path)
         out[f"loaded_{kind}"] = _weights(module)
     out["files_at"] = files
     return out
@@ -222,7 +231,8 @@ def test_resume_ddp_is_bitwise_identical(ddp_runs: tuple[str, list[dict[str, Any
 @pytest.mark.timeout(200)
 def test_ddp_checkpoint_loads_into_plain_module(ddp_runs: tuple[str, list[dict[str, Any]]]) -> None:
     root, ranks = ddp_runs
-    payload = torch.load(os.path.join(root, "scenario", "A", "version_0", "checkpoints", "epoch=1-step=6.ckpt"),
+    payload = torch.load(os.path.join(root, "scenario", "A", "version_0", "checkpoints",
+                                      "epoch=1-step=6.ckpt"),
                          map_location="cpu", weights_only=True)
     assert not any(k.startswith("module.") for k in payload["model"])
     plain = DropoutNet()
@@ -234,7 +244,8 @@ def test_ddp_checkpoint_loads_into_plain_module(ddp_runs: tuple[str, list[dict[s
     assert sorted(at_step) == list(range(1, TOTAL_STEPS + 1))
     assert payload["model"].keys() == at_step[6].keys()
     for key, value in at_step[6].items():
-        assert torch.equal(payload["model"][key], value), f"{key}: checkpoint 'step=6' is not the model of step 6"
+        assert torch.equal(payload["model"][key], value), (
+            f"{key}: checkpoint 'step=6' is not the model of step 6")
     assert not torch.equal(at_step[6]["net.0.weight"], at_step[7]["net.0.weight"])  # neighbours differ
 
 

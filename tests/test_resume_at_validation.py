@@ -50,7 +50,8 @@ class DropoutModule(TinyModule):
 
     def on_validation_end(self) -> None:
         if not self.trainer.sanity_checking:
-            self.validations.append((self.trainer.global_step, float(self.trainer.callback_metrics["val/loss"])))
+            self.validations.append((self.trainer.global_step,
+                                     float(self.trainer.callback_metrics["val/loss"])))
 
 
 class SaveBeforeValidation(Callback):
@@ -90,7 +91,8 @@ def _whole_and_resumed(root: str, devices: int, resume_step: int, user_save: boo
     whole = (_weights(module), module.validations)
     ckpt_dir = os.path.join(whole_dir, "version_0", "checkpoints")
     files = sorted(f for f in os.listdir(ckpt_dir) if f.startswith("epoch="))
-    path = saved if user_save else os.path.join(ckpt_dir, next(f for f in files if f.endswith(f"step={resume_step}.ckpt")))
+    path = saved if user_save else os.path.join(
+        ckpt_dir, next(f for f in files if f.endswith(f"step={resume_step}.ckpt")))
     meta = torch.load(path, weights_only=True)
     torch.manual_seed(123)  # the resumed run's own stream must not matter: the checkpoint restores it
     resumed_module = DropoutModule(devices)
@@ -104,10 +106,11 @@ def _check(out: dict[str, Any], resume_step: int) -> None:
     (whole_w, whole_v), (resumed_w, resumed_v) = out["whole"], out["resumed"]
     expected_saves = [f"epoch={s // BATCHES}-step={s}.ckpt" for s in range(4, EPOCHS * BATCHES + 1, 4)]
     # The epoch-end validation's step file is named after the epoch it closes.
-    assert all(any(f.endswith(f"step={s}.ckpt") for f in out["files"]) for s in range(4, EPOCHS * BATCHES + 1, 4)), \
-        (out["files"], expected_saves)
+    assert all(any(f.endswith(f"step={s}.ckpt") for f in out["files"])
+               for s in range(4, EPOCHS * BATCHES + 1, 4)), (out["files"], expected_saves)
     later = [v for v in whole_v if v[0] > resume_step]
-    assert resumed_v == later, f"validations after step {resume_step}: resumed {resumed_v}, uninterrupted {later}"
+    assert resumed_v == later, (
+        f"validations after step {resume_step}: resumed {resumed_v}, uninterrupted {later}")
     assert torch.equal(resumed_w, whole_w), f"weights differ by {(resumed_w - whole_w).abs().max().item()}"
 
 
@@ -162,8 +165,8 @@ def test_the_uninterrupted_run_is_a_plain_pytorch_loop(tmp_path: Any) -> None:
     weights, validations = _plain_pytorch()
     assert torch.equal(out["whole"][0], weights), (out["whole"][0] - weights).abs().max()
     assert [s for s, _ in out["whole"][1]] == [s for s, _ in validations]
-    torch.testing.assert_close(torch.tensor([v for _, v in out["whole"][1]]), torch.tensor([v for _, v in validations]),
-                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.tensor([v for _, v in out["whole"][1]]),
+                               torch.tensor([v for _, v in validations]), rtol=1e-6, atol=0)
 
 
 def _ddp_worker(rank: int, world_size: int, root: str, resume_step: int) -> Any:

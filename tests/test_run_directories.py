@@ -24,8 +24,9 @@ from polytrain.core.errors import ConfigError
 
 
 def _kwargs(run_dir: str, **over: Any) -> dict[str, Any]:
-    return {**dict(strategy="single", accelerator="cpu", devices=1, run_dir=run_dir, enable_progress_bar=False,
-                   enable_model_summary=False, log_every_n_steps=1, num_sanity_val_steps=0, max_epochs=2), **over}
+    return {**dict(strategy="single", accelerator="cpu", devices=1, run_dir=run_dir,
+                   enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                   num_sanity_val_steps=0, max_epochs=2), **over}
 
 
 def _snapshot(root: str) -> dict[str, str]:
@@ -50,16 +51,18 @@ def test_a_second_fresh_fit_gets_its_own_version_and_leaves_the_first_untouched(
     assert first.log_dir == os.path.join(run_dir, "version_0")
     before = _snapshot(os.path.join(run_dir, "version_0"))
     assert {"metrics.csv", "checkpoints/last.ckpt", "checkpoints/latest"} <= set(before)
-    assert any(name.startswith("events.out.tfevents") for name in before)  # TensorBoard, in the same directory
+    assert any(name.startswith("events.out.tfevents")
+               for name in before)  # TensorBoard, in the same directory
 
     second = Trainer(**_kwargs(run_dir, max_epochs=1))
     second.fit(TinyModule(lr=0.05))
     assert second.log_dir == os.path.join(run_dir, "version_1")
     assert _snapshot(os.path.join(run_dir, "version_0")) == before  # not a byte changed
     assert sorted(os.listdir(run_dir)) == ["version_0", "version_1"]
-    assert second.checkpoint_callback.best_model_path.startswith(os.path.join(run_dir, "version_1", "checkpoints"))
-    assert len(_rows(os.path.join(run_dir, "version_1", "metrics.csv"))) < len(_rows(os.path.join(run_dir, "version_0",
-                                                                                                "metrics.csv")))
+    assert second.checkpoint_callback.best_model_path.startswith(os.path.join(run_dir, "version_1",
+                                                                              "checkpoints"))
+    assert (len(_rows(os.path.join(run_dir, "version_1", "metrics.csv")))
+            < len(_rows(os.path.join(run_dir, "version_0", "metrics.csv"))))
 
 
 @pytest.mark.parametrize("stage", ["test", "validate", "predict"])
@@ -114,11 +117,13 @@ def test_the_same_trainer_logs_a_later_stage_beside_its_fit(run_dir: str) -> Non
     trainer.test(module, verbose=False)
     assert trainer.log_dir == os.path.join(run_dir, "version_0")
     rows = _rows(os.path.join(trainer.log_dir, "metrics.csv"))
-    assert [r["step"] for r in rows[:len(fit_rows) - 1]] == [r["step"] for r in fit_rows[:-1]]  # fit's rows stay
+    assert ([r["step"] for r in rows[:len(fit_rows) - 1]]
+            == [r["step"] for r in fit_rows[:-1]])  # fit's rows stay
     assert rows[-1].get("test/loss")
 
 
-def test_resume_last_continues_the_newest_run_in_its_directory_and_says_which(run_dir: str, caplog: Any) -> None:
+def test_resume_last_continues_the_newest_run_in_its_directory_and_says_which(
+        run_dir: str, caplog: Any) -> None:
     Trainer(**_kwargs(run_dir, max_epochs=3)).fit(TinyModule())  # version_0: 3 epochs, its own top-k
     run0 = _snapshot(os.path.join(run_dir, "version_0"))
     Trainer(**_kwargs(run_dir, max_epochs=1)).fit(TinyModule(lr=0.05))  # version_1, written later
@@ -134,7 +139,8 @@ def test_resume_last_continues_the_newest_run_in_its_directory_and_says_which(ru
     assert _snapshot(os.path.join(run_dir, "version_0")) == run0
     assert sorted(os.listdir(run_dir)) == ["version_0", "version_1"]
     rows = _rows(os.path.join(run1, "metrics.csv"))
-    assert rows[:len(rows_before)] == rows_before and len(rows) > len(rows_before)  # the run's file, continued
+    assert (rows[:len(rows_before)] == rows_before
+            and len(rows) > len(rows_before))  # the run's file, continued
     assert resumed.global_step == 8 and int(rows[-1]["step"]) == 8
 
 
@@ -145,8 +151,8 @@ def test_resume_last_takes_the_newest_step_recorded_inside_not_the_newest_file_t
     import shutil
 
     original = tmp_path / "original"
-    Trainer(**_kwargs(str(original), max_epochs=3, callbacks=[ModelCheckpoint(every_n_epochs=1, save_top_k=-1)])).fit(
-        TinyModule())
+    Trainer(**_kwargs(str(original), max_epochs=3,
+                      callbacks=[ModelCheckpoint(every_n_epochs=1, save_top_k=-1)])).fit(TinyModule())
     copied = tmp_path / "copied"
     shutil.copytree(original, copied, copy_function=shutil.copyfile)
     ckpt_dir = copied / "version_0" / "checkpoints"
@@ -194,7 +200,8 @@ def test_a_shared_checkpoint_directory_never_loses_another_runs_files(tmp_path: 
     assert {"epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"} <= set(before)
     second = fit()
     after = _snapshot(shared)
-    assert {k: after[k] for k in before if k != "latest"} == {k: v for k, v in before.items() if k != "latest"}
+    assert ({k: after[k] for k in before if k != "latest"}
+            == {k: v for k, v in before.items() if k != "latest"})
     assert {"epoch=0-step=4-v1.ckpt", "epoch=1-step=8-v1.ckpt", "last-v1.ckpt"} <= set(after)
     assert second.best_model_path == os.path.join(shared, "epoch=1-step=8-v1.ckpt")
 
@@ -254,18 +261,20 @@ trainer:
   enable_progress_bar: false
   run_dir: {run_dir}
 """, encoding="utf-8")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    fit = subprocess.run([sys.executable, "-m", "polytrain", "fit", "-c", str(config)], env=env, capture_output=True,
-                         text=True, timeout=240)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    fit = subprocess.run([sys.executable, "-m", "polytrain", "fit", "-c", str(config)], env=env,
+                         capture_output=True, text=True, timeout=240)
     assert fit.returncode == 0, fit.stderr[-3000:]
     metrics = run_dir / "version_0" / "metrics.csv"
     rows = _rows(str(metrics))
     # A row per step, one per epoch's validation, one for the fit's goodput (a row per log_metrics call).
     assert len(rows) == 8 + 2 + 1 and len([r for r in rows if r.get("train/loss")]) == 8
-    test = subprocess.run([sys.executable, "-m", "polytrain", "test", "-c", str(config), "--ckpt", "last"], env=env,
-                          capture_output=True, text=True, timeout=240)
+    test = subprocess.run([sys.executable, "-m", "polytrain", "test", "-c", str(config), "--ckpt", "last"],
+                          env=env, capture_output=True, text=True, timeout=240)
     assert test.returncode == 0, test.stderr[-3000:]
     assert "Test metric" in test.stdout and "test/loss" in test.stdout
     assert _rows(str(metrics)) == rows  # every row of the fit is still there
     assert _rows(str(run_dir / "test_0" / "metrics.csv"))[-1]["test/loss"]
-    assert "test: the newest checkpoint of the run in" in test.stderr and "version_0" in test.stderr  # which it read
+    assert ("test: the newest checkpoint of the run in" in test.stderr
+            and "version_0" in test.stderr)  # which it read

@@ -115,8 +115,9 @@ class SplitInSetup(TrainModule):
 def _split_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     torch.manual_seed(100 + rank)  # ranks seeded differently on purpose: polytrain must share rank 0's stream
     module = SplitInSetup()
-    Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, run_dir=root).fit(module)
+    Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            run_dir=root).fit(module)
     return {"train": sorted(module.train_set.indices), "val": sorted(module.val_set.indices),
             "masks": module.masks}
 
@@ -129,7 +130,8 @@ def test_random_split_in_setup_is_the_same_on_every_rank_and_dropout_differs(tmp
     assert not set(ranks[0]["train"]) & set(ranks[0]["val"])  # no validation sample leaks into training
     # Training steps: each data-parallel rank draws its own dropout masks.
     assert len(ranks[0]["masks"]) == len(ranks[1]["masks"]) == 4
-    assert any(not torch.equal(a, b) for a, b in zip(ranks[0]["masks"], ranks[1]["masks"]) if a.shape == b.shape)
+    assert any(not torch.equal(a, b) for a, b in zip(ranks[0]["masks"], ranks[1]["masks"])
+               if a.shape == b.shape)
 
 
 @pytest.mark.parametrize("seed", [0, 7, 2**40 + 3, -5])

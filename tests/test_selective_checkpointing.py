@@ -63,7 +63,8 @@ def test_op_mode_recomputes_every_other_matmul_and_no_attention() -> None:
     assert full["aten.addmm.default"] == blocks_matmuls and full[SDPA] == 2  # the whole blocks again
     assert op["aten.addmm.default"] == blocks_matmuls // 2 and op[SDPA] == 0  # proj and fc2 only
     assert op["aten.bernoulli_.float"] == full["aten.bernoulli_.float"] == 4  # dropout recomputed...
-    assert torch.equal(op_grads, plain_grads) and torch.equal(full_grads, plain_grads)  # ...with the same masks
+    assert (torch.equal(op_grads, plain_grads)
+            and torch.equal(full_grads, plain_grads))  # ...with the same masks
 
 
 def test_op_mode_through_the_trainer_equals_no_checkpointing(run_dir: str) -> None:
@@ -108,8 +109,8 @@ def _trained_once(build: Any, batch: tuple[torch.Tensor, ...], loss: Any, mode: 
 def test_a_checkpointed_hugging_face_model_recomputes_without_its_key_value_cache(mode: str) -> None:
     """GPT-2 caches keys and values in forward by default; recomputed, a block would see them twice and
     torch would stop the backward. Checkpointing turns the cache off: gradients equal no checkpointing."""
-    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
 
     def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -91,11 +91,12 @@ def test_16_mixed_two_optimizers_update_the_scaler_once_per_iteration(tmp_path: 
     assert ref_scales[0] < 2.0**16, "the reference must overflow at first, or this test proves nothing"
     module = TwoOptimizers()
     trainer = Trainer(accelerator="cpu", strategy="single", devices=1, precision="16-mixed", max_epochs=1,
-                      enable_progress_bar=False, logger=False, enable_checkpointing=False, run_dir=str(tmp_path))
+                      enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                      run_dir=str(tmp_path))
     trainer.fit(module)
     assert trainer.global_step == STEPS
     diffs = {k: float((v - ref_state[k]).abs().max()) for k, v in module.state_dict().items()}
-    assert all(torch.equal(v, ref_state[k]) for k, v in module.state_dict().items()), \
-        f"weights differ from the AMP recipe (max abs diff per tensor): {diffs}; scales {module.scales[:6]} " \
-        f"vs reference {ref_scales[:6]}"
+    assert all(torch.equal(v, ref_state[k]) for k, v in module.state_dict().items()), (
+        f"weights differ from the AMP recipe (max abs diff per tensor): {diffs}; "
+        f"scales {module.scales[:6]} vs reference {ref_scales[:6]}")
     assert module.scales == ref_scales, "the loss scale must move once per iteration"

@@ -105,8 +105,9 @@ def _worker(rank: int, world_size: int, root: str, variant: str) -> dict[str, An
         dataset, kwargs, epochs, accumulate = WithLen(6 * BATCH), {}, 1, 3
     module = Regressor(dataset)
     trainer = Trainer(accelerator="cpu", devices="auto", strategy="ddp", max_epochs=epochs, logger=False,
-                      enable_progress_bar=False, enable_checkpointing=False, run_dir=os.path.join(root, variant),
-                      seed=SEED, accumulate_grad_batches=accumulate, timeout=30, **kwargs)
+                      enable_progress_bar=False, enable_checkpointing=False,
+                      run_dir=os.path.join(root, variant), seed=SEED, accumulate_grad_batches=accumulate,
+                      timeout=30, **kwargs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -183,7 +184,8 @@ class Validated(Regressor):
 
 
 @pytest.mark.timeout(60)
-def test_one_process_iterable_without_length_closes_its_last_window_and_validates_per_epoch(tmp_path: Any) -> None:
+def test_one_process_iterable_without_length_closes_its_last_window_and_validates_per_epoch(
+        tmp_path: Any) -> None:
     """Plain loop reference: windows of 2 over 5 batches step after batches 2, 4 and the short last one."""
     epochs, accumulate = 2, 2
     torch.manual_seed(SEED)

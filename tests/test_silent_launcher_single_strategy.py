@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent('''
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump({"strategy": trainer.strategy.name, "world_size": trainer.world_size,
                    "weights": [float(v) for p in module.parameters() for v in p.detach().flatten()]}, fh)
-''')
+''')  # noqa: E501
 
 
 @pytest.mark.distributed
@@ -74,9 +74,9 @@ def test_single_process_strategy_under_torchrun_fails_naming_the_fix(tmp_path: P
     if trained:
         weights = [r["weights"] for r in trained.values()]
         spread = max(abs(a - b) for a, b in zip(*weights)) if len(weights) == 2 else None
-        pytest.fail(f"torchrun x2 with strategy '{strategy}' trained {len(trained)} unsynchronised replica(s) "
-                    f"({[r['strategy'] for r in trained.values()]}) and exited {result.returncode}; the replicas' "
-                    f"weights differ by up to {spread}")
+        pytest.fail(f"torchrun x2 with strategy '{strategy}' trained {len(trained)} unsynchronised "
+                    f"replica(s) ({[r['strategy'] for r in trained.values()]}) and exited "
+                    f"{result.returncode}; the replicas' weights differ by up to {spread}")
     assert result.returncode != 0, result.describe()
     for needle in (f"'{strategy}'", "2 processes", "strategy: ddp", "one process"):
         assert needle in result.stderr, f"{needle!r} missing:\n{result.describe()}"

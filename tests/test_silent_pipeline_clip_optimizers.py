@@ -85,7 +85,8 @@ def _reference() -> dict[str, torch.Tensor]:
 def _worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for aligned in (True, False):
-        trainer = Trainer(accelerator="cpu", devices=2, strategy={"name": "pipeline", "pp": 2, "split_points": [2]},
+        trainer = Trainer(accelerator="cpu", devices=2,
+                          strategy={"name": "pipeline", "pp": 2, "split_points": [2]},
                           max_epochs=1, gradient_clip_val=CLIP, logger=False, enable_progress_bar=False,
                           enable_checkpointing=False, enable_model_summary=False, timeout=30.0,
                           run_dir=os.path.join(root, str(aligned)))
@@ -110,4 +111,5 @@ def test_each_optimizer_is_clipped_by_its_own_norm_or_refused(tmp_path: Any) -> 
     for rank, run in enumerate(runs):  # every rank refuses (no hang, no silent mix of norms)
         message = run[False]
         assert isinstance(message, str) and message.startswith("ConfigError"), (rank, message)
-        assert "stage rank 0: [SGD(" in message and "stage rank 1: [SGD(" in message and "'params': []" in message
+        assert ("stage rank 0: [SGD(" in message and "stage rank 1: [SGD(" in message
+                and "'params': []" in message)

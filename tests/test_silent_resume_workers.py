@@ -101,8 +101,8 @@ def _reference(num_workers: int, rank: int, world_size: int) -> dict[str, torch.
 
 def _trainer(root: str, strategy: str, **kwargs: Any) -> Trainer:
     return Trainer(accelerator="cpu", devices="auto" if strategy == "ddp" else 1, strategy=strategy,
-                   logger=False, enable_progress_bar=False, enable_checkpointing=False, run_dir=root, seed=SEED,
-                   use_distributed_sampler="always",
+                   logger=False, enable_progress_bar=False, enable_checkpointing=False, run_dir=root,
+                   seed=SEED, use_distributed_sampler="always",
                    **kwargs)
 
 

@@ -120,7 +120,8 @@ def test_resuming_from_every_step_checkpoint_matches_and_rewrites_nothing(tmp_pa
         run_dir = str(tmp_path / f"resume-{name}")
         os.makedirs(os.path.join(run_dir, "version_0", "checkpoints"))
         for other, g in saved.items():  # the resumed run writes next to the files of the first run
-            with open(g["path"], "rb") as src, open(os.path.join(run_dir, "version_0", "checkpoints", other), "wb") as dst:
+            with (open(g["path"], "rb") as src,
+                  open(os.path.join(run_dir, "version_0", "checkpoints", other), "wb") as dst):
                 dst.write(src.read())
         try:
             _, module = _fit(run_dir, ckpt_path=os.path.join(run_dir, "version_0", "checkpoints", name))
@@ -146,7 +147,8 @@ def test_a_run_that_resumes_and_ends_at_once_writes_nothing(tmp_path: Any) -> No
     run_dir = str(tmp_path / "run")
     _fit(run_dir)
     path = os.path.join(run_dir, "version_0", "checkpoints", "epoch=0-step=3.ckpt")
-    before = {p: os.stat(p).st_mtime_ns for p in glob.glob(os.path.join(run_dir, "version_0", "checkpoints", "*"))}
+    before = {p: os.stat(p).st_mtime_ns
+              for p in glob.glob(os.path.join(run_dir, "version_0", "checkpoints", "*"))}
     module = Regressor()
     callback = ModelCheckpoint(every_n_train_steps=EVERY, every_n_epochs=None, save_top_k=-1, save_last=True,
                                save_on_fit_end=True)
@@ -155,5 +157,7 @@ def test_a_run_that_resumes_and_ends_at_once_writes_nothing(tmp_path: Any) -> No
                       callbacks=[callback])
     trainer.fit(module, ckpt_path=path)
     assert trainer.global_step == 3
-    after = {p: os.stat(p).st_mtime_ns for p in glob.glob(os.path.join(run_dir, "version_0", "checkpoints", "*"))}
-    assert after == before, f"a resume that took no step wrote {sorted(set(after.items()) - set(before.items()))}"
+    after = {p: os.stat(p).st_mtime_ns
+             for p in glob.glob(os.path.join(run_dir, "version_0", "checkpoints", "*"))}
+    assert after == before, (
+        f"a resume that took no step wrote {sorted(set(after.items()) - set(before.items()))}")

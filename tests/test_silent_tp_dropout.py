@@ -104,8 +104,8 @@ def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     opt = _optimizer(net.parameters())
     torch.manual_seed(SEED + 0)
     ds = _data()
-    loader = DataLoader(ds, batch_size=BATCH, sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True,
-                                                                        seed=SEED))
+    loader = DataLoader(ds, batch_size=BATCH,
+                        sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=SEED))
     net.train()
     losses = []
     for x, y in loader:
@@ -132,7 +132,8 @@ def _replicated_locals(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def _worker(rank: int, world_size: int, root: str, inner: bool) -> dict[str, Any]:
     module = DropoutNet(inner)
-    trainer = Trainer(accelerator="cpu", devices="auto", strategy={"name": "model_parallel", "mode": "tensor", "tp": 2},
+    trainer = Trainer(accelerator="cpu", devices="auto",
+                      strategy={"name": "model_parallel", "mode": "tensor", "tp": 2},
                       max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
                       run_dir=os.path.join(root, "run"), seed=SEED, use_distributed_sampler="always")
     trainer.fit(module)
@@ -198,7 +199,8 @@ class ShardedDropoutNet(TrainModule):
         return DataLoader(_data(), batch_size=BATCH, shuffle=True)
 
 
-def _fit_sharded(root: str, max_steps: int, ckpt_path: str | None = None) -> tuple[Trainer, ShardedDropoutNet]:
+def _fit_sharded(root: str, max_steps: int,
+                 ckpt_path: str | None = None) -> tuple[Trainer, ShardedDropoutNet]:
     torch.manual_seed(SEED)
     module = ShardedDropoutNet()
     trainer = Trainer(accelerator="cpu", devices=1, strategy="single", max_steps=max_steps, logger=False,

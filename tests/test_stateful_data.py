@@ -139,13 +139,15 @@ def ddp_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 def test_stream_resumes_from_each_ranks_state_under_ddp(ddp_runs: list[dict[str, Any]]) -> None:
     for out in ddp_runs:
         _check_resumed(out, 2)
-    assert ddp_runs[0]["saved"] == [{"dp_rank": r, "dp_size": 2, "state": {"pos": 2 * BATCH}} for r in range(2)]
+    assert ddp_runs[0]["saved"] == [{"dp_rank": r, "dp_size": 2, "state": {"pos": 2 * BATCH}}
+                                    for r in range(2)]
     assert ddp_runs[0]["full"]["seen"] != ddp_runs[1]["full"]["seen"]  # each rank its own shard
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(260)
-def test_state_from_another_data_parallel_size_is_refused(ddp_runs: list[dict[str, Any]], tmp_path: Any) -> None:
+def test_state_from_another_data_parallel_size_is_refused(ddp_runs: list[dict[str, Any]],
+                                                          tmp_path: Any) -> None:
     with pytest.raises(SamplerError, match=r"for 2 data-parallel rank\(s\) and this run has 1") as err:
         _fit(str(tmp_path), 1, DataLoader(Stream(), BATCH), ckpt_path=ddp_runs[0]["ckpt"])
     assert "Resume with 2 data-parallel ranks" in str(err.value)

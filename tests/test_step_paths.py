@@ -77,9 +77,11 @@ def test_a_step_pre_hook_registered_mid_fit_sees_lightnings_order(make_trainer: 
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
     class RegisterAfterFirstBatch(Callback):
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
             if batch_idx == 0:
-                trainer.optimizers[0].optimizer.register_step_pre_hook(lambda *_: module.events.append("pre_hook"))
+                trainer.optimizers[0].optimizer.register_step_pre_hook(
+                    lambda *_: module.events.append("pre_hook"))
 
     module = _Recorded(sgd)
     make_trainer(max_epochs=1, callbacks=[RegisterAfterFirstBatch()]).fit(module)
@@ -105,7 +107,8 @@ def test_a_subclassed_optimizer_keeps_the_closure(make_trainer: Any) -> None:
                                rtol=0, atol=0)
 
 
-def test_a_plain_fit_steps_torch_optimizers_without_a_closure(make_trainer: Any, sgd_closures: list[bool]) -> None:
+def test_a_plain_fit_steps_torch_optimizers_without_a_closure(make_trainer: Any,
+                                                              sgd_closures: list[bool]) -> None:
     """SGD.step gets no closure, in a plain fit and in one with clipping between backward and the update (the
     general path, whose precision step runs torch's optimizers the same way); both end on plain PyTorch's
     weights."""
@@ -155,7 +158,8 @@ def test_a_plain_fit_releases_gradients_before_the_next_fetch_and_nowhere_else(m
         return None if w is None else torch.cat([w.reshape(-1), b]).clone()
 
     class Watch(Callback):
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
             seen["batch_end"].append(grads(module))
 
         def on_train_epoch_end(self, trainer: Any, module: Any) -> None:

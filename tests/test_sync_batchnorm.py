@@ -135,7 +135,8 @@ def _eval_and_dtype_worker(rank: int, world_size: int) -> list[list[float]]:
         assert y.dtype == x.grad.dtype == dtype
         assert_close(y.float(), y_ref[lo:hi].detach(), rtol=rtol, atol=1e-5)
         # The incoming gradient is rounded to the half dtype too; errors scale with the largest entry.
-        assert_close(x.grad.float(), x_ref.grad[lo:hi], rtol=0.0, atol=4 * rtol * float(x_ref.grad.abs().max()))
+        assert_close(x.grad.float(), x_ref.grad[lo:hi], rtol=0.0,
+                     atol=4 * rtol * float(x_ref.grad.abs().max()))
 
     # Eval mode: running stats only. With all_reduce booby-trapped, any collective fails loudly.
     bn.eval()

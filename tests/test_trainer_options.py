@@ -67,7 +67,8 @@ class Recorder(TrainModule):
         if not self.trainer.sanity_checking:
             trained = [e for e in self.events if e[0] == "train"]
             # (epoch, index of the training batch it follows, global step)
-            self.events.append(("valrun", self.current_epoch, trained[-1][2] if trained else None, self.global_step))
+            self.events.append(("valrun", self.current_epoch, trained[-1][2] if trained else None,
+                                self.global_step))
 
     def on_train_epoch_end(self) -> None:
         self.epoch_weights.append(self.net.weight.detach().clone())
@@ -115,7 +116,8 @@ def files_under(root: Any) -> list[str]:
 
 def fit(tmp_path: Any, module: TrainModule | None = None, **kwargs: Any) -> tuple[Trainer, Recorder]:
     module = module if module is not None else Recorder()
-    options = dict(default_root_dir=str(tmp_path / "root"), logger=False, enable_checkpointing=False, max_epochs=1)
+    options = dict(default_root_dir=str(tmp_path / "root"), logger=False, enable_checkpointing=False,
+                   max_epochs=1)
     trainer = Trainer(**{**QUIET, **options, **kwargs})
     trainer.fit(module)
     return trainer, module
@@ -140,8 +142,8 @@ def test_default_root_dir_holds_every_file_the_run_writes(tmp_path: Any, monkeyp
     # With logger=False checkpoints still go to the run's own directory (Lightning: <root>/checkpoints).
     root2 = tmp_path / "root2"
     Trainer(default_root_dir=str(root2), max_epochs=1, logger=False, **QUIET).fit(Recorder())
-    assert [f for f in files_under(root2) if f.endswith(".ckpt")] == ["version_0/checkpoints/epoch=0-step=9.ckpt",
-                                                                       "version_0/checkpoints/last.ckpt"]
+    assert ([f for f in files_under(root2) if f.endswith(".ckpt")]
+            == ["version_0/checkpoints/epoch=0-step=9.ckpt", "version_0/checkpoints/last.ckpt"])
 
 
 # --------------------------------------------------------------------------- fast_dev_run
@@ -152,8 +154,10 @@ def test_fast_dev_run_runs_n_batches_of_each_loop_once_and_writes_nothing(tmp_pa
     n = 1 if value is True else value
     root = tmp_path / "root"
     # Loggers and a ModelCheckpoint given explicitly write nothing either (Lightning's DummyLogger).
-    trainer = Trainer(default_root_dir=str(root), fast_dev_run=value, max_epochs=5, logger=CSVLogger(str(root)),
-                      callbacks=[ModelCheckpoint(dirpath=str(root / "ck")), EarlyStopping("val_loss", patience=0)],
+    trainer = Trainer(default_root_dir=str(root), fast_dev_run=value, max_epochs=5,
+                      logger=CSVLogger(str(root)),
+                      callbacks=[ModelCheckpoint(dirpath=str(root / "ck")),
+                                 EarlyStopping("val_loss", patience=0)],
                       **QUIET)
     module = Recorder()
     trainer.fit(module)
@@ -208,9 +212,11 @@ def test_fractional_limits_take_int_of_the_fraction(tmp_path: Any) -> None:
     assert (len(module.trained()), module.val_batches()) == (9, 4)
 
 
-@pytest.mark.parametrize(("option", "at_least"), [("limit_train_batches", "0.1111"), ("limit_val_batches", "0.25")])
+@pytest.mark.parametrize(("option", "at_least"), [("limit_train_batches", "0.1111"),
+                                                  ("limit_val_batches", "0.25")])
 def test_a_fraction_giving_zero_batches_is_an_error(tmp_path: Any, option: str, at_least: str) -> None:
-    with pytest.raises(ConfigError, match=rf"{option}=0.01 x \d+ \w+ batches = 0 batches; use at least {at_least}"):
+    with pytest.raises(ConfigError, match=rf"{option}=0.01 x \d+ \w+ batches = 0 batches; "
+                                          rf"use at least {at_least}"):
         fit(tmp_path, **{option: 0.01})
 
 
@@ -231,7 +237,8 @@ def test_limit_zero_disables_that_loop(tmp_path: Any) -> None:
     # (epoch, training batch it follows, global step), as Lightning runs them with 9 batches per epoch
     ({"val_check_interval": 0.25}, [(0, 1, 2), (0, 3, 4), (0, 5, 6), (0, 7, 8)]),  # no extra run at batch 9
     ({"val_check_interval": 0.5}, [(0, 3, 4), (0, 7, 8)]),
-    ({"val_check_interval": 4, "max_epochs": 2}, [(0, 3, 4), (0, 7, 8), (1, 3, 13), (1, 7, 17)]),  # within epochs
+    ({"val_check_interval": 4, "max_epochs": 2},
+     [(0, 3, 4), (0, 7, 8), (1, 3, 13), (1, 7, 17)]),  # within epochs
     ({"val_check_interval": 4, "max_epochs": 2, "check_val_every_n_epoch": None},
      [(0, 3, 4), (0, 7, 8), (1, 2, 12), (1, 6, 16)]),  # across epochs
     ({"val_check_interval": 12, "max_epochs": 3, "check_val_every_n_epoch": None}, [(1, 2, 12), (2, 5, 24)]),
@@ -271,7 +278,8 @@ class Worsening(Recorder):
     (StopsAtEpochEnd, {"min_epochs": 3}, 27, 3, [(0, 8, 9), (1, 8, 18), (2, 8, 27)]),
     # ... and for min_steps, then ends the epoch at once (validating first), mid-epoch as Lightning does.
     (StopsAtEpochEnd, {"min_steps": 20}, 20, 3, [(0, 8, 9), (1, 8, 18), (2, 1, 20)]),
-    (StopsAtEpochEnd, {"min_steps": 100, "max_epochs": 2}, 18, 2, [(0, 8, 9), (1, 8, 18)]),  # never past max_epochs
+    (StopsAtEpochEnd, {"min_steps": 100, "max_epochs": 2}, 18, 2,
+     [(0, 8, 9), (1, 8, 18)]),  # never past max_epochs
     # A request mid-epoch ends the epoch after that batch, with a validation run; once made, it stays pending.
     (StopsAtBatch3, {}, 4, 1, [(0, 3, 4)]),
     (StopsAtBatch3, {"min_epochs": 2}, 18, 2, [(0, 8, 9), (1, 8, 18)]),
@@ -338,7 +346,8 @@ def test_max_time_stops_cleanly_and_a_resubmitted_job_continues_exactly(tmp_path
     stopped_at = first.global_step
     assert 0 < stopped_at < 18  # 18 batches at >= 0.12 s each cannot fit in one second
     assert ends.calls == ["on_train_end", "on_fit_end", "teardown"]
-    assert torch.load(os.path.join(root, "version_0", "checkpoints", "last.ckpt"), weights_only=True)["global_step"] == stopped_at
+    assert torch.load(os.path.join(root, "version_0", "checkpoints", "last.ckpt"),
+                      weights_only=True)["global_step"] == stopped_at
 
     # The resubmitted job (same config, no time pressure this time) resumes from the fit-end checkpoint ...
     torch.manual_seed(123)  # a different fresh-process state: the checkpoint's RNG states must win
@@ -349,7 +358,8 @@ def test_max_time_stops_cleanly_and_a_resubmitted_job_continues_exactly(tmp_path
     torch.manual_seed(0)
     reference = Recorder()
     Trainer(**{**options, "default_root_dir": str(tmp_path / "ref")}).fit(reference)
-    assert torch.equal(resumed.net.weight, reference.net.weight) and torch.equal(resumed.net.bias, reference.net.bias)
+    assert (torch.equal(resumed.net.weight, reference.net.weight)
+            and torch.equal(resumed.net.bias, reference.net.bias))
 
 
 # --------------------------------------------------------------------------- overfit_batches
@@ -367,14 +377,15 @@ def test_overfit_batches_repeats_the_first_batches_in_order(tmp_path: Any) -> No
         trainer, module = fit(tmp_path, Overfit(shuffle=True), overfit_batches=2, max_epochs=2)
     assert module.trained() == [(0, 0), (0, 1), (1, 0), (1, 1)]
     x = module.train_ds.tensors[0]
-    assert all(torch.equal(b, x[4 * (i % 2): 4 * (i % 2) + 4]) for i, b in enumerate(seen))  # first 2, each epoch
+    assert all(torch.equal(b, x[4 * (i % 2): 4 * (i % 2) + 4])
+               for i, b in enumerate(seen))  # first 2, each epoch
     # Validation runs on 2 batches of the *val* loader; the sanity check as usual.
     assert (module.sanity_batches(), module.val_batches()) == (2, 4)
     _, module = fit(tmp_path, Recorder(shuffle=False), overfit_batches=0.25)  # a fraction of each loader
     assert (len(module.trained()), module.sanity_batches(), module.val_batches()) == (2, 1, 1)
 
 
-# --------------------------------------------------------------------------- reload_dataloaders_every_n_epochs
+# -------------------------------------------------------------------------- reload_dataloaders_every_n_epochs
 
 
 @pytest.mark.parametrize(("every", "sanity_steps", "loaders"), [
@@ -382,7 +393,8 @@ def test_overfit_batches_repeats_the_first_batches_in_order(tmp_path: Any) -> No
             ("train_dataloader", 2), ("val_dataloader", 2)]),
     (2, 2, [("val_dataloader", 0), ("train_dataloader", 0), ("train_dataloader", 2), ("val_dataloader", 2)]),
 ])
-def test_reload_dataloaders_every_n_epochs(tmp_path: Any, every: int, sanity_steps: int, loaders: list) -> None:
+def test_reload_dataloaders_every_n_epochs(tmp_path: Any, every: int, sanity_steps: int,
+                                           loaders: list) -> None:
     _, module = fit(tmp_path, max_epochs=3, reload_dataloaders_every_n_epochs=every,
                     num_sanity_val_steps=sanity_steps)
     assert module.loaders() == loaders
@@ -396,7 +408,8 @@ def test_reload_dataloaders_every_n_epochs(tmp_path: Any, every: int, sanity_ste
 def test_a_device_list_on_cpu_is_a_clear_error(tmp_path: Any, devices: list) -> None:
     trainer = Trainer(**{**QUIET, "devices": devices}, default_root_dir=str(tmp_path), logger=False)
     assert trainer.config.devices == devices  # accepted as config (it is valid on a GPU machine) ...
-    with pytest.raises(ConfigError, match=re.escape(f"devices={devices} is a list of GPU indices") + f".*devices={len(devices)}"):
+    with pytest.raises(ConfigError, match=re.escape(f"devices={devices} is a list of GPU indices")
+                                          + f".*devices={len(devices)}"):
         trainer.fit(Recorder())  # ... and refused where it cannot mean anything
 
 
@@ -404,8 +417,10 @@ def test_a_device_list_on_cuda_plans_one_process_per_listed_gpu() -> None:
     try:
         with mock.patch.object(torch.cuda, "is_available", return_value=True), \
                 mock.patch.object(torch.cuda, "device_count", return_value=4):
-            plan = plan_launch(validate_trainer_config(dict(devices=[1, 3], accelerator="gpu", strategy="ddp")))
-            assert (plan.accelerator, plan.devices, plan.processes_per_node, plan.world_size) == ("cuda", 2, 2, 2)
+            plan = plan_launch(validate_trainer_config(dict(devices=[1, 3], accelerator="gpu",
+                                                            strategy="ddp")))
+            assert ((plan.accelerator, plan.devices, plan.processes_per_node, plan.world_size)
+                    == ("cuda", 2, 2, 2))
             assert [process_group.cuda_index(r) for r in (0, 1)] == [1, 3]  # local rank r -> cuda:devices[r]
             plan = plan_launch(validate_trainer_config(dict(devices=[2], accelerator="auto")))
             assert (plan.strategy_name, plan.method, process_group.cuda_index(0)) == ("single", "here", 2)
@@ -455,8 +470,8 @@ def test_ckpt_path_best_and_last(tmp_path: Any) -> None:
 
 def test_ckpt_path_best_without_a_checkpoint_is_a_clear_error(tmp_path: Any) -> None:
     trainer, module = fit(tmp_path, Scored())  # enable_checkpointing=False
-    with pytest.raises(ConfigError, match="ckpt_path='best' loads the best checkpoint a ModelCheckpoint recorded, "
-                                          "and no run under .* recorded one"):
+    with pytest.raises(ConfigError, match="ckpt_path='best' loads the best checkpoint a ModelCheckpoint "
+                                          "recorded, and no run under .* recorded one"):
         trainer.validate(module, ckpt_path="best")
     # Without a monitor (Lightning's meaning): "best" is the newest checkpoint the callback kept.
     trainer, module = fit(tmp_path, Scored(), max_epochs=2, enable_checkpointing=True)
@@ -516,7 +531,8 @@ def test_a_lightning_scripts_top_level_names(monkeypatch: Any) -> None:
     for name in ("PL_GLOBAL_SEED", "POLYTRAIN_SEED"):
         monkeypatch.setenv(name, "0")  # restored afterwards
 
-    assert pl.callbacks.ModelCheckpoint is ModelCheckpoint  # `pl.callbacks.X` without importing the subpackage
+    assert pl.callbacks.ModelCheckpoint is ModelCheckpoint  # `pl.callbacks.X` without importing
+    # the subpackage
     assert pl.seed_everything(42, workers=True) == 42 and os.environ["PL_GLOBAL_SEED"] == "42"
     first = torch.rand(3)
     assert pl.seed_everything() == 42  # None: PL_GLOBAL_SEED, as Lightning
@@ -528,7 +544,8 @@ class OneCycle(Recorder):
         total = self.trainer.estimated_stepping_batches
         self.events.append(("estimated", total))
         opt = torch.optim.SGD(self.parameters(), lr=0.1)
-        return [opt], [{"scheduler": torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=int(total)),
+        return [opt], [{"scheduler": torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1,
+                                                                         total_steps=int(total)),
                         "interval": "step"}]
 
     def on_train_start(self) -> None:
@@ -595,7 +612,8 @@ def test_lightning_module_extras(tmp_path: Any) -> None:
             self.example_input_array = torch.zeros(2, 4)
 
         def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.net.parameters(), lr=0.1), torch.optim.SGD(self.other.parameters(), lr=0.1)
+            return (torch.optim.SGD(self.net.parameters(), lr=0.1),
+                    torch.optim.SGD(self.other.parameters(), lr=0.1))
 
         def training_step(self, batch: Any, batch_idx: int) -> None:
             opt_net, _ = self.optimizers()
@@ -631,7 +649,8 @@ def test_lightning_module_extras(tmp_path: Any) -> None:
 
 
 def test_lightnings_precision_spellings() -> None:
-    for given, meant in (("32-true", "32"), (32, "32"), ("16", "16-mixed"), (16, "16-mixed"), ("bf16", "bf16-mixed")):
+    for given, meant in (("32-true", "32"), (32, "32"), ("16", "16-mixed"), (16, "16-mixed"),
+                         ("bf16", "bf16-mixed")):
         assert validate_trainer_config({"precision": given}).precision == meant
 
 
@@ -642,9 +661,11 @@ def _stop_worker(rank: int, world_size: int, root: str, where: str) -> tuple[int
                 self.trainer.should_stop = True  # on rank 1 only: the ranks must still stop together
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:
-            self.log("val_loss", -float(self.global_step))  # falls: EarlyStopping(mode="max") stops at its 2nd check
+            self.log("val_loss", -float(self.global_step))  # falls: EarlyStopping(mode="max") stops at
+            # its 2nd check
 
-    callbacks = [EarlyStopping("val_loss", patience=0, mode="max", verbose=False)] if where == "early stopping" else []
+    callbacks = ([EarlyStopping("val_loss", patience=0, mode="max", verbose=False)]
+                 if where == "early stopping" else [])
     trainer = Trainer(**{**QUIET, "devices": world_size}, strategy="ddp", default_root_dir=root, logger=False,
                       enable_checkpointing=False, max_epochs=3, log_every_n_steps=2, num_sanity_val_steps=0,
                       val_check_interval=2 if where == "early stopping" else None, callbacks=callbacks)
@@ -654,10 +675,13 @@ def _stop_worker(rank: int, world_size: int, root: str, where: str) -> tuple[int
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(("where", "step"), [
-    ("one rank", 2),  # set after batch 0 on rank 1: agreed at the next logging step (batch 1), both stop there
-    ("early stopping", 4),  # the validation after batch 3 (the 2nd) did not improve: both stop after that batch
+    ("one rank", 2),  # set after batch 0 on rank 1: agreed at the next logging step (batch 1),
+    # both stop there
+    ("early stopping", 4),  # the validation after batch 3 (the 2nd) did not improve: both stop
+    # after that batch
 ])
-def test_a_stop_request_under_ddp_ends_the_epoch_on_every_rank_together(tmp_path: Any, where: str, step: int) -> None:
+def test_a_stop_request_under_ddp_ends_the_epoch_on_every_rank_together(tmp_path: Any, where: str,
+                                                                        step: int) -> None:
     from distributed import run_distributed
 
     results = run_distributed(_stop_worker, 2, str(tmp_path), where, timeout=120.0)

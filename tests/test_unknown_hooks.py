@@ -68,15 +68,16 @@ def test_a_misspelt_datamodule_hook_warns_once_per_class(quiet_kwargs: dict) -> 
 
     kwargs = {**quiet_kwargs, "max_epochs": 1}
     messages = _fit(kwargs, module, datamodule=Data())
-    assert messages == ["Data.on_before_batch_transfers is never called by polytrain: it is not one of its hooks. "
-                        "Did you mean 'on_before_batch_transfer'?"]
+    assert messages == ["Data.on_before_batch_transfers is never called by polytrain: it is not one of "
+                        "its hooks. Did you mean 'on_before_batch_transfer'?"]
     assert _fit(kwargs, module, datamodule=Data()) == []
 
 
 def test_every_lightning_hook_name_is_known() -> None:
     """A module, callback or DataModule written for Lightning never triggers the warning by using a hook."""
     pl = pytest.importorskip("lightning.pytorch")
-    hooks = {n for n in dir(pl.LightningModule) if n.startswith("on_") and callable(getattr(pl.LightningModule, n))}
+    hooks = {n for n in dir(pl.LightningModule)
+             if n.startswith("on_") and callable(getattr(pl.LightningModule, n))}
     assert hooks - MODULE_HOOKS == set()
     assert {n for n in dir(pl.Callback) if n.startswith("on_")} - CALLBACK_HOOKS == set()
     assert {n for n in dir(pl.LightningDataModule) if n.startswith("on_")} - DATAMODULE_HOOKS == set()

@@ -154,7 +154,8 @@ class SaveAt(Callback):
 def _trainer(run_dir: str, world: int, **kwargs: Any) -> Trainer:
     options: dict[str, Any] = dict(accelerator="cpu", enable_progress_bar=False, logger=False, seed=SEED,
                                    enable_checkpointing=False, run_dir=run_dir, num_sanity_val_steps=0,
-                                   max_epochs=EPOCHS, strategy="ddp" if world > 1 else "single", devices=world)
+                                   max_epochs=EPOCHS, strategy="ddp" if world > 1 else "single",
+                                   devices=world)
     options.update(kwargs)
     return Trainer(**options)
 
@@ -163,7 +164,8 @@ def _weights(module: TrainModule) -> list[torch.Tensor]:
     return [p.detach().clone() for p in module.parameters()]
 
 
-def _fit(root: str, world: int, loader: DataLoader, ckpt_path: str | None = None, **kwargs: Any) -> dict[str, Any]:
+def _fit(root: str, world: int, loader: DataLoader, ckpt_path: str | None = None,
+         **kwargs: Any) -> dict[str, Any]:
     module = Learner(loader)
     _trainer(root, world, **kwargs).fit(module, ckpt_path=ckpt_path)
     return {"seen": module.seen, "weights": _weights(module), "loaded": loader.dataset.loaded}
@@ -181,12 +183,13 @@ def _ddp_worker(rank: int, world: int, root: str) -> dict[str, Any]:
     ckpt_gen = os.path.join(root, "gen.ckpt")
     out["generator"] = _fit(os.path.join(root, "g"), world, DataLoader(Indexed(), BATCH, sampler=seeded()),
                             callbacks=[SaveAt(SAVE_AT, ckpt_gen)])
-    out["generator_resumed"] = _fit(os.path.join(root, "gr"), world, DataLoader(Indexed(), BATCH, sampler=seeded()),
-                                    ckpt_path=ckpt_gen)
+    out["generator_resumed"] = _fit(os.path.join(root, "gr"), world,
+                                    DataLoader(Indexed(), BATCH, sampler=seeded()), ckpt_path=ckpt_gen)
     py = PyShuffle(N)
     out["python"] = _fit(os.path.join(root, "p"), world, DataLoader(Indexed(), BATCH, sampler=py))
     out["python_epochs"] = py.epochs
-    for name, sampler in (("buckets", Buckets(N - 3, 3)), ("buckets_drop", Buckets(N - 3, 3, drop_last=True))):
+    for name, sampler in (("buckets", Buckets(N - 3, 3)),
+                          ("buckets_drop", Buckets(N - 3, 3, drop_last=True))):
         out[name] = _fit(os.path.join(root, name), world, DataLoader(Indexed(), batch_sampler=sampler))
     val = DataLoader(Values(), batch_size=2, sampler=Reverse(len(VAL_VALUES)))
     metrics = _trainer(os.path.join(root, "v"), world).validate(Learner(val, val), dataloaders=val)
@@ -223,7 +226,8 @@ def test_global_rng_samplers_are_split_draw_by_draw(ranks: list[dict[str, Any]])
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_global_batch_equals_one_process_batch_of_size_b_times_n(ranks: list[dict[str, Any]], tmp_path: Any) -> None:
+def test_global_batch_equals_one_process_batch_of_size_b_times_n(ranks: list[dict[str, Any]],
+                                                                 tmp_path: Any) -> None:
     # One process reading the order two ranks read together ("always"), batch 2 x 3.
     single = _fit(str(tmp_path), 1, DataLoader(Indexed(), 2 * BATCH, sampler=weighted()),
                   use_distributed_sampler="always")
@@ -296,23 +300,27 @@ def test_ranks_draw_alike_whatever_their_global_rng_and_leave_it_untouched() -> 
         split.set_epoch(3)
         shares.append(list(split))
         assert torch.equal(torch.get_rng_state(), before)  # the draws leave no trace in the stream
-    assert [i for k in range(len(expected) // 3) for i in (shares[0][k], shares[1][k], shares[2][k])] == expected
+    assert [i for k in range(len(expected) // 3)
+            for i in (shares[0][k], shares[1][k], shares[2][k])] == expected
 
 
 def test_padding_and_evaluation_rules() -> None:
     user = list(range(7))  # any iterable with a length serves as a sampler
-    assert [list(SplitSampler(user, 3, r, 0, pad=True)) for r in range(3)] == [[0, 3, 6], [1, 4, 0], [2, 5, 1]]
+    assert ([list(SplitSampler(user, 3, r, 0, pad=True)) for r in range(3)]
+            == [[0, 3, 6], [1, 4, 0], [2, 5, 1]])
     assert [list(SplitSampler(user, 3, r, 0, pad=False)) for r in range(3)] == [[0, 3, 6], [1, 4], [2, 5]]
-    assert [list(SplitSampler(user, 3, r, 0, pad=True, drop_tail=True)) for r in range(3)] == [[0, 3], [1, 4], [2, 5]]
-    assert [len(SplitSampler(user, 3, r, 0, pad=p)) for p in (True, False) for r in range(3)] == [3, 3, 3, 3, 2, 2]
+    assert ([list(SplitSampler(user, 3, r, 0, pad=True, drop_tail=True)) for r in range(3)]
+            == [[0, 3], [1, 4], [2, 5]])
+    assert ([len(SplitSampler(user, 3, r, 0, pad=p)) for p in (True, False) for r in range(3)]
+            == [3, 3, 3, 3, 2, 2])
 
 
 def test_which_loaders_are_split() -> None:
     ds = Indexed()
     by_index = distribute_dataloader(DataLoader(ds, BATCH, sampler=weighted()), 2, 1, SEED, "train")
     assert isinstance(by_index.sampler, SplitSampler) and by_index.batch_size == BATCH
-    wrapped = distribute_dataloader(DataLoader(ds, batch_sampler=BatchSampler(weighted(), 4, True)), 2, 1, SEED,
-                                    "train")
+    wrapped = distribute_dataloader(DataLoader(ds, batch_sampler=BatchSampler(weighted(), 4, True)), 2, 1,
+                                    SEED, "train")
     assert isinstance(wrapped.sampler, SplitSampler) and (wrapped.batch_size, wrapped.drop_last) == (4, True)
     by_batch = distribute_dataloader(DataLoader(ds, batch_sampler=Buckets(N, 3)), 2, 0, SEED, "val")
     assert isinstance(by_batch.batch_sampler, SplitSampler) and not by_batch.batch_sampler.pad

@@ -26,7 +26,8 @@ CASES = [  # (vocab size, padding_idx, ids)
 DIM = 4
 
 
-def _reference(vocab: int, padding_idx: int | None, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+def _reference(vocab: int, padding_idx: int | None,
+               ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
     torch.manual_seed(0)
     emb = nn.Embedding(vocab, DIM, padding_idx=padding_idx)
     out = emb(ids)
@@ -103,9 +104,10 @@ def test_vocab_range_matches_torch_chunk_and_errors_are_clear() -> None:
     for vocab, world in [(10, 2), (11, 2), (7, 3), (3, 4)]:
         sizes = [len(c) for c in torch.arange(vocab).chunk(world)]
         sizes += [0] * (world - len(sizes))
-        assert [vocab_range(vocab, r, world)[1] - vocab_range(vocab, r, world)[0] for r in range(world)] == sizes
-    with pytest.raises(TypeError, match="VocabParallel\\(\\) applies to polytrain.layers.VocabParallelEmbedding, "
-                                        "not Embedding"):
+        assert [vocab_range(vocab, r, world)[1] - vocab_range(vocab, r, world)[0]
+                for r in range(world)] == sizes
+    with pytest.raises(TypeError, match="VocabParallel\\(\\) applies to "
+                                        "polytrain.layers.VocabParallelEmbedding, not Embedding"):
         VocabParallel()._apply(nn.Embedding(4, 2), None)
     with pytest.raises(ValueError, match=r"padding_idx=9 must be in \[0, 4\)"):
         VocabParallelEmbedding(4, 2, padding_idx=9)
