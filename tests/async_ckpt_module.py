@@ -3,7 +3,7 @@ processes they start): AdamW with a large learning rate, so every step changes e
 
 from __future__ import annotations
 
-import os
+import time
 from typing import Any
 
 import torch
@@ -14,8 +14,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from polytrain import Trainer, TrainModule
 from polytrain.callbacks.base import Callback
 from polytrain.callbacks.checkpoint import ModelCheckpoint
-from polytrain.checkpoint.async_writer import DELAY_ENV, FAIL_RANK_ENV, STAGE_DELAY_ENV
+from polytrain.checkpoint import async_writer
 from polytrain.checkpoint.state import full_optimizer_state
+from polytrain.core import collectives as C
+
+_FINISH_STAGING = async_writer.finish_staging  # the writer's own, which set_hooks wraps
 
 
 class Lin(TrainModule):
@@ -77,13 +80,19 @@ class LinManual(Lin):
 
 
 def set_hooks(delay: float = 0.0, fail_rank: int | None = None, stage_delay: float = 0.0) -> None:
-    """The writer's test hooks (set inside a worker: a forked worker has the fork server's environment).
-    ``delay``: before each background write; ``stage_delay``: before the background staging copy."""
-    os.environ[DELAY_ENV] = str(delay)
-    os.environ[STAGE_DELAY_ENV] = str(stage_delay)
-    os.environ.pop(FAIL_RANK_ENV, None)
-    if fail_rank is not None:
-        os.environ[FAIL_RANK_ENV] = str(fail_rank)
+    """Make the writer thread slow or failing, as a slow or full disk would (set inside a worker: each
+    process patches its own writer module). ``stage_delay``: seconds before the background staging copy;
+    ``delay``: seconds after it, before the write; ``fail_rank``: the global rank whose write then raises
+    ENOSPC."""
+
+    def slowed(deferred: Any) -> None:
+        time.sleep(stage_delay)
+        _FINISH_STAGING(deferred)
+        time.sleep(delay)
+        if fail_rank is not None and C.rank() == fail_rank:
+            raise OSError(28, "No space left on device (injected by the test)")
+
+    async_writer.finish_staging = slowed
 
 
 def trainer(root: str, strategy: str = "single", devices: int = 1, max_steps: int = 6,

@@ -1,8 +1,8 @@
 """Asynchronous checkpoints on one process (``polytrain.checkpoint.async_writer``): each guarantee of
 docs/reliability.md has a test here; the 2-rank ones are in test_async_checkpoints_distributed.py.
 
-The writer's test hook (``POLYTRAIN_TEST_ASYNC_CHECKPOINT_DELAY``) makes every background write sleep
-first, so training really goes on while a save is in flight."""
+``async_ckpt_module.set_hooks`` wraps the writer thread's staging step (``async_writer.finish_staging``)
+so that every background write sleeps first, so training really goes on while a save is in flight."""
 
 from __future__ import annotations
 

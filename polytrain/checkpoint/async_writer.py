@@ -27,12 +27,14 @@ could interleave with the training step's collectives in a different order on ea
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,11 +57,6 @@ from polytrain.core import lazy
 
 log = logging.getLogger("polytrain")
 
-# Test-only hooks (subprocess tests cannot monkeypatch): the background write first sleeps this many
-# seconds, and on the rank named by the second it raises, as a full disk would.
-DELAY_ENV = "POLYTRAIN_TEST_ASYNC_CHECKPOINT_DELAY"
-FAIL_RANK_ENV = "POLYTRAIN_TEST_ASYNC_CHECKPOINT_FAIL_RANK"
-STAGE_DELAY_ENV = "POLYTRAIN_TEST_ASYNC_CHECKPOINT_STAGE_DELAY"  # before the background staging copy
 Copies = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -143,10 +140,9 @@ def _tensors(obj: Any) -> Iterator[Any]:
         yield obj
 
 
-def _copy_deferred(deferred: Copies) -> None:
-    delay = float(os.environ.get(STAGE_DELAY_ENV, "0") or 0)
-    if delay > 0:
-        time.sleep(delay)
+def finish_staging(deferred: Copies) -> None:
+    """The part of staging left to the writer thread: copy what the next optimizer update changes into
+    the staging tensors. What it raises is this rank's write error (nothing is written then)."""
     with torch.no_grad():
         for out, live in deferred:
             out.copy_(live)
@@ -162,14 +158,6 @@ def _failing_planner(error: BaseException) -> Any:
     return FailingPlanner()
 
 
-def _test_hooks() -> None:
-    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
-    if delay > 0:
-        time.sleep(delay)
-    if os.environ.get(FAIL_RANK_ENV) == str(C.rank()):
-        raise OSError(28, f"No space left on device (injected by {FAIL_RANK_ENV})")
-
-
 class _Failed(Exception):
     """A background save whose failure is already described (possibly another rank's)."""
 
@@ -178,58 +166,91 @@ class _Failed(Exception):
         self.failure = failure
 
 
+class SaveState(enum.Enum):
+    """Where an asynchronous save stands on this rank."""
+
+    STAGING = "staging"  # the writer thread still copies what the next optimizer update changes
+    WRITING = "writing"
+    WRITTEN = "written"  # complete on disk; its after-write actions ran
+    FAILED = "failed"  # this rank's failure, or another rank's it knows of: raised at `finish`
+    ELSEWHERE = "elsewhere"  # a file save another rank (global rank 0) writes
+
+
+@dataclass
+class SaveInFlight:
+    """The one asynchronous save a writer has, from the save that starts it until ``finish`` (or
+    ``abandon``) ends it. It exists on every rank: ``finish`` then agrees on it (a collective)."""
+
+    path: str
+    thread: threading.Thread | None = None  # None: this rank writes nothing (a file save off rank 0)
+    staging: threading.Event | None = None  # set once the background staging copy is done
+    error: str | Failure | None = None
+    done: bool = False  # this rank's write finished without error (guarded by the writer's lock)
+    after: list[Callable[[], None]] = field(default_factory=list)  # run once written (after_write)
+
+    @property
+    def state(self) -> SaveState:
+        if self.error is not None:
+            return SaveState.FAILED
+        if self.thread is None:
+            return SaveState.ELSEWHERE
+        if self.done:
+            return SaveState.WRITTEN
+        return SaveState.STAGING if self.staging is not None and not self.staging.is_set() else SaveState.WRITING
+
+
 class AsyncCheckpointWriter:
-    """One background write at a time. ``save_file``/``save_sharded`` and ``finish`` are collectives:
-    every rank calls them in the same order."""
+    """One background write at a time (``SaveInFlight``). ``save_file``/``save_sharded`` and ``finish``
+    are collectives: every rank calls them in the same order."""
 
     def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._path: str | None = None
-        self._error: str | Failure | None = None  # this rank's failure, or another rank's it knows of
-        self._pending = False  # set on every rank by an async save: `finish` then agrees (a collective)
-        self._done = False  # this rank's write finished without error (guarded by _lock)
-        self._after: list[Callable[[], None]] = []
+        self._save: SaveInFlight | None = None
         self._lock = threading.Lock()
         self._group: Any = None
         self._buffers: list[torch.Tensor] = []  # the staged copy of the last file save, reused by the next
         self._shard_buffers: list[torch.Tensor] = []  # the same for sharded saves
         self._group_of: Any = None
-        self._staging: threading.Event | None = None  # set once the background staging copy is done
         # Per async save: seconds the next optimizer update waited for its background staging copy.
         self.staging_waits: list[float] = []
 
     def wait_staged(self) -> None:
         """Return once the last save's staged copy is complete. Called before every optimizer update (the
         tensors it changes may still be being copied); at once when nothing is being staged."""
-        event = self._staging
-        if event is None:
+        save = self._save
+        if save is None or save.staging is None:
             return
+        event = save.staging
         if not event.is_set():
             start = time.monotonic()
             event.wait()
             self.staging_waits[-1] += time.monotonic() - start
-        self._staging = None
+        save.staging = None
 
     def abandon(self, timeout: float = 300.0) -> None:
         """After an error: wait (up to ``timeout`` s) for this rank's write in flight to end, without the
         agreement ``finish`` makes (the other ranks may be gone), so a checkpoint being written when the
         fit failed is still completed (and pointed at) rather than cut off by the process exiting."""
-        thread = self._thread
+        save = self._save
+        if save is None:
+            return
+        thread = save.thread
         if thread is not None and thread.is_alive():
-            log.info("checkpoint: the fit failed; waiting up to %.0f s for the save of %s to finish", timeout, self._path)
+            log.info("checkpoint: the fit failed; waiting up to %.0f s for the save of %s to finish", timeout,
+                     save.path)
             thread.join(timeout)
-        self._staging = None
+        save.staging = None
         if thread is None or not thread.is_alive():
-            self._thread, self._error, self._pending = None, None, False
+            self._save = None
 
     # ------------------------------------------------------------------ waiting
     def finish(self, before: str | None = None) -> None:
         """Wait for the save in flight, then raise on every rank if it failed on any. Every rank calls it;
         without an async save since the last call it returns at once, with no collective. ``before``: the
         save that has to wait (a wait there means saves come faster than the disk writes them)."""
-        if not self._pending:
+        save = self._save
+        if save is None:
             return
-        thread = self._thread
+        thread = save.thread
         if thread is not None and thread.is_alive():
             start = time.monotonic()
             thread.join()
@@ -237,20 +258,20 @@ class AsyncCheckpointWriter:
             if before is not None and waited >= 0.05:  # a wait shorter than that is the thread's last moments
                 log.warning("checkpoint %s waited %.2f s for the asynchronous save of %s to finish writing: saves "
                             "come faster than the disk takes them; save less often to keep training unblocked",
-                            before, waited, self._path)
+                            before, waited, save.path)
             else:
-                log.info("checkpoint: waited %.2f s for the asynchronous save of %s to finish", waited, self._path)
-        error = self._error
-        self._thread, self._error, self._pending, self._staging = None, None, False, None
-        agree_on_error(error)
+                log.info("checkpoint: waited %.2f s for the asynchronous save of %s to finish", waited, save.path)
+        self._save = None
+        agree_on_error(save.error)
 
     def after_write(self, action: Callable[[], None]) -> None:
         """Run ``action`` (file operations only, no collectives) once the save in flight is complete on
         disk: in the writer thread, or now if it already is. Dropped if the save fails."""
         with self._lock:
-            if self._thread is not None and not self._done:
-                if self._error is None:
-                    self._after.append(action)
+            save = self._save
+            if save is not None and save.thread is not None and not save.done:
+                if save.error is None:
+                    save.after.append(action)
                 return
         action()
 
@@ -269,7 +290,8 @@ class AsyncCheckpointWriter:
                 atomic_save(staged, path)
 
             self._start(path, write, deferred, FILE, payload_bytes(staged))
-        self._pending = True
+        else:
+            self._save = SaveInFlight(path)  # rank 0 writes; this rank agrees on the outcome at `finish`
 
     def save_sharded(self, state: dict[str, Any], path: str,
                      updated_by: list[torch.optim.Optimizer] | None = None) -> None:
@@ -320,7 +342,6 @@ class AsyncCheckpointWriter:
                 raise _Failed(failure)
 
         self._start(path, write, deferred, SHARDED, None, cleanup=tmp if C.rank() == 0 else None)
-        self._pending = True
 
     def _save_group(self) -> Any:
         """A gloo group for DCP's collectives in the writer thread (made once per process group; a
@@ -334,36 +355,35 @@ class AsyncCheckpointWriter:
 
     def _start(self, path: str, write: Callable[[BaseException | None], None], deferred: Copies, kind: str,
                needed: int | None, cleanup: str | None = None) -> None:
-        """Run ``write`` in the writer thread after the deferred copies; it gets the error of those (or of
-        the test hooks) and must raise it, after any collective the other ranks' writes enter."""
-        self._path, self._error, self._done, self._after = path, None, False, []
+        """Run ``write`` in the writer thread after the deferred copies (``finish_staging``); it gets the
+        error of those and must raise it, after any collective the other ranks' writes enter."""
         staging = threading.Event()
-        self._staging = staging if deferred else None
+        save = SaveInFlight(path, staging=staging if deferred else None)
         self.staging_waits.append(0.0)
 
         def run() -> None:
             try:
                 local_error = None
                 try:
-                    if deferred:
-                        _copy_deferred(deferred)
-                    _test_hooks()
+                    finish_staging(deferred)
                 except BaseException as err:  # noqa: BLE001 - handed to write(), which raises it
                     local_error = err
                 finally:
                     staging.set()  # a failed copy is never written; the update need not wait for it
                 write(local_error)
                 with self._lock:
-                    self._done, actions = True, self._after
+                    save.done = True
+                    actions = save.after
                 for action in actions:
                     action()
             except BaseException as err:  # noqa: BLE001 - agreed on and raised by every rank in finish()
                 if isinstance(err, _Failed):
-                    self._error = err.failure
+                    save.error = err.failure
                 else:
-                    self._error = describe_write_failure(err, path, kind, needed)
+                    save.error = describe_write_failure(err, path, kind, needed)
                 if cleanup is not None and os.path.isdir(cleanup):
                     shutil.rmtree(cleanup, ignore_errors=True)
 
-        self._thread = threading.Thread(target=run, name="polytrain-checkpoint-writer", daemon=False)
-        self._thread.start()
+        save.thread = threading.Thread(target=run, name="polytrain-checkpoint-writer", daemon=False)
+        self._save = save
+        save.thread.start()
