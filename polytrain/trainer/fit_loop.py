@@ -98,13 +98,16 @@ class FitLoop:
     # ------------------------------------------------------------------ the fit
     def run(self, trainer: Trainer, ckpt_path: str | None) -> None:
         self.t, cfg, hooks, data = trainer, trainer.config, trainer.hooks, self.data
-        data.train_loader, data.requested_early = None, False  # this fit's (estimated_stepping_batches may ask)
+        # This fit's loader (estimated_stepping_batches may ask for it before the fit does).
+        data.train_loader, data.requested_early = None, False
         self._setup_optimization()
         self._restore(ckpt_path)
         self.goodput.begin(trainer, self.progress.global_step)
         hooks("on_fit_start")
-        sanity = (cfg.num_sanity_val_steps != 0 and not cfg.fast_dev_run and loader_source(trainer, "val") is not None
-                  and is_overridden(trainer.module, "validation_step", TrainModule) and not disabled(trainer, "val"))
+        sanity = (cfg.num_sanity_val_steps != 0 and not cfg.fast_dev_run
+                  and loader_source(trainer, "val") is not None
+                  and is_overridden(trainer.module, "validation_step", TrainModule)
+                  and not disabled(trainer, "val"))
         if sanity:
             self._sanity_check()
         if disabled(trainer, "train"):  # limit_train_batches=0: as Lightning, the fit is its sanity check
@@ -113,11 +116,11 @@ class FitLoop:
         if not data.requested_early:
             data.train_loader = self.request_train_loader()
         if data.train_loader is None:
-            raise ValueError(f"no training data: pass train_dataloaders to fit() or define train_dataloader() on "
-                             f"{type(trainer.module).__name__} (or its DataModule)")
+            raise ValueError(f"no training data: pass train_dataloaders to fit() or define "
+                             f"train_dataloader() on {type(trainer.module).__name__} (or its DataModule)")
         # Iterable-style data (``agreed``): ranks agree before each batch and end the epoch together.
-        data.num_training_batches, self.agreed = check_batches(trainer, data.train_loader, "train",
-                                                               batch_limit(trainer, "train", data.train_loader))
+        limit = batch_limit(trainer, "train", data.train_loader)
+        data.num_training_batches, self.agreed = check_batches(trainer, data.train_loader, "train", limit)
         # Training steps get a stream per data-parallel rank (tensor/pipeline peers of a replica share it),
         # and sharded regions (polytrain.layers.sharded_rng) one per global rank.
         strategy = trainer.strategy
@@ -125,7 +128,8 @@ class FitLoop:
         training_streams(cfg.seed, strategy.dp_rank, strategy.global_rank, lightning_seed)
         self.schedule = ValidationSchedule(cfg, data.num_training_batches)
         self._started, self._multi_rank = time.monotonic(), trainer.world_size > 1
-        self._loaded = {"train": self.progress.epoch, "val": self.progress.epoch}  # reload_dataloaders_every_...
+        # The epoch each loader was last requested in (reload_dataloaders_every_n_epochs).
+        self._loaded = {"train": self.progress.epoch, "val": self.progress.epoch}
         # As Lightning, a fit that starts past epoch 0 without a checkpoint (a second fit of this Trainer)
         # asks the loader for a new iterator when its first epoch starts: the one made here is dropped then.
         self._renew_first = self.progress.epoch > 0 and self.resumed.loop is None
@@ -135,8 +139,12 @@ class FitLoop:
         trainer.metrics.start_stage("train", EPOCH_ONLY)
         hooks("on_train_start")
         self.stopping.reset()
-        self._max_epochs = 1 if cfg.fast_dev_run else cfg.max_epochs if cfg.max_epochs is not None else \
-            (1000 if cfg.max_steps < 0 else 10**9)
+        if cfg.fast_dev_run:
+            self._max_epochs = 1
+        elif cfg.max_epochs is not None:
+            self._max_epochs = cfg.max_epochs
+        else:  # as Lightning: 1000 epochs unless max_steps bounds the fit
+            self._max_epochs = 1000 if cfg.max_steps < 0 else 10**9
         while not self._done():
             with self.goodput.phase("epoch"), trainer.profiler.phase("train epoch"):
                 self._run_epoch()
@@ -182,10 +190,11 @@ class FitLoop:
         if float8 is not None and float8["precompute_float8_dynamic_scale_for_fsdp"]:
             precompute_scales_after_each_step(module, optimizers)
         if not module.automatic_optimization and t.config.gradient_clip_val is not None:
-            raise ConfigError(f"trainer.gradient_clip_val={t.config.gradient_clip_val} does nothing under manual "
-                              f"optimisation ({type(module).__name__}.automatic_optimization is False): call "
-                              f"self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm=...) "
-                              f"in training_step before optimizer.step(), and drop the option")
+            raise ConfigError(f"trainer.gradient_clip_val={t.config.gradient_clip_val} does nothing under "
+                              f"manual optimisation ({type(module).__name__}.automatic_optimization is "
+                              f"False): call self.clip_gradients(optimizer, gradient_clip_val=..., "
+                              f"gradient_clip_algorithm=...) in training_step before optimizer.step(), and "
+                              f"drop the option")
         self.progress.start_fit(strategy.world_size, strategy.dp_size)
         self.guard = NonFiniteGuard(t.config.nan_policy, strategy, module, self.progress)
         phase = t.profiler.phase
@@ -193,8 +202,8 @@ class FitLoop:
             self.optimization = AutomaticOptimization(strategy, module, t.hooks, self.guard, t.config, phase)
         else:
             # Manual optimisation steps inside training_step: each step counts as it is taken.
-            self.optimization = ManualOptimization(strategy, t.hooks, self.guard, self.progress.count_optimizer_step,
-                                                   phase)
+            self.optimization = ManualOptimization(strategy, t.hooks, self.guard,
+                                                   self.progress.count_optimizer_step, phase)
 
     def _restore(self, ckpt_path: str | None) -> None:
         """Resume from the checkpoint settled with the run's directory (the same on every rank)."""
@@ -221,8 +230,8 @@ class FitLoop:
         cfg, p = self.t.config, self.progress
         reached = p.epoch >= (cfg.min_epochs or 0) and p.global_step >= (cfg.min_steps or 0)
         if not reached and self.stopping.first_wait_for_min():
-            log.info("trainer.should_stop was set but min_epochs=%s / min_steps=%s are not reached yet: training "
-                     "continues until they are", cfg.min_epochs, cfg.min_steps)
+            log.info("trainer.should_stop was set but min_epochs=%s / min_steps=%s are not reached yet: "
+                     "training continues until they are", cfg.min_epochs, cfg.min_steps)
         return reached
 
     def _agree_at_epoch_end(self) -> None:
@@ -252,7 +261,8 @@ class FitLoop:
             self.data.train_loader = self.request_train_loader()
         t.metrics.start_stage("train", EPOCH_ONLY)
         t.hooks("on_train_epoch_start")
-        iterator, start = first if first is not None else self._epoch_iterator()  # after the hook, as Lightning
+        # The epoch's iterator after the hook, as Lightning.
+        iterator, start = first if first is not None else self._epoch_iterator()
         if start and p.validation_due is None:  # a file from before the loop recorded it
             p.expect_validation(start == self.data.num_training_batches and self._end_due())
         if start and p.validation_due and start != self.data.num_training_batches:
@@ -278,7 +288,8 @@ class FitLoop:
         epoch ends at the shortest rank's stream (or the limit), and its last batch closes its window."""
         t, cfg, p, stopping, schedule = self.t, self.t.config, self.progress, self.stopping, self.schedule
         metrics, end_hooks = t.metrics, t.hooks.batch_plan("on_train_batch_end")
-        automatic, log_every, epoch, max_steps = t.module.automatic_optimization, cfg.log_every_n_steps, p.epoch, cfg.max_steps
+        automatic, log_every = t.module.automatic_optimization, cfg.log_every_n_steps
+        epoch, max_steps = p.epoch, cfg.max_steps
         self._start_epoch_steps(iterator)
         stop = self._stop
         has_val = self.data.val_loader is not None and self.data.num_val_batches != 0
@@ -304,8 +315,10 @@ class FitLoop:
                 metrics.start_stage("train", PER_STEP)
             if 0 <= max_steps <= p.global_step or stopping.out_of_time:
                 return last
-            if not last and (stopping.agreed if self._multi_rank else stopping.requested) and self._min_reached():
-                # As Lightning: the epoch ends here, validating first if this batch did not (and the epoch does).
+            stop_requested = stopping.agreed if self._multi_rank else stopping.requested
+            if not last and stop_requested and self._min_reached():
+                # As Lightning: the epoch ends here, validating first if this batch did not (and the epoch
+                # does).
                 p.expect_validation(not validated and has_val and schedule.epoch_validates(epoch))
                 return True
         return True
@@ -389,10 +402,10 @@ class FitLoop:
 
     def _after_optimizer_step(self, last_batch: bool) -> None:
         t, p = self.t, self.progress
-        step_schedulers(t.lr_scheduler_configs, "step", p.global_step, t.callback_metrics, self._scheduler_step)
+        configs, metrics = t.lr_scheduler_configs, t.callback_metrics
+        step_schedulers(configs, "step", p.global_step, metrics, self._scheduler_step)
         if last_batch:  # Lightning's order: epoch schedulers after the epoch's last update
-            step_schedulers(t.lr_scheduler_configs, "epoch", p.epoch + 1, t.callback_metrics, self._scheduler_step,
-                            plateau=False)
+            step_schedulers(configs, "epoch", p.epoch + 1, metrics, self._scheduler_step, plateau=False)
 
     def _scheduler_step(self, scheduler: Any, metric: Any) -> None:
         with self.t.metrics.refusing("lr_scheduler_step"):
@@ -464,8 +477,8 @@ class FitLoop:
 
             t.hooks.epoch_end("on_train_epoch_end", reduced_and_published)
         if complete:
-            step_schedulers(t.lr_scheduler_configs, "epoch", p.epoch + 1, t.callback_metrics, self._scheduler_step,
-                            plateau=True)
+            step_schedulers(t.lr_scheduler_configs, "epoch", p.epoch + 1, t.callback_metrics,
+                            self._scheduler_step, plateau=True)
             # A mid-epoch stop (max_steps) keeps its position, so a checkpoint taken at fit end
             # resumes from the next batch instead of skipping the rest of the epoch.
             p.finish_epoch()

@@ -58,7 +58,8 @@ class StepOptimizer:
     precision (unscaling, skipped overflow steps), hooks, step counting. It is also an instance of the
     wrapped optimizer's class and shares its state; ``.optimizer`` is the raw one."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, step: Callable[[torch.optim.Optimizer, Any], Any]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 step: Callable[[torch.optim.Optimizer, Any], Any]) -> None:
         self.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in ("step", "__del__")})
         self._optimizer = optimizer
         self._step = step
@@ -85,8 +86,8 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, step: Callable[[torch.optim
     return wrapped
 
 
-def clip_gradients(strategy: Any, guard: NonFiniteGuard | None, optimizer: torch.optim.Optimizer, value: float,
-                   algorithm: str) -> None:
+def clip_gradients(strategy: Any, guard: NonFiniteGuard | None, optimizer: torch.optim.Optimizer,
+                   value: float, algorithm: str) -> None:
     """Clip ``optimizer``'s gradients, unscaled first; a non-finite norm is the guard's to judge (under
     ``nan_policy: skip`` it vetoes the step)."""
     if algorithm not in ("norm", "value"):
@@ -114,8 +115,8 @@ class Closure:
         # The loop's heartbeat already marked this batch "training_step"; the strategy marks "backward".
         runner = self.runner
         with runner.forward_backward_phase:
-            result = self.result = runner.strategy.forward_backward(self.batch, self.batch_idx, runner.accumulate,
-                                                                    self.zero_grad)
+            result = self.result = runner.strategy.forward_backward(self.batch, self.batch_idx,
+                                                                    runner.accumulate, self.zero_grad)
         self.ran = True
         runner.guard.observe(result.loss, runner.end_of_window)
         return result.loss
@@ -160,8 +161,9 @@ class AutomaticOptimization:
         around zero_grad or the step, no clipping, no skip vote, no scaler, a strategy that adds nothing
         to the step. Lightning's order needs no closure then, and the batch runs as a hand loop does."""
         return (len(self.optimizers) == 1 and self.accumulate == 1 and self.strategy.steps_plainly
-                and self.optimizer_step_hook is None and self.zero_grad_hook is None and self.clip_hook is None
-                and self.clip_val is None and not self.before_zero_grad and not self.before_optimizer_step
+                and self.optimizer_step_hook is None and self.zero_grad_hook is None
+                and self.clip_hook is None and self.clip_val is None
+                and not self.before_zero_grad and not self.before_optimizer_step
                 and not self.votes_on_skip and self.update_scaler is None)
 
     def release_gradients(self) -> None:
@@ -197,14 +199,15 @@ class AutomaticOptimization:
                 self.optimizer_step_hook(epoch, batch_idx, wrapped, step_closure)
                 if not closure.ran:
                     raise RuntimeError(
-                        f"{type(self.module).__name__}.optimizer_step did not run the closure it was given: call "
-                        f"optimizer.step(closure=optimizer_closure) (or optimizer_closure()) in it, or training_step "
-                        f"and backward never happen")
+                        f"{type(self.module).__name__}.optimizer_step did not run the closure it was given: "
+                        f"call optimizer.step(closure=optimizer_closure) (or optimizer_closure()) in it, or "
+                        f"training_step and backward never happen")
         if self.update_scaler is not None:
             self.update_scaler()
         return closure.result, not self.guard.skip_step
 
-    def _step_optimizer(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    def _step_optimizer(self, optimizer: torch.optim.Optimizer,
+                        closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer's step through the strategy (precision, the after-closure hooks and clipping)."""
         with self.update_phase:
             return self.strategy.optimizer_step(optimizer, closure or _no_closure, self._after[id(optimizer)])
@@ -225,7 +228,8 @@ class AutomaticOptimization:
         for fn in self.before_optimizer_step:
             fn(optimizer)
         if self.clip_hook is not None:
-            self.clip_hook(optimizer, gradient_clip_val=self.clip_val, gradient_clip_algorithm=self.clip_algorithm)
+            self.clip_hook(optimizer, gradient_clip_val=self.clip_val,
+                           gradient_clip_algorithm=self.clip_algorithm)
         elif self.clip_val is not None:
             clip_gradients(self.strategy, self.guard, optimizer, self.clip_val, self.clip_algorithm or "norm")
         if self.votes_on_skip and optimizer is self.optimizers[0]:
@@ -271,7 +275,8 @@ class ManualOptimization:
         self.guard.observe(loss.detach() if isinstance(loss, torch.Tensor) else None, end_of_window=True)
         return output, False  # steps were counted as the module took them
 
-    def _step_optimizer(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    def _step_optimizer(self, optimizer: torch.optim.Optimizer,
+                        closure: Callable[[], Any] | None = None) -> Any:
         with self.update_phase:
             result = self.strategy.optimizer_step(optimizer, closure or _no_closure,
                                                   functools.partial(self._before_update, optimizer))
