@@ -45,7 +45,8 @@ class Strategy(CollectiveVerbs, ABC):
 
     name: ClassVar[str]
     Options: ClassVar[type]
-    aliases: ClassVar[dict[str, dict[str, Any]]] = {}  # other names for this strategy with options (Lightning's)
+    # other names for this strategy with options (Lightning's)
+    aliases: ClassVar[dict[str, dict[str, Any]]] = {}
 
     def __init__(self, options: Any, *, accelerator: str, devices: int, num_nodes: int,
                  precision: Precision, timeout: float, env: ClusterEnvironment,
@@ -71,7 +72,8 @@ class Strategy(CollectiveVerbs, ABC):
         # Fixed per stage by bind_hooks: what runs on every step (nothing for a hook no one overrides).
         self._before_backward: list[Callable[..., Any]] = []
         self._after_backward: list[Callable[..., Any]] = []
-        self._module_backward: Callable[..., None] | None = None  # the module's own backward, if it overrides it
+        # the module's own backward, if it overrides it
+        self._module_backward: Callable[..., None] | None = None
         self._training_step_fn: Callable[[Any, int], Any] | None = None
         self._phase: Callable[[str], contextlib.AbstractContextManager] = _no_phase
         self._mark_position: Callable[[str], None] | None = None
@@ -206,7 +208,8 @@ class Strategy(CollectiveVerbs, ABC):
         self.optimizers = list(optimizers)
         return self.optimizers
 
-    def process_dataloader(self, loader: DataLoader, stage: str, seed: int, use_sampler: bool | str) -> DataLoader:
+    def process_dataloader(self, loader: DataLoader, stage: str, seed: int,
+                           use_sampler: bool | str) -> DataLoader:
         # On CUDA a rebuilt loader pins its batches (unless the user chose), so batch_to_device copies async.
         return distribute_dataloader(loader, self.dp_size, self.dp_rank, seed, stage, use_sampler,
                                      pin_memory=self.root_device.type == "cuda")
@@ -244,7 +247,8 @@ class Strategy(CollectiveVerbs, ABC):
         # The router must run when it wraps or carries hooks (tensor parallel swaps replicated DTensor
         # parameters for local views around the step in the router's hooks).
         routed = type(model) is not StepRouter or bool(model._forward_pre_hooks or model._forward_hooks)
-        step = functools.partial(model, "training_step") if routed else user_step(self.module, "training_step")
+        step = (functools.partial(model, "training_step") if routed
+                else user_step(self.module, "training_step"))
         if self.precision.autocast_dtype is None:
             return step
         context = self.precision.forward_context
@@ -324,7 +328,8 @@ class Strategy(CollectiveVerbs, ABC):
         """What a wrapper needs before each of several backward passes of one step (DDP's reducer)."""
         return None
 
-    def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> torch.Tensor | None:
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float,
+                       algorithm: str) -> torch.Tensor | None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if algorithm == "value":
             torch.nn.utils.clip_grad_value_(params, value)
@@ -372,7 +377,8 @@ class Strategy(CollectiveVerbs, ABC):
         parts = self.state_parts()
         if not self.checkpoint_io.replicated:
             return live_state(parts)
-        model = module_state if module_state is not None and not self.gathers_state else self.module_state_dict()
+        model = (module_state if module_state is not None and not self.gathers_state
+                 else self.module_state_dict())
         return {"model": model, "optimizer": full_optimizer_state(parts)}
 
     def save_checkpoint(self, payload: dict[str, Any], path: str, async_save: bool = False) -> None:
@@ -382,7 +388,8 @@ class Strategy(CollectiveVerbs, ABC):
         state = {k: v for k, v in payload.items() if k != "state_dict"}
         state.update(self.checkpoint_state(payload.get("state_dict")))
         if async_save:  # what the optimizers update may be copied in the background, until their next step
-            self.checkpoint_io.async_save(state, path, [opt for _, opts in self.state_parts() for opt in opts])
+            self.checkpoint_io.async_save(state, path,
+                                          [opt for _, opts in self.state_parts() for opt in opts])
         else:
             self.checkpoint_io.save(state, path)
 
@@ -391,7 +398,8 @@ class Strategy(CollectiveVerbs, ABC):
         return the rest of the payload. Every rank calls it."""
         parts = [(module, [] if weights_only else optimizers) for module, optimizers in self.state_parts()]
         states = [part_state(module, optimizers) for module, optimizers in parts]  # the live state, once
-        loaded = self.checkpoint_io.load(path, into=None if self.checkpoint_io.replicated else live_state(parts, states))
+        loaded = self.checkpoint_io.load(
+            path, into=None if self.checkpoint_io.replicated else live_state(parts, states))
         apply_loaded(parts, loaded, path, states)
         return loaded.payload
 

@@ -116,7 +116,8 @@ class ParallelStrategy(Strategy):
         if layout.cp != 1:
             check_context_parallel(layout.cp, device_type)
         # The rest is known with the world size.
-        check_pipeline_with_sharding(layout.pp, layout.data_parallel == "fsdp" or layout.dp_shard > 1 or layout.cp > 1,
+        check_pipeline_with_sharding(layout.pp,
+                                     layout.data_parallel == "fsdp" or layout.dp_shard > 1 or layout.cp > 1,
                                      layout.pipeline.schedule)
 
     def default_checkpoint_io(self) -> CheckpointIO:
@@ -179,7 +180,8 @@ class ParallelStrategy(Strategy):
         if self.world_size > 1:
             self.join_process_group()
         if dims.pp > 1:
-            self.executor = PipelineRunner(self, layout.pipeline, dims, averages_grads=self.backend.name == "all_reduce",
+            self.executor = PipelineRunner(self, layout.pipeline, dims,
+                                           averages_grads=self.backend.name == "all_reduce",
                                            padding=self.backend.padding)
 
     def forward_backward(self, batch: Any, batch_idx: int, accumulate: int = 1,
@@ -225,7 +227,8 @@ class ParallelStrategy(Strategy):
             module = convert_sync_batchnorm(module, self.dp_group if backend.shards else None)
         on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
         if backend.broadcasts_weights and self.world_size > 1:
-            broadcast_module(module, self.collective_device)  # as DDP: every rank starts from rank 0's weights
+            # as DDP: every rank starts from rank 0's weights
+            broadcast_module(module, self.collective_device)
         # A pipeline keeps this rank's stages only (blocks to checkpoint chosen on the whole model first).
         plan, chosen = self.executor.cut_model(module, plan, self.is_global_zero)
         if not on_meta:
@@ -266,7 +269,8 @@ class ParallelStrategy(Strategy):
 
     def _bind_training_step(self) -> Callable[[Any, int], Any]:
         step = self.backend.checked_step(super()._bind_training_step(), self.model)
-        return step if self.dims.cp <= 1 else context_parallel_training_step(step, self.dims.get_mesh("cp"), self.module)
+        return (step if self.dims.cp <= 1
+                else context_parallel_training_step(step, self.dims.get_mesh("cp"), self.module))
 
     def prepare_manual_backward(self, loss: torch.Tensor) -> None:
         self.backend.prepare_manual_backward(self.model, loss)
@@ -280,7 +284,8 @@ class ParallelStrategy(Strategy):
     def no_backward_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         return self.executor.no_sync() if enabled else contextlib.nullcontext()
 
-    def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> torch.Tensor | None:
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float,
+                       algorithm: str) -> torch.Tensor | None:
         clip_norm = self.executor.clip_norm
         if algorithm == "value" or clip_norm is None:
             return super().clip_gradients(optimizer, value, algorithm)  # elementwise: shards are fine
@@ -288,11 +293,13 @@ class ParallelStrategy(Strategy):
 
     @property
     def steps_plainly(self) -> bool:
-        return not self.tensor_parallel and self.precision.steps_plainly  # tensor parallel adds to the step (below)
+        # tensor parallel adds to the step (below)
+        return not self.tensor_parallel and self.precision.steps_plainly
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,
                        after_closure: Callable[[], None] | None) -> Any:
-        if self.tensor_parallel:  # Partial gradients (sequence parallel) summed once, before the hooks and clipping
+        if self.tensor_parallel:
+            # Partial gradients (sequence parallel) summed once, before the hooks and clipping
             after_closure = tp_fn.partial_grads_reduced_first(optimizer, after_closure)
         return self.precision.optimizer_step(optimizer, closure, after_closure)
 

@@ -72,13 +72,15 @@ class _StandIn(nn.Module):
         self.calls += 1
         if self.output is None:
             if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
-                raise TypeError(f"self.{self.seq_name} must be called with one tensor under pipeline parallelism "
-                                f"(it flows between stages); got {len(args)} argument(s) and {sorted(kwargs)}")
+                raise TypeError(f"self.{self.seq_name} must be called with one tensor under pipeline "
+                                f"parallelism (it flows between stages); got {len(args)} argument(s) and "
+                                f"{sorted(kwargs)}")
             self.input = args[0]
             raise _Captured
         if self.calls > 1:
             raise RuntimeError(f"the step called self.{self.seq_name} {self.calls} times; under pipeline "
-                               f"parallelism the Sequential runs once per batch (per micro-batch in training)")
+                               f"parallelism the Sequential runs once per batch "
+                               f"(per micro-batch in training)")
         return self.output
 
 
@@ -118,9 +120,10 @@ def _signature(batch: Any) -> tuple:
 
 def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if not (isinstance(batch, (list, tuple)) and len(batch) == 2):
-        kind = f"{type(batch).__name__} of {len(batch)}" if isinstance(batch, (list, tuple)) else type(batch).__name__
-        raise TypeError(f"the pipeline strategy needs batches of (inputs, targets); got a {kind}. Return pairs "
-                        f"from the dataset/collate_fn")
+        kind = (f"{type(batch).__name__} of {len(batch)}" if isinstance(batch, (list, tuple))
+                else type(batch).__name__)
+        raise TypeError(f"the pipeline strategy needs batches of (inputs, targets); got a {kind}. Return "
+                        f"pairs from the dataset/collate_fn")
     return batch[0], batch[1]
 
 
@@ -175,8 +178,9 @@ class PipelineRunner:
             self._check_path_cut(module, points)
             return
         if self.settings.step == "pipeline_loss" and not callable(getattr(module, "pipeline_loss", None)):
-            raise ConfigError(f"{type(module).__name__} needs pipeline_loss(self, outputs, targets) -> Tensor for "
-                              f"the pipeline strategy: the loss of the Sequential's outputs, run on the last stage")
+            raise ConfigError(f"{type(module).__name__} needs pipeline_loss(self, outputs, targets) -> "
+                              f"Tensor for the pipeline strategy: the loss of the Sequential's outputs, run "
+                              f"on the last stage")
         self.seq_name, seq = S.find_sequential(module, self.settings.sequential)
         S.check_params_inside(module, self.seq_name)
 
@@ -216,8 +220,8 @@ class PipelineRunner:
         children = S.stage_children(seq, points)
         S.check_no_shared_across_ranks(self.seq_name, seq, children, self.owner)
         if is_global_zero:
-            log.info("pipeline %s over pp=%d x dp=%d: %s", self.settings.schedule, self.dims.pp, self.dims.dp_size,
-                     S.describe(self.seq_name, children, costs))
+            log.info("pipeline %s over pp=%d x dp=%d: %s", self.settings.schedule, self.dims.pp,
+                     self.dims.dp_size, S.describe(self.seq_name, children, costs))
         S.prune(seq, {n for s in self.local_stages for n in children[s]})
         self.stage_modules = {s: S.stage_module(seq, children[s]) for s in self.local_stages}
         return list(self.stage_modules.values())
@@ -264,10 +268,12 @@ class PipelineRunner:
             # scale_grads=False: the loss is scaled instead, so gradients accumulated over several
             # trainer micro-batches are not divided again.
             return schedule_class(name)(stages if SCHEDULES[name][1] else stages[0],
-                                        n_microbatches=self.n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
+                                        n_microbatches=self.n_microbatches, loss_fn=self._loss_fn,
+                                        scale_grads=False)
         except ValueError as err:
             raise ConfigError(f"pipeline schedule={name!r} with n_microbatches={self.n_microbatches}, pp="
-                              f"{self.dims.pp}, stages_per_rank={self.settings.stages_per_rank}: {err}") from None
+                              f"{self.dims.pp}, stages_per_rank={self.settings.stages_per_rank}: "
+                              f"{err}") from None
 
     # ------------------------------------------------------------------ data
     def check_batch_size(self, batch_size: int, where: str) -> None:
@@ -276,8 +282,8 @@ class PipelineRunner:
             fits = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
             raise ValueError(
                 f"n_microbatches={m} does not divide the per-rank batch size {batch_size} ({where}; global "
-                f"batch = {batch_size} x dp={self.dims.dp_size}). Choose n_microbatches in {fits} or a batch size "
-                f"divisible by {m}"
+                f"batch = {batch_size} x dp={self.dims.dp_size}). Choose n_microbatches in {fits} or a batch "
+                f"size divisible by {m}"
             )
 
     def check_train_loader(self, loader: Any) -> None:
@@ -288,8 +294,8 @@ class PipelineRunner:
         with contextlib.suppress(TypeError):
             tail = len(loader.sampler) % loader.batch_size
             if tail and not loader.drop_last:
-                self.check_batch_size(tail, f"the last batch of each epoch holds {tail} of {len(loader.sampler)} "
-                                            f"samples; or set drop_last=True")
+                self.check_batch_size(tail, f"the last batch of each epoch holds {tail} of "
+                                            f"{len(loader.sampler)} samples; or set drop_last=True")
 
     # ------------------------------------------------------------------ step
     def check_manual_optimisation(self) -> None:
@@ -317,8 +323,8 @@ class PipelineRunner:
             size, key = _leading_size(batch), _signature(batch)
             inputs = self._stage_input("training_step", batch, batch_idx) if 0 in self.local_stages else None
             if inputs is not None and inputs.shape[0] != size:
-                raise ValueError(f"self.{self.seq_name} was called on {inputs.shape[0]} rows of a batch of {size}; "
-                                 f"under pipeline parallelism its input must hold one row per sample")
+                raise ValueError(f"self.{self.seq_name} was called on {inputs.shape[0]} rows of a batch of "
+                                 f"{size}; under pipeline parallelism its input must hold one row per sample")
             targets = torch.arange(size)  # the last stage's loss finds its micro-batch's rows by index
         else:
             inputs, targets = split_batch(batch)
@@ -366,8 +372,8 @@ class PipelineRunner:
             output = user_step(self.module, "training_step")(micro, self._batch_idx)
         loss = extract_loss(output)
         if loss is None:
-            raise RuntimeError("training_step returned None under pipeline parallelism: every micro-batch of a "
-                               "batch must give a loss (all stages run the batch's schedule together)")
+            raise RuntimeError("training_step returned None under pipeline parallelism: every micro-batch of "
+                               "a batch must give a loss (all stages run the batch's schedule together)")
         return loss * self._loss_factor
 
     def _stage_input(self, step: str, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -380,8 +386,9 @@ class PipelineRunner:
             with contextlib.suppress(_Captured), self.strategy.precision.forward_context():
                 user_step(self.module, step)(batch, batch_idx)
         if stand_in.input is None:
-            raise RuntimeError(f"{type(self.module).__name__}.{step} returned without calling self.{self.seq_name}: "
-                               f"under pipeline parallelism the first stage needs the Sequential's input")
+            raise RuntimeError(f"{type(self.module).__name__}.{step} returned without calling "
+                               f"self.{self.seq_name}: under pipeline parallelism the first stage needs the "
+                               f"Sequential's input")
         return stand_in.input
 
     def _run_stage(self, index: int, x: torch.Tensor, probing: bool) -> torch.Tensor:
@@ -456,7 +463,8 @@ class PipelineRunner:
     def _sequential_as(self, stand_in: Any) -> Iterator[None]:
         modules = self.module._modules
         seq = modules[self.seq_name]
-        modules[self.seq_name] = stand_in if isinstance(stand_in, nn.Module) else _StandIn(stand_in, self.seq_name)
+        modules[self.seq_name] = (stand_in if isinstance(stand_in, nn.Module)
+                                  else _StandIn(stand_in, self.seq_name))
         try:
             yield
         finally:
@@ -477,10 +485,10 @@ class PipelineRunner:
         if any(other != stages[0] for other in stages):
             listed = "; ".join(f"stage rank {r}: [{', '.join(opts)}]" for r, opts in enumerate(stages))
             raise ConfigError(
-                f"gradient clipping by norm under pipeline parallelism reduces optimizer k's norm over the stages, "
-                f"so configure_optimizers must return the same optimizers in the same order on every stage; got "
-                f"{listed}. Keep an optimizer whose parameters a stage does not hold as an empty group, e.g. "
-                f"torch.optim.SGD([{{'params': []}}], lr=...), or clip by value")
+                f"gradient clipping by norm under pipeline parallelism reduces optimizer k's norm over the "
+                f"stages, so configure_optimizers must return the same optimizers in the same order on every "
+                f"stage; got {listed}. Keep an optimizer whose parameters a stage does not hold as an empty "
+                f"group, e.g. torch.optim.SGD([{{'params': []}}], lr=...), or clip by value")
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Gradients stay local: averaging and tied sums wait for the step's last micro-batch (with FSDP in

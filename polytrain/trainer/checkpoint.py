@@ -125,8 +125,9 @@ def rank_rng(trainer: Trainer, payload: dict[str, Any]) -> dict[str, Any] | None
     if len(rng) == world:
         return rng[trainer.strategy.global_rank]
     if rng:
-        log.warning("checkpoint was written by %d ranks and this job has %d: RNG streams restart from the seed, so "
-                    "random ops (dropout, augmentation) will differ from the original run", len(rng), world)
+        log.warning("checkpoint was written by %d ranks and this job has %d: RNG streams restart from the "
+                    "seed, so random ops (dropout, augmentation) will differ from the original run",
+                    len(rng), world)
     return None
 
 

@@ -68,7 +68,8 @@ def run_root(trainer: Trainer) -> tuple[str, int | str | None]:
     return trainer.config.run_dir, trainer.config.version
 
 
-def settle_run_directory(trainer: Trainer, stage: str, ckpt_path: str | None, previous: RunDirectory | None) -> RunDirectory:
+def settle_run_directory(trainer: Trainer, stage: str, ckpt_path: str | None,
+                         previous: RunDirectory | None) -> RunDirectory:
     """Every rank calls this when a stage starts (it holds one broadcast and, when the run writes, an
     agreement on whether its directory could be created)."""
     strategy = trainer.strategy
@@ -117,9 +118,10 @@ def _decide(trainer: Trainer, stage: str, ckpt_path: str | None, previous: RunDi
         existing = holds_files(path)
         if stage == "fit" and choice is None and existing:  # resume: auto/last into it continues it
             raise ConfigError(
-                f"version {version!r}: {path} already holds a run ({', '.join(existing)}); a fresh fit there would "
-                f"write over its files. Continue that run with resume=last (ckpt_path='last'), pick another "
-                f"version (the next free one is version_{next_version(root)}), or leave the version unset")
+                f"version {version!r}: {path} already holds a run ({', '.join(existing)}); a fresh fit there "
+                f"would write over its files. Continue that run with resume=last (ckpt_path='last'), pick "
+                f"another version (the next free one is version_{next_version(root)}), or leave the version "
+                f"unset")
     else:  # a new run: a fit is a version_<n>; an evaluation of a new Trainer a <stage>_<n>, told apart
         kind = "version" if stage == "fit" else stage
         path = os.path.join(root, version_name(_new_version(trainer, root, writes, kind)))
