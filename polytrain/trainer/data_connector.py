@@ -75,8 +75,9 @@ def request_loader(trainer: Trainer, stage: str, resumed_dp: int | None = None) 
             raise ConfigError(f"{name}() returned {len(loader)} DataLoaders; polytrain runs one per stage: "
                               f"concatenate the datasets or evaluate them in separate calls")
         loader = loader[0]
-    if trainer.config.overfit_batches and isinstance(loader, DataLoader) and stage == "train" \
-            and not isinstance(loader.dataset, IterableDataset) and not isinstance(loader.sampler, SequentialSampler):
+    if (trainer.config.overfit_batches and isinstance(loader, DataLoader) and stage == "train"
+            and not isinstance(loader.dataset, IterableDataset)
+            and not isinstance(loader.sampler, SequentialSampler)):
         warnings.warn("overfit_batches: the training DataLoader is read in order (shuffling off), the same "
                       "batches every epoch", stacklevel=2)
         loader = DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=False,
@@ -115,16 +116,16 @@ def batch_limit(trainer: Trainer, stage: str, loader: Any) -> int | None:
         return length
     if isinstance(limit, float) and limit <= 1.0:  # a fraction of the epoch (1.0: all of it)
         if length is None:
-            raise ConfigError(f"trainer.{LIMIT_OPTION[stage]}={limit} is a fraction, but the {stage} loader has no "
-                              f"length (an IterableDataset?); give a number of batches")
+            raise ConfigError(f"trainer.{LIMIT_OPTION[stage]}={limit} is a fraction, but the {stage} loader "
+                              f"has no length (an IterableDataset?); give a number of batches")
         count = int(length * limit)
         if count == 0 and limit > 0:
-            raise ConfigError(f"trainer.{LIMIT_OPTION[stage]}={limit} x {length} {stage} batches = 0 batches; "
-                              f"use at least {1 / length:.4g} or a number of batches")
+            raise ConfigError(f"trainer.{LIMIT_OPTION[stage]}={limit} x {length} {stage} batches = 0 "
+                              f"batches; use at least {1 / length:.4g} or a number of batches")
         return count
     if isinstance(limit, float) and not limit.is_integer():
-        raise ConfigError(f"trainer.{LIMIT_OPTION[stage]}={limit}: give a fraction in [0, 1] or a whole number "
-                          f"of batches")
+        raise ConfigError(f"trainer.{LIMIT_OPTION[stage]}={limit}: give a fraction in [0, 1] or a whole "
+                          f"number of batches")
     return int(limit) if length is None else min(length, int(limit))
 
 
@@ -207,7 +208,8 @@ class AgreedBatches:
         return batch, self._next is NO_BATCH
 
 
-def agreed_batches(iterator: Iterator[Any], any_missing: Callable[[bool], bool], loader: Any) -> AgreedBatches:
+def agreed_batches(iterator: Iterator[Any], any_missing: Callable[[bool], bool],
+                   loader: Any) -> AgreedBatches:
     """``AgreedBatches`` over ``loader``'s iterator, snapshotting its data state when it keeps one."""
     found = state_source(loader)
     return AgreedBatches(iterator, any_missing, found[0].state_dict if found is not None else None)

@@ -7,10 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from polytrain.trainer import checkpoint as ckpt
 from polytrain.trainer import lifecycle
 from polytrain.trainer.data_connector import batch_limit, request_loader
 from polytrain.trainer.evaluation import run_eval_pass
+from polytrain.trainer.resume import agree_on_checkpoint, restore_weights
+from polytrain.trainer.run_directory import resolve_path
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
@@ -23,7 +24,8 @@ def run_stage(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: 
     """The stage's loop, after ``Trainer`` set it up (``lifecycle.begin``), then its tear-down."""
     trainer.metrics.reset()
     if stage == "fit":
-        with torch.autograd.set_detect_anomaly(trainer.config.detect_anomaly):  # as Lightning: the fit loop only
+        with torch.autograd.set_detect_anomaly(trainer.config.detect_anomaly):  # as Lightning:
+            # the fit loop only
             trainer.profiler.start()
             try:
                 with trainer.strategy.checkpoint_io.updates_wait_for_staging():
@@ -58,16 +60,21 @@ def _evaluate(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: 
     loader_stage = _LOADER_STAGE[stage]
     best = getattr(trainer.checkpoint_callback, "best_model_path", None)
     if ckpt_path is None and not model_given and best:
-        warnings.warn(f"trainer.{stage}() without a model after fit evaluates the best checkpoint ({best}), as "
-                      f"Lightning does; pass the model (current weights) or ckpt_path to choose", stacklevel=4)
+        warnings.warn(f"trainer.{stage}() without a model after fit evaluates the best checkpoint "
+                      f"({best}), as Lightning does; pass the model (current weights) or ckpt_path to choose",
+                      stacklevel=4)
         ckpt_path = "best"
     if ckpt_path is not None:
-        ckpt.load_weights(trainer, ckpt_path)
+        path = agree_on_checkpoint(trainer.strategy,
+                                   lambda: resolve_path(trainer, ckpt_path, stage=trainer.stage),
+                                   ckpt_path, trainer.run_dir)
+        restore_weights(path, trainer.strategy, trainer.hooks)
     with torch.no_grad():  # as Lightning: the loader is asked for inside the (gradient-free) evaluation
         loader = request_loader(trainer, loader_stage)
     if loader is None:
-        raise ValueError(f"no {loader_stage} data: pass dataloaders to {stage}() or define {loader_stage}_dataloader() "
-                         f"on {type(trainer.module).__name__} (or its DataModule)")
+        raise ValueError(f"no {loader_stage} data: pass dataloaders to {stage}() or define "
+                         f"{loader_stage}_dataloader() on {type(trainer.module).__name__} "
+                         f"(or its DataModule)")
     limit = batch_limit(trainer, loader_stage, loader)
     if loader_stage == "val":  # trainer.val_dataloaders / num_val_batches show the standalone validation's
         trainer.fit_loop.data.use_val(loader, limit)

@@ -24,9 +24,7 @@ import torch
 from polytrain.core import heartbeat
 from polytrain.core.errors import ConfigError, EmptyDataError
 from polytrain.core.rng import isolate_rng, training_streams, user_seed
-from polytrain.data.stateful import select_rank_state
 from polytrain.parallel.float8 import precompute_scales_after_each_step, resolve_float8
-from polytrain.trainer import checkpoint as ckpt
 from polytrain.trainer.data_connector import (
     NO_BATCH,
     agreed_batches,
@@ -45,6 +43,7 @@ from polytrain.trainer.module import TrainModule
 from polytrain.trainer.optimization import AutomaticOptimization, ManualOptimization
 from polytrain.trainer.optimizer_config import parse_optimizers, step_schedulers
 from polytrain.trainer.progress import EpochData, FitProgress, Resumed, Stopping
+from polytrain.trainer.resume import restore_fit
 from polytrain.trainer.schedule import ValidationSchedule
 
 if TYPE_CHECKING:
@@ -206,13 +205,13 @@ class FitLoop:
                                                    self.progress.count_optimizer_step, phase)
 
     def _restore(self, ckpt_path: str | None) -> None:
-        """Resume from the checkpoint settled with the run's directory (the same on every rank)."""
-        payload = ckpt.load_for_fit(self.t, ckpt_path)
-        loop = payload.get("loop") if payload is not None else None
-        if loop is not None:
-            self.progress.load_state_dict(loop)
-            self.resumed = Resumed(loop, ckpt.rank_rng(self.t, payload), self.progress.batch_in_epoch > 0,
-                                   select_rank_state(payload.get("data"), self.t.strategy.dp_rank))
+        """Resume from the checkpoint settled with the run's directory (the same on every rank): every
+        step of it is ``resume.restore_fit``'s; the first epoch takes back what it returns."""
+        if ckpt_path is not None:
+            t = self.t
+            self.resumed = restore_fit(ckpt_path, strategy=t.strategy, hooks=t.hooks, module=t.module,
+                                       datamodule=t.datamodule, callbacks=t.callbacks,
+                                       schedulers=self.lr_scheduler_configs, progress=self.progress)
         self.guard.resume_at(self.progress.global_step)  # errors name steps from the resumed count
 
     # ------------------------------------------------------------------ stopping

@@ -45,7 +45,8 @@ class Goodput:
         self._last: dict[str, Any] = {}
         self._staging_seen = 0.0  # the checkpoint I/O's staging-wait total already counted
         self.last: dict[str, float] | None = None  # the last fit's split (report)
-        self._phases = {name: _Phase(name, self.totals, self._running) for name in ("epoch", "data", "validation")}
+        self._phases = {name: _Phase(name, self.totals, self._running)
+                        for name in ("epoch", "data", "validation")}
 
     # ------------------------------------------------------------------ the clock
     def begin(self, trainer: Trainer, step: int) -> None:
@@ -114,13 +115,15 @@ class Goodput:
         self.path = None  # saves after the fit (trainer.save_checkpoint by hand) are not this fit's
         attempts = split_attempts(self.earlier) + [[self._last]]
         first_start = attempts[0][0]["time"] if len(attempts) > 1 else self.started_wall
-        split = dict.fromkeys(("training", "checkpoint", "validation", "data", "restart_and_lost", "lost_steps"), 0.0)
+        split = dict.fromkeys(("training", "checkpoint", "validation", "data", "restart_and_lost",
+                               "lost_steps"), 0.0)
         starts = [a[0] for a in attempts[1:-1]] + [{"time": self.started_wall, "step": self.start_step}]
         for lines, restart in zip(attempts[:-1], starts):
             _add_failed_attempt(split, lines, restart)
         _add_phases(split, self.totals)
         split["wall"] = max(self._last["time"] - first_start, 1e-9)
-        accounted = sum(split[k] for k in ("training", "checkpoint", "validation", "data", "restart_and_lost"))
+        accounted = sum(split[k] for k in ("training", "checkpoint", "validation", "data",
+                                           "restart_and_lost"))
         split["other"] = max(0.0, split["wall"] - accounted)
         split["productive_fraction"] = split["training"] / split["wall"]
         self.last = split
@@ -165,12 +168,14 @@ def _add_phases(split: dict[str, float], totals: dict[str, Any]) -> None:
         split[phase] += totals[phase]
 
 
-def _add_failed_attempt(split: dict[str, float], lines: list[dict[str, Any]], restart: dict[str, Any]) -> None:
+def _add_failed_attempt(split: dict[str, float], lines: list[dict[str, Any]],
+                        restart: dict[str, Any]) -> None:
     """An attempt a failure ended: up to the checkpoint the next attempt resumed from (``restart``: its
     start) counts as done; from there to the next start is restart and lost work."""
     # The last line at the resumed step: a step save deferred to its validation and the epoch's save
     # may both hold that step, and what ran between them was not redone.
-    kept = next((ln for ln in reversed(lines) if ln["event"] == "checkpoint" and ln["step"] == restart["step"]), None)
+    kept = next((ln for ln in reversed(lines)
+                 if ln["event"] == "checkpoint" and ln["step"] == restart["step"]), None)
     if kept is None:  # it saved nothing the next attempt used: all of it is lost
         split["restart_and_lost"] += restart["time"] - lines[0]["time"]
         split["lost_steps"] += lines[-1]["step"] - lines[0]["step"]
@@ -206,4 +211,5 @@ def summary_line(split: dict[str, float]) -> str:
     parts = ", ".join(f"{name.replace('_', ' ')} {split[name]:.1f}s" for name in
                       ("training", "checkpoint", "validation", "data", "restart_and_lost", "other"))
     lost = f", {int(split['lost_steps'])} steps trained twice" if split["lost_steps"] else ""
-    return f"goodput: {split['productive_fraction']:.1%} of {split['wall']:.1f}s wall time trained the model ({parts}{lost})"
+    return (f"goodput: {split['productive_fraction']:.1%} of {split['wall']:.1f}s wall time trained the "
+            f"model ({parts}{lost})")

@@ -38,7 +38,8 @@ def check_batches(trainer: Trainer, loader: Any, stage: str, count: int | None) 
     # Gathered before anyone raises: every rank must reach the same verdict, or some would wait. A tensor
     # gather (-1: unknown), not an object one: one collective instead of two plus pickling.
     local = torch.tensor([-1 if count is None else count, -1 if samples is None else samples,
-                          int(is_iterable_style(loader))], dtype=torch.long, device=strategy.collective_device)
+                          int(is_iterable_style(loader))],
+                         dtype=torch.long, device=strategy.collective_device)
     gathered = [(None if c < 0 else c, None if n < 0 else n, bool(i))
                 for c, n, i in strategy.all_gather(local, strategy.dp_group).tolist()]
     agreed = any(iterable for _, _, iterable in gathered)
@@ -53,9 +54,10 @@ def check_batches(trainer: Trainer, loader: Any, stage: str, count: int | None) 
     if counts and min(counts) == 0:
         raise EmptyDataError(
             f"the {stage} DataLoader yields 0 batches on data-parallel rank(s) "
-            f"{[r for r, (c, _, _) in enumerate(gathered) if c == 0]} (per-rank batches: {[c for c, _, _ in gathered]}; "
-            f"this rank: {_describe(loader)}). Provide more samples than ranks x batch_size, lower the batch size, "
-            f"or set drop_last=False"
+            f"{[r for r, (c, _, _) in enumerate(gathered) if c == 0]} "
+            f"(per-rank batches: {[c for c, _, _ in gathered]}; "
+            f"this rank: {_describe(loader)}). Provide more samples than ranks x batch_size, "
+            f"lower the batch size, or set drop_last=False"
         )
     if agreed:
         # An iterable's ranks end the epoch together, at the shortest stream (or this bound).
@@ -91,8 +93,9 @@ class NonFiniteGuard:
         # the buffer once, and the losses are dropped as their step ends: keeping them until the check instead
         # (stacked, reduced, then freed there, out of the cache by then) costs a logging step many times more
         # than one in-place add per step (docs/performance.md). A loss that cannot go into a slot (not a plain
-        # scalar tensor, complex, on another device) is kept and stacked at the check. The steps are looked up only when some rank found a bad value
-        # (the error path: ranks agree on entering it, so its gather stays matched).
+        # scalar tensor, complex, on another device) is kept and stacked at the check. The steps are looked
+        # up only when some rank found a bad value (the error path: ranks agree on entering it, so its gather
+        # stays matched).
         self.step = progress.global_step  # this guard's own count of windows (see resume_at)
         self._slots: torch.Tensor | None = None  # FOLD_EVERY zeros, made at the first loss
         self._views: list[torch.Tensor] = []  # each slot as a tensor of its own
@@ -126,7 +129,8 @@ class NonFiniteGuard:
                 filled = len(self._slot_steps)
                 if type(loss) is not torch.Tensor:  # another tensor subclass: kept whole
                     self._keep(loss)
-                elif filled < len(self._views):  # the common step: one in-place add into a slot made beforehand
+                elif filled < len(self._views):  # the common step: one in-place add into a slot
+                    # made beforehand
                     try:
                         self._views[filled].add_(loss, alpha=0)
                         self._slot_steps.append(self.step)
@@ -272,8 +276,8 @@ class NonFiniteGuard:
         if verdicts and finite:
             finite = bool(torch.stack(verdicts).all()) if len(verdicts) > 1 else bool(verdicts[0])
         row = [int(finite), *(int(v) for v in votes)]
-        rows = C.all_gather(torch.tensor(row, dtype=torch.long, device=self.device)).tolist() if self._gathers \
-            else [row]
+        rows = (C.all_gather(torch.tensor(row, dtype=torch.long, device=self.device)).tolist()
+                if self._gathers else [row])
         if not all(r[0] for r in rows):
             self._raise_non_finite()
         self._folded.clear()  # every value was finite: the slots are all 0 again
@@ -285,7 +289,8 @@ class NonFiniteGuard:
     def _raise_non_finite(self) -> None:
         """Some rank found a non-finite value, and every rank is here: gather who found what, and raise
         the same error everywhere, naming the earliest step."""
-        local = torch.tensor([self._first_bad_loss_step(), int(self.first_bad_norm_step), int(self._params_bad())],
+        local = torch.tensor([self._first_bad_loss_step(), int(self.first_bad_norm_step),
+                              int(self._params_bad())],
                              dtype=torch.long, device=self.device)
         gathered = C.all_gather(local).tolist()
         bad = [(int(s), r) for r, (s, _, _) in enumerate(gathered) if s >= 0]
@@ -309,14 +314,15 @@ class NonFiniteGuard:
         params = [r for r, (_, _, p) in enumerate(gathered) if p]
         if params:
             raise NonFiniteError(
-                f"non-finite parameters on rank(s) {params} after step {self.progress.global_step} although every "
-                f"checked loss was finite: a NaN/inf gradient from a finite loss was applied. Only the loss is "
-                f"checked per step unless gradient clipping by norm is on (trainer.gradient_clip_val): set it to "
-                f"catch the exact step. Training stopped before any later checkpoint was written"
+                f"non-finite parameters on rank(s) {params} after step {self.progress.global_step} "
+                f"although every checked loss was finite: a NaN/inf gradient from a finite loss was "
+                f"applied. Only the loss is checked per step unless gradient clipping by norm is on "
+                f"(trainer.gradient_clip_val): set it to catch the exact step. Training stopped before any "
+                f"later checkpoint was written"
             )
         # The first gather said some rank saw a non-finite value; its details must name one of the above.
         raise NonFiniteError(
-            f"a non-finite value was found after step {self.progress.global_step} (per-rank [first bad loss step, "
-            f"first bad gradient-norm step, parameters bad]: {gathered}); training stopped before any later "
-            f"checkpoint was written"
+            f"a non-finite value was found after step {self.progress.global_step} "
+            f"(per-rank [first bad loss step, first bad gradient-norm step, parameters bad]: {gathered}); "
+            f"training stopped before any later checkpoint was written"
         )

@@ -51,7 +51,8 @@ def optimizer_kind(module: Any) -> tuple[str, str | None]:
         made = module.configure_optimizers()
     except Exception as err:  # noqa: BLE001 - a module that cannot build its optimizer here plans as AdamW
         return "adamw", f"configure_optimizers() raised {type(err).__name__}: {str(err).splitlines()[0][:80]}"
-    opt = made[0] if isinstance(made, (tuple, list)) else made.get("optimizer") if isinstance(made, dict) else made
+    opt = (made[0] if isinstance(made, (tuple, list))
+           else made.get("optimizer") if isinstance(made, dict) else made)
     name = type(opt).__name__
     if name == "SGD":
         return ("sgd_momentum" if opt.defaults.get("momentum", 0) else "sgd"), None
@@ -81,8 +82,9 @@ def first_batch(loader: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         return batch[0], batch[1] if len(batch) > 1 and isinstance(batch[1], torch.Tensor) else None
     if isinstance(batch, torch.Tensor):
         return batch, None
-    raise ConfigError(f"the planner profiles the model on the train batch's inputs: a tensor or (inputs, targets), "
-                      f"not a {type(batch).__name__}; pin the degrees instead of plan: true")
+    raise ConfigError(f"the planner profiles the model on the train batch's inputs: a tensor or "
+                      f"(inputs, targets), not a {type(batch).__name__}; pin the degrees instead of "
+                      f"plan: true")
 
 
 def _train_loader(given: Any, datamodule: Any, module: Any) -> Any:
@@ -92,9 +94,9 @@ def _train_loader(given: Any, datamodule: Any, module: Any) -> Any:
     try:
         return source.train_dataloader()
     except Exception as err:  # noqa: BLE001 - re-raised with what the planner needed it for
-        raise ConfigError(f"plan: true reads one train batch before setup() runs (as `polytrain plan` does), and "
-                          f"{type(source).__name__}.train_dataloader() raised: {err}. Build the dataset in __init__, "
-                          f"pass train_dataloaders, or pin the degrees") from err
+        raise ConfigError(f"plan: true reads one train batch before setup() runs (as `polytrain plan` "
+                          f"does), and {type(source).__name__}.train_dataloader() raised: {err}. Build "
+                          f"the dataset in __init__, pass train_dataloaders, or pin the degrees") from err
 
 
 def _checkpoint_plan(trainer: Trainer, stage: str, ckpt_path: str | None) -> tuple[dict | None, str | None]:
@@ -147,8 +149,8 @@ def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamod
     profile_at = profiler(built, x[:1], None if y is None else y[:1], attention, spec.get("sequential"))
     plan = rank_layouts(hw, training, profile_at, pinned)
     chosen = chosen_layout(plan.best, world, preset)  # raises, with the first rejections, when nothing fits
-    chosen["summary"] = f"best of {len(plan.ranked)} layouts that fit ({len(plan.rejected)} rejected), " \
-                        f"global batch {global_batch}"
+    chosen["summary"] = (f"best of {len(plan.ranked)} layouts that fit ({len(plan.rejected)} rejected), "
+                         f"global batch {global_batch}")
     return chosen
 
 
@@ -169,11 +171,13 @@ def schedule_settings(options: dict[str, Any]) -> dict[str, Any]:
     schedule = options.get("schedule", "1f1b")
     reshard = {"reshard_after_forward": options.get("reshard_after_forward")}
     if schedule in PLANNED_SCHEDULES:
-        return {"pp_schedule": schedule, "stages_per_rank": int(options.get("stages_per_rank", 1) or 1), **reshard}
+        return {"pp_schedule": schedule, "stages_per_rank": int(options.get("stages_per_rank", 1) or 1),
+                **reshard}
     if options.get("pp") == 1:
         return reshard
-    raise ConfigError(f"trainer.strategy: the planner costs the pipeline schedules {', '.join(PLANNED_SCHEDULES)}, "
-                      f"not schedule={schedule!r}; choose one of them, or pin pp: 1 (no pipeline)")
+    raise ConfigError(f"trainer.strategy: the planner costs the pipeline schedules "
+                      f"{', '.join(PLANNED_SCHEDULES)}, not schedule={schedule!r}; choose one of them, "
+                      f"or pin pp: 1 (no pipeline)")
 
 
 def describe(chosen: dict[str, Any]) -> str:
@@ -181,7 +185,8 @@ def describe(chosen: dict[str, Any]) -> str:
     ac = {False: "off", True: "full", "op": "per-op"}.get(chosen["activation_checkpointing"], "on")
     line = f"{degrees} (n_microbatches {chosen['n_microbatches']}, activation checkpointing {ac})"
     if "memory_bytes" in chosen:
-        line += f": {chosen['memory_bytes'] / 1024**2:.1f} MiB per rank, predicted step {chosen['step_s']:.4g} s"
+        line += (f": {chosen['memory_bytes'] / 1024**2:.1f} MiB per rank, "
+                 f"predicted step {chosen['step_s']:.4g} s")
     return line + f" on {chosen['world_size']} {chosen.get('hardware', '')} ranks".replace("  ", " ")
 
 
@@ -197,12 +202,15 @@ def plan_layout(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, d
     if stored is None and spec.get("chosen") is not None:
         stored, source = spec["chosen"], "the config (trainer.strategy.chosen)"
     pins = pinned_degrees(spec)
-    if stored is not None and stored["world_size"] == world and all(stored.get(k) == v for k, v in pins.items()):
-        chosen, how = {k: v for k, v in stored.items() if k != "summary"}, f"reusing the plan stored in {source}"
+    if (stored is not None and stored["world_size"] == world
+            and all(stored.get(k) == v for k, v in pins.items())):
+        chosen, how = ({k: v for k, v in stored.items() if k != "summary"},
+                       f"reusing the plan stored in {source}")
     else:
         if stored is not None:
-            log.warning("the plan stored in %s (%s) is for %d ranks or other pinned degrees (%s) and this job has "
-                        "%d ranks: planning again", source, describe(stored), stored["world_size"], pins, world)
+            log.warning("the plan stored in %s (%s) is for %d ranks or other pinned degrees (%s) and this "
+                        "job has %d ranks: planning again", source, describe(stored), stored["world_size"],
+                        pins, world)
         chosen = _plan(trainer, launch, module, train, datamodule)
         how = chosen.pop("summary")
     _record(trainer, {**spec, "chosen": chosen})

@@ -59,8 +59,10 @@ class PassThroughProfiler:
         """Whether this rank times anything."""
         return False
 
-    def instrument(self, row: str, fn: Callable[..., Any], excluding: str | None = None) -> Callable[..., Any]:
-        """``fn`` timed under ``row`` (less the time spent in row ``excluding`` meanwhile); here ``fn`` itself."""
+    def instrument(self, row: str, fn: Callable[..., Any],
+                   excluding: str | None = None) -> Callable[..., Any]:
+        """``fn`` timed under ``row`` (less the time spent in row ``excluding`` meanwhile); here ``fn``
+        itself."""
         return fn
 
     def phase(self, row: str, excluding: str | None = None) -> contextlib.AbstractContextManager:
@@ -89,7 +91,8 @@ class SimpleProfiler(PassThroughProfiler):
         self.summary: str | None = None
 
     # ------------------------------------------------------------------ timing
-    def instrument(self, row: str, fn: Callable[..., Any], excluding: str | None = None) -> Callable[..., Any]:
+    def instrument(self, row: str, fn: Callable[..., Any],
+                   excluding: str | None = None) -> Callable[..., Any]:
         if not self.enabled:
             return fn
         record = self.records.setdefault(row, [0.0, 0])
@@ -226,7 +229,8 @@ class TorchProfiler(SimpleProfiler):
     def enabled(self) -> bool:
         return self.trainer.is_global_zero
 
-    def instrument(self, row: str, fn: Callable[..., Any], excluding: str | None = None) -> Callable[..., Any]:
+    def instrument(self, row: str, fn: Callable[..., Any],
+                   excluding: str | None = None) -> Callable[..., Any]:
         if not self.enabled:
             return fn
         label, record_function = f"polytrain/{row}", torch.profiler.record_function
@@ -256,7 +260,8 @@ class TorchProfiler(SimpleProfiler):
                                            skip_first=o.get("skip_first", 0))
         self.profiler = torch.profiler.profile(
             activities=activities, schedule=schedule,
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(self.trace_dir, worker_name=f"rank{t.global_rank}"),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(self.trace_dir,
+                                                                    worker_name=f"rank{t.global_rank}"),
             record_shapes=o.get("record_shapes", False), profile_memory=o.get("profile_memory", False),
             with_stack=o.get("with_stack", False), with_flops=o.get("with_flops", False))
         self.profiler.start()
@@ -269,7 +274,8 @@ class TorchProfiler(SimpleProfiler):
         self.report()
 
     def report(self) -> None:
-        traces = sorted(os.listdir(self.trace_dir)) if self.trace_dir and os.path.isdir(self.trace_dir) else []
+        traces = (sorted(os.listdir(self.trace_dir)) if self.trace_dir and os.path.isdir(self.trace_dir)
+                  else [])
         log.info("torch profiler: %d trace file(s) in %s (TensorBoard: tensorboard --logdir %s)", len(traces),
                  self.trace_dir, self.trace_dir)
 
@@ -307,12 +313,14 @@ def check_profiler_options(spec: Any) -> tuple[str, dict[str, Any]] | None:
                           f"{{name: torch, ...options}}")
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        raise ConfigError(f"trainer.profiler ({name}) has unknown option(s) {unknown}; valid: {', '.join(valid[1:])}")
+        raise ConfigError(f"trainer.profiler ({name}) has unknown option(s) {unknown}; "
+                          f"valid: {', '.join(valid[1:])}")
     for key in ("wait", "warmup", "active", "repeat", "skip_first"):
         value = options.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0
                                   or (key == "active" and value < 1)):
-            raise ConfigError(f"trainer.profiler.{key}={value!r} must be a {'positive' if key == 'active' else 'non-negative'} integer")
+            raise ConfigError(f"trainer.profiler.{key}={value!r} must be a "
+                              f"{'positive' if key == 'active' else 'non-negative'} integer")
     return name, options
 
 

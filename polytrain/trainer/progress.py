@@ -35,7 +35,8 @@ class FitProgress:
     world_size: int = 1
     dp_size: int = 1
     train_batch_size: int | None = None
-    sample_base: tuple[int, int] = (0, 0)  # (samples, batches) already consumed when a resume re-split the epoch
+    sample_base: tuple[int, int] = (0, 0)  # (samples, batches) already consumed when a resume
+    # re-split the epoch
 
     # ------------------------------------------------------------------ the loop's moves
     def start_fit(self, world_size: int, dp_size: int) -> None:

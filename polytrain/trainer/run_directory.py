@@ -26,17 +26,15 @@ from polytrain.checkpoint.failures import agree_on_error
 from polytrain.checkpoint.layout import (
     claim_next_version,
     damage,
-    existing_checkpoints,
     holds_files,
     next_version,
-    recorded_best,
-    resolve_resume,
     run_of_checkpoint,
     verb_for,
     version_name,
     version_of,
 )
 from polytrain.core.errors import CheckpointError, ConfigError
+from polytrain.trainer.resume import choose_checkpoint
 
 if TYPE_CHECKING:
     from polytrain.trainer.config import TrainerConfig
@@ -146,13 +144,11 @@ def _new_version(trainer: Trainer, root: str, claim: bool, kind: str = "version"
 
 def resolve_path(trainer: Trainer, choice: str | None, argument: bool = False,
                  stage: str = "fit") -> str | None:
-    """``None`` | ``"last"`` | ``"auto"`` | ``"best"`` | a path -> the checkpoint to load (global rank 0).
-    ``argument``: the choice came as ``ckpt_path`` (Lightning's argument, whose ``"last"`` starts fresh when
-    there is no checkpoint at all), not as the config's ``resume``; ``stage``: what the checkpoint is for."""
+    """``resume.choose_checkpoint`` for this Trainer's run (global rank 0): its root and version, and the
+    best checkpoint its ModelCheckpoint kept."""
     root, version = run_root(trainer)
-    if choice == "best":
-        return best_checkpoint(getattr(trainer.checkpoint_callback, "best_model_path", None), root, version)
-    return resolve_resume(choice, root, version, last_may_start_fresh=argument, stage=stage)
+    kept = getattr(trainer.checkpoint_callback, "best_model_path", None)
+    return choose_checkpoint(choice, root, version, kept, from_argument=argument, stage=stage)
 
 
 def checkpoint_for_launch(stage: str, ckpt: str | None, config: TrainerConfig) -> str | None:
@@ -168,10 +164,7 @@ def checkpoint_for_launch(stage: str, ckpt: str | None, config: TrainerConfig) -
     root, version = config.run_dir, config.version
     if choice in ("last", "auto", "best") and _loggers_choose_the_root(config):
         return ckpt
-    if choice == "best":
-        path = best_checkpoint(None, root, version)
-    else:
-        path = resolve_resume(choice, root, version, last_may_start_fresh=ckpt is not None, stage=stage)
+    path = choose_checkpoint(choice, root, version, from_argument=ckpt is not None, stage=stage)
     why = damage(path) if path is not None and choice not in ("last", "auto") else None  # last/auto: verified
     if why is not None:
         raise ConfigError(f"the checkpoint to {verb_for(stage)} cannot be used: {why}")
@@ -181,17 +174,6 @@ def checkpoint_for_launch(stage: str, ckpt: str | None, config: TrainerConfig) -
 def _loggers_choose_the_root(config: TrainerConfig) -> bool:
     loggers = config.logger if isinstance(config.logger, (list, tuple)) else [config.logger]
     return any(not isinstance(lg, (str, bool, type(None))) for lg in loggers)
-
-
-def best_checkpoint(kept: str | None, root: str, version: int | str | None) -> str:
-    """``ckpt_path="best"``: the ModelCheckpoint callback's best (``kept``) after a fit of this Trainer, else
-    the best the run's own checkpoints recorded (a new process: ``polytrain test --ckpt best``)."""
-    best = kept or recorded_best(root, version)
-    if not best:
-        raise ConfigError(f"ckpt_path='best' loads the best checkpoint a ModelCheckpoint recorded, and no "
-                          f"run under {root} recorded one. Fit with checkpointing enabled first (monitor=... "
-                          f"ranks them), or pass a path or 'last'. {existing_checkpoints(root)}")
-    return best
 
 
 def _create(trainer: Trainer, path: str) -> None:

@@ -23,7 +23,7 @@ from polytrain.core.rank_zero import rank_zero_only
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.launcher import LaunchPlan, plan_launch
 from polytrain.trainer import lifecycle
-from polytrain.trainer.checkpoint import build_payload
+from polytrain.trainer.checkpoint_payload import build_payload
 from polytrain.trainer.config import (
     TrainerConfig,
     load_config,
@@ -64,7 +64,8 @@ class Trainer:
         self.module: TrainModule | None = None
         self.datamodule: DataModule | None = None
         self.metrics = MetricCollector()
-        self.profiler = build_profiler(self.config.profiler, self)  # trainer.profiler; a pass-through by default
+        self.profiler = build_profiler(self.config.profiler, self)  # trainer.profiler; a pass-through
+        # by default
         self.hooks: Hooks | None = None  # the running stage's hook funnel
         self.transfer_batch: Any = None  # the running stage's batch mover (the batch-transfer hooks, if any)
         self.fit_loop = FitLoop(self.config)  # loop state: trainer/progress.py
@@ -84,7 +85,8 @@ class Trainer:
             config = OmegaConf.to_container(config, resolve=True)
         section = config.get("trainer", config) if "module" in config or "trainer" in config else config
         trainer = cls(**section)
-        # Every _target_ imported and its keywords checked (nothing built): a typo fails before any worker starts.
+        # Every _target_ imported and its keywords checked (nothing built): a typo fails before any worker
+        # starts.
         trainer._run_config = check_run_targets(config) if "module" in config else None
         return trainer
 
@@ -127,7 +129,8 @@ class Trainer:
     @property
     def model(self) -> Any:
         """What the step runs through: the module, or the strategy's wrapper around it."""
-        return self.strategy.model if self.strategy is not None and self.strategy.model is not None else self.module
+        return (self.strategy.model if self.strategy is not None and self.strategy.model is not None
+                else self.module)
 
     @property
     def max_time_seconds(self) -> float | None:
@@ -203,7 +206,8 @@ class Trainer:
     def predicting(self) -> bool:
         return self.stage == "predict"
 
-    # ------------------------------------------------------------------ loop state (read-only; FitLoop writes it)
+    # ------------------------------------------------------------------ loop state (read-only; FitLoop
+    # writes it)
     @property
     def current_epoch(self) -> int:
         return self.fit_loop.progress.epoch
@@ -225,7 +229,8 @@ class Trainer:
         return self.fit_loop.stopping.requested
 
     @should_stop.setter
-    def should_stop(self, value: bool) -> None:  # a callback's request (EarlyStopping); agreed on by the ranks
+    def should_stop(self, value: bool) -> None:  # a callback's request (EarlyStopping);
+        # agreed on by the ranks
         self.fit_loop.stopping.request(bool(value))
 
     @property
@@ -298,8 +303,9 @@ class Trainer:
             train_dataloaders, datamodule = None, train_dataloaders
         self._run("fit", model, dict(train=train_dataloaders, val=val_dataloaders), datamodule, ckpt_path)
 
-    def validate(self, model: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
-                 verbose: bool = True, datamodule: DataModule | None = None) -> list[dict[str, float]]:
+    def validate(self, model: TrainModule | None = None, dataloaders: Any = None,
+                 ckpt_path: str | None = None, verbose: bool = True,
+                 datamodule: DataModule | None = None) -> list[dict[str, float]]:
         """The epoch metrics of one pass over the validation data; ``verbose`` prints them as a table on
         global rank 0, as Lightning does."""
         return self._run("validate", model, dict(val=dataloaders), datamodule, ckpt_path, verbose)
@@ -332,17 +338,21 @@ class Trainer:
         if model is None:
             raise ValueError(f"trainer.{stage}() needs a TrainModule")
         if stage == "fit" and not is_overridden(model, "training_step", TrainModule):
-            raise ConfigError(f"{type(model).__name__} does not define training_step(self, batch, batch_idx); "
-                              f"a TrainModule must return the loss to minimise from it")
+            raise ConfigError(f"{type(model).__name__} does not define training_step(self, batch, "
+                              f"batch_idx); a TrainModule must return the loss to minimise from it")
         plan = plan_launch(self.config)
         if plan.method != "here":
-            given = dict(train_dataloaders=loaders.get("train"), val_dataloaders=loaders.get("val")) \
-                if stage == "fit" else dict(dataloaders=next(iter(loaders.values())))
-            out = launch_from_trainer(self, plan, stage, model, dict(given, datamodule=datamodule, ckpt_path=ckpt_path))
+            if stage == "fit":
+                given = dict(train_dataloaders=loaders.get("train"), val_dataloaders=loaders.get("val"))
+            else:
+                given = dict(dataloaders=next(iter(loaders.values())))
+            out = launch_from_trainer(self, plan, stage, model,
+                                      dict(given, datamodule=datamodule, ckpt_path=ckpt_path))
             self.metrics.callback = out["callback_metrics"]
             self._run_directory = RunDirectory(out["log_dir"], out["ckpt_path"])
             return out["result"]
-        planned = plan_layout(self, plan, model, loaders.get("train"), datamodule or self.datamodule, stage, ckpt_path)
+        planned = plan_layout(self, plan, model, loaders.get("train"), datamodule or self.datamodule, stage,
+                              ckpt_path)
         self._setup_strategy(plan)
         if planned:
             agree_on_plan(self)  # trainer.strategy plan: true (trainer/planned.py)
@@ -389,11 +399,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ what the module calls
     def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float, algorithm: str) -> None:
-        """``TrainModule.clip_gradients``: unscaled first; a non-finite norm is the non-finite guard's to judge."""
+        """``TrainModule.clip_gradients``: unscaled first; a non-finite norm is the non-finite guard's to
+        judge."""
         clip_gradients(self.strategy, self.guard, optimizer, value, algorithm)
 
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         if self.module.automatic_optimization:
-            raise RuntimeError("manual_backward is for manual optimisation: set self.automatic_optimization = "
-                               "False in __init__, or return the loss from training_step")
+            raise RuntimeError("manual_backward is for manual optimisation: set self.automatic_optimization "
+                               "= False in __init__, or return the loss from training_step")
         self.strategy.manual_backward(loss, *args, **kwargs)

@@ -1,5 +1,5 @@
 """The checkpoint payload (docs/architecture.md, "Checkpoints"): what the Trainer adds to the model and
-optimizer state, and how a fit or an evaluation picks a checkpoint and takes it back.
+optimizer state. Taking it back is ``trainer/resume.py``'s.
 
 A payload holds everything needed to continue exactly: model and optimizer state (added by the
 strategy, which knows whether they are sharded), schedulers, grad scaler, the loop's state (its
@@ -10,7 +10,6 @@ config and the library version. Only plain types and tensors, so ``weights_only=
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from polytrain.core.rng import capture_rng_state
@@ -18,12 +17,9 @@ from polytrain.core.version import __version__
 from polytrain.data.loaders import user_sampler_state
 from polytrain.data.stateful import rank_entry
 from polytrain.trainer.hparams import plain
-from polytrain.trainer.run_directory import resolve_path
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
-
-log = logging.getLogger("polytrain")
 
 FORMAT_VERSION = 1
 
@@ -93,69 +89,3 @@ def build_payload(trainer: Trainer) -> dict[str, Any]:
         hooks.callbacks("on_save_checkpoint", payload)
         hooks.module("on_save_checkpoint", payload)
     return payload
-
-
-def restore_payload(trainer: Trainer, payload: dict[str, Any]) -> None:
-    """Everything but model/optimizer state (the strategy restored those) and the loop's position (the
-    fit loop's), in Lightning's order: the module's ``on_load_checkpoint``, the DataModule's state, the
-    callbacks' ``on_load_checkpoint`` and ``load_state_dict``; then schedulers and grad scaler."""
-    hooks = trainer.hooks
-    if "state_dict" not in payload:  # what Lightning code reads: the weights just loaded
-        payload["state_dict"] = payload.get("model") or trainer.module.state_dict()
-    hooks.module("on_load_checkpoint", payload)
-    datamodule = trainer.datamodule
-    if datamodule is not None:
-        state = payload.get("datamodule", {}).get(type(datamodule).__qualname__)
-        if state is not None:
-            hooks.datamodule("load_state_dict", state)
-    hooks.callbacks("on_load_checkpoint", payload)
-    states = payload.get("callbacks", {})
-    for cb in trainer.callbacks:
-        if cb.state_key in states:
-            cb.load_state_dict(states[cb.state_key])
-    for sched, state in zip(trainer.lr_scheduler_configs, payload.get("schedulers", [])):
-        sched.scheduler.load_state_dict(state)
-    if payload.get("precision"):
-        trainer.strategy.precision.load_state_dict(payload["precision"])
-
-
-def rank_rng(trainer: Trainer, payload: dict[str, Any]) -> dict[str, Any] | None:
-    """This rank's saved RNG state, or None (with a warning) when the checkpoint had another world size."""
-    rng, world = payload.get("rng") or [], trainer.strategy.world_size
-    if len(rng) == world:
-        return rng[trainer.strategy.global_rank]
-    if rng:
-        log.warning("checkpoint was written by %d ranks and this job has %d: RNG streams restart from the "
-                    "seed, so random ops (dropout, augmentation) will differ from the original run",
-                    len(rng), world)
-    return None
-
-
-def load_for_fit(trainer: Trainer, path: str | None) -> dict[str, Any] | None:
-    """Resume from ``path`` (settled with the run's directory, the same on every rank): model,
-    optimizers and the rest of the payload are restored; the payload is returned for the fit loop's
-    own state (None: nothing to resume)."""
-    if path is None:
-        return None
-    log.info("restoring from %s", path)
-    payload = trainer.strategy.load_checkpoint(path)
-    restore_payload(trainer, payload)
-    return payload
-
-
-def load_weights(trainer: Trainer, ckpt_path: str) -> None:
-    """Evaluation from a checkpoint: weights only (optimizer state is not restored)."""
-    strategy = trainer.strategy
-    path: Any = None
-    if strategy.is_global_zero:
-        try:
-            path = resolve_path(trainer, ckpt_path, stage=trainer.stage)
-        except Exception as err:  # noqa: BLE001 - every rank raises it, after the broadcast below
-            path = err
-    path = strategy.broadcast(path)
-    if isinstance(path, BaseException):
-        raise path
-    if path is None:
-        raise FileNotFoundError(f"no checkpoint found for ckpt_path={ckpt_path!r} under {trainer.run_dir}")
-    payload = strategy.load_checkpoint(path, weights_only=True)
-    trainer.hooks.module("on_load_checkpoint", payload)

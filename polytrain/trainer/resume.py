@@ -1,0 +1,122 @@
+"""Resume, on one screen: which checkpoint, then everything in it taken back in one order (Lightning's
+``checkpoint_connector.restore`` is the model; the file format is the checkpoint I/O's, ``checkpoint/``).
+
+``choose_checkpoint``: the config's ``resume`` or ``ckpt_path`` (``last`` | ``auto`` | ``best`` | a path)
+-> the file or sharded directory to load. A fit's choice is settled with the run's directory on global
+rank 0 and broadcast (``run_directory.settle_run_directory``); the planner reads the layout stored in the
+same checkpoint (``planned.py``); an evaluation's is settled in ``agree_on_checkpoint``.
+
+``restore_fit``, every rank, in this order:
+
+1. model and optimizers: the strategy's ``load_checkpoint`` (whole or sharded, as its I/O holds them)
+2. the module's ``on_load_checkpoint``
+3. the DataModule's state
+4. the callbacks' ``on_load_checkpoint``, then their state
+5. the LR schedulers and the grad scaler
+6. the loop's position: ``FitProgress.load_state_dict``
+7. what the first epoch takes back, returned as ``Resumed``: this rank's RNG streams and its stateful
+   data (``data_connector.epoch_iterator`` applies them when it makes that epoch's iterator)
+
+``restore_weights``: an evaluation's checkpoint, the weights and the module's ``on_load_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from polytrain.checkpoint.layout import existing_checkpoints, recorded_best, resolve_resume
+from polytrain.core.errors import ConfigError
+from polytrain.data.stateful import select_rank_state
+from polytrain.trainer.hooks import Hooks
+from polytrain.trainer.progress import FitProgress, Resumed
+
+log = logging.getLogger("polytrain")
+
+
+def choose_checkpoint(choice: str | None, root: str, version: int | str | None, kept_best: str | None = None,
+                      from_argument: bool = False, stage: str = "fit") -> str | None:
+    """The checkpoint ``choice`` names under the run ``root``/``version``, or None (a fresh start).
+    ``kept_best``: the best path this process's ModelCheckpoint kept; ``from_argument``: the choice came
+    as ``ckpt_path`` (Lightning's argument, whose ``"last"`` starts fresh when there is no checkpoint at
+    all), not as the config's ``resume``; ``stage``: what the checkpoint is for (its messages say so)."""
+    if choice == "best":
+        return best_checkpoint(kept_best, root, version)
+    return resolve_resume(choice, root, version, last_may_start_fresh=from_argument, stage=stage)
+
+
+def best_checkpoint(kept: str | None, root: str, version: int | str | None) -> str:
+    """``ckpt_path="best"``: the ModelCheckpoint callback's best (``kept``) after a fit of this Trainer, else
+    the best the run's own checkpoints recorded (a new process: ``polytrain test --ckpt best``)."""
+    best = kept or recorded_best(root, version)
+    if not best:
+        raise ConfigError(f"ckpt_path='best' loads the best checkpoint a ModelCheckpoint recorded, and no "
+                          f"run under {root} recorded one. Fit with checkpointing enabled first (monitor=... "
+                          f"ranks them), or pass a path or 'last'. {existing_checkpoints(root)}")
+    return best
+
+
+def agree_on_checkpoint(strategy: Any, choose: Callable[[], str | None], ckpt_path: str, run_dir: str) -> str:
+    """Global rank 0 chooses (``choose``), every rank gets its answer (or its error, raised on all)."""
+    path: Any = None
+    if strategy.is_global_zero:
+        try:
+            path = choose()
+        except Exception as err:  # noqa: BLE001 - every rank raises it, after the broadcast below
+            path = err
+    path = strategy.broadcast(path)
+    if isinstance(path, BaseException):
+        raise path
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint found for ckpt_path={ckpt_path!r} under {run_dir}")
+    return path
+
+
+def restore_fit(path: str, *, strategy: Any, hooks: Hooks, module: Any, datamodule: Any,
+                callbacks: list[Any], schedulers: list[Any], progress: FitProgress) -> Resumed:
+    """Take a fit back from ``path`` (the same on every rank), steps 1-7 of the module's docstring."""
+    log.info("restoring from %s", path)
+    payload = strategy.load_checkpoint(path)  # 1
+    if "state_dict" not in payload:  # what Lightning code reads there: the weights just loaded
+        payload["state_dict"] = payload.get("model") or module.state_dict()
+    hooks.module("on_load_checkpoint", payload)  # 2
+    if datamodule is not None:  # 3
+        state = payload.get("datamodule", {}).get(type(datamodule).__qualname__)
+        if state is not None:
+            hooks.datamodule("load_state_dict", state)
+    hooks.callbacks("on_load_checkpoint", payload)  # 4
+    states = payload.get("callbacks", {})
+    for callback in callbacks:
+        if callback.state_key in states:
+            callback.load_state_dict(states[callback.state_key])
+    for config, state in zip(schedulers, payload.get("schedulers", [])):  # 5
+        config.scheduler.load_state_dict(state)
+    if payload.get("precision"):
+        strategy.precision.load_state_dict(payload["precision"])
+    loop = payload.get("loop")
+    if loop is None:  # a checkpoint without the loop's state: the fit starts at step 0 with these weights
+        return Resumed()
+    progress.load_state_dict(loop)  # 6
+    rng = rank_rng(payload, strategy.world_size, strategy.global_rank)  # 7
+    data = select_rank_state(payload.get("data"), strategy.dp_rank)
+    return Resumed(loop, rng, progress.batch_in_epoch > 0, data)
+
+
+def rank_rng(payload: dict[str, Any], world_size: int, global_rank: int) -> dict[str, Any] | None:
+    """This rank's saved RNG state, or None (with a warning) when the checkpoint had another world size."""
+    rng = payload.get("rng") or []
+    if len(rng) == world_size:
+        return rng[global_rank]
+    if rng:
+        log.warning("checkpoint was written by %d ranks and this job has %d: RNG streams restart from the "
+                    "seed, so random ops (dropout, augmentation) will differ from the original run",
+                    len(rng), world_size)
+    return None
+
+
+def restore_weights(path: str, strategy: Any, hooks: Hooks) -> None:
+    """An evaluation's checkpoint: the weights only (optimizer state is not restored), then the module's
+    ``on_load_checkpoint``."""
+    payload = strategy.load_checkpoint(path, weights_only=True)
+    hooks.module("on_load_checkpoint", payload)
