@@ -151,8 +151,8 @@ def test_the_torch_free_strategy_options_are_the_registered_classes_options() ->
         assert strategy_class(name).Options is options_class, name
     assert lightning_names() == options.LIGHTNING_NAMES
     for alias, spec in options.LIGHTNING_NAMES.items():
-        assert options.check_strategy_spec(options.spec_mapping(alias)) == \
-            options.check_strategy_spec(spec), alias
+        assert (options.check_strategy_spec(options.spec_mapping(alias))
+                == options.check_strategy_spec(spec)), alias
 
 
 @pytest.mark.parametrize("spec", [

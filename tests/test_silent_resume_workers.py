@@ -128,8 +128,8 @@ def _runs(root: str, strategy: str, num_workers: int) -> dict[str, dict[str, tor
 def _check(runs: dict[str, dict[str, torch.Tensor]], ref: dict[str, torch.Tensor], what: str) -> None:
     for name in ("whole", "resumed"):
         diffs = {k: float((v - ref[k]).abs().max()) for k, v in runs[name].items()}
-        assert all(torch.equal(v, ref[k]) for k, v in runs[name].items()), \
-            f"{what}: the {name} run differs from the uninterrupted plain loop: {diffs}"
+        assert all(torch.equal(v, ref[k]) for k, v in runs[name].items()), (
+            f"{what}: the {name} run differs from the uninterrupted plain loop: {diffs}")
 
 
 @pytest.mark.timeout(60)

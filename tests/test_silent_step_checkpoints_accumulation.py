@@ -100,8 +100,8 @@ def test_step_checkpoints_sit_on_optimizer_step_boundaries(tmp_path: Any) -> Non
     _fit(run_dir)
     files = _files(run_dir)
     described = {n: (f["loop"]["global_step"], f["loop"]["batch_in_epoch"]) for n, f in files.items()}
-    assert sorted(f["loop"]["global_step"] for f in files.values()) == [3, 6], \
-        f"expected saves after optimizer steps 3 and 6 only; got (step, batch_in_epoch): {described}"
+    assert sorted(f["loop"]["global_step"] for f in files.values()) == [3, 6], (
+        f"expected saves after optimizer steps 3 and 6 only; got (step, batch_in_epoch): {described}")
     for name, f in files.items():
         loop = f["loop"]
         assert loop["batch_in_epoch"] % ACCUMULATE == 0, f"{name} was taken mid-window: {loop}"

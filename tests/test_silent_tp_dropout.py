@@ -155,8 +155,8 @@ def test_tp_peers_draw_identical_masks_on_replicated_activations(tmp_path: Any) 
     runs = run_distributed(_worker, 2, str(tmp_path), False, timeout=80.0)
     assert [r["steps"] for r in runs] == [STEPS, STEPS]
     drift = _max_diff(runs[0]["replicated"], runs[1]["replicated"])
-    assert all(torch.equal(runs[0]["replicated"][k], runs[1]["replicated"][k]) for k in drift), \
-        f"replicated parameters drifted apart across tensor-parallel peers: {drift}"
+    assert all(torch.equal(runs[0]["replicated"][k], runs[1]["replicated"][k]) for k in drift), (
+        f"replicated parameters drifted apart across tensor-parallel peers: {drift}")
     state = runs[0]["state"]
     assert state.keys() == ref_state.keys()
     diffs = _max_diff(state, ref_state)

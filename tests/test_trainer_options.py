@@ -170,8 +170,8 @@ def test_fast_dev_run_runs_n_batches_of_each_loop_once_and_writes_nothing(tmp_pa
     module.events.clear()
     trainer.test(module)
     trainer.predict(module)
-    assert [e for e in module.events if e[0] in ("test", "predict")] == \
-        [("test", i) for i in range(n)] + [("predict", i) for i in range(n)]
+    assert [e for e in module.events if e[0] in ("test", "predict")] == (
+        [("test", i) for i in range(n)] + [("predict", i) for i in range(n)])
 
 
 # --------------------------------------------------------------------------- num_sanity_val_steps
@@ -415,8 +415,8 @@ def test_a_device_list_on_cpu_is_a_clear_error(tmp_path: Any, devices: list) -> 
 
 def test_a_device_list_on_cuda_plans_one_process_per_listed_gpu() -> None:
     try:
-        with mock.patch.object(torch.cuda, "is_available", return_value=True), \
-                mock.patch.object(torch.cuda, "device_count", return_value=4):
+        with (mock.patch.object(torch.cuda, "is_available", return_value=True),
+              mock.patch.object(torch.cuda, "device_count", return_value=4)):
             plan = plan_launch(validate_trainer_config(dict(devices=[1, 3], accelerator="gpu",
                                                             strategy="ddp")))
             assert ((plan.accelerator, plan.devices, plan.processes_per_node, plan.world_size)
@@ -560,8 +560,8 @@ def test_estimated_stepping_batches_in_configure_optimizers(tmp_path: Any, optio
     trainer, module = fit(tmp_path, OneCycle(), **options)
     assert trainer.global_step == steps  # OneCycleLR would raise past its total_steps
     # As Lightning: asking in configure_optimizers requests the training loader then, once for the fit.
-    assert [e for e in module.events if e[0] in ("estimated", "train_dataloader", "val_dataloader")] == \
-        [("train_dataloader", 0), ("estimated", steps), ("val_dataloader", 0), ("estimated", steps)]
+    assert [e for e in module.events if e[0] in ("estimated", "train_dataloader", "val_dataloader")] == [
+        ("train_dataloader", 0), ("estimated", steps), ("val_dataloader", 0), ("estimated", steps)]
 
 
 def test_detect_anomaly_wraps_the_fit_loop(tmp_path: Any) -> None:

@@ -36,8 +36,8 @@ def with_index_recording(loader: Any) -> Any:
     """``loader`` rebuilt around an ``IndexRecordingBatchSampler`` (same dataset, sampler order, workers,
     collate), or ``loader`` itself when it has no batch sampler to record (an iterable dataset, not a
     ``DataLoader``): then there are no indices to report."""
-    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset) \
-            or loader.batch_sampler is None or isinstance(loader.batch_sampler, IndexRecordingBatchSampler):
+    if (not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset)
+            or loader.batch_sampler is None or isinstance(loader.batch_sampler, IndexRecordingBatchSampler)):
         return loader
     kwargs: dict[str, Any] = dict(
         batch_sampler=IndexRecordingBatchSampler(loader.batch_sampler), num_workers=loader.num_workers,

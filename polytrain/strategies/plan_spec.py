@@ -57,8 +57,8 @@ def _check_chosen(chosen: Any) -> None:
                           f"the keys {', '.join(CHOSEN_REQUIRED)} (optional: "
                           f"{', '.join(CHOSEN_KEYS[len(CHOSEN_REQUIRED):])})")
     ints = [chosen[k] for k in ("world_size", *DEGREES)]
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in ints) or \
-            math.prod(ints[1:]) != ints[0]:
+    if (any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in ints)
+            or math.prod(ints[1:]) != ints[0]):
         raise ConfigError(f"{WHERE} chosen={chosen!r}: degrees must be positive integers whose product is "
                           f"world_size")
 

@@ -186,8 +186,10 @@ def build_strategy(spec: dict[str, Any], *, precision: str | Precision, **kwargs
     options = dict(spec)
     cls = strategy_class(options.pop("name"))
     known = {f.name for f in dataclasses.fields(cls.Options)}
-    parsed = cls.Options(**options) if options.keys() <= known else \
-        validate_dataclass(cls.Options, options, f"trainer.strategy ({cls.name})")  # names the valid keys
+    if options.keys() <= known:
+        parsed = cls.Options(**options)
+    else:  # the error names the valid keys
+        parsed = validate_dataclass(cls.Options, options, f"trainer.strategy ({cls.name})")
     if not isinstance(precision, Precision):
         precision = Precision.for_accelerator(precision, kwargs["accelerator"])
     return cls.build(parsed, precision=precision, **kwargs)

@@ -76,8 +76,8 @@ def test_rank_that_never_arrives_is_named(tmp_path: Any) -> None:
         run_distributed(_worker, 2, str(tmp_path / "run"), "diverge_missing:0:2", timeout=240.0)
     seconds = time.time() - start
     message = str(info.value)
-    named = "DivergenceError" in message and "rank(s) [1] never reached it" in message \
-        and "rank 1 last checked in at" in message and "all_reduce@rel_module.py" in message
+    named = ("DivergenceError" in message and "rank(s) [1] never reached it" in message
+             and "rank 1 last checked in at" in message and "all_reduce@rel_module.py" in message)
     figure("divergence guard, a rank that never arrives",
            f"DivergenceError names missing rank 1: {named} (after trainer.timeout={TIMEOUT:g}s; "
            f"test took {seconds:.0f}s)")
