@@ -263,7 +263,8 @@ class FitLoop:
         # The epoch's iterator after the hook, as Lightning.
         iterator, start = first if first is not None else self._epoch_iterator()
         if start and p.validation_due is None:  # a file from before the loop recorded it
-            p.expect_validation(start == self.data.num_training_batches and self._end_due())
+            at_end = start == self.data.num_training_batches
+            p.expect_validation(at_end and self.schedule.due_after(p.epoch, start - 1, True, self._has_val()))
         if start and p.validation_due and start != self.data.num_training_batches:
             self._validate()  # the checkpoint was taken between a batch and its validation
             t.metrics.start_stage("train", EPOCH_ONLY)
@@ -273,10 +274,8 @@ class FitLoop:
         with t.profiler.phase("epoch end"):
             self._finish_epoch(complete)
 
-    def _end_due(self) -> bool:
-        data = self.data
-        return (data.val_loader is not None and data.num_val_batches != 0
-                and self.schedule.at_epoch_end(self.progress.epoch))
+    def _has_val(self) -> bool:
+        return self.data.val_loader is not None and self.data.num_val_batches != 0
 
     def _run_batches(self, iterator: Any, start: int) -> bool:
         """The epoch's batches from ``start``; True if it ran to its end (no stop mid-epoch). Per batch:
@@ -291,8 +290,7 @@ class FitLoop:
         epoch, max_steps = p.epoch, cfg.max_steps
         self._start_epoch_steps(iterator)
         stop = self._stop
-        has_val = self.data.val_loader is not None and self.data.num_val_batches != 0
-        inside, end_due = has_val and schedule.inside, self._end_due()
+        has_val = self._has_val()
         for batch_idx in range(start, stop):
             step = self.train_step(batch_idx)
             if step is DATA_ENDED:
@@ -303,7 +301,7 @@ class FitLoop:
             if (stepped or not automatic) and p.count_stepped_batch(log_every):
                 self._log_step()
             # Set before on_train_batch_end: a checkpoint taken there records that a validation follows.
-            p.expect_validation(end_due if last else inside and schedule.after_batch(epoch, batch_idx))
+            p.expect_validation(schedule.due_after(epoch, batch_idx, last, has_val))
             if end_hooks:
                 outputs = _batch_outputs(output, automatic)
                 for fn in end_hooks:
@@ -318,7 +316,8 @@ class FitLoop:
             if not last and stop_requested and self._min_reached():
                 # As Lightning: the epoch ends here, validating first if this batch did not (and the epoch
                 # does).
-                p.expect_validation(not validated and has_val and schedule.epoch_validates(epoch))
+                p.expect_validation(not validated and schedule.due_after(epoch, batch_idx, False, has_val,
+                                                                         stopping=True))
                 return True
         return True
 

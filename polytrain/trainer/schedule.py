@@ -44,6 +44,19 @@ class ValidationSchedule:
         self.inside = bool(self.every) and (num_batches is None or self.every < num_batches
                                             or self.every_n_epochs is None)
 
+    def due_after(self, epoch: int, batch_idx: int, last: bool, has_val: bool, stopping: bool = False) -> bool:
+        """The loop's one question, "does a validation follow this batch?": after an epoch's last batch
+        when the epoch-end schedule says so; inside the epoch every ``val_check_interval`` batches; where
+        the fit stops early (``stopping``), when this epoch validates at all, as Lightning. Never without
+        validation data (``has_val``)."""
+        if not has_val:
+            return False
+        if last:
+            return self.at_epoch_end(epoch)
+        if stopping:
+            return self.epoch_validates(epoch)
+        return self.inside and self.after_batch(epoch, batch_idx)
+
     def epoch_validates(self, epoch: int) -> bool:
         return self.every_n_epochs is None or (epoch + 1) % self.every_n_epochs == 0
 
