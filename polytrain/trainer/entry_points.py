@@ -26,7 +26,7 @@ def run_stage(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: 
     if stage == "fit":
         with torch.autograd.set_detect_anomaly(trainer.config.detect_anomaly):  # as Lightning:
             # the fit loop only
-            trainer.profiler.start()
+            trainer.profiler.start(trainer.log_dir)
             try:
                 with trainer.strategy.checkpoint_io.updates_wait_for_staging():
                     trainer.fit_loop.run(trainer, trainer.ckpt_path)  # settled with the run's directory

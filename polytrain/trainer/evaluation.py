@@ -124,7 +124,7 @@ def _end_eval_epoch(trainer: Trainer, word: str, metric_stage: str) -> dict[str,
     if metric_stage == "sanity":
         metrics.discard("sanity")
     else:
-        publish(trainer, values, trainer.global_step)
+        publish(trainer.metrics, trainer.hooks, values, trainer.global_step)
     metrics.end_eval_epoch()
     return {name: float(v) for name, (_, v) in values.items()}
 
@@ -144,7 +144,7 @@ def _eval_batch(trainer: Trainer, eval_step: Any, stage: str, word: str, batch: 
         # unreduced: ranks may hold different numbers of evaluation batches, so no collective here.
         values = metrics.pop_step_values(sync=False)
         if not sanity:
-            publish(trainer, values, trainer.eval_progress.batches.get(trainer.stage, 0))
+            publish(trainer.metrics, trainer.hooks, values, trainer.eval_progress.batches.get(trainer.stage, 0))
     if not sanity:  # as Lightning: each loop (fit's validation, validate, test) counts its own
         trainer.eval_progress.next_step(trainer.stage)
     return output

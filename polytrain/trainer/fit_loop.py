@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -101,7 +102,9 @@ class FitLoop:
         data.train_loader, data.requested_early = None, False
         self._setup_optimization()
         self._restore(ckpt_path)
-        self.goodput.begin(trainer, self.progress.global_step)
+        staging_waited = trainer.strategy.checkpoint_io.staging_waited()
+        record_dir = trainer.log_dir if trainer.is_logging_rank and os.path.isdir(trainer.log_dir) else None
+        self.goodput.begin(self.progress.global_step, staging_waited, record_dir)
         hooks("on_fit_start")
         sanity = (cfg.num_sanity_val_steps != 0 and not cfg.fast_dev_run
                   and loader_source(trainer, "val") is not None
@@ -119,7 +122,7 @@ class FitLoop:
                              f"train_dataloader() on {type(trainer.module).__name__} (or its DataModule)")
         # Iterable-style data (``agreed``): ranks agree before each batch and end the epoch together.
         limit = batch_limit(trainer, "train", data.train_loader)
-        data.num_training_batches, self.agreed = check_batches(trainer, data.train_loader, "train", limit)
+        data.num_training_batches, self.agreed = check_batches(trainer.strategy, data.train_loader, "train", limit)
         # Training steps get a stream per data-parallel rank (tensor/pipeline peers of a replica share it),
         # and sharded regions (polytrain.layers.sharded_rng) one per global rank.
         strategy = trainer.strategy
@@ -152,7 +155,9 @@ class FitLoop:
         trainer.metrics.start_stage(None)
         hooks("on_train_end")
         hooks("on_fit_end")
-        report_goodput(trainer, self.goodput, self.progress.global_step)
+        loggers = trainer.loggers if trainer.is_logging_rank else []
+        report_goodput(self.goodput, self.progress.global_step, trainer.strategy.checkpoint_io.staging_waited(),
+                       trainer.is_global_zero, loggers)
 
     def estimated_stepping_batches(self) -> int | float:
         """The optimizer steps ``fit`` will take (Lightning's ``trainer.estimated_stepping_batches``). As
@@ -391,7 +396,7 @@ class FitLoop:
         checked before each checkpoint and at the end, not here: one made non-finite by a step makes the
         next loss non-finite."""
         t, s = self.t, self.stopping
-        publish(t, t.metrics.pop_step_values(t.strategy.dp_group), self.progress.global_step)
+        publish(t.metrics, t.hooks, t.metrics.pop_step_values(t.strategy.dp_group), self.progress.global_step)
         stop, time_up = self.guard.check((s.requested, self._time_up()), parameters=False)
         if time_up:  # max_time: every rank stops here; the fit-end checkpoint lets a resubmitted job continue
             s.time_up()
@@ -471,7 +476,7 @@ class FitLoop:
 
             def reduced_and_published() -> None:
                 values.update(metrics.reduce_epoch("train", group, more=True))
-                publish(t, values, p.global_step)
+                publish(metrics, t.hooks, values, p.global_step)
 
             t.hooks.epoch_end("on_train_epoch_end", reduced_and_published)
         if complete:

@@ -21,10 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from polytrain.trainer.trainer import Trainer
+from typing import Any
 
 log = logging.getLogger("polytrain")
 
@@ -49,16 +46,18 @@ class Goodput:
                         for name in ("epoch", "data", "validation")}
 
     # ------------------------------------------------------------------ the clock
-    def begin(self, trainer: Trainer, step: int) -> None:
-        """The fit starts (after any resume) at step ``step``. Lines of the run's record after its last
-        finished fit are earlier attempts of this one (each ended by a failure and restarted)."""
+    def begin(self, step: int, staging_waited: float, record_dir: str | None) -> None:
+        """The fit starts (after any resume) at step ``step``; ``staging_waited``: the checkpoint I/O's
+        staging-wait total so far; ``record_dir``: where the record is kept (the logging rank's run
+        directory; None: no record). Lines of the run's record after its last finished fit are earlier
+        attempts of this one (each ended by a failure and restarted)."""
         self.totals.update(dict.fromkeys(PHASES, 0.0))  # in place: the phases add to this mapping
         self.started, self.started_wall, self.start_step = time.perf_counter(), time.time(), step
         self._running.clear()
-        self._staging_seen = trainer.strategy.checkpoint_io.staging_waited()
+        self._staging_seen = staging_waited
         self.path, self.earlier = None, []
-        if trainer.is_logging_rank and os.path.isdir(trainer.log_dir):
-            self.path = os.path.join(trainer.log_dir, RECORD_FILE)
+        if record_dir is not None:
+            self.path = os.path.join(record_dir, RECORD_FILE)
             lines = read_record(self.path)
             ends = [i for i, line in enumerate(lines) if line["event"] == "end"]
             self.earlier = lines[ends[-1] + 1:] if ends else lines
@@ -148,16 +147,16 @@ class _Phase:
         self.totals[self.name] += time.perf_counter() - self.running.pop(self.name)
 
 
-def report_goodput(trainer: Trainer, goodput: Goodput, step: int) -> None:
-    """The fit's end: one line on global rank 0 and ``goodput/*`` scalars to the loggers (logging rank)."""
-    goodput.count_staging_waits(trainer.strategy.checkpoint_io.staging_waited())
+def report_goodput(goodput: Goodput, step: int, staging_waited: float, say: bool, loggers: list[Any]) -> None:
+    """The fit's end: one line where ``say`` (global rank 0) and ``goodput/*`` scalars to ``loggers`` (the
+    logging rank's). ``staging_waited``: the checkpoint I/O's staging-wait total."""
+    goodput.count_staging_waits(staging_waited)
     split = goodput.report(step)
-    if trainer.is_global_zero:
+    if say:
         log.info(summary_line(split))
-    if trainer.is_logging_rank:
-        scalars = {f"goodput/{k}": float(v) for k, v in split.items()}
-        for logger in trainer.loggers:
-            logger.log_metrics(scalars, step)
+    scalars = {f"goodput/{k}": float(v) for k, v in split.items()}
+    for logger in loggers:
+        logger.log_metrics(scalars, step)
 
 
 def _add_phases(split: dict[str, float], totals: dict[str, Any]) -> None:

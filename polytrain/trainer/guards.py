@@ -12,7 +12,6 @@ from polytrain.data.loaders import is_iterable_style
 
 if TYPE_CHECKING:
     from polytrain.trainer.progress import FitProgress
-    from polytrain.trainer.trainer import Trainer
 
 
 def _describe(loader: Any) -> str:
@@ -22,7 +21,7 @@ def _describe(loader: Any) -> str:
             f"drop_last={getattr(loader, 'drop_last', '?')}")
 
 
-def check_batches(trainer: Trainer, loader: Any, stage: str, count: int | None) -> tuple[int | None, bool]:
+def check_batches(strategy: Any, loader: Any, stage: str, count: int | None) -> tuple[int | None, bool]:
     """``(batches per epoch, agreed)``, the same on every rank and settled before any training happens.
     ``count`` is this rank's loader length after the limits (None: unknown).
 
@@ -32,7 +31,6 @@ def check_batches(trainer: Trainer, loader: Any, stage: str, count: int | None) 
     so the ranks agree before each batch whether every one still has one (``AgreedBatches``); the
     count is then an upper bound (the limit, or the smallest ``__len__``), or None (until the streams end).
     """
-    strategy = trainer.strategy
     dataset = getattr(loader, "dataset", None)
     samples = len(dataset) if hasattr(dataset, "__len__") else None
     # Gathered before anyone raises: every rank must reach the same verdict, or some would wait. A tensor

@@ -26,7 +26,7 @@ from polytrain.core import collectives as C
 from polytrain.core.batch import batch_size_of
 
 if TYPE_CHECKING:
-    from polytrain.trainer.trainer import Trainer
+    from polytrain.trainer.hooks import Hooks
 
 REDUCE_FX = ("mean", "sum", "max", "min")
 _HERE = (os.path.dirname(os.path.abspath(__file__)),)
@@ -352,9 +352,10 @@ class MetricCollector:
         self.progress_bar.clear()
 
 
-def publish(trainer: Trainer, values: dict[str, tuple[Logged, torch.Tensor]], step: int) -> None:
+def publish(metrics: MetricCollector, hooks: Hooks, values: dict[str, tuple[Logged, torch.Tensor]],
+            step: int) -> None:
     """Hand values to the loggers (``on_log``) and the progress bar: the only place metrics leave the
     device."""
-    logged = trainer.metrics.publish(values)
+    logged = metrics.publish(values)
     if values:
-        trainer.hooks.callbacks("on_log", logged, step)
+        hooks.callbacks("on_log", logged, step)

@@ -30,14 +30,11 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from polytrain.core.errors import ConfigError
-
-if TYPE_CHECKING:
-    from polytrain.trainer.trainer import Trainer
 
 log = logging.getLogger("polytrain")
 
@@ -70,8 +67,14 @@ class PassThroughProfiler:
         here a context manager that does nothing. One object per row: the loop enters it on every batch."""
         return _NO_PHASE
 
-    def start(self) -> None: ...
-    def stop(self) -> None: ...
+    def setup(self, global_rank: int, device_type: str) -> None:
+        """Where this process runs, once the strategy knows (before the stage's hooks are planned)."""
+
+    def start(self, log_dir: str) -> None:
+        """The fit starts; ``log_dir``: the run's directory (a table or trace written at the end goes there)."""
+
+    def stop(self) -> None:
+        """The fit ended: report."""
 
     def profile(self, name: str) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -82,9 +85,11 @@ class SimpleProfiler(PassThroughProfiler):
     def enabled(self) -> bool:
         return True
 
-    def __init__(self, trainer: Trainer, filename: str | None = None) -> None:
-        self.trainer = trainer
+    def __init__(self, filename: str | None = None) -> None:
         self.filename = filename
+        self.global_rank = 0
+        self.device_type = "cpu"
+        self.log_dir = "."
         self.records: dict[str, list[float]] = {}  # row -> [total seconds, calls]
         self._phases: dict[tuple[str, str | None], _TimedPhase] = {}
         self._t0 = 0.0
@@ -130,7 +135,11 @@ class SimpleProfiler(PassThroughProfiler):
             record[0] += time.perf_counter() - t0
             record[1] += 1
 
-    def start(self) -> None:
+    def setup(self, global_rank: int, device_type: str) -> None:
+        self.global_rank, self.device_type = global_rank, device_type
+
+    def start(self, log_dir: str) -> None:
+        self.log_dir = log_dir
         self._t0 = time.perf_counter()
 
     def stop(self) -> None:
@@ -164,14 +173,13 @@ class SimpleProfiler(PassThroughProfiler):
         return "\n".join(lines)
 
     def report(self) -> None:
-        t = self.trainer
-        self.summary = f"simple profiler, rank {t.global_rank}: wall time, inclusive\n{self.table()}"
+        self.summary = f"simple profiler, rank {self.global_rank}: wall time, inclusive\n{self.table()}"
         if self.filename:
-            path = os.path.join(t.log_dir, f"{self.filename}-rank{t.global_rank}.txt")
+            path = os.path.join(self.log_dir, f"{self.filename}-rank{self.global_rank}.txt")
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             with open(path, "w", encoding="utf-8") as fh:
                 fh.write(self.summary + "\n")
-        if t.is_global_zero:
+        if self.global_rank == 0:
             print(self.summary, flush=True)
 
 
@@ -219,15 +227,15 @@ class TorchProfiler(SimpleProfiler):
     """``torch.profiler`` over a window of training batches on global rank 0; the phases and hooks are
     labelled ranges in the trace. Other ranks run unprofiled."""
 
-    def __init__(self, trainer: Trainer, options: dict[str, Any]) -> None:
-        super().__init__(trainer)
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__()
         self.options = options
         self.profiler: Any = None
         self.trace_dir: str | None = None
 
     @property
     def enabled(self) -> bool:
-        return self.trainer.is_global_zero
+        return self.global_rank == 0
 
     def instrument(self, row: str, fn: Callable[..., Any],
                    excluding: str | None = None) -> Callable[..., Any]:
@@ -247,13 +255,14 @@ class TorchProfiler(SimpleProfiler):
             return _NO_PHASE
         return _TracedPhase(f"polytrain/{row}", self if row == "training batch" else None)
 
-    def start(self) -> None:
-        o, t = self.options, self.trainer
+    def start(self, log_dir: str) -> None:
+        o = self.options
+        self.log_dir = log_dir
         if not self.enabled:
             return
-        self.trace_dir = o.get("dir") or os.path.join(t.log_dir, "profiler")
+        self.trace_dir = o.get("dir") or os.path.join(log_dir, "profiler")
         activities = [torch.profiler.ProfilerActivity.CPU]
-        if t.strategy.root_device.type == "cuda":
+        if self.device_type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         schedule = torch.profiler.schedule(wait=o.get("wait", 1), warmup=o.get("warmup", 1),
                                            active=o.get("active", 3), repeat=o.get("repeat", 1),
@@ -261,7 +270,7 @@ class TorchProfiler(SimpleProfiler):
         self.profiler = torch.profiler.profile(
             activities=activities, schedule=schedule,
             on_trace_ready=torch.profiler.tensorboard_trace_handler(self.trace_dir,
-                                                                    worker_name=f"rank{t.global_rank}"),
+                                                                    worker_name=f"rank{self.global_rank}"),
             record_shapes=o.get("record_shapes", False), profile_memory=o.get("profile_memory", False),
             with_stack=o.get("with_stack", False), with_flops=o.get("with_flops", False))
         self.profiler.start()
@@ -324,12 +333,12 @@ def check_profiler_options(spec: Any) -> tuple[str, dict[str, Any]] | None:
     return name, options
 
 
-def build_profiler(spec: Any, trainer: Trainer) -> PassThroughProfiler:
+def build_profiler(spec: Any) -> PassThroughProfiler:
     """The Trainer's profiler for ``trainer.profiler`` (checked at config validation)."""
     checked = check_profiler_options(spec)
     if checked is None:
         return PassThroughProfiler()
     name, options = checked
     if name == "simple":
-        return SimpleProfiler(trainer, options.get("filename"))
-    return TorchProfiler(trainer, options)
+        return SimpleProfiler(options.get("filename"))
+    return TorchProfiler(options)

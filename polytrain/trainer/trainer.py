@@ -64,7 +64,7 @@ class Trainer:
         self.module: TrainModule | None = None
         self.datamodule: DataModule | None = None
         self.metrics = MetricCollector()
-        self.profiler = build_profiler(self.config.profiler, self)  # trainer.profiler; a pass-through
+        self.profiler = build_profiler(self.config.profiler)  # trainer.profiler; a pass-through
         # by default
         self.hooks: Hooks | None = None  # the running stage's hook funnel
         self.transfer_batch: Any = None  # the running stage's batch mover (the batch-transfer hooks, if any)
@@ -354,6 +354,7 @@ class Trainer:
         planned = plan_layout(self, plan, model, loaders.get("train"), datamodule or self.datamodule, stage,
                               ckpt_path)
         self._setup_strategy(plan)
+        self.profiler.setup(self.global_rank, self.strategy.root_device.type)
         if planned:
             agree_on_plan(self)  # trainer.strategy plan: true (trainer/planned.py)
         self.stage, self.module = stage, model
