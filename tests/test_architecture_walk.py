@@ -38,3 +38,34 @@ def test_the_step_reaches_optimizer_step_within_six_hops_from_the_fit_loop() -> 
     last = [m for m in hops if m is not None and int(m.group(1)) == 6][0]
     assert last.group(2) == "polytrain/core/precision.py" and last.group(4) == "optimizer.step()"
     assert max(numbers) <= 6
+
+
+def _source(path: str) -> str:
+    with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
+        return fh.read()
+
+
+def test_the_composed_strategy_asks_its_executor_instead_of_branching_on_pipeline() -> None:
+    """``parallel.py`` keeps options and composition; what differs with a pipeline is the executor's,
+    chosen once. At most three conditions there mention the pipeline."""
+    branches = [line.strip() for line in _source("polytrain/strategies/parallel.py").splitlines()
+                if re.match(r"\s*(if|elif|while)\b.*(pipeline|\.pp\b|\bpp\b)", line)
+                or re.search(r"\bif\b.*(\.pp\b|pipeline).*\belse\b", line)]
+    assert len(branches) <= 3, branches
+
+
+def test_loop_state_changes_only_through_its_own_methods() -> None:
+    """No module assigns a field of FitProgress or Stopping: ``trainer/progress.py``'s methods do."""
+    fields = ("epoch", "global_step", "batch_in_epoch", "batches_stepped", "validation_due", "at_epoch_end",
+              "sample_base", "train_batch_size", "requested", "agreed", "out_of_time", "told_min")
+    assignment = re.compile(r"\b(progress|p|stopping|s)\.(" + "|".join(fields) + r")\s*([+\-]?=)(?!=)")
+    found = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "polytrain")):
+        for name in files:
+            path = os.path.relpath(os.path.join(folder, name), ROOT)
+            if not name.endswith(".py") or path == os.path.join("polytrain", "trainer", "progress.py"):
+                continue
+            for number, line in enumerate(_source(path).splitlines(), 1):
+                if assignment.search(line):
+                    found.append(f"{path}:{number}: {line.strip()}")
+    assert not found, "loop state written outside trainer/progress.py:\n" + "\n".join(found)
