@@ -54,8 +54,10 @@ import gpt_model as M  # noqa: E402 - the same GPT as the throughput benchmark
 
 END_OF_FORWARD = "activation_memory.end_of_forward"
 GOAL = 0.20  # |predicted / measured peak - 1| for the planner's activation term
-# Each mode measured: its ``Trainer(activation_checkpointing=...)`` and its planner ``Layout(activation_checkpointing=...)``
-MODES: dict[str, tuple[Any, bool | str]] = {"off": (False, False), "full": (True, True), "op": ({"mode": "op"}, "op")}
+# Each mode measured: its ``Trainer(activation_checkpointing=...)`` and its planner
+# ``Layout(activation_checkpointing=...)``
+MODES: dict[str, tuple[Any, bool | str]] = {"off": (False, False), "full": (True, True),
+                                            "op": ({"mode": "op"}, "op")}
 
 
 def memory_probe(cuda: bool) -> Any:
@@ -91,7 +93,8 @@ def memory_probe(cuda: bool) -> Any:
                 with torch.profiler.record_function(END_OF_FORWARD):
                     pass
 
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
             if cuda:
                 torch.cuda.synchronize()
             if batch_idx >= 2:
@@ -175,8 +178,8 @@ def example_module(args: argparse.Namespace, meta: bool = False) -> Any:
             optimizer.zero_grad(set_to_none=False)
 
     with torch.device("meta" if meta else "cpu"):
-        return KeptGradients(d_model=args.d_model, n_head=args.heads, n_layer=args.layers, block_size=args.seq_len,
-                             stride=8, batch_size=args.batch_size)
+        return KeptGradients(d_model=args.d_model, n_head=args.heads, n_layer=args.layers,
+                             block_size=args.seq_len, stride=8, batch_size=args.batch_size)
 
 
 def predicted(args: argparse.Namespace, mode: str) -> tuple[int, int]:
@@ -227,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="steps timed after the measured one")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--model", choices=("bench", "example"), default="bench",
-                   help="bench: gpt_model.py's GPT; example: examples/gpt's, with the planner's prediction (CPU)")
+                   help="bench: gpt_model.py's GPT; example: examples/gpt's, with the planner's "
+                        "prediction (CPU)")
     args = p.parse_args(argv)
     import torch
 
@@ -242,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     params = sum(p.numel() for p in build_module(args).parameters())
     how = "torch.cuda.max_memory_allocated" if args.device == "cuda" else "torch.profiler memory events"
     print(f"activation_memory: polytrain {polytrain.__version__}, GPT L={args.layers} d={args.d_model} "
-          f"T={args.seq_len} batch {args.batch_size} ({params / 1e6:.1f}M params), {args.device} {args.precision}, "
+          f"T={args.seq_len} batch {args.batch_size} ({params / 1e6:.1f}M params), "
+          f"{args.device} {args.precision}, "
           f"torch {torch.__version__}; peak allocated during one training step ({how})", flush=True)
     runs = {mode: measure(args, mode) for mode in MODES}
     mb = 2 ** 20
@@ -250,11 +255,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"checkpointing {mode}: {run['peak'] / mb:.1f} MB, {run['step'] * 1e3:.1f} ms/step", flush=True)
     ok = compare_with_planner(args, runs) if args.model == "example" else True
     off, full, op = runs["off"], runs["full"], runs["op"]
-    print(f"memory: {full['peak'] / off['peak']:.3f} of off ({(off['peak'] - full['peak']) / mb:.1f} MB saved); "
-          f"step time: {full['step'] / off['step']:.3f} of off; last loss off {off['loss']:.6f} on {full['loss']:.6f}",
+    print(f"memory: {full['peak'] / off['peak']:.3f} of off "
+          f"({(off['peak'] - full['peak']) / mb:.1f} MB saved); "
+          f"step time: {full['step'] / off['step']:.3f} of off; "
+          f"last loss off {off['loss']:.6f} on {full['loss']:.6f}",
           flush=True)
-    print(f"memory, mode op: {op['peak'] / off['peak']:.3f} of off ({(off['peak'] - op['peak']) / mb:.1f} MB saved); "
-          f"step time: {op['step'] / off['step']:.3f} of off; last loss off {off['loss']:.6f} op {op['loss']:.6f}",
+    print(f"memory, mode op: {op['peak'] / off['peak']:.3f} of off "
+          f"({(off['peak'] - op['peak']) / mb:.1f} MB saved); "
+          f"step time: {op['step'] / off['step']:.3f} of off; "
+          f"last loss off {off['loss']:.6f} op {op['loss']:.6f}",
           flush=True)
     return 0 if ok else 1
 

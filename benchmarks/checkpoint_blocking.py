@@ -3,9 +3,9 @@
 
 Usage::
 
-    python benchmarks/checkpoint_blocking.py                        # ~100M parameters, single, ddp x2, fsdp x2
+    python benchmarks/checkpoint_blocking.py                      # ~100M parameters, single, ddp x2, fsdp x2
     python benchmarks/checkpoint_blocking.py --width 1024 --layers 12 --modes single,ddp --rounds 3
-    python benchmarks/checkpoint_blocking.py --tiny                 # smoke test: seconds
+    python benchmarks/checkpoint_blocking.py --tiny               # smoke test: seconds
 
 The model is ``--layers`` square ``Linear(--width, --width)`` layers with ReLU (width 2048 x 24 layers:
 ~100M parameters), AdamW, random data on CPU; a checkpoint holds the weights and both AdamW moments
@@ -73,7 +73,8 @@ def build_module(args: argparse.Namespace) -> Any:
     return Stack()
 
 
-def run_variant(args: argparse.Namespace, strategy: str, world: int, variant: str, root: str) -> dict[str, Any]:
+def run_variant(args: argparse.Namespace, strategy: str, world: int, variant: str,
+                root: str) -> dict[str, Any]:
     from polytrain import Trainer
     from polytrain.callbacks.base import Callback
     from polytrain.callbacks.checkpoint import ModelCheckpoint
@@ -101,14 +102,16 @@ def run_variant(args: argparse.Namespace, strategy: str, world: int, variant: st
                       save_on_fit_end=False, async_save=variant == "async")
         saver.blocked = []
         callbacks.append(saver)
-    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps, max_epochs=10**6,
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps,
+                      max_epochs=10**6,
                       run_dir=root, logger=False, enable_progress_bar=False, enable_model_summary=False,
                       enable_checkpointing=saver is not None, callbacks=[clock, *callbacks], seed=0)
     trainer.fit(build_module(args))
     blocked = None
     if saver is not None and saver.blocked:
         waits = trainer.strategy.checkpoint_io.writer.staging_waits if variant == "async" else []
-        blocked = statistics.median(b + (waits[i] if i < len(waits) else 0.0) for i, b in enumerate(saver.blocked))
+        blocked = statistics.median(b + (waits[i] if i < len(waits) else 0.0)
+                                    for i, b in enumerate(saver.blocked))
     return {"steps_per_s": (args.steps - args.warmup) / (clock.end - clock.start), "blocked": blocked}
 
 
@@ -142,9 +145,11 @@ def run_multi(args: argparse.Namespace, strategy: str) -> dict[str, list[Any]]:
 def report(label: str, out: dict[str, list[Any]]) -> list[str]:
     med = {v: statistics.median(r["steps_per_s"] for r in runs) for v, runs in out.items()}
     blocked = {v: statistics.median(r["blocked"] for r in out[v]) for v in ("sync", "async")}
-    return [f"{label}: blocked per save: sync {blocked['sync'] * 1e3:.1f} ms, async {blocked['async'] * 1e3:.1f} ms, "
+    return [f"{label}: blocked per save: sync {blocked['sync'] * 1e3:.1f} ms, "
+            f"async {blocked['async'] * 1e3:.1f} ms, "
             f"ratio {blocked['async'] / blocked['sync']:.3f} (target <= 0.10)",
-            f"{label}: steps/s: no saves {med['none']:.3f}, sync {med['sync']:.3f} (ratio {med['sync'] / med['none']:.3f}), "
+            f"{label}: steps/s: no saves {med['none']:.3f}, sync {med['sync']:.3f} "
+            f"(ratio {med['sync'] / med['none']:.3f}), "
             f"async {med['async']:.3f} (ratio {med['async'] / med['none']:.3f}, target >= 0.95)"]
 
 
@@ -164,15 +169,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="smoke test: a tiny model, few steps, one round")
     args = p.parse_args(argv)
     if args.tiny:
-        args.width, args.layers, args.batch_size, args.steps, args.warmup, args.every, args.rounds = 32, 2, 4, 6, 1, 2, 1
+        (args.width, args.layers, args.batch_size, args.steps, args.warmup, args.every,
+         args.rounds) = 32, 2, 4, 6, 1, 2, 1
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     params = args.layers * (args.width * args.width + args.width)
-    print(f"model: {args.layers} x Linear({args.width}, {args.width}) = {params / 1e6:.1f}M parameters, AdamW; "
-          f"{args.steps} steps, a save every {args.every}, {args.rounds} round(s)", flush=True)
+    print(f"model: {args.layers} x Linear({args.width}, {args.width}) = {params / 1e6:.1f}M parameters, "
+          f"AdamW; {args.steps} steps, a save every {args.every}, {args.rounds} round(s)", flush=True)
     for mode in args.modes.split(","):
         if mode == "single":
             import torch

@@ -104,7 +104,8 @@ def held_bytes(strategy: Any) -> int:
 
 
 def _ddp_bucket_bytes(strategy: Any) -> int:
-    """Bytes of DDP's gradient buckets (a copy of the gradients unless they are bucket views), 0 without DDP."""
+    """Bytes of DDP's gradient buckets (a copy of the gradients unless they are bucket views),
+    0 without DDP."""
     from torch.nn.parallel import DistributedDataParallel
 
     owners = [strategy, *(v for v in vars(strategy).values() if hasattr(v, "__dict__"))]
@@ -191,7 +192,8 @@ def ideal_bytes(args: argparse.Namespace, degrees: dict[str, int], pp_rank: int)
     return ideal, whole / world_of(degrees)
 
 
-def _worker(rank: int, world_size: int, args: argparse.Namespace, layout: str, run_dir: str) -> dict[str, Any]:
+def _worker(rank: int, world_size: int, args: argparse.Namespace, layout: str,
+            run_dir: str) -> dict[str, Any]:
     from polytrain import Trainer
 
     degrees = LAYOUTS[layout]
@@ -242,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"GPT d_model={args.d_model} n_layer={args.n_layer}, AdamW: bytes of parameters + optimizer state per rank")
+    print(f"GPT d_model={args.d_model} n_layer={args.n_layer}, AdamW: bytes of parameters + optimizer state "
+          "per rank")
     print("  (planner: parameters + gradients + optimizer state of the rank furthest from its prediction)")
     print(f"{'layout':<14}{'ranks':>6}{'largest KiB':>13}{'smallest KiB':>14}{'ideal KiB':>11}{'ratio':>8}"
           f"{'1/N KiB':>10}{'measured KiB':>14}{'planner KiB':>13}{'ratio':>8}")
@@ -253,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         planned &= abs(row["vs_planner"] - 1) <= PLANNER_GOAL
         print(f"{row['layout']:<14}{row['world']:>6}{row['max'] / 1024:>13.1f}{row['min'] / 1024:>14.1f}"
               f"{row['ideal'] / 1024:>11.1f}{row['ratio']:>8.3f}{row['per_n'] / 1024:>10.1f}"
-              f"{row['measured'] / 1024:>14.1f}{row['predicted'] / 1024:>13.1f}{row['vs_planner']:>8.3f}", flush=True)
+              f"{row['measured'] / 1024:>14.1f}{row['predicted'] / 1024:>13.1f}{row['vs_planner']:>8.3f}",
+              flush=True)
     print(f"composition memory: every layout within {GOAL:.2f} x its ideal split: {'yes' if ok else 'NO'}")
     print(f"planner: every layout's parameters + gradients + optimizer state within {PLANNER_GOAL:.0%} of "
           f"measured: {'yes' if planned else 'NO'}")

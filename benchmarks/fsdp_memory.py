@@ -72,12 +72,14 @@ def _measure(args: argparse.Namespace, strategy: str, run_dir: str) -> dict[str,
         def train_dataloader(self) -> Any:
             gen = torch.Generator().manual_seed(0)
             n = 4 * args.world
-            ds = TensorDataset(torch.randn(n, args.width, generator=gen), torch.randint(0, 10, (n,), generator=gen))
+            ds = TensorDataset(torch.randn(n, args.width, generator=gen),
+                               torch.randint(0, 10, (n,), generator=gen))
             return DataLoader(ds, batch_size=4)
 
     module = Module()
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices="auto", max_steps=1, logger=False,
-                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, run_dir=run_dir)
+                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                      run_dir=run_dir)
     trainer.fit(module)
     optimizer = trainer.strategy.optimizers[0]
     module.sizes["adam"] = local_bytes(v for state in optimizer.state.values() for v in state.values())

@@ -44,7 +44,8 @@ GOAL = 1.03
 
 
 def build_net(args: argparse.Namespace) -> nn.Sequential:
-    blocks = [nn.Sequential(nn.Linear(args.width, 4 * args.width), nn.GELU(), nn.Linear(4 * args.width, args.width))
+    blocks = [nn.Sequential(nn.Linear(args.width, 4 * args.width), nn.GELU(),
+                            nn.Linear(4 * args.width, args.width))
               for _ in range(args.blocks)]
     return nn.Sequential(*blocks, nn.Linear(args.width, 10))
 
@@ -60,7 +61,8 @@ def loader(args: argparse.Namespace, sampler: Any = None) -> Any:
     return DataLoader(ds, batch_size=args.batch_size, sampler=sampler(ds))
 
 
-def run_polytrain(args: argparse.Namespace, run_dir: str) -> tuple[tuple[float, float], dict[str, torch.Tensor]]:
+def run_polytrain(args: argparse.Namespace,
+                  run_dir: str) -> tuple[tuple[float, float], dict[str, torch.Tensor]]:
     from polytrain import Trainer, TrainModule
 
     class Module(TrainModule):
@@ -84,7 +86,8 @@ def run_polytrain(args: argparse.Namespace, run_dir: str) -> tuple[tuple[float, 
             return loader(args)
 
     trainer = Trainer(strategy="fsdp", accelerator="cpu", devices="auto", max_epochs=1, logger=False,
-                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, run_dir=run_dir)
+                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                      run_dir=run_dir)
     module = Module()
     trainer.fit(module)
     elapsed = (time.perf_counter() - module.start[0], time.process_time() - module.start[1])
@@ -165,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  polytrain   {ms['polytrain']:.2f} ms/step")
     print(f"  hand loop   {ms['hand']:.2f} ms/step")
     print(f"ratio polytrain / hand: {ratio:.3f} (goal <= {GOAL}; per pair: "
-          f"{', '.join(f'{r:.3f}' for r in result['ratios'])}); weights match: {'yes' if result['match'] else 'NO'}")
+          f"{', '.join(f'{r:.3f}' for r in result['ratios'])}); "
+          f"weights match: {'yes' if result['match'] else 'NO'}")
     # CPU time of rank 0's process: far less sensitive to other jobs sharing the cores than wall time.
     print(f"ratio of CPU time polytrain / hand: {statistics.median(result['cpu_ratios']):.3f} (per pair: "
           f"{', '.join(f'{r:.3f}' for r in result['cpu_ratios'])})")

@@ -64,7 +64,8 @@ def _make_classes() -> tuple[type, type]:
                 if p.dim() == 1:
                     nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
                 else:
-                    std = 0.02 / math.sqrt(2 * shape.layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
+                    std = (0.02 / math.sqrt(2 * shape.layers) if name.endswith(("proj.weight", "out.weight"))
+                           else 0.02)
                     nn.init.normal_(p, 0.0, std)
 
         def forward(self, idx: torch.Tensor) -> torch.Tensor:

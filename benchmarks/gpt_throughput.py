@@ -83,8 +83,8 @@ def dataset(args: argparse.Namespace, world: int) -> Any:
 def loader(args: argparse.Namespace, ds: Any, sampler: Any = None) -> Any:
     from torch.utils.data import DataLoader
 
-    return DataLoader(ds, batch_size=args.batch_size, shuffle=False, sampler=sampler, num_workers=args.workers,
-                      pin_memory=args.device == "cuda", persistent_workers=False)
+    return DataLoader(ds, batch_size=args.batch_size, shuffle=False, sampler=sampler,
+                      num_workers=args.workers, pin_memory=args.device == "cuda", persistent_workers=False)
 
 
 def build(args: argparse.Namespace) -> Any:
@@ -111,7 +111,8 @@ def run_polytrain(args: argparse.Namespace, ds: Any, strategy: str, compiled: bo
                 _sync(args)
                 self.t0, self.c0 = time.perf_counter(), time.process_time()
 
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
             if batch_idx == args.warmup + args.steps - 1:
                 _sync(args)
                 self.t1, self.c1 = time.perf_counter(), time.process_time()
@@ -127,7 +128,8 @@ def run_polytrain(args: argparse.Namespace, ds: Any, strategy: str, compiled: bo
                       compile={"backend": args.compile_backend} if compiled else False, float8=float8)
     trainer.fit(module)
     return {"seconds": clock.t1 - clock.t0, "cpu": clock.c1 - clock.c0,
-            "loss": trainer.logged_metrics["train/loss"]}  # the last step's value (Lightning's logged_metrics)
+            # the last step's value (Lightning's logged_metrics)
+            "loss": trainer.logged_metrics["train/loss"]}
 
 
 def run_hand(args: argparse.Namespace, ds: Any, strategy: str, compiled: bool,
@@ -145,7 +147,8 @@ def run_hand(args: argparse.Namespace, ds: Any, strategy: str, compiled: bool,
         chosen = set(linears_to_convert(model, resolve_float8(True))[0])
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
                                    module_filter_fn=lambda _m, name: name in chosen)
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    device = (torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda"
+              else torch.device("cpu"))
     model.to(device)
     world, rank = (dist.get_world_size(), dist.get_rank()) if args.world > 1 else (1, 0)
     if strategy == "fsdp":
@@ -166,7 +169,8 @@ def run_hand(args: argparse.Namespace, ds: Any, strategy: str, compiled: bool,
         if compiled:
             model.compile(backend=args.compile_backend)
         step_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None) if strategy == "ddp" else model
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        ) if strategy == "ddp" else model
     optimizer = M.make_optimizer(model.parameters(), model.lr, args.device == "cuda")
     data = loader(args, ds, DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False))
     autocast = torch.autocast(args.device, dtype=torch.bfloat16) if args.precision == "bf16-mixed" \
@@ -179,7 +183,8 @@ def run_hand(args: argparse.Namespace, ds: Any, strategy: str, compiled: bool,
             _sync(args)
             t0, c0 = time.perf_counter(), time.process_time()
         with autocast:
-            loss = step_model.loss((x, y)) if strategy != "ddp" else _ddp_loss(step_model, x, y, model.shape.vocab)
+            loss = (step_model.loss((x, y)) if strategy != "ddp"
+                    else _ddp_loss(step_model, x, y, model.shape.vocab))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -189,7 +194,8 @@ def run_hand(args: argparse.Namespace, ds: Any, strategy: str, compiled: bool,
         if i == args.warmup + args.steps - 1:
             _sync(args)
             t1, c1 = time.perf_counter(), time.process_time()
-    return {"seconds": t1 - t0, "cpu": c1 - c0, "loss": float(last_loss) if last_loss is not None else float("nan")}
+    return {"seconds": t1 - t0, "cpu": c1 - c0,
+            "loss": float(last_loss) if last_loss is not None else float("nan")}
 
 
 def _ddp_loss(ddp: Any, x: Any, y: Any, vocab: int) -> Any:
@@ -236,7 +242,8 @@ def report(args: argparse.Namespace, label: str, out: dict[str, Any], flops_per_
         return f"{flops_per_token * tokens / (ms[k] / 1e3) / (args.peak * args.world) * 100:.1f}%"
 
     lines = [
-        f"{label}: polytrain {ms['poly']:.2f} ms/step {rate('poly')} MFU {mfu('poly')}, hand {ms['hand']:.2f} ms/step "
+        f"{label}: polytrain {ms['poly']:.2f} ms/step {rate('poly')} MFU {mfu('poly')}, "
+        f"hand {ms['hand']:.2f} ms/step "
         f"{rate('hand')} MFU {mfu('hand')}, ratio {statistics.median(ratios):.3f}",
         f"{label}:   per-pair ratios {' '.join(f'{r:.3f}' for r in ratios)}; CPU-time ratio {cpu_ratio:.3f}; "
         f"last loss polytrain {out['poly_loss'][-1]:.6f} hand {out['hand_loss'][-1]:.6f}",
@@ -286,18 +293,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--strategies", default="single", help="comma-separated: single, ddp, fsdp (2 processes)")
     p.add_argument("--compile", choices=("off", "on", "both"), default="both")
-    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager: no codegen)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend (aot_eager: no codegen)")
     p.add_argument("--precision", choices=("auto", "32", "bf16-mixed"), default="auto",
                    help="auto: bf16-mixed on GPUs that support it, 32 on CPU")
     p.add_argument("--batch-size", type=int, default=None, help="per process; default 16 (GPT-2), 8 (tiny)")
     p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None, help="timed steps per round; default 40 (GPT-2), 20 (tiny)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first; default 10 (GPT-2), 4 (tiny)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per round; default 40 (GPT-2), 20 (tiny)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps first; default 10 (GPT-2), 4 (tiny)")
     p.add_argument("--rounds", type=int, default=4, help="rounds per variant (pairs P H, H P, ...)")
-    p.add_argument("--log-every", type=int, default=10, help="log_every_n_steps / hand loop's .item() cadence")
-    p.add_argument("--workers", type=int, default=None, help="DataLoader workers; default 2 on CUDA, 0 on CPU")
+    p.add_argument("--log-every", type=int, default=10,
+                   help="log_every_n_steps / hand loop's .item() cadence")
+    p.add_argument("--workers", type=int, default=None,
+                   help="DataLoader workers; default 2 on CUDA, 0 on CPU")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a multi-process run is abandoned")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds before a multi-process run is abandoned")
     p.add_argument("--float8", choices=("off", "on", "both"), default="off",
                    help="trainer.float8 (and torchao in the hand loop); both: with and without, and the "
                         "ratio")
@@ -350,9 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in build(args).parameters())
     s = args.shape
     print(f"gpt_throughput: polytrain {polytrain.__version__} ({os.path.dirname(polytrain.__file__)}), "
-          f"{'tiny' if args.tiny else 'GPT-2 small'} L={s.layers} d={s.d} heads={s.heads} T={s.seq} V={s.vocab} "
+          f"{'tiny' if args.tiny else 'GPT-2 small'} L={s.layers} d={s.d} heads={s.heads} "
+          f"T={s.seq} V={s.vocab} "
           f"({n_params / 1e6:.1f}M params, {flops / 1e6:.2f} MFLOP/token), batch {args.batch_size}/process, "
-          f"{args.steps} timed steps after {args.warmup}, {args.rounds} rounds, {args.device} {args.precision}, "
+          f"{args.steps} timed steps after {args.warmup}, {args.rounds} rounds, "
+          f"{args.device} {args.precision}, "
           f"torch {torch.__version__}; {args.peak_note}", flush=True)
     variants = [c for c in ((False, True) if args.compile == "both" else ((args.compile == "on"),))]
     strategies = [x.strip() for x in args.strategies.split(",") if x.strip()]

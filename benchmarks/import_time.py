@@ -85,14 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  import torch                 {med('torch'):.3f} s")
     print(f"  + import polytrain           {med('package') * 1e3:.1f} ms")
     print(f"  + polytrain.Trainer          {med('trainer') * 1e3:.1f} ms")
-    print(f"  + first Trainer(...)         {med('construct') * 1e3:.1f} ms  (config validation, default callbacks)")
+    print(f"  + first Trainer(...)         {med('construct') * 1e3:.1f} ms  "
+          "(config validation, default callbacks)")
     t_whole, p_whole = statistics.median(whole["torch"]), statistics.median(whole["polytrain"])
     print(f"  whole processes: python -c 'import torch' {t_whole:.3f} s, "
-          f"python -c 'import torch, polytrain; polytrain.Trainer' {p_whole:.3f} s ({p_whole - t_whole:+.3f} s)")
+          f"python -c 'import torch, polytrain; polytrain.Trainer' {p_whole:.3f} s "
+          f"({p_whole - t_whole:+.3f} s)")
     print(f"import: polytrain over torch {extra:.3f} s, ratio {(med('torch') + extra) / med('torch'):.3f} "
           f"(target <= {TARGET_S} s extra) {verdict}")
     newly = ", ".join(runs[-1]["heavy"]) or "none"
-    print(f"  heavy modules loaded by polytrain.Trainer beyond torch's own: {newly} (watched: {', '.join(HEAVY)})")
+    print(f"  heavy modules loaded by polytrain.Trainer beyond torch's own: {newly} "
+          f"(watched: {', '.join(HEAVY)})")
     return 0
 
 

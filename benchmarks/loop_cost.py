@@ -33,7 +33,8 @@ from polytrain import Callback, Trainer, TrainModule
 
 def make_data(steps: int) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(steps * 4, 8, generator=g), torch.randint(0, 4, (steps * 4,), generator=g))
+    return TensorDataset(torch.randn(steps * 4, 8, generator=g),
+                         torch.randint(0, 4, (steps * 4,), generator=g))
 
 
 def make_net() -> nn.Module:

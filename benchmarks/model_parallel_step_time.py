@@ -137,7 +137,8 @@ def run_hand(args: argparse.Namespace) -> tuple[float, dict[str, torch.Tensor]]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     elapsed = time.perf_counter() - start
-    state = {f"net.{k}": (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in net.state_dict().items()}
+    state = {f"net.{k}": (v.full_tensor() if isinstance(v, DTensor) else v)
+             for k, v in net.state_dict().items()}
     return elapsed, state
 
 

@@ -149,7 +149,8 @@ def report(label: str, result: dict[str, Any], args: argparse.Namespace) -> str:
     outside = statistics.median(((p - pi) - (h - hi)) * 1e3 / args.epochs for p, pi, h, hi in
                                 zip(poly["wall"], poly["inside"], hand["wall"], hand["inside"]))
     lines = [
-        f"{label}: polytrain {ms_per_step(poly, 'wall'):.3f} ms/step, hand {ms_per_step(hand, 'wall'):.3f} ms/step, "
+        f"{label}: polytrain {ms_per_step(poly, 'wall'):.3f} ms/step, "
+        f"hand {ms_per_step(hand, 'wall'):.3f} ms/step, "
         f"ratio {ratio('wall'):.3f} (target <= {target}) {verdict}",
         f"{label}:   inside the epochs (steps only): polytrain {ms_per_step(poly, 'inside'):.3f}, "
         f"hand {ms_per_step(hand, 'inside'):.3f} ms/step, ratio {ratio('inside'):.3f}; outside them "
@@ -167,9 +168,10 @@ def report(label: str, result: dict[str, Any], args: argparse.Namespace) -> str:
         def over_hand(key: str) -> float:
             return statistics.median(x / h for x, h in zip(light[key], hand[key]))
 
-        lines.append(f"{label}:   Lightning {lightning.__version__}: {ms_per_step(light, 'wall'):.3f} ms/step, ratio "
-                     f"{over_hand('wall'):.3f} over hand (inside the epochs {over_hand('inside'):.3f}); weights match "
-                     f"hand: {'yes' if result['lightning_match'] else 'NO'}")
+        lines.append(f"{label}:   Lightning {lightning.__version__}: "
+                     f"{ms_per_step(light, 'wall'):.3f} ms/step, ratio {over_hand('wall'):.3f} over hand "
+                     f"(inside the epochs {over_hand('inside'):.3f}); "
+                     f"weights match hand: {'yes' if result['lightning_match'] else 'NO'}")
     return "\n".join(lines)
 
 
@@ -240,13 +242,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every-n-steps", type=int, default=50, help="polytrain's default is 50")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the DDP run is abandoned")
-    p.add_argument("--profile", action="store_true", help="cProfile one polytrain single-device round and exit")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile one polytrain single-device round and exit")
     p.add_argument("--lightning-order", action="store_true",
-                   help="the hand loop steps as Lightning does: optimizer.step(closure), the closure running forward, "
-                        "zero_grad, backward (polytrain does so only for batches that are not plain)")
+                   help="the hand loop steps as Lightning does: optimizer.step(closure), the closure "
+                        "running forward, zero_grad, backward (polytrain does so only for batches that "
+                        "are not plain)")
     p.add_argument("--lightning", action="store_true",
-                   help="single mode: time Lightning's Trainer on the same module too, as a third variant in each "
-                        "round (needs the dev-only lightning package)")
+                   help="single mode: time Lightning's Trainer on the same module too, as a third variant "
+                        "in each round (needs the dev-only lightning package)")
     p.add_argument("--verbose", action="store_true", help="print every pair")
     args = p.parse_args(argv)
     if args.steps < args.epochs or args.rounds < 1:
@@ -262,9 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     import polytrain
 
     torch.set_num_threads(args.threads)
-    print(f"overhead: polytrain {polytrain.__version__} ({os.path.dirname(polytrain.__file__)}), MLP {args.features}-{args.hidden}-{args.hidden}-10, batch {args.batch_size}, "
+    print(f"overhead: polytrain {polytrain.__version__} ({os.path.dirname(polytrain.__file__)}), "
+          f"MLP {args.features}-{args.hidden}-{args.hidden}-10, batch {args.batch_size}, "
           f"{args.steps} steps/round in {args.epochs} epochs, log every {args.log_every_n_steps} steps, "
-          f"{args.rounds} timed pairs + 1 warm-up, torch {torch.__version__}, {args.threads} thread(s)/process"
+          f"{args.rounds} timed pairs + 1 warm-up, torch {torch.__version__}, "
+          f"{args.threads} thread(s)/process"
           f"{', hand loop in Lightning order' if args.lightning_order else ''}", flush=True)
     if args.profile:
         profile_single(args)

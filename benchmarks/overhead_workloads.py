@@ -31,8 +31,8 @@ def make_net(args: argparse.Namespace) -> Any:
     from torch import nn
 
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(args.features, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden),
-                         nn.ReLU(), nn.Linear(args.hidden, 10))
+    return nn.Sequential(nn.Linear(args.features, args.hidden), nn.ReLU(),
+                         nn.Linear(args.hidden, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
 
 
 def make_optimizer(params: Any, args: argparse.Namespace) -> Any:
@@ -172,7 +172,8 @@ def run_hand(args: argparse.Namespace, dataset: Any, run_dir: str, distributed: 
             if step % args.log_every_n_steps == 0 and is_zero:
                 value = loss.item()
                 writer.add_scalar("train/loss", value, step)
-                writer.add_scalar("epoch", float(epoch), step)  # polytrain's loggers add it, as Lightning's do
+                # polytrain's loggers add it, as Lightning's do
+                writer.add_scalar("epoch", float(epoch), step)
                 rows.append({"step": step, "train/loss": value, "epoch": float(epoch)})
             if bar is not None:
                 bar.update(1)
@@ -190,8 +191,8 @@ def run_hand(args: argparse.Namespace, dataset: Any, run_dir: str, distributed: 
             os.makedirs(ckpt_dir, exist_ok=True)
             final = os.path.join(ckpt_dir, "last.ckpt")
             with open(final + ".tmp", "wb") as fh:
-                torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1,
-                            "step": step}, fh)
+                torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict(),
+                            "epoch": epoch + 1, "step": step}, fh)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(final + ".tmp", final)

@@ -64,11 +64,13 @@ def _child(fn: Any, rank: int, world: int, port: int, args: Any, results: Any) -
 
 
 def spawn(fn: Any, world: int, args: Any, timeout: float) -> list[Any]:
-    """``fn(rank, args)`` on ``world`` gloo-ready processes; results by rank (shared with pipeline_step_time)."""
+    """``fn(rank, args)`` on ``world`` gloo-ready processes; results by rank
+    (shared with pipeline_step_time)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, results), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, results), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
@@ -128,7 +130,8 @@ def make_module(args: Any, batch: int) -> Any:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if cost:
-                return InputCost.apply(torch.tanh(F.linear(x, WeightCost.apply(self.fc.weight), self.fc.bias)))
+                return InputCost.apply(torch.tanh(F.linear(x, WeightCost.apply(self.fc.weight),
+                                                           self.fc.bias)))
             return torch.tanh(self.fc(x))
 
     class Stack(TrainModule):
@@ -195,7 +198,8 @@ def _worker(rank: int, args: Any) -> list[dict[str, Any]]:
     timers.wrap(PipelineStrategy, "forward_backward", "wall")
 
     class StartCounting(Callback):
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
             timers.counting = batch_idx + 1 >= args.warmup
 
     rows = []
@@ -203,7 +207,8 @@ def _worker(rank: int, args: Any) -> list[dict[str, Any]]:
         for m in args.microbatches:
             timers.busy = timers.wall = 0.0
             timers.counting = False
-            trainer = Trainer(accelerator="cpu", devices=2, max_epochs=1, enable_progress_bar=False, logger=False,
+            trainer = Trainer(accelerator="cpu", devices=2, max_epochs=1, enable_progress_bar=False,
+                              logger=False,
                               enable_checkpointing=False, run_dir=args.run_dir, log_every_n_steps=10**6,
                               callbacks=[StartCounting()],
                               strategy={"name": "pipeline", "schedule": schedule, "n_microbatches": m,
@@ -233,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     p = 2
     ranks = spawn(_worker, p, args, args.timeout)
-    print(f"pipeline bubble: p={p} ranks, {args.layers} x Linear({args.width}, {args.width}) + {args.cost_ms} ms "
-          f"artificial cost per layer for each of F, B-input, B-weight; microbatch {args.microbatch_size} rows, "
+    print(f"pipeline bubble: p={p} ranks, {args.layers} x Linear({args.width}, {args.width}) + "
+          f"{args.cost_ms} ms artificial cost per layer for each of F, B-input, B-weight; "
+          f"microbatch {args.microbatch_size} rows, "
           f"{args.steps} steps after {args.warmup} warm-up (CPU, gloo, 1 thread/rank)")
     print(f"{'schedule':<18}{'v':>3}{'m':>4}{'idle mean':>11}{'idle max':>10}{'formula':>9}{'ms/step':>9}"
           f"{'busy ms':>9}")
@@ -244,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         busy = statistics.mean(r[i]["busy_ms"] for r in ranks)
         zb = row["schedule"] in ("zero_bubble", "zbv")
         print(f"{row['schedule']:<18}{row['v']:>3}{row['m']:>4}{statistics.mean(idles):>11.3f}{max(idles):>10.3f}"
-              f"{formula(p, row['m'], row['v']):>9.3f}{ms:>9.1f}{busy:>9.1f}{'  (formula without zero-bubble gains)' if zb else ''}")
+              f"{formula(p, row['m'], row['v']):>9.3f}{ms:>9.1f}{busy:>9.1f}"
+              f"{'  (formula without zero-bubble gains)' if zb else ''}")
     return 0
 
 

@@ -60,14 +60,17 @@ def run_polytrain(args: Any, rank: int) -> tuple[float, list[Any]]:
     stamps: list[float] = []
 
     class Stamp(Callback):
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
             stamps.append(time.perf_counter())
 
     torch.manual_seed(0)
     module = make_module(args, args.microbatches * args.microbatch_size)
     trainer = Trainer(accelerator="cpu", devices=2, max_epochs=1, enable_progress_bar=False, logger=False,
-                      enable_checkpointing=False, run_dir=args.run_dir, log_every_n_steps=50, callbacks=[Stamp()],
-                      strategy={"name": "pipeline", "schedule": args.schedule, "n_microbatches": args.microbatches})
+                      enable_checkpointing=False, run_dir=args.run_dir, log_every_n_steps=50,
+                      callbacks=[Stamp()],
+                      strategy={"name": "pipeline", "schedule": args.schedule,
+                                "n_microbatches": args.microbatches})
     trainer.fit(module)
     return _median_interval(stamps, args.warmup), [p.detach().clone() for p in module.parameters()]
 
@@ -141,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.cost_ms = 0.0  # make_module's artificial cost: off, only the real matmuls
     ranks = spawn(_worker, 2, args, args.timeout)
-    print(f"pipeline step time: {args.schedule}, 2 ranks, {args.layers} x Linear({args.width}, {args.width}), "
+    print(f"pipeline step time: {args.schedule}, 2 ranks, "
+          f"{args.layers} x Linear({args.width}, {args.width}), "
           f"m={args.microbatches} x {args.microbatch_size} rows, {args.steps} steps per round, "
           f"{args.rounds - 1} measured pairs (CPU, gloo, 1 thread/rank)")
     for rank, result in enumerate(ranks):

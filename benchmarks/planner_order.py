@@ -10,8 +10,9 @@ Usage::
 Hardware: the planner's ``cpu`` preset, or with ``--calibrate`` this machine's figures, measured on the
 same number of processes at once (what the layouts will share): the matmul FLOP/s one process reaches
 at ``--threads`` threads on the model's MLP GEMM shape (the best of ``--calibration-reps``, taken as the
-peak; ``--efficiency``, an input, is the fraction of it the whole model reaches), and a gloo all-reduce over every rank at two sizes,
-read as the planner's ring model ``t = 2(n-1) latency + bytes 2(n-1)/n / bandwidth``.
+peak; ``--efficiency``, an input, is the fraction of it the whole model reaches), and a gloo all-reduce
+over every rank at two sizes, read as the planner's ring model
+``t = 2(n-1) latency + bytes 2(n-1)/n / bandwidth``.
 
 Measured: per step, the slowest rank's wall time (``on_train_batch_start`` to ``on_train_batch_end``),
 the median over ``--steps`` steps after ``--warmup``, then the median over ``--rounds`` rounds (each
@@ -43,8 +44,8 @@ def make_module(args: argparse.Namespace, batch_size: int, meta: bool = False) -
 
     torch.manual_seed(0)
     with torch.device("meta" if meta else "cpu"):
-        return CharGPT(d_model=args.d_model, n_head=args.n_head, n_layer=args.n_layer, block_size=args.seq_len,
-                       stride=8, batch_size=batch_size)
+        return CharGPT(d_model=args.d_model, n_head=args.n_head, n_layer=args.n_layer,
+                       block_size=args.seq_len, stride=8, batch_size=batch_size)
 
 
 # --------------------------------------------------------------------------- calibration
@@ -75,7 +76,8 @@ def _calibrate_worker(rank: int, world: int, args: argparse.Namespace) -> dict[s
     dist.barrier()
     t_small = _timed(lambda: dist.all_reduce(small), args.calibration_reps)
     t_large = _timed(lambda: dist.all_reduce(large), max(args.calibration_reps // 4, 2))
-    return {"flops": 2 * tokens * args.d_model * 4 * args.d_model / matmul, "t_small": t_small, "t_large": t_large}
+    return {"flops": 2 * tokens * args.d_model * 4 * args.d_model / matmul, "t_small": t_small,
+            "t_large": t_large}
 
 
 def calibrate(args: argparse.Namespace) -> dict[str, float]:
@@ -135,7 +137,8 @@ def _step_timer() -> Any:
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
             self._t0 = time.perf_counter()
 
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
             self.times.append(time.perf_counter() - self._t0)
 
     return StepTimer()
@@ -177,8 +180,9 @@ def measure(args: argparse.Namespace, layouts: list[Any]) -> list[float]:
             except RuntimeError as err:  # a layout the strategy cannot run here: reported, the others go on
                 print(f"{layouts[i].label()} failed: {str(err).strip().splitlines()[-1][:200]}", flush=True)
                 samples[i].append(math.inf)
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{layouts[i].label()} {samples[i][-1] * 1e3:.1f} ms"
-                                                          for i in range(len(layouts))), flush=True)
+        print(f"round {r + 1}/{args.rounds}: "
+              + ", ".join(f"{layouts[i].label()} {samples[i][-1] * 1e3:.1f} ms"
+                          for i in range(len(layouts))), flush=True)
     return [statistics.median(s) for s in samples]
 
 
@@ -201,9 +205,11 @@ def report(estimates: list[Any], measured: list[float], top: int) -> bool:
     head = range(min(top, len(estimates)))
     swapped = [(i, j) for i in head for j in head if i < j and measured[i] > measured[j]
                and estimates[j].step_time > estimates[i].step_time * (1 + TIE)]
-    ties = [(i, j) for i in head for j in head if i < j and measured[i] > measured[j] and (i, j) not in swapped]
+    ties = [(i, j) for i in head for j in head if i < j and measured[i] > measured[j]
+            and (i, j) not in swapped]
     beaten = [estimates[i].layout.label() for i in by_time[:len(head)] if i not in head]
-    print(f"planner order: measured order of the predicted top {len(head)} agrees: {'NO' if swapped else 'yes'}"
+    print(f"planner order: measured order of the predicted top {len(head)} agrees: "
+          f"{'NO' if swapped else 'yes'}"
           + (f" (swapped within the planner's {TIE:.0%} tie: "
              + ", ".join(f"#{i + 1}/#{j + 1}" for i, j in ties) + ")" if ties else "")
           + (f"; faster than one of them: {', '.join(beaten)}" if beaten else ""))
@@ -227,7 +233,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--calibrate", action="store_true", help="measure FLOP/s and gloo all-reduce here")
     p.add_argument("--calibration-reps", type=int, default=20)
     p.add_argument("--efficiency", type=float, default=None,
-                   help="fraction of peak the model reaches (default: the preset's 0.3; 0.8 with --calibrate)")
+                   help="fraction of peak the model reaches (default: the preset's 0.3; 0.8 with "
+                        "--calibrate)")
     p.add_argument("--timeout", type=float, default=300.0, help="per launch, seconds")
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
     args = p.parse_args(argv)
@@ -250,13 +257,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.global_batch}, fp32 AdamW, {args.ranks} gloo ranks x {args.threads} threads", flush=True)
     figures = calibrate(args) if args.calibrate else {}
     hw, ranked = plan(args, figures)
-    print(f"hardware ({'calibrated here' if figures else 'cpu preset'}): peak {hw.peak_flops / 1e9:.1f} GFLOP/s "
+    print(f"hardware ({'calibrated here' if figures else 'cpu preset'}): "
+          f"peak {hw.peak_flops / 1e9:.1f} GFLOP/s "
           f"per rank, efficiency {hw.efficiency}, all-reduce bandwidth {hw.intra_bw / 1e9:.2f} GB/s, latency "
           f"{hw.intra_latency * 1e6:.1f} us per step", flush=True)
     chosen = ranked[:args.top + args.extra]
     for i, est in enumerate(chosen, 1):
         parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in est.time.items() if v > 0)
-        print(f"plan #{i}: {est.layout.label()}: predicted {est.step_time * 1e3:.2f} ms ({parts} ms)", flush=True)
+        print(f"plan #{i}: {est.layout.label()}: predicted {est.step_time * 1e3:.2f} ms ({parts} ms)",
+              flush=True)
     measured = measure(args, [e.layout for e in chosen])
     report(chosen, measured, args.top)
     return 0

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
 
 
-_SUBPACKAGES = ("callbacks", "loggers", "utilities")  # `pl.callbacks.ModelCheckpoint`, as Lightning code writes it
+# `pl.callbacks.ModelCheckpoint`, as Lightning code writes it
+_SUBPACKAGES = ("callbacks", "loggers", "utilities")
 
 
 def __getattr__(name: str) -> Any:

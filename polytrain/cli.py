@@ -27,7 +27,8 @@ def _parser(plan: bool = False) -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_epochs=3")
     ck = sub.add_parser("checkpoint", help="checkpoint utilities")
     ck_sub = ck.add_subparsers(dest="action", required=True)
-    cons = ck_sub.add_parser("consolidate", help="write a checkpoint's model weights as one plain state_dict file")
+    cons = ck_sub.add_parser("consolidate",
+                             help="write a checkpoint's model weights as one plain state_dict file")
     cons.add_argument("source", help="a checkpoint file or sharded checkpoint directory")
     cons.add_argument("output", help="where to write the state_dict (torch.save format)")
     if plan:  # the planner's options (hardware presets) load torch: only when planning

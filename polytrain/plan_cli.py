@@ -36,7 +36,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--intra-node-gbps", type=float, default=None, help="GB/s per device inside a node")
     p.add_argument("--inter-node-gbps", type=float, default=None, help="GB/s per device between nodes")
     p.add_argument("--global-batch", type=int, default=None,
-                   help="samples per step (default: the dataloader's batch x the config's data-parallel size)")
+                   help="samples per step (default: the dataloader's batch x the config's "
+                        "data-parallel size)")
     p.add_argument("--attention", choices=ATTENTION_KERNELS, default=None,
                    help="SDPA kernel whose saved tensors count (default: what torch runs on the hardware: "
                         "flash on a GPU; cpu on cpu, which is flash but math under dropout; math: the s x s "
@@ -74,7 +75,8 @@ def run_plan(args: argparse.Namespace) -> int:
     gbps = {k: getattr(args, f"{k}_node_gbps") for k in ("intra", "inter")}
     hw = hardware(preset, args.nodes, args.devices_per_node,
                   memory_bytes=parse_bytes(args.device_memory) if args.device_memory else None,
-                  efficiency=args.efficiency, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
+                  efficiency=args.efficiency,
+                  peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
                   intra_bw=gbps["intra"] * 1e9 if gbps["intra"] else None,
                   inter_bw=gbps["inter"] * 1e9 if gbps["inter"] else None)
     devices = trainer.get("devices", 1)

@@ -3,8 +3,9 @@
 The module owns its data. With ``fake: false`` it reads torchvision's CIFAR-10, downloading it
 once per node in ``prepare_data`` (Lightning's hook: the Trainer calls it on local rank 0 while the
 other ranks wait at a barrier, DESIGN rule 5; if the download fails, every rank stops with one sentence
-naming data_root, and the directories the attempt created are removed). With ``fake: true`` it trains on ``torchvision.datasets.FakeData`` pictures of the same
-shape, which needs no network (smoke tests, offline machines).
+naming data_root, and the directories the attempt created are removed). With ``fake: true`` it trains on
+``torchvision.datasets.FakeData`` pictures of the same shape, which needs no network (smoke tests, offline
+machines).
 """
 
 from __future__ import annotations
@@ -141,8 +142,9 @@ class CIFAR10ResNet(TrainModule):
             for directory in created:  # deepest first: only what this attempt made, and only if empty
                 with contextlib.suppress(OSError):
                     os.rmdir(directory)
-            raise RuntimeError(f"module.data_root={self.data_root}: CIFAR-10 is not there, and downloading it "
-                               f"failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
+            raise RuntimeError(f"module.data_root={self.data_root}: CIFAR-10 is not there, and downloading "
+                               f"it failed ({type(err).__name__}: "
+                               f"{str(err).splitlines()[0] if str(err) else ''}). "
                                f"Point module.data_root at your copy, run where the download can reach the "
                                f"internet, or train on stand-in pictures with module.fake=true") from None
 

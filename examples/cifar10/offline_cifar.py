@@ -49,7 +49,8 @@ def synthetic_files() -> dict[str, bytes]:
     files = {f"data_batch_{i}": _batch_file(f"training batch {i} of 5", i) for i in range(1, 6)}
     files["test_batch"] = _batch_file("testing batch 1 of 1", 0)
     files["batches.meta"] = pickle.dumps(
-        {"label_names": LABEL_NAMES, "num_cases_per_batch": IMAGES_PER_FILE, "num_vis": 3 * 32 * 32}, protocol=2)
+        {"label_names": LABEL_NAMES, "num_cases_per_batch": IMAGES_PER_FILE, "num_vis": 3 * 32 * 32},
+        protocol=2)
     return files
 
 
@@ -92,5 +93,6 @@ class UnreachableCIFAR10(CIFAR10):
     def download(self) -> None:
         if self._check_integrity():
             return
-        os.makedirs(self.root, exist_ok=True)  # as torchvision's download_and_extract_archive does, before fetching
+        # as torchvision's download_and_extract_archive does, before fetching
+        os.makedirs(self.root, exist_ok=True)
         raise urllib.error.URLError(f"[Errno -3] Temporary failure in name resolution (fetching {self.url})")

@@ -104,9 +104,12 @@ DEMOS = {fn.__name__: fn for fn in (send_recv, isend_irecv, all_reduce, broadcas
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml"))
-    parser.add_argument("--only", default=None, help="comma-separated demo names (default: the config's list)")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config",
+                        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml"))
+    parser.add_argument("--only", default=None,
+                        help="comma-separated demo names (default: the config's list)")
     args = parser.parse_args()
     with open(args.config, encoding="utf-8") as fh:
         cfg = yaml.safe_load(fh)

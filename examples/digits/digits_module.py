@@ -25,7 +25,8 @@ def load_digits_tensors(val_fraction: float = 0.2, seed: int = 0) -> tuple[Tenso
 
 
 class DigitsClassifier(TrainModule):
-    def __init__(self, lr: float = 0.05, batch_size: int = 32, channels: int = 16, val_fraction: float = 0.2) -> None:
+    def __init__(self, lr: float = 0.05, batch_size: int = 32, channels: int = 16,
+                 val_fraction: float = 0.2) -> None:
         super().__init__()
         self.lr = lr
         self.batch_size = batch_size

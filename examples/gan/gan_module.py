@@ -34,7 +34,8 @@ def digit_images(n: int | None = None) -> torch.Tensor:
 class Generator(nn.Module):
     def __init__(self, latent_dim: int, hidden: int) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(latent_dim, hidden), nn.LeakyReLU(0.2), nn.Linear(hidden, 64), nn.Sigmoid())
+        self.net = nn.Sequential(nn.Linear(latent_dim, hidden), nn.LeakyReLU(0.2), nn.Linear(hidden, 64),
+                                 nn.Sigmoid())
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         return self.net(z).view(-1, 1, 8, 8)
@@ -103,5 +104,5 @@ class DigitsGAN(TrainModule):
                 torch.optim.Adam(self.discriminator.parameters(), lr=lr, betas=betas)]
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(digit_images(self.hparams.n_images)), batch_size=self.hparams.batch_size,
-                          shuffle=True)
+        return DataLoader(TensorDataset(digit_images(self.hparams.n_images)),
+                          batch_size=self.hparams.batch_size, shuffle=True)

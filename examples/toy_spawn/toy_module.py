@@ -13,11 +13,13 @@ from polytrain import TrainModule
 def random_regression_data(num_samples: int, seed: int = 0) -> TensorDataset:
     """Random inputs and random targets, the same on every rank (a fixed generator, not the global RNG)."""
     gen = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randn(num_samples, 10, generator=gen), torch.randn(num_samples, 5, generator=gen))
+    return TensorDataset(torch.randn(num_samples, 10, generator=gen),
+                         torch.randn(num_samples, 5, generator=gen))
 
 
 class ToyModel(TrainModule):
-    def __init__(self, lr: float = 0.01, num_samples: int = 320, batch_size: int = 20, data_seed: int = 0) -> None:
+    def __init__(self, lr: float = 0.01, num_samples: int = 320, batch_size: int = 20,
+                 data_seed: int = 0) -> None:
         super().__init__()
         self.lr = lr
         self.batch_size = batch_size

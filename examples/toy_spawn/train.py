@@ -23,7 +23,8 @@ from polytrain import Trainer, seed_everything  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--run-dir", default="runs/toy_spawn")
@@ -40,7 +41,8 @@ def main() -> None:
     trainer.fit(model)  # returns in the parent once every spawned worker has finished
 
     changed = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
-    print(f"workers: last logged train/loss = {float(trainer.callback_metrics['train/loss']):.4f}", flush=True)
+    print(f"workers: last logged train/loss = {float(trainer.callback_metrics['train/loss']):.4f}",
+          flush=True)
     print(f"parent: loss after training = {model.full_loss():.4f}", flush=True)
     print(f"parent: received trained weights = {changed}", flush=True)
 

@@ -52,8 +52,9 @@ class ModelCheckpoint(Callback):
         if save_top_k < -1:
             raise ValueError(f"ModelCheckpoint save_top_k={save_top_k}; use -1 (all), 0 (only last) or k > 0")
         if train_time_interval is not None and every_n_train_steps:
-            raise ValueError(f"ModelCheckpoint every_n_train_steps={every_n_train_steps} and train_time_interval="
-                             f"{train_time_interval} are mutually exclusive (as in Lightning); pass one of them")
+            raise ValueError(f"ModelCheckpoint every_n_train_steps={every_n_train_steps} and "
+                             f"train_time_interval={train_time_interval} are mutually exclusive "
+                             "(as in Lightning); pass one of them")
         self.dirpath = dirpath
         self._dirpath_given = dirpath is not None
         self._written: set[str] = set()  # files this callback wrote (in this process or before a resume)
@@ -102,7 +103,8 @@ class ModelCheckpoint(Callback):
     # ------------------------------------------------------------------ triggers
     @property
     def idle_batch_hooks(self) -> tuple[str, ...]:
-        """Without step-based saving the batch hook has nothing to do; the loop skips it (it asks each epoch)."""
+        """Without step-based saving the batch hook has nothing to do; the loop skips it
+        (it asks each epoch)."""
         return () if self.every_n_train_steps or self._timer is not None else ("on_train_batch_end",)
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -166,7 +168,8 @@ class ModelCheckpoint(Callback):
 
     def _save(self, trainer: Any) -> None:
         if getattr(trainer, "fast_dev_run", False):
-            return  # a quick check of every loop writes nothing, as Lightning (even this callback given explicitly)
+            # a quick check of every loop writes nothing, as Lightning (even this callback given explicitly)
+            return
         score = self._score(trainer)
         unranked = self.monitor is not None and score is None
         keep = self.save_top_k != 0 and not unranked and (
@@ -231,7 +234,8 @@ class ModelCheckpoint(Callback):
 
     def _announce(self, trainer: Any) -> None:
         if trainer.is_logging_rank:
-            for logger in trainer.loggers:  # loggers that upload checkpoints (log_model=...): the file is complete
+            # loggers that upload checkpoints (log_model=...): the file is complete
+            for logger in trainer.loggers:
                 logger.after_save_checkpoint(self)
 
     def _unclaimed(self, trainer: Any, stem: str, ext: str) -> str:
@@ -258,7 +262,8 @@ class ModelCheckpoint(Callback):
             # The newest checkpoint always survives, even when it ranks below the top k.
             doomed = [p for _, p in self.kept[self.save_top_k:] if p != path]
             self.kept = [kp for kp in self.kept if kp[1] not in doomed]
-        if self.kept:  # without a monitor the newest file is the "best" (Lightning's meaning of ckpt_path="best")
+        # without a monitor the newest file is the "best" (Lightning's meaning of ckpt_path="best")
+        if self.kept:
             best_key, self.best_model_path = self.kept[0]
             if self.monitor is not None:
                 self.best_model_score = -best_key if self.mode == "max" else best_key

@@ -22,7 +22,8 @@ def dynamo_compile_seconds() -> float | None:
     """Seconds dynamo/inductor spent compiling in this process so far, or None where not recorded."""
     utils = sys.modules.get("torch._dynamo.utils")  # loaded by torch.compile; never imported here
     try:
-        seconds = float(utils.calculate_time_spent().get("total_wall_time", 0.0)) if utils is not None else 0.0
+        seconds = (float(utils.calculate_time_spent().get("total_wall_time", 0.0)) if utils is not None
+                   else 0.0)
     except Exception:  # noqa: BLE001 - a private torch API: a figure is nice to have, never worth a crash
         return None
     return seconds or None

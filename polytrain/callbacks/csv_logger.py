@@ -84,7 +84,8 @@ class CSVLogger(DirectoryLogger):
     """
 
     def __init__(self, save_dir: str | os.PathLike, name: str | None = "lightning_logs",
-                 version: int | str | None = None, prefix: str = "", flush_logs_every_n_steps: int = 100) -> None:
+                 version: int | str | None = None, prefix: str = "",
+                 flush_logs_every_n_steps: int = 100) -> None:
         super().__init__(save_dir, name, version, None, prefix)
         self._flush_every = max(1, int(flush_logs_every_n_steps))
         self._experiment: CSVExperiment | None = None

@@ -19,7 +19,8 @@ class EarlyStopping(Callback):
 
     def __init__(self, monitor: str, mode: str = "min", patience: int = 3, min_delta: float = 0.0,
                  stopping_threshold: float | None = None, divergence_threshold: float | None = None,
-                 check_finite: bool = True, check_on_train_epoch_end: bool = False, verbose: bool = True) -> None:
+                 check_finite: bool = True, check_on_train_epoch_end: bool = False,
+                 verbose: bool = True) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"EarlyStopping mode={mode!r}; valid: min, max")
         self.monitor = monitor
@@ -46,9 +47,11 @@ class EarlyStopping(Callback):
         if self.check_finite and not math.isfinite(value):
             return True, f"{self.monitor}={value} is not finite"
         if self.stopping_threshold is not None and sign * (value - self.stopping_threshold) <= 0:
-            return True, f"{self.monitor}={value:.6g} reached the stopping threshold {self.stopping_threshold}"
+            return True, (f"{self.monitor}={value:.6g} reached the stopping threshold "
+                          f"{self.stopping_threshold}")
         if self.divergence_threshold is not None and sign * (value - self.divergence_threshold) >= 0:
-            return True, f"{self.monitor}={value:.6g} crossed the divergence threshold {self.divergence_threshold}"
+            return True, (f"{self.monitor}={value:.6g} crossed the divergence threshold "
+                          f"{self.divergence_threshold}")
         if self._improved(value):
             self.best_score = value
             self.wait_count = 0
@@ -84,7 +87,8 @@ class EarlyStopping(Callback):
             self._check(trainer)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"wait_count": self.wait_count, "best_score": self.best_score, "stopped_epoch": self.stopped_epoch}
+        return {"wait_count": self.wait_count, "best_score": self.best_score,
+                "stopped_epoch": self.stopped_epoch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.wait_count = state["wait_count"]

@@ -41,9 +41,11 @@ class MLFlowLogger(Logger):
     """
 
     def __init__(self, experiment_name: str = "lightning_logs", run_name: str | None = None,
-                 tracking_uri: str | None = None, tags: dict[str, Any] | None = None, save_dir: str = "./mlruns",
+                 tracking_uri: str | None = None, tags: dict[str, Any] | None = None,
+                 save_dir: str = "./mlruns",
                  log_model: bool | str = False, prefix: str = "", artifact_location: str | None = None,
-                 run_id: str | None = None, checkpoint_path_prefix: str = "", synchronous: bool | None = None) -> None:
+                 run_id: str | None = None, checkpoint_path_prefix: str = "",
+                 synchronous: bool | None = None) -> None:
         require("mlflow", "mlflow")
         if log_model not in (False, True, "all"):
             raise ValueError(f"MLFlowLogger log_model={log_model!r}; valid: False, True, 'all'")
@@ -90,7 +92,8 @@ class MLFlowLogger(Logger):
                 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             import mlflow  # late: optional dependency (polytrain[mlflow]), ~1 s to import
 
-            self._client, self._entities = mlflow.MlflowClient(tracking_uri=self.tracking_uri), mlflow.entities
+            self._client, self._entities = (mlflow.MlflowClient(tracking_uri=self.tracking_uri),
+                                            mlflow.entities)
         return self._client
 
     @property
@@ -136,7 +139,8 @@ class MLFlowLogger(Logger):
         paths = [p for _, p in getattr(callback, "kept", [])] + [getattr(callback, "last_model_path", None)]
         for path in paths:
             if path and os.path.isfile(path) and path not in self._uploaded:
-                self.experiment.log_artifact(self.run_id, path, artifact_path=f"{self._checkpoint_prefix}model/checkpoints")
+                self.experiment.log_artifact(self.run_id, path,
+                                             artifact_path=f"{self._checkpoint_prefix}model/checkpoints")
                 self._uploaded.add(path)
 
     def finalize(self, status: str) -> None:
@@ -144,7 +148,8 @@ class MLFlowLogger(Logger):
             return
         if self._log_model is True and self._checkpoint_callback is not None and status == "success":
             self._upload(self._checkpoint_callback)
-        self._client.set_terminated(self._run_id, {"success": "FINISHED", "failed": "FAILED"}.get(status, status))
+        self._client.set_terminated(self._run_id,
+                                    {"success": "FINISHED", "failed": "FAILED"}.get(status, status))
 
 
 def _wandb() -> Any:
@@ -211,7 +216,8 @@ class WandbLogger(Logger):
             wandb = _wandb()
 
             os.makedirs(self.save_dir, exist_ok=True)
-            kwargs: dict[str, Any] = dict(project=self.project, name=self._name, dir=self.save_dir, **self.init_kwargs)
+            kwargs: dict[str, Any] = dict(project=self.project, name=self._name, dir=self.save_dir,
+                                          **self.init_kwargs)
             if self.offline:
                 kwargs["mode"] = "offline"
             if self.id is not None:
@@ -229,7 +235,8 @@ class WandbLogger(Logger):
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         self.experiment.config.update(params, allow_val_change=True)
 
-    def watch(self, model: Any, log: str | None = "gradients", log_freq: int = 100, log_graph: bool = True) -> None:
+    def watch(self, model: Any, log: str | None = "gradients", log_freq: int = 100,
+              log_graph: bool = True) -> None:
         self.experiment.watch(model, log=log, log_freq=log_freq, log_graph=log_graph)
 
     def log_text(self, key: str, columns: list[str] | None = None, data: list[list[Any]] | None = None,
@@ -257,7 +264,8 @@ class WandbLogger(Logger):
         paths = [p for _, p in getattr(callback, "kept", [])] + [getattr(callback, "last_model_path", None)]
         for path in paths:
             if path and os.path.isfile(path) and path not in self._uploaded:
-                artifact = wandb.Artifact(self._checkpoint_name or f"model-{self.experiment.id}", type="model")
+                artifact = wandb.Artifact(self._checkpoint_name or f"model-{self.experiment.id}",
+                                          type="model")
                 artifact.add_file(path, name="model.ckpt")
                 self.experiment.log_artifact(artifact)
                 self._uploaded.add(path)

@@ -159,7 +159,8 @@ class Logger(Callback):
 
     def on_log(self, trainer: Any, metrics: dict[str, float], step: int) -> None:
         if trainer.is_logging_rank and metrics:
-            self.log_metrics({**metrics, "epoch": int(trainer.current_epoch)}, step)  # Lightning's epoch column
+            # Lightning's epoch column
+            self.log_metrics({**metrics, "epoch": int(trainer.current_epoch)}, step)
 
     def _save_if_logging(self, trainer: Any) -> None:
         if trainer.is_logging_rank:

@@ -32,7 +32,8 @@ class BasePredictionWriter(Callback):
     def on_epoch(self) -> bool:
         return self.write_interval in ("epoch", "batch_and_epoch")
 
-    def write_on_batch_end(self, trainer: Any, pl_module: Any, prediction: Any, batch_indices: Sequence[int] | None,
+    def write_on_batch_end(self, trainer: Any, pl_module: Any, prediction: Any,
+                           batch_indices: Sequence[int] | None,
                            batch: Any, batch_idx: int, dataloader_idx: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} writes per batch: override write_on_batch_end")
 

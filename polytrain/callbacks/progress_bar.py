@@ -52,10 +52,12 @@ class ProgressBar(Callback):
 
     def on_validation_start(self, trainer: Any, module: Any) -> None:
         if trainer.is_logging_rank and trainer.num_val_batches and self.refresh_rate:
-            self._eval = self._tqdm(total=trainer.num_val_batches, desc="Validation", leave=self.leave_validation,
+            self._eval = self._tqdm(total=trainer.num_val_batches, desc="Validation",
+                                    leave=self.leave_validation,
                                     position=1 if self._train is not None else 0, unit="batch")
 
-    def on_validation_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_validation_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
+                                batch_idx: int) -> None:
         if self._eval is not None:
             self._eval.update(1)
 

@@ -59,8 +59,10 @@ class TensorBoardLogger(DirectoryLogger):
             metrics = {"hp_metric": -1}
         if metrics:
             self.log_metrics(metrics, 0)
-        flat = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in flatten_hparams(params).items()}
-        for event in self._summary.hparams(flat, metrics or {}):  # what add_hparams writes, minus its subfolder
+        flat = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
+                for k, v in flatten_hparams(params).items()}
+        # what add_hparams writes, minus its subfolder
+        for event in self._summary.hparams(flat, metrics or {}):
             writer.file_writer.add_summary(event)
         write_hparams_yaml(os.path.join(self.log_dir, "hparams.yaml"), self.hparams)
 

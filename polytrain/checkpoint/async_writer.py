@@ -101,7 +101,8 @@ def stage(obj: Any, buffers: list[torch.Tensor] | None = None, deferred: Copies 
         if isinstance(value, torch.Tensor):
             i, pinned, value = len(copies), pin and value.device.type != "cpu", value.detach()
             old = buffers[i] if buffers is not None and i < len(buffers) else None
-            reuse = old is not None and old.shape == value.shape and old.dtype == value.dtype and old.is_pinned() == pinned
+            reuse = (old is not None and old.shape == value.shape and old.dtype == value.dtype
+                     and old.is_pinned() == pinned)
             out = old if reuse else torch.empty(value.shape, dtype=value.dtype, pin_memory=pinned)
             if deferred is not None and updated and not pinned and _storage(value) in updated:
                 deferred.append((out, value))
@@ -196,7 +197,8 @@ class SaveInFlight:
             return SaveState.ELSEWHERE
         if self.done:
             return SaveState.WRITTEN
-        return SaveState.STAGING if self.staging is not None and not self.staging.is_set() else SaveState.WRITING
+        return (SaveState.STAGING if self.staging is not None and not self.staging.is_set()
+                else SaveState.WRITING)
 
 
 class AsyncCheckpointWriter:
@@ -256,11 +258,13 @@ class AsyncCheckpointWriter:
             thread.join()
             waited = time.monotonic() - start
             if before is not None and waited >= 0.05:  # a wait shorter than that is the thread's last moments
-                log.warning("checkpoint %s waited %.2f s for the asynchronous save of %s to finish writing: saves "
-                            "come faster than the disk takes them; save less often to keep training unblocked",
+                log.warning("checkpoint %s waited %.2f s for the asynchronous save of %s to finish writing: "
+                            "saves come faster than the disk takes them; "
+                            "save less often to keep training unblocked",
                             before, waited, save.path)
             else:
-                log.info("checkpoint: waited %.2f s for the asynchronous save of %s to finish", waited, save.path)
+                log.info("checkpoint: waited %.2f s for the asynchronous save of %s to finish", waited,
+                         save.path)
         self._save = None
         agree_on_error(save.error)
 
@@ -276,7 +280,8 @@ class AsyncCheckpointWriter:
         action()
 
     # ------------------------------------------------------------------ saving
-    def save_file(self, state: dict[str, Any], path: str, updated_by: list[torch.optim.Optimizer] | None = None) -> None:
+    def save_file(self, state: dict[str, Any], path: str,
+                  updated_by: list[torch.optim.Optimizer] | None = None) -> None:
         """Global rank 0 stages ``state`` and writes it in the background (``replicated.save_file``).
         ``updated_by``: the optimizers whose tensors may be copied in the background (``wait_staged``)."""
         self.finish(before=path)
@@ -308,7 +313,8 @@ class AsyncCheckpointWriter:
         deferred: Copies = []
         if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in _tensors(tensors)):
             with quiet_single_process():
-                future = dcp.async_save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
+                future = dcp.async_save(tensors, storage_writer=writer, process_group=group,
+                                        no_dist=group is None)
 
             def save_shards(local_error: BaseException | None) -> str | None:
                 """This rank's failure, in one line (None: none here)."""

@@ -129,8 +129,8 @@ def candidates(ckpt_dir: str) -> list[str]:
     if not os.path.isdir(ckpt_dir):
         return []
     entries = [os.path.join(ckpt_dir, n) for n in os.listdir(ckpt_dir)
-               if not n.startswith(".") and n != LATEST_POINTER and (n.endswith(".ckpt") or
-                                                                       os.path.isdir(os.path.join(ckpt_dir, n)))]
+               if not n.startswith(".") and n != LATEST_POINTER
+               and (n.endswith(".ckpt") or os.path.isdir(os.path.join(ckpt_dir, n)))]
     pointer, named = os.path.join(ckpt_dir, LATEST_POINTER), None
     if os.path.exists(pointer):
         with open(pointer, encoding="utf-8") as fh:
@@ -181,7 +181,8 @@ def write_latest_pointer(ckpt_dir: str, path: str) -> None:
 
 def runs_newest_first(root: str) -> list[str]:
     """The run directories under ``root`` that hold checkpoints, the most recently written first."""
-    runs = [os.path.join(root, n) for n in holds_files(root) if os.path.isdir(checkpoint_dir(os.path.join(root, n)))]
+    runs = [os.path.join(root, n) for n in holds_files(root)
+            if os.path.isdir(checkpoint_dir(os.path.join(root, n)))]
     if os.path.isdir(checkpoint_dir(root)):
         runs.append(root)
 

@@ -61,8 +61,9 @@ def check_complete(path: str) -> None:
     one process reads the directory, split over the ranks when each reads its shards."""
     missing = [n for n in (METADATA_FILE, META_FILE) if not os.path.exists(os.path.join(path, n))]
     if missing:
-        raise CheckpointError(f"sharded checkpoint {path} is incomplete: {', '.join(missing)} missing (a save that "
-                              f"crashed?). Pick an older checkpoint, or resume with 'last' to skip torn ones")
+        raise CheckpointError(f"sharded checkpoint {path} is incomplete: {', '.join(missing)} missing "
+                              f"(a save that crashed?). "
+                              f"Pick an older checkpoint, or resume with 'last' to skip torn ones")
     try:
         safe_reader(path).read_metadata()
     except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as err:
@@ -88,7 +89,9 @@ def read_sharded(path: str) -> dict[str, Any]:
         # Not dcp.load: it loads into a copy holding only the keys passed in, so an empty dict
         # (filled by the empty planner) comes back empty. The inner loader fills `state` itself.
         with quiet_single_process():
-            lazy.dcp().state_dict_loader._load_state_dict(state, storage_reader=safe_reader(path), planner=safe_load_planner(empty=True), no_dist=True)
+            lazy.dcp().state_dict_loader._load_state_dict(state, storage_reader=safe_reader(path),
+                                                          planner=safe_load_planner(empty=True),
+                                                          no_dist=True)
     except (Exception, lazy.dcp().CheckpointException) as err:  # noqa: BLE001 - refusals, torn shards
         reason = dcp_reason(err)
         raise CheckpointError(f"sharded checkpoint {path} cannot be loaded safely: {reason}") from None

@@ -181,7 +181,8 @@ def load_sharded(path: str, into: dict[str, Any] | None) -> Loaded:
     if not os.path.isdir(path):
         return Loaded.from_full(state)
     if into is None:
-        raise CheckpointError(f"{path} is a sharded checkpoint: reading it in place needs the live state to read into")
+        raise CheckpointError(f"{path} is a sharded checkpoint: "
+                              "reading it in place needs the live state to read into")
     return _read_dcp_into(path, into, {k: v for k, v in state.items() if k not in TENSOR_KEYS})
 
 
@@ -190,8 +191,10 @@ def _read_dcp_into(path: str, into: dict[str, Any], payload: dict[str, Any]) -> 
     try:
         # Tensors are filled in place (each rank reads only its shards); other values are replaced.
         with quiet_single_process():
-            dcp.load(into, storage_reader=safe_reader(path), planner=safe_load_planner(empty=False), no_dist=not C.active())
+            dcp.load(into, storage_reader=safe_reader(path), planner=safe_load_planner(empty=False),
+                     no_dist=not C.active())
     except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - the same error on every rank
         raise CheckpointError(f"sharded checkpoint {path} cannot be loaded: {dcp_reason(err)}") from None
-    saved = {k[len("model."):] for k in safe_reader(path).read_metadata().state_dict_metadata if k.startswith("model.")}
+    saved = {k[len("model."):] for k in safe_reader(path).read_metadata().state_dict_metadata
+             if k.startswith("model.")}
     return Loaded(payload, into["model"], into.get("optimizer"), None, saved, in_place=True)

@@ -56,7 +56,8 @@ def full_model_state(module: nn.Module) -> dict[str, Any]:
     """The whole model as plain CPU tensors under single-device names, on rank 0 (others get ``{}``
     for a sharded model). A collective when parameters are ``DTensor`` s: every rank calls it."""
     sd = lazy.dcp().state_dict
-    return sd.get_model_state_dict(module, options=sd.StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return sd.get_model_state_dict(module,
+                                   options=sd.StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def gathered_stage_state(module: nn.Module, is_global_zero: bool) -> dict[str, Any]:
@@ -85,7 +86,8 @@ def _options() -> Any:
 
 
 def part_state(part: nn.Module, optimizers: list[torch.optim.Optimizer]) -> tuple[dict, dict]:
-    return lazy.dcp().state_dict.get_model_state_dict(part, options=_options()), optimizer_state(part, optimizers)
+    return (lazy.dcp().state_dict.get_model_state_dict(part, options=_options()),
+            optimizer_state(part, optimizers))
 
 
 def live_state(parts: Parts, states: list[tuple[dict, dict]] | None = None) -> dict[str, Any]:
@@ -113,7 +115,8 @@ def optimizer_state(part: nn.Module, optimizers: list[torch.optim.Optimizer]) ->
     return optim
 
 
-def set_part_state(part: nn.Module, optimizers: list[torch.optim.Optimizer], model: dict, optim: dict) -> None:
+def set_part_state(part: nn.Module, optimizers: list[torch.optim.Optimizer], model: dict,
+                   optim: dict) -> None:
     sd = lazy.dcp().state_dict
     sd.set_model_state_dict(part, model, options=_options())
     if optimizers:
@@ -142,12 +145,14 @@ def _like(live: Any, saved: Any, key: str) -> Any:
         return saved  # read in place into the live layout (a sharded directory)
     if not isinstance(saved, torch.Tensor) or tuple(saved.shape) != tuple(live.shape):
         got = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
-        raise CheckpointError(f"checkpoint entry {key} has shape {got} but the model expects {tuple(live.shape)}; "
+        raise CheckpointError(f"checkpoint entry {key} has shape {got} "
+                              f"but the model expects {tuple(live.shape)}; "
                               f"the checkpoint was written for a different model")
     if isinstance(live, DTensor):
         # Replicate -> the live placements is a local slice on every rank: no communication.
         full = saved.to(device=live.device, dtype=live.dtype)
-        whole = DTensor.from_local(full, live.device_mesh, [Replicate()] * live.device_mesh.ndim, run_check=False)
+        whole = DTensor.from_local(full, live.device_mesh, [Replicate()] * live.device_mesh.ndim,
+                                   run_check=False)
         return whole.redistribute(live.device_mesh, live.placements)
     return saved.to(device=live.device, dtype=live.dtype)
 
@@ -155,7 +160,8 @@ def _like(live: Any, saved: Any, key: str) -> Any:
 def _fill(live: dict[str, Any], saved: dict[str, Any], what: str, path: str) -> dict[str, Any]:
     missing = [k for k in live if k not in saved]
     if missing:
-        raise CheckpointError(f"{path} has no {what} entry for {len(missing)} of {len(live)} keys this model needs, "
+        raise CheckpointError(f"{path} has no {what} entry "
+                              f"for {len(missing)} of {len(live)} keys this model needs, "
                               f"e.g. {missing[:3]}; it was written for a different model or optimizer")
     return {k: _like(v, saved[k], f"{what} {k}") for k, v in live.items()}
 
@@ -187,8 +193,8 @@ def agree_on_load(error: str | None, saved_keys: set[str], used: set[str], path:
         raise CheckpointError(error)
     unused = sorted(saved_keys - used)
     if unused:
-        raise CheckpointError(f"{path} holds {len(unused)} model entries no rank's model has, e.g. {unused[:3]}; "
-                              f"it was written for a different model")
+        raise CheckpointError(f"{path} holds {len(unused)} model entries no rank's model has, "
+                              f"e.g. {unused[:3]}; it was written for a different model")
 
 
 def _apply_local(parts: Parts, loaded: Loaded, path: str, states: list[tuple[dict, dict]]) -> set[str]:
@@ -208,13 +214,15 @@ def _apply_local(parts: Parts, loaded: Loaded, path: str, states: list[tuple[dic
     return used
 
 
-def apply_loaded(parts: Parts, loaded: Loaded, path: str, states: list[tuple[dict, dict]] | None = None) -> None:
+def apply_loaded(parts: Parts, loaded: Loaded, path: str,
+                 states: list[tuple[dict, dict]] | None = None) -> None:
     """Load a checkpoint's model and optimizer state into ``parts``: full values are cut to each rank's
     shard, values read in place are set as they are. Every rank calls it; errors are agreed on.
     ``states``: the parts' ``part_state`` when the caller has them already (the live state read into)."""
     error, used = None, set()
     try:
-        states = states if states is not None else [part_state(part, optimizers) for part, optimizers in parts]
+        states = (states if states is not None
+                  else [part_state(part, optimizers) for part, optimizers in parts])
         used = _apply_local(parts, loaded, path, states)
     except (CheckpointError, KeyError, RuntimeError, ValueError, OSError, pickle.UnpicklingError) as err:
         error = str(err) if isinstance(err, CheckpointError) else f"{path} does not fit this model: {err!r}"

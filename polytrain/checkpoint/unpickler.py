@@ -56,7 +56,8 @@ def safe_reader(path: str) -> Any:
             with open(os.path.join(path, name), "rb") as fh:
                 metadata = _MetadataUnpickler(fh).load()
             if not isinstance(metadata, Metadata):
-                raise pickle.UnpicklingError(f"{METADATA_FILE} holds a {type(metadata).__name__}, not DCP Metadata")
+                raise pickle.UnpicklingError(f"{METADATA_FILE} holds a {type(metadata).__name__}, "
+                                             "not DCP Metadata")
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

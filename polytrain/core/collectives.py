@@ -126,9 +126,11 @@ class _RawTensor(NamedTuple):
 def _pack(obj: Any) -> Any:
     kind = type(obj)
     if kind is torch.Tensor:
-        if obj.device.type != "cpu" or obj.layout != torch.strided or obj.requires_grad or obj.dtype not in _RAW_DTYPES:
+        if (obj.device.type != "cpu" or obj.layout != torch.strided or obj.requires_grad
+                or obj.dtype not in _RAW_DTYPES):
             return obj
-        return _RawTensor(str(obj.dtype).removeprefix("torch."), tuple(obj.shape), obj.contiguous().numpy().tobytes())
+        return _RawTensor(str(obj.dtype).removeprefix("torch."), tuple(obj.shape),
+                          obj.contiguous().numpy().tobytes())
     if kind is dict:
         return {k: _pack(v) for k, v in obj.items()}
     if kind is list or kind is tuple:
@@ -161,7 +163,8 @@ def gather(tensor: torch.Tensor, dst: int = 0, group: Any = None) -> list[torch.
     return out
 
 
-def scatter(tensor: torch.Tensor, chunks: list[torch.Tensor] | None, src: int = 0, group: Any = None) -> torch.Tensor:
+def scatter(tensor: torch.Tensor, chunks: list[torch.Tensor] | None, src: int = 0,
+            group: Any = None) -> torch.Tensor:
     """Rank ``src`` passes one chunk per rank; every rank receives its chunk into ``tensor``."""
     if not active(group):
         if chunks:

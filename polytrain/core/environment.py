@@ -73,7 +73,8 @@ def detect_environment() -> ClusterEnvironment:
             local_world_size=_int("SLURM_NTASKS_PER_NODE", _int("SLURM_NTASKS")) if os.environ.get(
                 "SLURM_NTASKS_PER_NODE", "").isdigit() else _int("SLURM_NTASKS"),
             node_rank=_int("SLURM_NODEID", 0),
-            master_addr=os.environ.get("MASTER_ADDR") or _first_slurm_host(os.environ.get("SLURM_NODELIST", "")),
+            master_addr=(os.environ.get("MASTER_ADDR")
+                         or _first_slurm_host(os.environ.get("SLURM_NODELIST", ""))),
             # Derived from the job id so that concurrent jobs on one node do not collide.
             master_port=_int("MASTER_PORT", 10000 + job_id % 10000),
             source="slurm",

@@ -62,7 +62,8 @@ class _Heartbeat:
 
     def record(self) -> dict[str, Any]:
         return {"rank": self.rank, "step": self.step, "where": self.where, "seq": self.seq,
-                "changed_at": self.changed_at, "pushed_at": time.time(), "pid": os.getpid(), "error": self.error}
+                "changed_at": self.changed_at, "pushed_at": time.time(), "pid": os.getpid(),
+                "error": self.error}
 
     def push(self) -> None:
         self.store.set(f"{_PREFIX}{self.rank}", json.dumps(self.record()))
@@ -89,7 +90,8 @@ _current: _Heartbeat | None = None
 _atexit_registered = False
 
 
-def start(rank: int, world_size: int, timeout_s: float, store: Any = None, interval_s: float | None = None) -> None:
+def start(rank: int, world_size: int, timeout_s: float, store: Any = None,
+          interval_s: float | None = None) -> None:
     """Begin publishing this rank's position (no-op for a single process)."""
     global _current, _atexit_registered
     stop()
@@ -201,8 +203,8 @@ def describe_peers(now: float | None = None) -> tuple[list[str], dict[int, dict[
         idle = now - rec["changed_at"]
         where = f"step {rec['step']} (last seen in {rec['where']}, {idle:.1f} s ago)"
         if silent > stale_after:
-            culprits.append(f"rank {r} stopped responding at {where}; its heartbeat stopped {silent:.1f} s ago "
-                            f"(the process died or is frozen)")
+            culprits.append(f"rank {r} stopped responding at {where}; its heartbeat stopped {silent:.1f} s "
+                            f"ago (the process died or is frozen)")
         elif rec["seq"] < hb.seq and rec["seq"] == min_seq:
             culprits.append(f"rank {r} stopped responding at {where}")
     return culprits, records
@@ -218,8 +220,9 @@ def explain(exc: BaseException) -> RankUnresponsiveError | None:
         culprits, records = describe_peers()
     except Exception as err:  # noqa: BLE001 - e.g. rank 0 (the store's host) is gone
         return RankUnresponsiveError(
-            f"a collective failed on rank {hb.rank} at step {hb.step} (in {hb.where}) and the job's key-value "
-            f"store is unreachable ({type(err).__name__}: {err}): the rank hosting it (rank 0) has probably died. "
+            f"a collective failed on rank {hb.rank} at step {hb.step} (in {hb.where}) and the job's "
+            f"key-value store is unreachable ({type(err).__name__}: {err}): the rank hosting it (rank 0) "
+            f"has probably died. "
             f"Original error: {_first_line(exc)}")
     me = f"rank {hb.rank} waited in {hb.where} at step {hb.step}"
     if culprits:
@@ -228,8 +231,9 @@ def explain(exc: BaseException) -> RankUnresponsiveError | None:
             f"Original error: {_first_line(exc)}")
     where = ", ".join(f"rank {r}: step {rec['step']} {rec['where']}" for r, rec in records.items() if rec)
     return RankUnresponsiveError(
-        f"a collective failed on rank {hb.rank} while every rank had reached the same point ({where}); no rank "
-        f"fell behind, so suspect the network or a peer that exited. Original error: {_first_line(exc)}")
+        f"a collective failed on rank {hb.rank} while every rank had reached the same point ({where}); "
+        f"no rank fell behind, so suspect the network or a peer that exited. Original error: "
+        f"{_first_line(exc)}")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -11,7 +11,8 @@ from typing import Any
 
 from polytrain.core.errors import ConfigError
 
-_FIX = 'use a positive integer (e.g. num_nodes: 2) or a range "MIN:MAX" with 1 <= MIN <= MAX (e.g. num_nodes: "1:4")'
+_FIX = ('use a positive integer (e.g. num_nodes: 2) or a range "MIN:MAX" with 1 <= MIN <= MAX '
+        '(e.g. num_nodes: "1:4")')
 
 
 def node_range(value: Any) -> tuple[int, int]:

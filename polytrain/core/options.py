@@ -48,7 +48,8 @@ def validate_dataclass(cls: type, data: dict[str, Any], where: str) -> Any:
         merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(data))
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
-        expected = {f.name: f.type for f in dataclasses.fields(cls)}.get(str(key).split(".")[0].split("[")[0], "?")
+        expected = {f.name: f.type for f in dataclasses.fields(cls)}.get(
+            str(key).split(".")[0].split("[")[0], "?")
         raise ConfigError(
             f"{where}.{key}: {str(getattr(err, 'msg', err)).splitlines()[0]} (expected {expected})"
         ) from None

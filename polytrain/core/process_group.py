@@ -24,15 +24,16 @@ def cuda_index(local_rank: int) -> int:
     if _cuda_indices is None:
         return local_rank
     if local_rank >= len(_cuda_indices):
-        raise RuntimeError(f"local rank {local_rank} has no GPU in trainer.devices={list(_cuda_indices)}: list one "
-                           f"GPU index per process of this node")
+        raise RuntimeError(f"local rank {local_rank} has no GPU in trainer.devices={list(_cuda_indices)}: "
+                           f"list one GPU index per process of this node")
     return _cuda_indices[local_rank]
 
 
 def resolve_device(accelerator: str, local_rank: int) -> torch.device:
     if accelerator in ("cuda", "gpu"):
         if not torch.cuda.is_available():
-            raise RuntimeError("trainer.accelerator='cuda' but no CUDA device is visible; use accelerator=cpu")
+            raise RuntimeError("trainer.accelerator='cuda' but no CUDA device is visible; "
+                               "use accelerator=cpu")
         count = torch.cuda.device_count()
         index = cuda_index(local_rank)
         if index >= count:

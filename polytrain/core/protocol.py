@@ -1,8 +1,8 @@
 """The little a strategy needs to know about the user's module, without importing ``TrainModule``.
 
 - ``extract_loss``: what ``training_step`` returned, as the loss tensor to backpropagate.
-- ``muted_logs`` / ``captured_logs`` / ``recorded_logs``: route ``self.log`` calls made inside a block. A padding
-  batch (sharded evaluation) must count in no metric; a pipeline's last stage records what the
+- ``muted_logs`` / ``captured_logs`` / ``recorded_logs``: route ``self.log`` calls made inside a block.
+  A padding batch (sharded evaluation) must count in no metric; a pipeline's last stage records what the
   user's step logged so the other stages can log the same values. ``TrainModule.log`` reads the
   tap named ``LOG_TAP`` from the module's ``__dict__``; nothing here touches the Trainer.
 """
@@ -26,9 +26,11 @@ def extract_loss(output: Any) -> torch.Tensor | None:
         return output
     if isinstance(output, Mapping):
         if "loss" not in output:
-            raise ValueError("training_step returned a dict without a 'loss' key; return {'loss': tensor, ...}")
+            raise ValueError("training_step returned a dict without a 'loss' key; "
+                             "return {'loss': tensor, ...}")
         return output["loss"]
-    raise TypeError(f"training_step must return a loss tensor, a dict with 'loss', or None; got {type(output).__name__}")
+    raise TypeError(f"training_step must return a loss tensor, a dict with 'loss', or None; "
+                    f"got {type(output).__name__}")
 
 
 @contextlib.contextmanager

@@ -140,7 +140,8 @@ def training_streams(seed: int | None, dp_rank: int, global_rank: int,
 
 def _derived_seed(tag: bytes, rank: int) -> int:
     """A seed from the current (shared) torch state, ``tag`` and ``rank``: the same on every run."""
-    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes() + tag + rank.to_bytes(4, "little")).digest()
+    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes() + tag
+                            + rank.to_bytes(4, "little")).digest()
     return int.from_bytes(digest[:8], "little") % 2**63
 
 

@@ -81,7 +81,8 @@ def _drawing_sampler(loader: DataLoader) -> Any:
 
 # torchdata's StatefulDataLoader builds its own (stateful) twins of torch's default samplers.
 _DEFAULT_SAMPLERS = {(c.__module__, c.__name__) for c in (SequentialSampler, RandomSampler, BatchSampler)} | {
-    ("torchdata.stateful_dataloader.sampler", name) for name in ("SequentialSampler", "RandomSampler", "BatchSampler")}
+    ("torchdata.stateful_dataloader.sampler", name)
+    for name in ("SequentialSampler", "RandomSampler", "BatchSampler")}
 
 
 def _is_default(obj: Any, name: str) -> bool:
@@ -151,9 +152,11 @@ def warn_unsplit_iterable(loader: Any, num_replicas: int, stage: str) -> None:
         return
     _WARNED_ITERABLE.add(key)
     warnings.warn(
-        f"the {stage} DataLoader wraps an IterableDataset ({type(dataset).__name__}), which polytrain has not "
+        f"the {stage} DataLoader wraps an IterableDataset ({type(dataset).__name__}), "
+        f"which polytrain has not "
         f"split over the {num_replicas} data-parallel ranks (it has no indices to sample): unless it shards "
-        f"itself, every rank iterates the whole stream and each sample is used {num_replicas} times. Shard it in "
+        f"itself, every rank iterates the whole stream and each sample is used {num_replicas} times. "
+        f"Shard it in "
         f"__iter__ by data-parallel rank: keep items i with i % dp_size == dp_rank, reading dp_rank/dp_size "
         f"from module.trainer.strategy (torch.distributed.get_rank()/get_world_size() under plain ddp), and "
         f"by torch.utils.data.get_worker_info() across DataLoader workers. Ranks whose streams end at "
@@ -204,7 +207,8 @@ def _split_user_sampling(loader: DataLoader, num_replicas: int, rank: int, seed:
         return _pinned(loader, pin_memory)
     train = stage == "train"
     if by_index:
-        return _rebuild(loader, SplitSampler(user, num_replicas, rank, seed, pad=train, shuffle=train), pin_memory)
+        return _rebuild(loader, SplitSampler(user, num_replicas, rank, seed, pad=train, shuffle=train),
+                        pin_memory)
     split = SplitSampler(user, num_replicas, rank, seed, pad=train,
                          drop_tail=train and getattr(user, "drop_last", False) is True)
     return _rebuild(loader, None, pin_memory, batch_sampler=split)
@@ -274,10 +278,12 @@ def resume_position(loader: Any, start: int, num_batches: int, dp_size: int, sav
     if isinstance(named, SplitSampler):
         named = named.sampler  # the user's, split per rank: its draws are not re-split on resume
     raise SamplerError(
-        f"the checkpoint was taken {start} batches into an epoch with {old_dp} data-parallel rank(s) and this run "
-        f"has {dp_size}; the training DataLoader ({type(named).__name__}, batch_size={batch_size}) is not sampled "
+        f"the checkpoint was taken {start} batches into an epoch with {old_dp} data-parallel rank(s) "
+        f"and this run has {dp_size}; "
+        f"the training DataLoader ({type(named).__name__}, batch_size={batch_size}) is not sampled "
         f"by polytrain's own sampler (a user sampler or batch sampler, or the user's own sharding), so its "
-        f"position cannot be re-split over the new ranks. Resume with {old_dp} data-parallel ranks, or from a "
+        f"position cannot be re-split over the new ranks. Resume with {old_dp} data-parallel ranks, "
+        f"or from a "
         f"checkpoint taken at an epoch boundary"
     )
 

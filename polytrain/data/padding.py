@@ -73,7 +73,7 @@ class EvalBatches:
         """A rank with no share at all (fewer samples than ranks) pads with the dataset's first batch."""
         dataset = getattr(self.loader, "dataset", None)
         if dataset is None or not len(dataset):
-            raise RuntimeError("this rank has no evaluation batches and its loader has no dataset to borrow a "
-                               "padding batch from; give every rank at least one batch")
+            raise RuntimeError("this rank has no evaluation batches and its loader has no dataset to borrow "
+                               "a padding batch from; give every rank at least one batch")
         return next(iter(DataLoader(dataset, batch_size=getattr(self.loader, "batch_size", None) or 1,
                                     collate_fn=getattr(self.loader, "collate_fn", None))))

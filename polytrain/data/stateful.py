@@ -46,8 +46,10 @@ def state_source(loader: Any) -> tuple[Any, bool] | None:
         if name not in _WARNED_WORKERS:
             _WARNED_WORKERS.add(name)
             warnings.warn(
-                f"{type(dataset).__name__} has state_dict()/load_state_dict(), but the training DataLoader runs "
-                f"{loader.num_workers} workers, each advancing its own copy of the dataset: polytrain cannot read "
+                f"{type(dataset).__name__} has state_dict()/load_state_dict(), "
+                f"but the training DataLoader runs "
+                f"{loader.num_workers} workers, each advancing its own copy of the dataset: "
+                f"polytrain cannot read "
                 f"their state, so a mid-epoch resume replays the consumed batches instead. Use torchdata's "
                 f"StatefulDataLoader (it collects the workers' dataset states), or num_workers=0",
                 UserWarning, stacklevel=2)
@@ -61,7 +63,8 @@ def rank_entry(loader: Any, dp_rank: int, dp_size: int, state: Any = None) -> di
     found = state_source(loader)
     if found is None:
         return None
-    return {"dp_rank": dp_rank, "dp_size": dp_size, "state": found[0].state_dict() if state is None else state}
+    return {"dp_rank": dp_rank, "dp_size": dp_size,
+            "state": found[0].state_dict() if state is None else state}
 
 
 def select_rank_state(entries: list[Any] | None, dp_rank: int) -> dict[str, Any] | None:
@@ -84,7 +87,8 @@ def restore_state(loader: Any, saved: dict[str, Any] | None, dp_size: int) -> bo
     if saved["dp_size"] != dp_size or saved["state"] is None:
         raise SamplerError(
             f"the checkpoint holds the state of {type(source).__name__} for {saved['dp_size']} data-parallel "
-            f"rank(s) and this run has {dp_size}: each rank's position belongs to the split it was taken under, "
+            f"rank(s) and this run has {dp_size}: "
+            f"each rank's position belongs to the split it was taken under, "
             f"so it cannot be loaded here. Resume with {saved['dp_size']} data-parallel ranks (devices x "
             f"num_nodes / tp / pp), or start a new fit from the checkpoint's weights"
         )

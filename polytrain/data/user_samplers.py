@@ -77,7 +77,8 @@ class SplitSampler(Sampler):
         self.drawn_from = gen.get_state() if gen is not None else None
         seed = self.seed + self.epoch
         with isolate_rng():
-            torch.default_generator.manual_seed(seed)  # CPU only: a queued CUDA reseed would outlive the block
+            # CPU only: a queued CUDA reseed would outlive the block
+            torch.default_generator.manual_seed(seed)
             random.seed(seed)
             if np is not None:
                 np.random.seed(seed % 2**32)

@@ -66,7 +66,8 @@ class VocabParallelEmbedding(nn.Module):
     def reset_parameters(self) -> None:
         """``nn.Embedding``'s initialisation: N(0, 1), the padding row zero."""
         if isinstance(self.weight, DTensor):
-            raise RuntimeError("reset_parameters() on a sharded VocabParallelEmbedding; initialise before shard_()")
+            raise RuntimeError("reset_parameters() on a sharded VocabParallelEmbedding; "
+                               "initialise before shard_()")
         nn.init.normal_(self.weight)
         if self.padding_idx is not None:
             with torch.no_grad():

@@ -63,8 +63,8 @@ def resolve_checkpointing(spec: Any, key: str = "trainer.activation_checkpointin
     if isinstance(spec, (list, tuple)):
         spec = {"modules": list(spec)}
     if not isinstance(spec, dict):
-        raise ConfigError(f"{key}={spec!r} is not valid; use true, a block class name or a list of them, or a mapping "
-                          f"{{modules: [Block], every: 1, mode: full}}")
+        raise ConfigError(f"{key}={spec!r} is not valid; use true, a block class name or a list of them, "
+                          f"or a mapping {{modules: [Block], every: 1, mode: full}}")
     unknown = sorted(set(spec) - set(OPTION_KEYS))
     if unknown:
         raise ConfigError(f"{key} has unknown key(s) {unknown}; valid: {', '.join(OPTION_KEYS)}")
@@ -78,12 +78,14 @@ def resolve_checkpointing(spec: Any, key: str = "trainer.activation_checkpointin
         raise ConfigError(f"{key}.every={every!r} must be a positive integer (1: every block)")
     mode = spec.get("mode", "full")
     if mode not in MODES:
-        raise ConfigError(f"{key}.mode={mode!r} is not valid; use full (a block keeps only its input) or op (a block "
-                          f"also keeps its matmul and attention outputs: less recompute, more memory)")
+        raise ConfigError(f"{key}.mode={mode!r} is not valid; use full (a block keeps only its input) "
+                          f"or op (a block also keeps its matmul and attention outputs: less recompute, "
+                          f"more memory)")
     return {"modules": list(modules) if modules is not None else None, "every": every, "mode": mode}
 
 
-def swap_class(module: nn.Module, marker: str, key: Any, forward: Callable[[type], Callable[..., Any]]) -> None:
+def swap_class(module: nn.Module, marker: str, key: Any,
+               forward: Callable[[type], Callable[..., Any]]) -> None:
     """Give ``module`` a subclass of its class, with the same name, whose ``forward`` is
     ``forward(original class)``; one subclass per (class, marker, key), shared by every instance.
     A pickle or ``deepcopy`` of the module is an instance of the original class (eager, its own
@@ -96,8 +98,8 @@ def swap_class(module: nn.Module, marker: str, key: Any, forward: Callable[[type
             return copyreg._reconstructor, (_unswapped(type(self)), object, None), self.__getstate__()
 
         sub = _SUBCLASSES[cache_key] = type(cls.__name__, (cls,), {
-            "forward": forward(cls), marker: cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-            "__reduce_ex__": __reduce_ex__})
+            "forward": forward(cls), marker: cls, "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__, "__reduce_ex__": __reduce_ex__})
     module.__class__ = sub
 
 
@@ -116,8 +118,10 @@ def kept_ops() -> frozenset[Any]:
     """Ops whose outputs a per-op checkpointed block always keeps: attention (the most FLOPs per output
     byte, and its recompute would need the matmul outputs feeding it) and sequence-parallel reduce-scatters
     (recomputing one is a second collective). Kernels absent from this torch build are skipped."""
-    names = [("aten", "_scaled_dot_product_flash_attention"), ("aten", "_scaled_dot_product_efficient_attention"),
-             ("aten", "_scaled_dot_product_cudnn_attention"), ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
+    names = [("aten", "_scaled_dot_product_flash_attention"),
+             ("aten", "_scaled_dot_product_efficient_attention"),
+             ("aten", "_scaled_dot_product_cudnn_attention"),
+             ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
              ("_c10d_functional", "reduce_scatter_tensor")]
     found = (getattr(getattr(torch.ops, ns), op, None) for ns, op in names)
     return frozenset(packet.default for packet in found if packet is not None)
@@ -149,7 +153,8 @@ def _op_contexts() -> Any:
     selection = OpSelection()
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if selection.keeps(func, ctx.is_recompute) else CheckpointPolicy.PREFER_RECOMPUTE
+        return (CheckpointPolicy.MUST_SAVE if selection.keeps(func, ctx.is_recompute)
+                else CheckpointPolicy.PREFER_RECOMPUTE)
 
     return create_selective_checkpoint_contexts(policy)
 

@@ -71,7 +71,8 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    data_parallel: str = "auto"  # auto | fsdp (even on one rank) | ddp (wrapper) | all_reduce (flat, per step)
+    # auto | fsdp (even on one rank) | ddp (wrapper) | all_reduce (flat, per step)
+    data_parallel: str = "auto"
     fsdp: FSDPSettings = field(default_factory=FSDPSettings)
     pipeline: PipelineSettings = field(default_factory=PipelineSettings)
     ddp: dict[str, Any] = field(default_factory=dict)  # DistributedDataParallel keyword arguments
@@ -102,7 +103,8 @@ def data_parallel_mode(layout: ParallelLayout, dims: ParallelDims) -> str:
         raise ConfigError(f"data_parallel={mode!r} is not valid; choose one of: {', '.join(DATA_PARALLEL)}")
     if mode != "auto":
         if mode == "ddp" and (dims.tp > 1 or dims.pp > 1 or dims.fsdp_size > 1):
-            raise ConfigError(f"data_parallel='ddp' replicates a plain module: it cannot combine with tp={dims.tp}, "
+            raise ConfigError(f"data_parallel='ddp' replicates a plain module: "
+                              f"it cannot combine with tp={dims.tp}, "
                               f"pp={dims.pp}, dp_shard x cp={dims.fsdp_size}; use data_parallel=auto")
         return mode
     if dims.fsdp_size > 1 or (layout.uses_tp(dims) and dims.dp_size > 1):
@@ -132,7 +134,8 @@ def parallelize(part: nn.Module, roots: list[nn.Module], dims: ParallelDims, lay
     the cut (``checkpoint_targets`` on the whole model)."""
     if compile_options is not None and mode == "ddp" and layout.ddp.get("bucket_cap_mb", 25) < 1:
         raise ConfigError(f"ddp bucket_cap_mb={layout.ddp['bucket_cap_mb']} with trainer.compile: dynamo's "
-                          f"DDPOptimizer needs buckets of at least DDP's 1 MB first bucket; use bucket_cap_mb >= 1")
+                          f"DDPOptimizer needs buckets of at least DDP's 1 MB first bucket; "
+                          f"use bucket_cap_mb >= 1")
     applied = Applied()
     if layout.uses_tp(dims):
         tp_mesh = dims.get_mesh("tp")

@@ -70,12 +70,14 @@ def resolve_compile(spec: Any, key: str = "trainer.compile") -> dict[str, Any] |
     if spec is True:
         return {}
     if not isinstance(spec, dict):
-        raise ConfigError(f"{key}={spec!r} is not valid; use true, false, or a mapping of torch.compile keywords "
+        raise ConfigError(f"{key}={spec!r} is not valid; use true, false, "
+                          f"or a mapping of torch.compile keywords "
                           f"such as {{mode: max-autotune, fullgraph: true}}")
     valid = compile_keywords() + POLYTRAIN_KEYS
     unknown = sorted(set(spec) - set(valid))
     if unknown:
-        raise ConfigError(f"{key} has unknown key(s) {unknown}; valid (torch {torch.__version__}'s torch.compile "
+        raise ConfigError(f"{key} has unknown key(s) {unknown}; "
+                          f"valid (torch {torch.__version__}'s torch.compile "
                           f"keywords, and polytrain's 'modules'): {', '.join(valid)}")
     modules = spec.get("modules")
     if isinstance(modules, str):
@@ -94,7 +96,8 @@ def _defines_forward(module: nn.Module) -> bool:
 
 
 def compile_targets(module: nn.Module, options: dict[str, Any], scope: str = "model",
-                    wrap_modules: list[str] | None = None, stages: list[nn.Module] | None = None) -> list[nn.Module]:
+                    wrap_modules: list[str] | None = None,
+                    stages: list[nn.Module] | None = None) -> list[nn.Module]:
     """The modules whose ``forward`` to compile (see the module docstring). ``wrap_modules`` are the
     FSDP block classes, used by ``scope="blocks"`` when the options name none; ``stages`` are this
     rank's pipeline stages (``scope="stages"``)."""
@@ -128,8 +131,8 @@ def apply_compile(targets: list[nn.Module], options: dict[str, Any] | None) -> l
         return []
     kwargs = {k: v for k, v in options.items() if k not in POLYTRAIN_KEYS}
     if not targets:
-        log.warning("torch.compile: nothing to compile (no submodule holds parameters); name the classes with "
-                    "compile: {modules: [MyBlock]}")
+        log.warning("torch.compile: nothing to compile (no submodule holds parameters); "
+                    "name the classes with compile: {modules: [MyBlock]}")
         return []
     for target in targets:
         compile_module(target, kwargs)

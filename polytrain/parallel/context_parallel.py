@@ -34,8 +34,8 @@ def check_context_parallel(cp: int, device_type: str | None = None) -> None:
     if cp == 1:
         return
     if getattr(lazy.dtensor().experimental, "context_parallel", None) is None:
-        raise ConfigError(f"cp={cp} needs torch.distributed.tensor.experimental.context_parallel, which torch "
-                          f"{torch.__version__} lacks; use cp=1")
+        raise ConfigError(f"cp={cp} needs torch.distributed.tensor.experimental.context_parallel, "
+                          f"which torch {torch.__version__} lacks; use cp=1")
     if device_type is not None:
         check_context_parallel_device(cp, device_type)
 

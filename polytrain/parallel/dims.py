@@ -37,7 +37,8 @@ FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp
 
 # Meshes built in this process, by device type and degrees, with the default process group they were built
 # over: the next Trainer of the job (a sweep, fit after fit in a notebook) reuses one instead of every rank
-# creating the subgroups again (each size-1 dimension still gets its groups). Every rank builds the same Trainers in the same order, so every rank hits or misses together.
+# creating the subgroups again (each size-1 dimension still gets its groups). Every rank builds the same
+# Trainers in the same order, so every rank hits or misses together.
 # Forgotten by release_mesh (teardown) and before the interpreter exits (see release_mesh for why).
 _BUILT: dict[tuple[Any, ...], tuple[Any, Any, dict[str, Any]]] = {}
 
@@ -202,8 +203,8 @@ class ParallelDims:
     def get_mesh(self, name: str) -> Any:
         """The (sub-)mesh called ``name``; raises if the mesh is not built or the name is unknown."""
         if self.mesh is None:
-            raise RuntimeError(f"the device mesh is not built yet (asked for '{name}'): the strategy builds it "
-                               f"when it joins the process group")
+            raise RuntimeError(f"the device mesh is not built yet (asked for '{name}'): "
+                               f"the strategy builds it when it joins the process group")
         if name not in self.meshes:
             raise KeyError(f"no mesh named '{name}'; known: {', '.join(self.meshes)}")
         return self.meshes[name]

@@ -22,13 +22,14 @@ def _fused_sgd_on_local_shards(op_call: Any, args: tuple, kwargs: dict) -> Any:
     params, grads, buffers = args[0], args[1], args[2]
     for tensor in (*grads, *buffers):
         if not isinstance(tensor, DTensor):
-            raise RuntimeError(f"{op_call} got mixed torch.Tensor and DTensor; make every parameter a DTensor")
+            raise RuntimeError(f"{op_call} got mixed torch.Tensor and DTensor; "
+                               f"make every parameter a DTensor")
     grads = [g if g.placements == p.placements else g.redistribute(p.device_mesh, p.placements)
              for p, g in zip(params, grads)]
     for param, buf in zip(params, buffers):
         if buf.placements != param.placements:
-            raise NotImplementedError(f"fused SGD over a DTensor parameter laid out {param.placements} whose momentum "
-                                      f"buffer is {buf.placements}; use SGD(foreach=True)")
+            raise NotImplementedError(f"fused SGD over a DTensor parameter laid out {param.placements} "
+                                      f"whose momentum buffer is {buf.placements}; use SGD(foreach=True)")
 
     def local(value: Any) -> Any:
         return value.to_local() if isinstance(value, DTensor) else value

@@ -20,17 +20,19 @@ from polytrain.core.errors import ConfigError
 # --------------------------------------------------------------------------- wrapping
 
 
-def apply_fsdp(module: nn.Module, root: nn.Module | list[nn.Module], mesh: Any, autocast_dtype: torch.dtype | None,
+def apply_fsdp(module: nn.Module, root: nn.Module | list[nn.Module], mesh: Any,
+               autocast_dtype: torch.dtype | None,
                wrap_modules: list[str] | None = None, reshard_after_forward: bool = True,
                cpu_offload: bool = False, compute_device_type: str = "cpu") -> None:
     """``fully_shard`` each block of ``module`` (``blocks_to_wrap``), then ``root`` (the module the
     step runs through, owning whatever no block took; several roots: a pipeline rank's stages, each
     over the blocks it holds). ``mesh`` is 1-D (shard) or 2-D (replicate,
-    shard: HSDP). ``cpu_offload`` keeps shards in CPU memory (pinned when computing on CUDA). Under mixed precision parameters are gathered in the autocast dtype (half the
-    traffic) and gradients reduced in fp32; inputs are not cast: autocast picks each op's dtype, as
-    on one device."""
+    shard: HSDP). ``cpu_offload`` keeps shards in CPU memory (pinned when computing on CUDA). Under mixed
+    precision parameters are gathered in the autocast dtype (half the traffic) and gradients reduced in
+    fp32; inputs are not cast: autocast picks each op's dtype, as on one device."""
     fsdp = lazy.fsdp()
-    offload = fsdp.CPUOffloadPolicy(pin_memory=compute_device_type == "cuda") if cpu_offload else fsdp.OffloadPolicy()
+    offload = (fsdp.CPUOffloadPolicy(pin_memory=compute_device_type == "cuda") if cpu_offload
+               else fsdp.OffloadPolicy())
     mp_policy = fsdp.MixedPrecisionPolicy() if autocast_dtype is None else fsdp.MixedPrecisionPolicy(
         param_dtype=autocast_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
@@ -47,8 +49,8 @@ def blocks_to_wrap(module: nn.Module, names: list[str] | None) -> list[nn.Module
         present = {type(m).__name__ for m in module.modules()}
         unknown = sorted(set(names) - present)
         if unknown:
-            raise ConfigError(f"fsdp wrap_modules names {unknown}, but {type(module).__name__} has no submodule of "
-                              f"that class; classes present: {', '.join(sorted(present))}")
+            raise ConfigError(f"fsdp wrap_modules names {unknown}, but {type(module).__name__} has no "
+                              f"submodule of that class; classes present: {', '.join(sorted(present))}")
         chosen = [m for m in module.modules() if type(m).__name__ in names and m is not module]
         return list(reversed(chosen))  # pre-order reversed: every module after its descendants
     containers = [m for m in module.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
@@ -135,9 +137,9 @@ def materialize_meta(module: nn.Module, device: torch.device, rng_state: torch.T
     for m in targets:
         if not callable(getattr(m, "reset_parameters", None)):
             names = [n for _, n, t in _direct_tensors(m) if t.is_meta]
-            raise ConfigError(f"{type(m).__name__} holds {names} built on the meta device (configure_model under fsdp) "
-                              f"but has no reset_parameters() to initialise them; define reset_parameters() on it "
-                              f"or create those tensors in __init__")
+            raise ConfigError(f"{type(m).__name__} holds {names} built on the meta device "
+                              f"(configure_model under fsdp) but has no reset_parameters() to initialise "
+                              f"them; define reset_parameters() on it or create those tensors in __init__")
     with torch.random.fork_rng(devices=[]):
         if rng_state is not None:
             torch.set_rng_state(rng_state)

@@ -29,7 +29,8 @@ class Hardware:
     intra_latency: float = 5e-6  # seconds per collective step
     inter_latency: float = 15e-6
     usable_memory: float = 0.9  # allocator fragmentation, CUDA context, NCCL buffers take the rest
-    fp8_peak_flops: float | None = None  # dense float8 tensor-core peak; None: no fp8 (float8 training refused)
+    # dense float8 tensor-core peak; None: no fp8 (float8 training refused)
+    fp8_peak_flops: float | None = None
 
     @property
     def world_size(self) -> int:

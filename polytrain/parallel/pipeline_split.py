@@ -133,7 +133,8 @@ def check_split_points(points: Sequence[int], n_children: int, n_stages: int) ->
         if end <= start:
             raise PipelineSplitError(
                 f"split_points={points} leave stage {stage} empty (children {start}..{end - 1} of "
-                f"{n_children}); split points must be strictly increasing child indices in 1..{n_children - 1}"
+                f"{n_children}); "
+                f"split points must be strictly increasing child indices in 1..{n_children - 1}"
             )
     return points
 
@@ -157,8 +158,9 @@ def check_no_shared_across_ranks(seq_name: str, seq: nn.Sequential, children: li
                 if owner[seen[1]] != owner[stage]:
                     raise PipelineSplitError(
                         f"{seen[0]} (stage {seen[1]}, rank {owner[seen[1]]}) is the same parameter as "
-                        f"{seq_name}.{name}.{pname} (stage {stage}, rank {owner[stage]}): tied weights cannot "
-                        f"span pipeline ranks. Untie them, or choose split_points that keep both on one rank"
+                        f"{seq_name}.{name}.{pname} (stage {stage}, rank {owner[stage]}): "
+                        f"tied weights cannot span pipeline ranks. "
+                        f"Untie them, or choose split_points that keep both on one rank"
                     )
 
 

@@ -100,8 +100,9 @@ _HEADER = 10  # dtype, ndim, up to 8 sizes
 
 def send_tensor(x: torch.Tensor, dst: int, group: Any, device: torch.device) -> None:
     if not isinstance(x, torch.Tensor) or x.ndim > _HEADER - 2:
-        raise TypeError(f"pipeline stages must pass one tensor of at most {_HEADER - 2} dims to the next stage; "
-                        f"got {type(x).__name__}{'' if not isinstance(x, torch.Tensor) else f' of {x.ndim} dims'}")
+        raise TypeError(f"pipeline stages must pass one tensor of at most {_HEADER - 2} dims to the next "
+                        f"stage; got {type(x).__name__}"
+                        f"{'' if not isinstance(x, torch.Tensor) else f' of {x.ndim} dims'}")
     header = torch.zeros(_HEADER, dtype=torch.int64)
     header[0], header[1] = _DTYPES.index(x.dtype), x.ndim
     header[2:2 + x.ndim] = torch.tensor(x.shape, dtype=torch.int64)

@@ -87,8 +87,8 @@ def check_plan(module: nn.Module, plan: Any) -> None:
     """Every key names an existing submodule and every value is a ``ParallelStyle``."""
     if not isinstance(plan, dict) or not plan:
         raise TensorParallelPlanError(
-            f"{type(module).__name__}.tensor_parallel_plan() returned {type(plan).__name__} {plan!r}; return a "
-            f"non-empty dict {{'submodule.name': ColwiseParallel(), ...}}"
+            f"{type(module).__name__}.tensor_parallel_plan() returned {type(plan).__name__} {plan!r}; "
+            f"return a non-empty dict {{'submodule.name': ColwiseParallel(), ...}}"
         )
     known = [n for n, _ in module.named_modules() if n]
     ParallelStyle = lazy.dtensor().parallel.ParallelStyle
@@ -96,7 +96,8 @@ def check_plan(module: nn.Module, plan: Any) -> None:
         if not isinstance(style, ParallelStyle):
             raise TensorParallelPlanError(
                 f"tensor-parallel plan entry '{key}' is a {type(style).__name__}, not a ParallelStyle; use "
-                f"ColwiseParallel(), RowwiseParallel(), SequenceParallel(), polytrain.layers.VocabParallel(), ..."
+                f"ColwiseParallel(), RowwiseParallel(), SequenceParallel(), "
+                f"polytrain.layers.VocabParallel(), ..."
             )
         if not isinstance(key, str) or not resolve_key(module, key):
             close = difflib.get_close_matches(str(key), known, n=3)
@@ -244,7 +245,8 @@ def reduce_partial_grads(parameters: list[torch.Tensor]) -> None:
             param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
-def partial_grads_reduced_first(optimizer: torch.optim.Optimizer, then: Callable[[], None]) -> Callable[[], None]:
+def partial_grads_reduced_first(optimizer: torch.optim.Optimizer,
+                                then: Callable[[], None]) -> Callable[[], None]:
     """``then`` (the step's hooks and clipping), preceded by ``reduce_partial_grads`` over ``optimizer``'s
     parameters: once per step, after backward."""
 

@@ -36,8 +36,9 @@ def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | No
              attention: str = "flash", sequential: str | None = None) -> Any:
     """``tp -> ModelProfile`` for a module built on the meta device, cached per degree.
 
-    A module not on meta is profiled through a meta copy of its Sequential. ``example`` is one sample of the Sequential's input (batch dimension 1, any device: it is moved to
-    meta); ``target`` one sample of the targets for ``module.pipeline_loss``, when the module has one.
+    A module not on meta is profiled through a meta copy of its Sequential. ``example`` is one sample of the
+    Sequential's input (batch dimension 1, any device: it is moved to meta); ``target`` one sample of the
+    targets for ``module.pipeline_loss``, when the module has one.
     ``attention``: ``flash`` (torch's kernel for SDPA on CUDA in bf16), ``cpu`` (torch's pick on CPU: flash,
     fp32 included, but math under dropout) or ``math``.
     """

@@ -107,9 +107,11 @@ class Training:
             raise ConfigError(f"stages_per_rank={self.stages_per_rank}: 1f1b runs one stage per rank, "
                               f"interleaved_1f1b one or more")
         if self.optimizer not in OPTIMIZER_STATES:
-            raise ConfigError(f"optimizer '{self.optimizer}' unknown to the planner; one of {', '.join(OPTIMIZER_STATES)}")
+            raise ConfigError(f"optimizer '{self.optimizer}' unknown to the planner; "
+                              f"one of {', '.join(OPTIMIZER_STATES)}")
         if self.precision not in MASTER_BYTES:
-            raise ConfigError(f"precision '{self.precision}' unknown to the planner; one of {', '.join(MASTER_BYTES)}")
+            raise ConfigError(f"precision '{self.precision}' unknown to the planner; "
+                              f"one of {', '.join(MASTER_BYTES)}")
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,8 @@ class Estimate:
     samples_per_s: float
     tokens_per_s: float
     bubble: float
-    traffic: dict[str, float] = field(default_factory=dict)  # bytes a rank sends per step, by axis (the busiest)
+    # bytes a rank sends per step, by axis (the busiest)
+    traffic: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_memory(self) -> int:
@@ -195,13 +198,16 @@ def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, chunks: list
     micro = train.global_batch // lay.dp // lay.n_microbatches
     # Micro-batches each of the rank's stages holds at its peak (1F1B: p - s; timing.in_flight)
     flights = timing.in_flight(lay.pp, lay.n_microbatches, s, train.pp_schedule, len(chunks))
-    ckpt = checkpointed(prof.children, lay.checkpoint_every) if lay.activation_checkpointing else [False] * len(prof.children)
+    ckpt = (checkpointed(prof.children, lay.checkpoint_every) if lay.activation_checkpointing
+            else [False] * len(prof.children))
     op = lay.activation_checkpointing == "op"
 
-    def between_passes(c: ChildProfile, checkpointed: bool) -> int:  # between a micro-batch's forward and its backward
+    # between a micro-batch's forward and its backward
+    def between_passes(c: ChildProfile, checkpointed: bool) -> int:
         return c.input_bytes + (c.op_kept_bytes if op else 0) if checkpointed else c.saved_bytes
 
-    kept = sum(n * sum(between_passes(prof.children[i], ckpt[i]) for i in range(lo, hi)) for n, (lo, hi) in zip(flights, chunks))
+    kept = sum(n * sum(between_passes(prof.children[i], ckpt[i]) for i in range(lo, hi))
+               for n, (lo, hi) in zip(flights, chunks))
     # A checkpointed block's backward brings back what it did not keep (one block at a time)
     recompute = max((prof.children[i].saved_bytes - (prof.children[i].op_kept_bytes if op else 0)
                      for lo, hi in chunks for i in range(lo, hi) if ckpt[i]), default=0)
@@ -241,22 +247,26 @@ def _transients(lay: Layout, train: Training, kids: list[ChildProfile], micro: i
 
 def _stage_units(lay: Layout, train: Training, prof: ModelProfile, chunks: list[tuple[int, int]]
                  ) -> tuple[tuple[ChildProfile, ...], list[bool], timing.Features, int]:
-    """A pipeline rank's children, which of them are checkpointed, the held-fixed features, the micro-batch."""
+    """A pipeline rank's children, which of them are checkpointed, the held-fixed features, the
+    micro-batch."""
     kids = tuple(c for lo, hi in chunks for c in prof.children[lo:hi])
     micro = train.global_batch // lay.dp // lay.n_microbatches
-    mask = checkpointed(prof.children, lay.checkpoint_every) if lay.activation_checkpointing else [False] * len(prof.children)
+    mask = (checkpointed(prof.children, lay.checkpoint_every) if lay.activation_checkpointing
+            else [False] * len(prof.children))
     ckpt = [mask[i] for lo, hi in chunks for i in range(lo, hi)]
     head = len(prof.children) - 1  # torchtitan keeps the output head in bf16 (filter fqn != "output")
-    features = timing.Features(float8=tuple(train.float8 and i != head for lo, hi in chunks for i in range(lo, hi)),
+    features = timing.Features(float8=tuple(train.float8 and i != head
+                                            for lo, hi in chunks for i in range(lo, hi)),
                                fp8_gather=train.fsdp_float8_all_gather, async_tp=train.async_tp)
     return kids, ckpt, features, micro
 
 
-def _stage_traffic(lay: Layout, train: Training, prof: ModelProfile, chunks: list[tuple[int, int]]) -> dict[str, float]:
+def _stage_traffic(lay: Layout, train: Training, prof: ModelProfile,
+                   chunks: list[tuple[int, int]]) -> dict[str, float]:
     kids, ckpt, features, micro = _stage_units(lay, train, prof, chunks)
     return volume.stage_traffic(
-        kids, ckpt, features, micro=micro, n_microbatches=lay.n_microbatches, tp=lay.tp, dp_shard=lay.dp_shard,
-        dp_replicate=lay.dp_replicate, pp=lay.pp, cp=lay.cp,
+        kids, ckpt, features, micro=micro, n_microbatches=lay.n_microbatches, tp=lay.tp,
+        dp_shard=lay.dp_shard, dp_replicate=lay.dp_replicate, pp=lay.pp, cp=lay.cp,
         boundary_bytes=sum(timing.boundary_sends(prof.children, chunks)), param_bytes=prof.param_bytes,
         master_bytes=MASTER_BYTES[train.precision], op=lay.activation_checkpointing == "op",
         reshard_after_forward=train.reshards(lay.pp))
@@ -266,14 +276,16 @@ def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, 
                 s: int) -> dict[str, float]:
     kids, ckpt, features, micro = _stage_units(lay, train, prof, chunks)
     units = timing.unit_times(kids, ckpt, micro, tp=lay.tp, fsdp=lay.dp_shard, replicate=lay.dp_replicate,
-                              cp=lay.cp, param_bytes=prof.param_bytes, master_bytes=MASTER_BYTES[train.precision],
+                              cp=lay.cp, param_bytes=prof.param_bytes,
+                              master_bytes=MASTER_BYTES[train.precision],
                               hw=hw, ddp=_runs_ddp(lay), features=features,
                               op_checkpointing=lay.activation_checkpointing == "op")
     # Pipeline neighbours are world / pp ranks apart: on several nodes some pair crosses, and all wait for it.
     bw, lat = timing.link(hw, lay.world_size)
     p2p = sum(micro * n / bw + lat for n in timing.boundary_sends(prof.children, chunks))
     return timing.stage_time(units, pp=lay.pp, stage=s, n_microbatches=lay.n_microbatches,
-                             stages_per_rank=len(chunks), p2p=p2p, reshard_after_forward=train.reshards(lay.pp))
+                             stages_per_rank=len(chunks), p2p=p2p,
+                             reshard_after_forward=train.reshards(lay.pp))
 
 
 def _chunks(lay: Layout, train: Training, prof: ModelProfile) -> list[list[tuple[int, int]]]:
@@ -281,7 +293,8 @@ def _chunks(lay: Layout, train: Training, prof: ModelProfile) -> list[list[tuple
 
 
 def stage_memories(lay: Layout, train: Training, prof: ModelProfile) -> list[dict[str, int]]:
-    """Per-rank bytes by term of each pipeline stage (index = pp rank); ``prof`` is the profile at ``lay.tp``."""
+    """Per-rank bytes by term of each pipeline stage (index = pp rank); ``prof`` is the profile at
+    ``lay.tp``."""
     return [_stage_memory(lay, train, prof, chunks, s) for s, chunks in enumerate(_chunks(lay, train, prof))]
 
 
@@ -291,7 +304,8 @@ def estimate(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware) -> 
         raise ConfigError("float8 training needs fp8 tensor cores: this hardware has no fp8 peak")
     memories = stage_memories(lay, train, prof)
     memory = max(memories, key=lambda m: sum(m.values()))
-    times = [_stage_time(lay, train, prof, hw, chunks, s) for s, chunks in enumerate(_chunks(lay, train, prof))]
+    times = [_stage_time(lay, train, prof, hw, chunks, s)
+             for s, chunks in enumerate(_chunks(lay, train, prof))]
     time = max(times, key=lambda t: sum(t.values()))  # the step waits for the slowest pipeline rank
     bubble = timing.bubble_fraction(lay.pp, lay.n_microbatches, train.stages_per_rank if lay.pp > 1 else 1)
     step = sum(time.values())

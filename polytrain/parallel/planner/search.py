@@ -1,9 +1,9 @@
 """Every layout of a world size, each estimated or rejected with its reason, ranked by throughput.
 
 Searched: ``tp`` (within a node), ``pp``, ``dp_replicate x dp_shard`` for the rest, the pipeline's
-micro-batch count, activation checkpointing off, full or per-op (``op``). ``cp`` stays 1 (CUDA-only ring attention; a
-pinned ``cp`` is honoured). Ranking: tokens (or samples) per second, then less memory, then the label,
-so the same inputs always give the same order.
+micro-batch count, activation checkpointing off, full or per-op (``op``). ``cp`` stays 1 (CUDA-only ring
+attention; a pinned ``cp`` is honoured). Ranking: tokens (or samples) per second, then less memory, then the
+label, so the same inputs always give the same order.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class Plan:
     def best(self) -> Estimate:
         if not self.ranked:
             reasons = "; ".join(f"{r.layout.label()}: {r.reason}" for r in self.rejected[:5])
-            raise ConfigError(f"no layout fits: {reasons}. Add devices, lower the batch or the sequence length")
+            raise ConfigError(f"no layout fits: {reasons}. "
+                              f"Add devices, lower the batch or the sequence length")
         return self.ranked[0]
 
 
@@ -68,14 +69,18 @@ def _rejection(lay: Layout, hw: Hardware, train: Training, n_children: int, whol
     if train.global_batch % lay.dp:
         return f"global batch {train.global_batch} is not divisible by dp={lay.dp}"
     if (train.global_batch // lay.dp) % lay.n_microbatches:
-        return f"local batch {train.global_batch // lay.dp} is not divisible by {lay.n_microbatches} micro-batches"
-    if lay.pp > 1 and train.pp_schedule == "1f1b" and lay.n_microbatches < lay.pp:  # torch's Schedule1F1B refuses it
+        return (f"local batch {train.global_batch // lay.dp} is not divisible by "
+                f"{lay.n_microbatches} micro-batches")
+    # torch's Schedule1F1B refuses it
+    if lay.pp > 1 and train.pp_schedule == "1f1b" and lay.n_microbatches < lay.pp:
         return f"1F1B: {lay.n_microbatches} micro-batches are fewer than the pp={lay.pp} stages"
-    if lay.pp > 1 and train.pp_schedule == "interleaved_1f1b" and not interleaved_rounds_ok(lay.pp, lay.n_microbatches):
+    if (lay.pp > 1 and train.pp_schedule == "interleaved_1f1b"
+            and not interleaved_rounds_ok(lay.pp, lay.n_microbatches)):
         return f"interleaved 1F1B: {lay.n_microbatches} micro-batches do not split into rounds of pp={lay.pp}"
     bubble = bubble_fraction(lay.pp, lay.n_microbatches, v)
     if bubble > MAX_BUBBLE:
-        return f"pipeline bubble {bubble:.0%} over the {MAX_BUBBLE:.0%} bound (local batch {train.global_batch // lay.dp})"
+        return (f"pipeline bubble {bubble:.0%} over the {MAX_BUBBLE:.0%} bound "
+                f"(local batch {train.global_batch // lay.dp})")
     return None
 
 
@@ -118,8 +123,8 @@ def rank_layouts(hw: Hardware, train: Training, profile_at: Callable[[int], Mode
          pinned: dict[str, int] | None = None) -> Plan:
     """Estimate every candidate (``profile_at(tp)`` gives the model's profile at that degree)."""
     if train.float8 and not hw.fp8_peak_flops:
-        raise ConfigError("float8 training needs fp8 tensor cores: this hardware has no fp8 peak (the h100 preset "
-                          "has one; a100 and cpu do not)")
+        raise ConfigError("float8 training needs fp8 tensor cores: this hardware has no fp8 peak "
+                          "(the h100 preset has one; a100 and cpu do not)")
     plan = Plan()
     profiles: dict[int, ModelProfile | str] = {1: profile_at(1)}
     # What a pipeline can cut: the children, or the units of a model profiled block by block
@@ -135,7 +140,8 @@ def rank_layouts(hw: Hardware, train: Training, profile_at: Callable[[int], Mode
             try:
                 prof = profiles[lay.tp] = profile_at(lay.tp)
             except (ConfigError, RuntimeError, ValueError) as err:  # the forward does not run split tp-ways
-                prof = profiles[lay.tp] = f"tp={lay.tp} does not split the model: {' '.join(str(err).split())[:160]}"
+                prof = profiles[lay.tp] = (f"tp={lay.tp} does not split the model: "
+                                           f"{' '.join(str(err).split())[:160]}")
         if reason is None and isinstance(prof, str):
             reason = prof
         if reason is None and lay.pp > 1 and not prof.units:  # cut at module paths, a tie spans stages

@@ -3,8 +3,9 @@ collectives each FSDP unit exposes, the pipeline's schedule (docs/strategies/pla
 has every equation here, its defaults and where it is known to be wrong).
 
 Two CUDA streams per rank are modelled: compute (with the tensor-parallel collectives on it; async TP
-hides them behind the split matmuls) and communication (FSDP all-gathers and reduce-scatters, replica all-reduces). A unit is one child
-of the Sequential: the strategy ``fully_shard``s each child that holds parameters (``parallel/fsdp.py``).
+hides them behind the split matmuls) and communication (FSDP all-gathers and reduce-scatters, replica
+all-reduces). A unit is one child of the Sequential: the strategy ``fully_shard``s each child that holds
+parameters (``parallel/fsdp.py``).
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ def compute_time(c: ChildProfile, micro: int, cp: int, hw: Hardware, f8: bool) -
     return f, micro * c.tp_linear_flops / cp / (rate8 if f8 else rate)
 
 
-def recompute_time(c: ChildProfile, micro: int, cp: int, hw: Hardware, f8: bool, tf: float) -> tuple[float, float]:
+def recompute_time(c: ChildProfile, micro: int, cp: int, hw: Hardware, f8: bool,
+                   tf: float) -> tuple[float, float]:
     """(compute, TP collective) seconds a per-op checkpointed child recomputes in backward: the FLOPs of the
     ops ``OpSelection`` does not keep (its matmuls at the fp8 rate under float8), and the TP collectives
     it runs again: the all-reduces, or under sequence parallelism the all-gathers (half the bytes; the
@@ -181,10 +183,11 @@ def tp_time(c: ChildProfile, micro: int, tp: int, hw: Hardware, f8: bool, async_
     Row-parallel outputs are all-reduced (or, sequence-parallel, reduce-scattered and gathered: the same
     bytes), ``2 (t-1)/t`` of the payload per rank, ``k`` rings of ``2 (t-1)`` steps. Float8 under
     sequence parallelism (torchao's float8 TP styles): each pass's all-gathers (half the bytes) move
-    float8, 1 byte of bf16's 2, the reduce-scatters stay bf16: x 3/4. Async TP (sequence parallel only: it fuses all-gather + matmul and matmul + reduce-scatter): each
-    pass exposes ``max(0, bytes time - M (t-1)/t)`` (``M`` the split Linear matmuls of the pass, forward
-    and the backward's grad-input ones alike; one of ``t`` chunks has no transfer beside it) plus one
-    step's latency per collective (``2 k``)."""
+    float8, 1 byte of bf16's 2, the reduce-scatters stay bf16: x 3/4. Async TP (sequence parallel only: it
+    fuses all-gather + matmul and matmul + reduce-scatter): each pass exposes
+    ``max(0, bytes time - M (t-1)/t)`` (``M`` the split Linear matmuls of the pass, forward and the
+    backward's grad-input ones alike; one of ``t`` chunks has no transfer beside it) plus one step's latency
+    per collective (``2 k``)."""
     if tp <= 1 or not c.tp_allreduce_bytes:
         return 0.0, 0.0
     bw, lat = link(hw, tp)
@@ -200,7 +203,8 @@ def tp_time(c: ChildProfile, micro: int, tp: int, hw: Hardware, f8: bool, async_
 
 
 def fsdp_times(c: ChildProfile, tp: int, shard: int, replicate: int, param_bytes: int, master_bytes: int,
-               links: tuple[tuple[float, float], tuple[float, float]], ddp: bool, fp8_gather: bool) -> tuple[float, float]:
+               links: tuple[tuple[float, float], tuple[float, float]], ddp: bool,
+               fp8_gather: bool) -> tuple[float, float]:
     """(gather, reduce) seconds of one unit: its shard gathered in the compute dtype (float8 Linear
     weights at 1 byte under ``fp8_gather``), its gradient reduce-scattered in ``master_bytes``, then each
     shard all-reduced over the replicas (HSDP, DDP)."""
@@ -228,9 +232,11 @@ def unit_times(kids: tuple[ChildProfile, ...], ckpt: list[bool], micro: int, *, 
         f8 = features.f8(i)
         f, matmul = compute_time(c, micro, cp, hw, f8)
         tf, tb = tp_time(c, micro, tp, hw, f8, features.async_tp, matmul)
-        again, tf_again = (recompute_time(c, micro, cp, hw, f8, tf) if op_checkpointing else (f, tf)) if k else (0, 0)
+        again, tf_again = ((recompute_time(c, micro, cp, hw, f8, tf) if op_checkpointing else (f, tf))
+                           if k else (0, 0))
         fwd.append(f + tf)
-        bwd.append((2 * f + tb) + again + tf_again)  # checkpointed: (part of) the forward again, collectives too
+        # checkpointed: (part of) the forward again, collectives too
+        bwd.append((2 * f + tb) + again + tf_again)
         tp_total += tf + tb + tf_again
         g, r = fsdp_times(c, tp, shard, replicate, param_bytes, master_bytes, links, ddp,
                           features.fp8_gather and f8 and shard > 1)

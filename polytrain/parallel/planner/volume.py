@@ -30,13 +30,15 @@ def stage_traffic(kids: tuple[ChildProfile, ...], ckpt: list[bool], features: Fe
     """Bytes per step one rank of a pipeline stage holding ``kids`` sends over each axis of degree > 1:
     ``tp`` (row-parallel outputs, ``2 (t-1)/t`` of the payload a pass; float8 gathers at 1 byte under
     sequence parallelism), ``dp_shard`` (FSDP over ``dp_shard x cp``: two gathers a unit, forward and
-    backward, ``m + 1`` under a pipeline, one without resharding after forward; one reduce-scatter), ``dp_replicate`` (the shard's
-    all-reduce), ``pp`` (``boundary_bytes`` a sample: what ``timing.boundary_sends`` counts, per micro-batch)."""
+    backward, ``m + 1`` under a pipeline, one without resharding after forward; one reduce-scatter),
+    ``dp_replicate`` (the shard's all-reduce), ``pp`` (``boundary_bytes`` a sample: what
+    ``timing.boundary_sends`` counts, per micro-batch)."""
     m, shard = n_microbatches, dp_shard * cp
     out: dict[str, float] = {}
     if tp > 1:
         out["tp"] = m * sum(
-            tp_pass_bytes(c, micro, tp, features.f8(i)) * _tp_passes(c, k, op) for i, (c, k) in enumerate(zip(kids, ckpt)))
+            tp_pass_bytes(c, micro, tp, features.f8(i)) * _tp_passes(c, k, op)
+            for i, (c, k) in enumerate(zip(kids, ckpt)))
     local = [c.tp_params / tp + (c.params - c.tp_params) for c in kids]
     if shard > 1:
         gathers = (m + 1 if pp > 1 else 2) if reshard_after_forward else 1
