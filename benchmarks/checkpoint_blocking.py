@@ -77,7 +77,7 @@ def run_variant(args: argparse.Namespace, strategy: str, world: int, variant: st
                 root: str) -> dict[str, Any]:
     from polytrain import Trainer
     from polytrain.callbacks.base import Callback
-    from polytrain.callbacks.checkpoint import ModelCheckpoint
+    from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 
     class Timed(ModelCheckpoint):
         blocked: list[float] = []

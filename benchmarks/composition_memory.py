@@ -11,7 +11,7 @@ it holds: each parameter's local tensor (``DTensor.to_local()``; FSDP's padding 
 optimizer state tensor, each storage once.
 
 The ideal for a rank is computed from the one-device model alone, not from what the run built: the
-parameters of the stage(s) this rank runs (``pipeline_split.balance``, as the strategy cuts), each
+parameters of the stage(s) this rank runs (``pipeline_sequential_cut.balance``, as the strategy cuts), each
 divided by the ranks that split it (``tp`` for the layers the module's plan names, ``dp_shard x cp``
 under FSDP), times three (the parameter, AdamW's ``exp_avg`` and ``exp_avg_sq``); a parameter nobody
 splits (outside the plan without FSDP, or under ddp) counts whole: those are the "replicated parts".
@@ -166,7 +166,7 @@ def predicted_bytes(args: argparse.Namespace, degrees: dict[str, int]) -> list[d
 
 def ideal_bytes(args: argparse.Namespace, degrees: dict[str, int], pp_rank: int) -> tuple[float, float]:
     """(this pp rank's ideal, 1/N of the one-device total), from the one-device model."""
-    from polytrain.parallel import pipeline_split as S
+    from polytrain.parallel import pipeline_sequential_cut as S
     from polytrain.parallel.tensor_parallel import resolve_key
 
     module = make_module(args, 8)

@@ -156,9 +156,11 @@ def run_hand(args: argparse.Namespace, ds: Any, strategy: str, compiled: bool,
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(args.device, (world,))
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                         cast_forward_inputs=False) if args.precision == "bf16-mixed" \
-            else MixedPrecisionPolicy()
+        if args.precision == "bf16-mixed":
+            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                             cast_forward_inputs=False)
+        else:
+            mp_policy = MixedPrecisionPolicy()
         for block in model.blocks:
             if compiled:  # the block's forward, so FSDP's hooks stay outside the graph
                 block.forward = torch.compile(block.forward, backend=args.compile_backend)
@@ -173,8 +175,10 @@ def run_hand(args: argparse.Namespace, ds: Any, strategy: str, compiled: bool,
         ) if strategy == "ddp" else model
     optimizer = M.make_optimizer(model.parameters(), model.lr, args.device == "cuda")
     data = loader(args, ds, DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False))
-    autocast = torch.autocast(args.device, dtype=torch.bfloat16) if args.precision == "bf16-mixed" \
-        else contextlib.nullcontext()
+    if args.precision == "bf16-mixed":
+        autocast = torch.autocast(args.device, dtype=torch.bfloat16)
+    else:
+        autocast = contextlib.nullcontext()
     t0 = t1 = c0 = c1 = 0.0
     last_loss = None
     for i, (x, y) in enumerate(data):

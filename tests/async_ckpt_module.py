@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import Trainer, TrainModule
 from polytrain.callbacks.base import Callback
-from polytrain.callbacks.checkpoint import ModelCheckpoint
+from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 from polytrain.checkpoint import async_writer
 from polytrain.checkpoint.state import full_optimizer_state
 from polytrain.core import collectives as C

@@ -235,7 +235,7 @@ _KILLED = """
 import sys
 sys.path.insert(0, {tests!r})
 from async_ckpt_module import Lin, set_hooks, trainer
-from polytrain.callbacks.checkpoint import ModelCheckpoint
+from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 
 class Announce(ModelCheckpoint):
     def _save(self, trainer):

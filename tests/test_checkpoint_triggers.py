@@ -14,7 +14,7 @@ from async_ckpt_module import Lin
 from distributed import run_distributed
 
 from polytrain import Trainer
-from polytrain.callbacks.checkpoint import ModelCheckpoint
+from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 
 STEP_SECONDS = 0.02
 

@@ -29,7 +29,7 @@ def _run(index: int, root: str, barrier: Any, results: Any) -> None:
     torch.set_num_threads(1)
     try:
         from polytrain import Trainer
-        from polytrain.callbacks.checkpoint import ModelCheckpoint
+        from polytrain.callbacks.model_checkpoint import ModelCheckpoint
         from tests.reliability.scripts.rel_module import RelModule
 
         class Indexed(RelModule):

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from polytrain import Trainer, TrainModule
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.fsdp import blocks_to_wrap
-from polytrain.parallel.pipeline_paths import default_split_paths
+from polytrain.parallel.pipeline_path_cut import default_split_paths
 from polytrain.parallel.planner import Training, hardware, plan_module
 from polytrain.parallel.planner.estimate import stages
 from polytrain.parallel.tensor_parallel import module_plan

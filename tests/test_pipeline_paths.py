@@ -12,8 +12,8 @@ import torch
 from test_own_models import HeldModel
 from torch import nn
 
-from polytrain.parallel import pipeline_paths as P
-from polytrain.parallel.pipeline_split import PipelineSplitError
+from polytrain.parallel import pipeline_path_cut as P
+from polytrain.parallel.pipeline_sequential_cut import PipelineSplitError
 
 
 def _held(kind: str) -> HeldModel:

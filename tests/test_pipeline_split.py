@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from polytrain import Trainer, TrainModule
-from polytrain.parallel import pipeline_split as S
+from polytrain.parallel import pipeline_sequential_cut as S
 from polytrain.trainer.config import ConfigError
 
 

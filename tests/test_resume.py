@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import Callback, Trainer, TrainModule
-from polytrain.callbacks.checkpoint import ModelCheckpoint
+from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 
 TOTAL_STEPS = 15  # 3 epochs of 5 batches
 STOP_AT = 7  # mid-way through the second epoch

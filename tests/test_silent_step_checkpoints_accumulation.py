@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import Trainer, TrainModule
-from polytrain.callbacks.checkpoint import ModelCheckpoint
+from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 
 N, BATCH, ACCUMULATE, EPOCHS, EVERY = 16, 2, 2, 2, 3  # 8 batches = 4 optimizer steps per epoch
 

@@ -14,7 +14,7 @@ _EXPORTS = {
     "Logger": "polytrain.callbacks.loggers",
     "MLFlowLogger": "polytrain.callbacks.experiment_loggers",
     "WandbLogger": "polytrain.callbacks.experiment_loggers",
-    "ModelCheckpoint": "polytrain.callbacks.checkpoint",
+    "ModelCheckpoint": "polytrain.callbacks.model_checkpoint",
     "EarlyStopping": "polytrain.callbacks.early_stopping",
     "LearningRateMonitor": "polytrain.callbacks.monitors",
     "ThroughputMonitor": "polytrain.callbacks.monitors",

@@ -145,8 +145,8 @@ def failed(exc: BaseException, step: int | None = None) -> None:
     waiting for it in a collective name the error instead of a stale position. A failed collective
     is not this rank's own error (``explain`` names the peer behind it) and is not published."""
     hb = _current
-    if hb is None or hb.error is not None or isinstance(exc, RankUnresponsiveError) \
-            or looks_like_collective_failure(exc):
+    if (hb is None or hb.error is not None or isinstance(exc, RankUnresponsiveError)
+            or looks_like_collective_failure(exc)):
         return
     hb.error = _first_line(exc)
     if step is not None:
@@ -213,8 +213,8 @@ def describe_peers(now: float | None = None) -> tuple[list[str], dict[int, dict[
 def explain(exc: BaseException) -> RankUnresponsiveError | None:
     """A clearer error for a failed collective, or None if this does not look like one."""
     hb = _current
-    if hb is None or isinstance(exc, (RankUnresponsiveError, DivergenceError)) \
-            or not looks_like_collective_failure(exc):
+    if (hb is None or isinstance(exc, (RankUnresponsiveError, DivergenceError))
+            or not looks_like_collective_failure(exc)):
         return None
     try:
         culprits, records = describe_peers()

@@ -1,7 +1,7 @@
 """The one place that says in which order parallelisms are applied to a model part.
 
 A "part" is what one rank runs forward: the whole module (no pipeline), or one pipeline stage
-(``pipeline_split`` cuts the user's ``nn.Sequential`` first, so every later step sees only this
+(``pipeline_sequential_cut`` cuts the user's ``nn.Sequential`` first, so every later step sees only this
 rank's layers and works inside this stage's sub-mesh). On each part, in torchtitan's order:
 
 1. **tensor parallel** (``tensor_parallel``): the module's plan over the ``tp`` mesh; parameters the
@@ -37,7 +37,7 @@ from polytrain.parallel.choices import DATA_PARALLEL
 from polytrain.parallel.compile import apply_compile, compile_targets
 from polytrain.parallel.dims import ParallelDims
 from polytrain.parallel.fsdp import apply_fsdp
-from polytrain.parallel.pipeline_paths import Elsewhere
+from polytrain.parallel.pipeline_path_cut import Elsewhere
 
 APPLY_ORDER = ("tensor_parallel", "activation_checkpointing", "compile", "data_parallel")
 

@@ -1,6 +1,6 @@
 """``ddp``: one process per device, full replicas, gradients all-reduced during backward.
 
-A preset of ``parallel``: ``dp_replicate`` = every process, through DDP's wrapper (``parallel.ddp``).
+A preset of ``parallel``: ``dp_replicate`` = every process, through DDP's wrapper (``parallel.ddp_wrapping``).
 """
 
 from __future__ import annotations

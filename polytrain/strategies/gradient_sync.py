@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from polytrain.data.padding import PaddingState
-from polytrain.parallel.ddp import (
+from polytrain.parallel.ddp_wrapping import (
     ddp_kwargs,
     forward_without_reducer,
     naming_unused_parameters,

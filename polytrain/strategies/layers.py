@@ -22,7 +22,7 @@ from polytrain.core.errors import ConfigError
 from polytrain.core.process_group import default_backend, init_process_group
 from polytrain.layers.placement import PlacedSequential, stage_bounds
 from polytrain.parallel.compile import checkpoint_and_compile
-from polytrain.parallel.pipeline_split import balance, child_costs
+from polytrain.parallel.pipeline_sequential_cut import balance, child_costs
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.router import StepRouter
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from polytrain.parallel.apply import ParallelLayout, PipelineSettings
 from polytrain.parallel.choices import SCHEDULES
-from polytrain.parallel.pipeline_stage import schedule_class
+from polytrain.parallel.pipeline_schedules import schedule_class
 from polytrain.strategies.options import PipelineOptions
 from polytrain.strategies.parallel import ParallelStrategy
 from polytrain.strategies.registry import register

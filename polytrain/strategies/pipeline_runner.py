@@ -1,6 +1,6 @@
 """Pipeline parallelism inside the composed strategy (``parallel``, and its ``pipeline`` preset).
 
-The module's ``nn.Sequential`` is cut into stages (``parallel.pipeline_split``); each rank keeps only
+The module's ``nn.Sequential`` is cut into stages (``parallel.pipeline_sequential_cut``); each rank keeps only
 its stages' children under their original names (checkpoints match every other layout's), and the
 composed strategy then parallelises what it kept inside this stage's sub-mesh (tensor parallel, FSDP:
 ``parallel.apply``). A ``torch.distributed.pipelining`` schedule runs the micro-batches.
@@ -36,14 +36,14 @@ from polytrain.core import collectives as C
 from polytrain.core.errors import ConfigError
 from polytrain.core.protocol import SilentRecords, captured_logs, extract_loss, muted_logs, recorded_logs
 from polytrain.data.padding import PaddingState
-from polytrain.parallel import pipeline_paths as P
-from polytrain.parallel import pipeline_split as S
+from polytrain.parallel import pipeline_path_cut as P
+from polytrain.parallel import pipeline_sequential_cut as S
 from polytrain.parallel import tensor_parallel as tp_fn
 from polytrain.parallel.activation_checkpointing import checkpoint_targets
 from polytrain.parallel.apply import PipelineSettings, local_plan
 from polytrain.parallel.choices import SCHEDULES
 from polytrain.parallel.dims import ParallelDims
-from polytrain.parallel.pipeline_stage import (
+from polytrain.parallel.pipeline_schedules import (
     recv_tensor,
     schedule_class,
     send_tensor,

@@ -69,7 +69,7 @@ class StepRouter(nn.Module):
         super().__init__()
         self.module = module
         # Called after the routed method returns, still inside the wrapper's forward (DDP under
-        # manual optimisation: see parallel.ddp.forward_without_reducer).
+        # manual optimisation: see parallel.ddp_wrapping.forward_without_reducer).
         self.__dict__["after_method"] = None
         self.__dict__["steps"] = {}
 

@@ -6,10 +6,10 @@ import os
 from typing import Any
 
 from polytrain.callbacks.base import Callback
-from polytrain.callbacks.checkpoint import ModelCheckpoint
 from polytrain.callbacks.compile_time import CompileTime
 from polytrain.callbacks.csv_logger import CSVLogger
 from polytrain.callbacks.experiment_loggers import MLFlowLogger, WandbLogger
+from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 from polytrain.callbacks.progress_bar import ProgressBar
 from polytrain.callbacks.summary import ModelSummary
 from polytrain.callbacks.tensorboard_logger import TensorBoardLogger

@@ -144,7 +144,8 @@ def _eval_batch(trainer: Trainer, eval_step: Any, stage: str, word: str, batch: 
         # unreduced: ranks may hold different numbers of evaluation batches, so no collective here.
         values = metrics.pop_step_values(sync=False)
         if not sanity:
-            publish(trainer.metrics, trainer.hooks, values, trainer.eval_progress.batches.get(trainer.stage, 0))
+            step = trainer.eval_progress.batches.get(trainer.stage, 0)
+            publish(trainer.metrics, trainer.hooks, values, step)
     if not sanity:  # as Lightning: each loop (fit's validation, validate, test) counts its own
         trainer.eval_progress.next_step(trainer.stage)
     return output

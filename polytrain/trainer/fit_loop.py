@@ -122,7 +122,8 @@ class FitLoop:
                              f"train_dataloader() on {type(trainer.module).__name__} (or its DataModule)")
         # Iterable-style data (``agreed``): ranks agree before each batch and end the epoch together.
         limit = batch_limit(trainer, "train", data.train_loader)
-        data.num_training_batches, self.agreed = check_batches(trainer.strategy, data.train_loader, "train", limit)
+        data.num_training_batches, self.agreed = check_batches(trainer.strategy, data.train_loader, "train",
+                                                               limit)
         # Training steps get a stream per data-parallel rank (tensor/pipeline peers of a replica share it),
         # and sharded regions (polytrain.layers.sharded_rng) one per global rank.
         strategy = trainer.strategy
@@ -156,8 +157,9 @@ class FitLoop:
         hooks("on_train_end")
         hooks("on_fit_end")
         loggers = trainer.loggers if trainer.is_logging_rank else []
-        report_goodput(self.goodput, self.progress.global_step, trainer.strategy.checkpoint_io.staging_waited(),
-                       trainer.is_global_zero, loggers)
+        staging_waited = trainer.strategy.checkpoint_io.staging_waited()
+        report_goodput(self.goodput, self.progress.global_step, staging_waited, trainer.is_global_zero,
+                       loggers)
 
     def estimated_stepping_batches(self) -> int | float:
         """The optimizer steps ``fit`` will take (Lightning's ``trainer.estimated_stepping_batches``). As

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from polytrain.callbacks.base import Callback
-from polytrain.callbacks.checkpoint import ModelCheckpoint
+from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 from polytrain.core.errors import ConfigError, RankFailedError
 from polytrain.core.rng import capture_rng_state, restore_rng_state, seed_all, user_seed
 from polytrain.parallel.float8 import convert_to_float8, has_float8_matmuls, resolve_float8

@@ -71,7 +71,8 @@ class PassThroughProfiler:
         """Where this process runs, once the strategy knows (before the stage's hooks are planned)."""
 
     def start(self, log_dir: str) -> None:
-        """The fit starts; ``log_dir``: the run's directory (a table or trace written at the end goes there)."""
+        """The fit starts; ``log_dir``: the run's directory (a table or trace written at the end goes
+        there)."""
 
     def stop(self) -> None:
         """The fit ended: report."""

@@ -44,7 +44,8 @@ class ValidationSchedule:
         self.inside = bool(self.every) and (num_batches is None or self.every < num_batches
                                             or self.every_n_epochs is None)
 
-    def due_after(self, epoch: int, batch_idx: int, last: bool, has_val: bool, stopping: bool = False) -> bool:
+    def due_after(self, epoch: int, batch_idx: int, last: bool, has_val: bool,
+                  stopping: bool = False) -> bool:
         """The loop's one question, "does a validation follow this batch?": after an epoch's last batch
         when the epoch-end schedule says so; inside the epoch every ``val_check_interval`` batches; where
         the fit stops early (``stopping``), when this epoch validates at all, as Lightning. Never without

@@ -12,9 +12,9 @@ import torch
 from omegaconf import OmegaConf
 
 from polytrain.callbacks.base import Callback
-from polytrain.callbacks.checkpoint import ModelCheckpoint
 from polytrain.callbacks.early_stopping import EarlyStopping
 from polytrain.callbacks.loggers import Logger
+from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 from polytrain.callbacks.progress_bar import ProgressBar
 from polytrain.core import heartbeat
 from polytrain.core.errors import ConfigError

@@ -296,7 +296,7 @@ def write_config(path: str | Path, run_dir: str | Path, out_dir: str | Path, *, 
     trainer = {"accelerator": "cpu", "devices": devices, "strategy": "ddp", "max_epochs": max_epochs,
                "log_every_n_steps": 1, "enable_progress_bar": False, "enable_model_summary": False,
                "logger": False, "timeout": 60, "run_dir": str(run_dir), "resume": "auto", "seed": 0,
-               "callbacks": [{"_target_": "polytrain.callbacks.checkpoint.ModelCheckpoint",
+               "callbacks": [{"_target_": "polytrain.callbacks.model_checkpoint.ModelCheckpoint",
                               "every_n_train_steps": every_n_steps}],
                **(extra_trainer or {})}
     config = {"module": {"_target_": "rel_module.RelModule", "out_dir": str(out_dir), **(module or {})},

@@ -24,7 +24,7 @@ import torch
 
 from polytrain import Trainer
 from polytrain.callbacks.base import Callback
-from polytrain.callbacks.checkpoint import ModelCheckpoint
+from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 from polytrain.checkpoint.layout import find_resumable, is_complete
 from polytrain.checkpoint.reading import read_checkpoint
 

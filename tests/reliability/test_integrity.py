@@ -29,7 +29,7 @@ import torch
 from distributed import DistributedRunError, run_distributed
 
 from polytrain import Trainer
-from polytrain.callbacks.checkpoint import ModelCheckpoint
+from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 from polytrain.checkpoint.integrity import MANIFEST_FILE, crc32_of
 from polytrain.checkpoint.reading import read_checkpoint
 from polytrain.core.errors import CheckpointError, ConfigError

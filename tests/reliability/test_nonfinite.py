@@ -45,7 +45,7 @@ def _flat(module: torch.nn.Module) -> torch.Tensor:
 def _worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from polytrain import Trainer
     from polytrain.callbacks.base import Callback
-    from polytrain.callbacks.checkpoint import ModelCheckpoint
+    from polytrain.callbacks.model_checkpoint import ModelCheckpoint
     from polytrain.checkpoint.layout import find_resumable
     from polytrain.checkpoint.reading import read_checkpoint
     from polytrain.trainer.guards import NonFiniteError

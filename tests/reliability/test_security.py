@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from polytrain import Trainer
-from polytrain.callbacks.checkpoint import ModelCheckpoint
+from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 from polytrain.checkpoint.layout import find_resumable, is_complete
 from polytrain.checkpoint.reading import read_checkpoint
 from polytrain.cli import main as cli_main

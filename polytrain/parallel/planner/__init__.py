@@ -15,8 +15,8 @@ from polytrain.core.errors import ConfigError
 from polytrain.parallel.fsdp import blocks_to_wrap
 from polytrain.parallel.hardware import PRESETS, Hardware, hardware, parse_bytes
 from polytrain.parallel.library_plans import library_plan
-from polytrain.parallel.pipeline_paths import meta_twin
-from polytrain.parallel.pipeline_split import PipelineSplitError, find_sequential
+from polytrain.parallel.pipeline_path_cut import meta_twin
+from polytrain.parallel.pipeline_sequential_cut import PipelineSplitError, find_sequential
 from polytrain.parallel.planner.estimate import Estimate, Layout, Training, estimate
 from polytrain.parallel.planner.model_profile import (
     ModelProfile,

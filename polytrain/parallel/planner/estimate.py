@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.hardware import Hardware
-from polytrain.parallel.pipeline_split import balance
+from polytrain.parallel.pipeline_sequential_cut import balance
 from polytrain.parallel.planner import timing, volume
 from polytrain.parallel.planner.model_profile import ChildProfile, ModelProfile
 

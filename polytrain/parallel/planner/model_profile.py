@@ -43,7 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.activation_checkpointing import OpSelection
 from polytrain.parallel.fsdp import blocks_to_wrap
-from polytrain.parallel.pipeline_paths import parameter_segments, segments_of
+from polytrain.parallel.pipeline_path_cut import parameter_segments, segments_of
 from polytrain.parallel.tensor_parallel import resolve_key
 
 

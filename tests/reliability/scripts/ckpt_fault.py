@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from rel_module import RelModule  # noqa: E402
 
 from polytrain import Trainer  # noqa: E402
-from polytrain.callbacks.checkpoint import ModelCheckpoint  # noqa: E402
+from polytrain.callbacks.model_checkpoint import ModelCheckpoint  # noqa: E402
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ from rel_module import RelModule  # noqa: E402
 
 from polytrain import Trainer  # noqa: E402
 from polytrain.callbacks.base import Callback  # noqa: E402
-from polytrain.callbacks.checkpoint import ModelCheckpoint  # noqa: E402
+from polytrain.callbacks.model_checkpoint import ModelCheckpoint  # noqa: E402
 from polytrain.checkpoint.layout import damage  # noqa: E402
 from polytrain.core.errors import CheckpointError  # noqa: E402
 

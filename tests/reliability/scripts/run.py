@@ -21,7 +21,7 @@ from rel_module import RelModule  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from polytrain import Trainer  # noqa: E402
-from polytrain.callbacks.checkpoint import ModelCheckpoint  # noqa: E402
+from polytrain.callbacks.model_checkpoint import ModelCheckpoint  # noqa: E402
 
 
 @record

@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from polytrain.parallel.fsdp import blocks_to_wrap
-from polytrain.parallel.pipeline_split import PipelineSplitError, balance
+from polytrain.parallel.pipeline_sequential_cut import PipelineSplitError, balance
 
 
 @dataclass
