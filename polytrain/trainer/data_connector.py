@@ -10,7 +10,7 @@ import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
@@ -32,9 +32,6 @@ from polytrain.trainer.hooks import is_overridden
 from polytrain.trainer.module import TrainModule
 from polytrain.trainer.progress import Resumed
 
-if TYPE_CHECKING:
-    from polytrain.trainer.trainer import Trainer
-
 log = logging.getLogger("polytrain")
 
 LOADER_METHOD = {"train": "train_dataloader", "val": "val_dataloader", "test": "test_dataloader",
@@ -43,90 +40,103 @@ LIMIT_OPTION = {"train": "limit_train_batches", "val": "limit_val_batches", "tes
                 "predict": "limit_predict_batches"}
 
 
-def loader_source(trainer: Trainer, stage: str) -> Any:
-    """Where ``stage``'s loader comes from: loaders given to the entry point, else the DataModule's
-    method, else the module's (called through the hook funnel); None when nothing defines one (as
-    Lightning, the base class's ``*_dataloader`` is never called)."""
-    name = LOADER_METHOD[stage]
-    if trainer.given_loaders.get(stage) is not None:
-        return trainer.given_loaders[stage]
-    datamodule, hooks = trainer.datamodule, trainer.hooks
-    if datamodule is not None and is_overridden(datamodule, name, DataModule):
-        return functools.partial(hooks.datamodule, name)
-    if is_overridden(trainer.module, name, TrainModule):
-        return functools.partial(hooks.module, name)
-    return None
+class DataConnector:
+    """A stage's data: where each loader comes from, the loader as the strategy processes it, and how many
+    batches of it a pass runs. Built with the stage's collaborators: the options, the strategy, the hook
+    funnel (loaders defined by the module or the DataModule are called through it), and the loaders
+    given to the entry point."""
 
+    def __init__(self, config: Any, strategy: Any, hooks: Any, module: Any, datamodule: Any,
+                 given_loaders: dict[str, Any]) -> None:
+        self.config = config
+        self.strategy = strategy
+        self.hooks = hooks
+        self.module = module
+        self.datamodule = datamodule
+        self.given_loaders = given_loaders
 
-def request_loader(trainer: Trainer, stage: str, resumed_dp: int | None = None) -> Any:
-    """The processed loader for ``stage`` (``train``/``val``/``test``/``predict``), or None.
-    ``resumed_dp``: the data-parallel size of the checkpoint a fit resumes mid-epoch from."""
-    name = LOADER_METHOD[stage]
-    source = loader_source(trainer, stage)
-    if callable(source) and not isinstance(source, DataLoader):
-        with record_pin_memory_choice():  # an explicit pin_memory=False is kept on CUDA
-            loader = source()
-    else:
-        loader = source
-    if loader is None:
+    def source(self, stage: str) -> Any:
+        """Where ``stage``'s loader comes from: loaders given to the entry point, else the DataModule's
+        method, else the module's (called through the hook funnel); None when nothing defines one (as
+        Lightning, the base class's ``*_dataloader`` is never called)."""
+        name = LOADER_METHOD[stage]
+        if self.given_loaders.get(stage) is not None:
+            return self.given_loaders[stage]
+        if self.datamodule is not None and is_overridden(self.datamodule, name, DataModule):
+            return functools.partial(self.hooks.datamodule, name)
+        if is_overridden(self.module, name, TrainModule):
+            return functools.partial(self.hooks.module, name)
         return None
-    if isinstance(loader, (list, tuple)):
-        if len(loader) != 1:
-            raise ConfigError(f"{name}() returned {len(loader)} DataLoaders; polytrain runs one per stage: "
-                              f"concatenate the datasets or evaluate them in separate calls")
-        loader = loader[0]
-    if (trainer.config.overfit_batches and isinstance(loader, DataLoader) and stage == "train"
-            and not isinstance(loader.dataset, IterableDataset)
-            and not isinstance(loader.sampler, SequentialSampler)):
-        warnings.warn("overfit_batches: the training DataLoader is read in order (shuffling off), the same "
-                      "batches every epoch", stacklevel=2)
-        loader = DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=False,
-                            num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                            pin_memory=loader.pin_memory, drop_last=loader.drop_last)
-    strategy, cfg = trainer.strategy, trainer.config
-    # The user's seed_everything seed when trainer.seed is unset, as Lightning seeds its DistributedSampler.
-    seed = cfg.seed if cfg.seed is not None else (user_seed() or 0)
-    use_sampler = cfg.use_distributed_sampler
-    if use_sampler is True and stage == "train" and resumed_dp not in (None, strategy.dp_size):
-        use_sampler = "always"  # an N-rank epoch resumed on one rank continues in the N-rank order
-    return strategy.process_dataloader(loader, stage, seed, use_sampler)
 
+    def request(self, stage: str, resumed_dp: int | None = None) -> Any:
+        """The processed loader for ``stage`` (``train``/``val``/``test``/``predict``), or None.
+        ``resumed_dp``: the data-parallel size of the checkpoint a fit resumes mid-epoch from."""
+        name = LOADER_METHOD[stage]
+        source = self.source(stage)
+        if callable(source) and not isinstance(source, DataLoader):
+            with record_pin_memory_choice():  # an explicit pin_memory=False is kept on CUDA
+                loader = source()
+        else:
+            loader = source
+        if loader is None:
+            return None
+        if isinstance(loader, (list, tuple)):
+            if len(loader) != 1:
+                raise ConfigError(f"{name}() returned {len(loader)} DataLoaders; polytrain runs one per "
+                                  f"stage: concatenate the datasets or evaluate them in separate calls")
+            loader = loader[0]
+        cfg, strategy = self.config, self.strategy
+        if (cfg.overfit_batches and isinstance(loader, DataLoader) and stage == "train"
+                and not isinstance(loader.dataset, IterableDataset)
+                and not isinstance(loader.sampler, SequentialSampler)):
+            warnings.warn("overfit_batches: the training DataLoader is read in order (shuffling off), the "
+                          "same batches every epoch", stacklevel=2)
+            loader = DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=False,
+                                num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                                pin_memory=loader.pin_memory, drop_last=loader.drop_last)
+        # The user's seed_everything seed when trainer.seed is unset, as Lightning seeds its
+        # DistributedSampler.
+        seed = cfg.seed if cfg.seed is not None else (user_seed() or 0)
+        use_sampler = cfg.use_distributed_sampler
+        if use_sampler is True and stage == "train" and resumed_dp not in (None, strategy.dp_size):
+            use_sampler = "always"  # an N-rank epoch resumed on one rank continues in the N-rank order
+        return strategy.process_dataloader(loader, stage, seed, use_sampler)
 
-def _limit(trainer: Trainer, stage: str) -> Any:
-    """The batch limit that applies to ``stage``: fast_dev_run's, else overfit_batches', else limit_*."""
-    cfg = trainer.config
-    if cfg.fast_dev_run:
-        return 1 if cfg.fast_dev_run is True else int(cfg.fast_dev_run)
-    if cfg.overfit_batches and stage in ("train", "val"):
-        return cfg.overfit_batches
-    return getattr(cfg, LIMIT_OPTION[stage])
+    def _limit(self, stage: str) -> Any:
+        """The batch limit that applies to ``stage``: fast_dev_run's, else overfit_batches', else limit_*."""
+        cfg = self.config
+        if cfg.fast_dev_run:
+            return 1 if cfg.fast_dev_run is True else int(cfg.fast_dev_run)
+        if cfg.overfit_batches and stage in ("train", "val"):
+            return cfg.overfit_batches
+        return getattr(cfg, LIMIT_OPTION[stage])
 
+    def disabled(self, stage: str) -> bool:
+        """``limit_<stage>_batches=0``: as Lightning, that loop does not run and its loader is never
+        requested."""
+        limit = self._limit(stage)
+        return limit is not None and limit == 0
 
-def disabled(trainer: Trainer, stage: str) -> bool:
-    """``limit_<stage>_batches=0``: as Lightning, that loop does not run and its loader is never requested."""
-    limit = _limit(trainer, stage)
-    return limit is not None and limit == 0
-
-
-def batch_limit(trainer: Trainer, stage: str, loader: Any) -> int | None:
-    """How many batches of ``loader`` a pass of ``stage`` runs (None: until the iterator ends)."""
-    length = loader_length(loader)
-    limit = _limit(trainer, stage)
-    if limit is None:
-        return length
-    if isinstance(limit, float) and limit <= 1.0:  # a fraction of the epoch (1.0: all of it)
-        if length is None:
-            raise ConfigError(f"trainer.{LIMIT_OPTION[stage]}={limit} is a fraction, but the {stage} loader "
-                              f"has no length (an IterableDataset?); give a number of batches")
-        count = int(length * limit)
-        if count == 0 and limit > 0:
-            raise ConfigError(f"trainer.{LIMIT_OPTION[stage]}={limit} x {length} {stage} batches = 0 "
-                              f"batches; use at least {1 / length:.4g} or a number of batches")
-        return count
-    if isinstance(limit, float) and not limit.is_integer():
-        raise ConfigError(f"trainer.{LIMIT_OPTION[stage]}={limit}: give a fraction in [0, 1] or a whole "
-                          f"number of batches")
-    return int(limit) if length is None else min(length, int(limit))
+    def batch_limit(self, stage: str, loader: Any) -> int | None:
+        """How many batches of ``loader`` a pass of ``stage`` runs (None: until the iterator ends)."""
+        length = loader_length(loader)
+        limit = self._limit(stage)
+        option = LIMIT_OPTION[stage]
+        if limit is None:
+            return length
+        if isinstance(limit, float) and limit <= 1.0:  # a fraction of the epoch (1.0: all of it)
+            if length is None:
+                raise ConfigError(f"trainer.{option}={limit} is a fraction, but the {stage} loader has no "
+                                  f"length (an IterableDataset?); give a number of batches")
+            count = int(length * limit)
+            if count == 0 and limit > 0:
+                raise ConfigError(f"trainer.{option}={limit} x {length} {stage} batches = 0 batches; use at "
+                                  f"least {1 / length:.4g} or a number of batches")
+            return count
+        if isinstance(limit, float) and not limit.is_integer():
+            raise ConfigError(f"trainer.{option}={limit}: give a fraction in [0, 1] or a whole number of "
+                              f"batches")
+        return int(limit) if length is None else min(length, int(limit))
 
 
 def epoch_iterator(loader: Any, epoch: int, start: int, num_batches: int | None, dp_size: int,

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from polytrain.trainer import lifecycle
-from polytrain.trainer.data_connector import batch_limit, request_loader
 from polytrain.trainer.evaluation import run_eval_pass
 from polytrain.trainer.resume import agree_on_checkpoint, restore_weights
 from polytrain.trainer.run_directory import resolve_path
@@ -29,7 +28,8 @@ def run_stage(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: 
             trainer.profiler.start(trainer.log_dir)
             try:
                 with trainer.strategy.checkpoint_io.updates_wait_for_staging():
-                    trainer.fit_loop.run(trainer, trainer.ckpt_path)  # settled with the run's directory
+                    # The checkpoint was settled with the run's directory.
+                    trainer.fit_loop.run(trainer.fit_collaborators(), trainer.ckpt_path)
             except BaseException:
                 trainer.strategy.checkpoint_io.abandon()  # a save being written still completes
                 raise
@@ -70,12 +70,12 @@ def _evaluate(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: 
                                    ckpt_path, trainer.run_dir)
         restore_weights(path, trainer.strategy, trainer.hooks)
     with torch.no_grad():  # as Lightning: the loader is asked for inside the (gradient-free) evaluation
-        loader = request_loader(trainer, loader_stage)
+        loader = trainer.data_connector.request(loader_stage)
     if loader is None:
         raise ValueError(f"no {loader_stage} data: pass dataloaders to {stage}() or define "
                          f"{loader_stage}_dataloader() on {type(trainer.module).__name__} "
                          f"(or its DataModule)")
-    limit = batch_limit(trainer, loader_stage, loader)
+    limit = trainer.data_connector.batch_limit(loader_stage, loader)
     if loader_stage == "val":  # trainer.val_dataloaders / num_val_batches show the standalone validation's
         trainer.fit_loop.data.use_val(loader, limit)
     result = run_eval_pass(trainer, loader, loader_stage, limit)

@@ -18,6 +18,8 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,20 +28,12 @@ from polytrain.core import heartbeat
 from polytrain.core.errors import ConfigError, EmptyDataError
 from polytrain.core.rng import isolate_rng, training_streams, user_seed
 from polytrain.parallel.float8 import precompute_scales_after_each_step, resolve_float8
-from polytrain.trainer.data_connector import (
-    NO_BATCH,
-    agreed_batches,
-    batch_limit,
-    disabled,
-    epoch_iterator,
-    loader_source,
-    request_loader,
-)
-from polytrain.trainer.evaluation import run_eval_pass
+from polytrain.trainer.config_file import parse_max_time
+from polytrain.trainer.data_connector import NO_BATCH, DataConnector, agreed_batches, epoch_iterator
 from polytrain.trainer.goodput import Goodput, report_goodput
 from polytrain.trainer.guards import NonFiniteGuard, check_batches
-from polytrain.trainer.hooks import is_overridden
-from polytrain.trainer.metrics import publish
+from polytrain.trainer.hooks import Hooks, is_overridden
+from polytrain.trainer.metrics import MetricCollector, publish
 from polytrain.trainer.module import TrainModule
 from polytrain.trainer.optimization import AutomaticOptimization, ManualOptimization
 from polytrain.trainer.optimizer_config import parse_optimizers, step_schedulers
@@ -49,7 +43,7 @@ from polytrain.trainer.schedule import ValidationSchedule
 
 if TYPE_CHECKING:
     from polytrain.trainer.config import TrainerConfig
-    from polytrain.trainer.trainer import Trainer
+    from polytrain.trainer.profiler import PassThroughProfiler
 
 # What train_step returns instead of a step when the epoch ends before it.
 DATA_ENDED = "the data ran out"
@@ -61,8 +55,28 @@ PER_STEP = (True, False)  # in training_step and the batch-level hooks
 log = logging.getLogger("polytrain")
 
 
+@dataclass
+class FitCollaborators:
+    """What a fit works with, each named: the Trainer gathers them for every fit (``Trainer`` builds the
+    strategy, the stage's hook funnel and loaders), and the loop reaches nothing else."""
+
+    strategy: Any
+    hooks: Hooks
+    metrics: MetricCollector
+    profiler: PassThroughProfiler
+    loaders: DataConnector  # where the stage's loaders come from, and how many batches of each
+    evaluate: Callable[..., Any]  # a validation pass: evaluate(loader, "val", limit, sanity=False)
+    transfer_batch: Callable[[Any], Any]  # the stage's batch mover (transfer hooks or the strategy's)
+    module: Any
+    datamodule: Any
+    callbacks: list[Any]
+    loggers: list[Any]  # the logging rank's (goodput's scalars go there); empty on the other ranks
+    log_dir: str  # the run's directory
+
+
 class FitLoop:
-    """A Trainer's fits: their position (``progress``), stop requests, what a resume left, the loaders."""
+    """A Trainer's fits: their position (``progress``), stop requests, what a resume left, the loaders.
+    Built with the Trainer's options; each fit brings its collaborators (``FitCollaborators``)."""
 
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config  # the Trainer's options: max_epochs and min_epochs below read and write them
@@ -75,8 +89,26 @@ class FitLoop:
         self.optimization: AutomaticOptimization | ManualOptimization | None = None
         self.schedule: ValidationSchedule | None = None
         self.lr_scheduler_configs: list[Any] = []
-        self.t: Any = None  # the Trainer, while a fit runs
         self.goodput = Goodput()
+        self._take(None)
+
+    def _take(self, collaborators: FitCollaborators | None) -> None:
+        """This fit's collaborators, as attributes of their own (None: between fits)."""
+        c = collaborators
+        self.strategy = c.strategy if c else None
+        self.hooks = c.hooks if c else None
+        self.metrics = c.metrics if c else None
+        self.profiler = c.profiler if c else None
+        self.loaders = c.loaders if c else None
+        self.evaluate = c.evaluate if c else None
+        self.transfer_batch = c.transfer_batch if c else None
+        self.module = c.module if c else None
+        self.datamodule = c.datamodule if c else None
+        self.callbacks = c.callbacks if c else []
+        self.loggers = c.loggers if c else []
+        self.log_dir = c.log_dir if c else ""
+        max_time = self.config.max_time
+        self._max_time = parse_max_time(max_time) if max_time is not None else None
 
     # Lightning's trainer.fit_loop.max_epochs / min_epochs: raised between two fits, the second trains on.
     @property
@@ -96,41 +128,41 @@ class FitLoop:
         self.config.min_epochs = value
 
     # ------------------------------------------------------------------ the fit
-    def run(self, trainer: Trainer, ckpt_path: str | None) -> None:
-        self.t, cfg, hooks, data = trainer, trainer.config, trainer.hooks, self.data
+    def run(self, collaborators: FitCollaborators, ckpt_path: str | None) -> None:
+        self._take(collaborators)
+        cfg, hooks, data, strategy = self.config, self.hooks, self.data, self.strategy
         # This fit's loader (estimated_stepping_batches may ask for it before the fit does).
         data.train_loader, data.requested_early = None, False
         self._setup_optimization()
         self._restore(ckpt_path)
-        staging_waited = trainer.strategy.checkpoint_io.staging_waited()
-        record_dir = trainer.log_dir if trainer.is_logging_rank and os.path.isdir(trainer.log_dir) else None
+        staging_waited = strategy.checkpoint_io.staging_waited()
+        record_dir = self.log_dir if strategy.is_logging_rank and os.path.isdir(self.log_dir) else None
         self.goodput.begin(self.progress.global_step, staging_waited, record_dir)
         hooks("on_fit_start")
         sanity = (cfg.num_sanity_val_steps != 0 and not cfg.fast_dev_run
-                  and loader_source(trainer, "val") is not None
-                  and is_overridden(trainer.module, "validation_step", TrainModule)
-                  and not disabled(trainer, "val"))
+                  and self.loaders.source("val") is not None
+                  and is_overridden(self.module, "validation_step", TrainModule)
+                  and not self.loaders.disabled("val"))
         if sanity:
             self._sanity_check()
-        if disabled(trainer, "train"):  # limit_train_batches=0: as Lightning, the fit is its sanity check
+        if self.loaders.disabled("train"):  # limit_train_batches=0: as Lightning, the fit is its sanity check
             hooks("on_fit_end")
             return
         if not data.requested_early:
             data.train_loader = self.request_train_loader()
         if data.train_loader is None:
             raise ValueError(f"no training data: pass train_dataloaders to fit() or define "
-                             f"train_dataloader() on {type(trainer.module).__name__} (or its DataModule)")
+                             f"train_dataloader() on {type(self.module).__name__} (or its DataModule)")
         # Iterable-style data (``agreed``): ranks agree before each batch and end the epoch together.
-        limit = batch_limit(trainer, "train", data.train_loader)
-        data.num_training_batches, self.agreed = check_batches(trainer.strategy, data.train_loader, "train",
+        limit = self.loaders.batch_limit("train", data.train_loader)
+        data.num_training_batches, self.agreed = check_batches(strategy, data.train_loader, "train",
                                                                limit)
         # Training steps get a stream per data-parallel rank (tensor/pipeline peers of a replica share it),
         # and sharded regions (polytrain.layers.sharded_rng) one per global rank.
-        strategy = trainer.strategy
-        lightning_seed = user_seed() if trainer.world_size > 1 else None  # the user's seed_everything
+        lightning_seed = user_seed() if strategy.world_size > 1 else None  # the user's seed_everything
         training_streams(cfg.seed, strategy.dp_rank, strategy.global_rank, lightning_seed)
         self.schedule = ValidationSchedule(cfg, data.num_training_batches)
-        self._started, self._multi_rank = time.monotonic(), trainer.world_size > 1
+        self._started, self._multi_rank = time.monotonic(), strategy.world_size > 1
         # The epoch each loader was last requested in (reload_dataloaders_every_n_epochs).
         self._loaded = {"train": self.progress.epoch, "val": self.progress.epoch}
         # As Lightning, a fit that starts past epoch 0 without a checkpoint (a second fit of this Trainer)
@@ -139,7 +171,7 @@ class FitLoop:
         self._first: tuple[Any, int] | None = self._epoch_iterator()
         if not sanity:  # as Lightning: without a sanity check the val loader is asked for here
             self._request_val()
-        trainer.metrics.start_stage("train", EPOCH_ONLY)
+        self.metrics.start_stage("train", EPOCH_ONLY)
         hooks("on_train_start")
         self.stopping.reset()
         if cfg.fast_dev_run:
@@ -149,26 +181,25 @@ class FitLoop:
         else:  # as Lightning: 1000 epochs unless max_steps bounds the fit
             self._max_epochs = 1000 if cfg.max_steps < 0 else 10**9
         while not self._done():
-            with self.goodput.phase("epoch"), trainer.profiler.phase("train epoch"):
+            with self.goodput.phase("epoch"), self.profiler.phase("train epoch"):
                 self._run_epoch()
             self._agree_at_epoch_end()
         self.guard.check()
-        trainer.metrics.start_stage(None)
+        self.metrics.start_stage(None)
         hooks("on_train_end")
         hooks("on_fit_end")
-        loggers = trainer.loggers if trainer.is_logging_rank else []
-        staging_waited = trainer.strategy.checkpoint_io.staging_waited()
-        report_goodput(self.goodput, self.progress.global_step, staging_waited, trainer.is_global_zero,
-                       loggers)
+        staging_waited = strategy.checkpoint_io.staging_waited()
+        report_goodput(self.goodput, self.progress.global_step, staging_waited, strategy.is_global_zero,
+                       self.loggers)
 
     def estimated_stepping_batches(self) -> int | float:
         """The optimizer steps ``fit`` will take (Lightning's ``trainer.estimated_stepping_batches``). As
         Lightning, asking before training requests the training loader early (this fit then uses that
         loader); a loader without length gives ``inf``."""
-        cfg, data = self.t.config, self.data
+        cfg, data = self.config, self.data
         if data.train_loader is None:
             data.train_loader, data.requested_early = self.request_train_loader(), True
-        batches = batch_limit(self.t, "train", data.train_loader) if data.train_loader is not None else 0
+        batches = self.loaders.batch_limit("train", data.train_loader) if data.train_loader is not None else 0
         if cfg.fast_dev_run:
             epochs: float = 1
         elif cfg.max_epochs is not None:
@@ -183,57 +214,57 @@ class FitLoop:
 
     def request_train_loader(self) -> Any:
         saved = self.resumed.loop
-        return request_loader(self.t, "train", saved.get("dp_size") if saved is not None else None)
+        return self.loaders.request("train", saved.get("dp_size") if saved is not None else None)
 
     def _setup_optimization(self) -> None:
         """configure_optimizers, then the fit's batch step. As Lightning, every fit builds its optimizers
         anew: a second fit of the same Trainer (a fine-tuning or SWA phase) starts from fresh optimizer state
         unless it resumes a checkpoint."""
-        t, strategy, module = self.t, self.t.strategy, self.t.module
-        optimizers, self.lr_scheduler_configs = parse_optimizers(t.hooks.module("configure_optimizers"))
+        strategy, module, hooks, cfg = self.strategy, self.module, self.hooks, self.config
+        optimizers, self.lr_scheduler_configs = parse_optimizers(hooks.module("configure_optimizers"))
         strategy.setup_optimizers(optimizers)
-        float8 = resolve_float8(t.config.float8)
+        float8 = resolve_float8(cfg.float8)
         if float8 is not None and float8["precompute_float8_dynamic_scale_for_fsdp"]:
             precompute_scales_after_each_step(module, optimizers)
-        if not module.automatic_optimization and t.config.gradient_clip_val is not None:
-            raise ConfigError(f"trainer.gradient_clip_val={t.config.gradient_clip_val} does nothing under "
+        if not module.automatic_optimization and cfg.gradient_clip_val is not None:
+            raise ConfigError(f"trainer.gradient_clip_val={cfg.gradient_clip_val} does nothing under "
                               f"manual optimisation ({type(module).__name__}.automatic_optimization is "
                               f"False): call self.clip_gradients(optimizer, gradient_clip_val=..., "
                               f"gradient_clip_algorithm=...) in training_step before optimizer.step(), and "
                               f"drop the option")
         self.progress.start_fit(strategy.world_size, strategy.dp_size)
-        self.guard = NonFiniteGuard(t.config.nan_policy, strategy, module, self.progress)
-        phase = t.profiler.phase
+        self.guard = NonFiniteGuard(cfg.nan_policy, strategy, module, self.progress)
+        phase = self.profiler.phase
         if module.automatic_optimization:
-            self.optimization = AutomaticOptimization(strategy, module, t.hooks, self.guard, t.config, phase)
+            self.optimization = AutomaticOptimization(strategy, module, hooks, self.guard, cfg, phase)
         else:
             # Manual optimisation steps inside training_step: each step counts as it is taken.
-            self.optimization = ManualOptimization(strategy, t.hooks, self.guard,
+            self.optimization = ManualOptimization(strategy, hooks, self.guard,
                                                    self.progress.count_optimizer_step, phase)
 
     def _restore(self, ckpt_path: str | None) -> None:
         """Resume from the checkpoint settled with the run's directory (the same on every rank): every
         step of it is ``resume.restore_fit``'s; the first epoch takes back what it returns."""
         if ckpt_path is not None:
-            t = self.t
-            self.resumed = restore_fit(ckpt_path, strategy=t.strategy, hooks=t.hooks, module=t.module,
-                                       datamodule=t.datamodule, callbacks=t.callbacks,
-                                       schedulers=self.lr_scheduler_configs, progress=self.progress)
+            self.resumed = restore_fit(ckpt_path, strategy=self.strategy, hooks=self.hooks,
+                                       module=self.module, datamodule=self.datamodule,
+                                       callbacks=self.callbacks, schedulers=self.lr_scheduler_configs,
+                                       progress=self.progress)
         self.guard.resume_at(self.progress.global_step)  # errors name steps from the resumed count
 
     # ------------------------------------------------------------------ stopping
     def _time_up(self) -> bool:  # max_time reached on this rank (reduce across ranks before acting on it)
-        limit = self.t.max_time_seconds
+        limit = self._max_time
         return limit is not None and time.monotonic() - self._started >= limit
 
     def _done(self) -> bool:
-        p, s, max_steps = self.progress, self.stopping, self.t.config.max_steps
+        p, s, max_steps = self.progress, self.stopping, self.config.max_steps
         finished = p.epoch >= self._max_epochs or (0 <= max_steps <= p.global_step) or s.out_of_time
         return finished or (s.requested and self._min_reached())
 
     def _min_reached(self) -> bool:
         """A stop request waits (stays pending) until min_epochs and min_steps are met."""
-        cfg, p = self.t.config, self.progress
+        cfg, p = self.config, self.progress
         reached = p.epoch >= (cfg.min_epochs or 0) and p.global_step >= (cfg.min_steps or 0)
         if not reached and self.stopping.first_wait_for_min():
             log.info("trainer.should_stop was set but min_epochs=%s / min_steps=%s are not reached yet: "
@@ -241,32 +272,32 @@ class FitLoop:
         return reached
 
     def _agree_at_epoch_end(self) -> None:
-        s, strategy = self.stopping, self.t.strategy
-        if self.t.max_time_seconds is not None and strategy.reduce_boolean_decision(self._time_up()):
+        s, strategy = self.stopping, self.strategy
+        if self._max_time is not None and strategy.reduce_boolean_decision(self._time_up()):
             s.time_up()
         s.agree(strategy.reduce_boolean_decision(s.requested))
 
     def _agree_on_stop(self) -> None:  # at a point every rank reaches together (logging step, validation)
         if self._multi_rank:
             s = self.stopping
-            s.agree(self.t.strategy.reduce_boolean_decision(s.requested))
+            s.agree(self.strategy.reduce_boolean_decision(s.requested))
 
     # ------------------------------------------------------------------ an epoch
     def _epoch_iterator(self) -> tuple[Any, int]:
-        p, data, t = self.progress, self.data, self.t
+        p, data = self.progress, self.data
         iterator, start, sample_base, data.loader_rng = epoch_iterator(
-            data.train_loader, p.epoch, p.batch_in_epoch, data.num_training_batches, t.strategy.dp_size,
+            data.train_loader, p.epoch, p.batch_in_epoch, data.num_training_batches, self.strategy.dp_size,
             self.resumed)
         p.start_epoch(sample_base, getattr(data.train_loader, "batch_size", None))
         return iterator, start
 
     def _run_epoch(self) -> None:
-        t, p, first = self.t, self.progress, None if self._renew_first else self._first
+        p, first = self.progress, None if self._renew_first else self._first
         self._first = None
         if first is None and self._reload_due("train"):
             self.data.train_loader = self.request_train_loader()
-        t.metrics.start_stage("train", EPOCH_ONLY)
-        t.hooks("on_train_epoch_start")
+        self.metrics.start_stage("train", EPOCH_ONLY)
+        self.hooks("on_train_epoch_start")
         # The epoch's iterator after the hook, as Lightning.
         iterator, start = first if first is not None else self._epoch_iterator()
         if start and p.validation_due is None:  # a file from before the loop recorded it
@@ -274,11 +305,11 @@ class FitLoop:
             p.expect_validation(at_end and self.schedule.due_after(p.epoch, start - 1, True, self._has_val()))
         if start and p.validation_due and start != self.data.num_training_batches:
             self._validate()  # the checkpoint was taken between a batch and its validation
-            t.metrics.start_stage("train", EPOCH_ONLY)
+            self.metrics.start_stage("train", EPOCH_ONLY)
         complete = self._run_batches(iterator, start)
         if complete and p.validation_due:
             self._validate()
-        with t.profiler.phase("epoch end"):
+        with self.profiler.phase("epoch end"):
             self._finish_epoch(complete)
 
     def _has_val(self) -> bool:
@@ -291,9 +322,9 @@ class FitLoop:
 
         Sized loaders take ``num_batches`` batches. Iterable-style ones go through ``AgreedBatches``: the
         epoch ends at the shortest rank's stream (or the limit), and its last batch closes its window."""
-        t, cfg, p, stopping, schedule = self.t, self.t.config, self.progress, self.stopping, self.schedule
-        metrics, end_hooks = t.metrics, t.hooks.batch_plan("on_train_batch_end")
-        automatic, log_every = t.module.automatic_optimization, cfg.log_every_n_steps
+        cfg, p, stopping, schedule = self.config, self.progress, self.stopping, self.schedule
+        metrics, end_hooks = self.metrics, self.hooks.batch_plan("on_train_batch_end")
+        automatic, log_every = self.module.automatic_optimization, cfg.log_every_n_steps
         epoch, max_steps = p.epoch, cfg.max_steps
         self._start_epoch_steps(iterator)
         stop = self._stop
@@ -332,21 +363,21 @@ class FitLoop:
         """What ``train_step`` reads on every batch of this epoch, looked up once: the iterator (or the
         ranks' agreement on an iterable's batches), the hooks that run, the profiler's and the clock's
         blocks."""
-        t, data = self.t, self.data
+        data = self.data
         self._iterator = iterator
-        self._agreed = data.stream = agreed_batches(iterator, t.strategy.reduce_boolean_decision,
+        self._agreed = data.stream = agreed_batches(iterator, self.strategy.reduce_boolean_decision,
                                                     data.train_loader) if self.agreed else None
         self._num_batches = data.num_training_batches
         self._stop = data.num_training_batches if data.num_training_batches is not None else 2**62
-        self._accumulate = t.config.accumulate_grad_batches
-        self._start_hooks = t.hooks.batch_plan("on_train_batch_start")
+        self._accumulate = self.config.accumulate_grad_batches
+        self._start_hooks = self.hooks.batch_plan("on_train_batch_start")
         self._beat = heartbeat.beat if self._multi_rank else None
-        self._schedulers = bool(t.lr_scheduler_configs)
-        self._transfer = t.transfer_batch
-        phase = t.profiler.phase
+        self._schedulers = bool(self.lr_scheduler_configs)
+        self._transfer = self.transfer_batch
+        phase = self.profiler.phase
         self._fetch_phase, self._data_clock = phase("get batch"), self.goodput.phase("data")
         self._transfer_phase, self._batch_phase = phase("batch to device"), phase("training batch")
-        t.metrics.defaults = PER_STEP
+        self.metrics.defaults = PER_STEP
 
     def train_step(self, batch_idx: int) -> tuple[Any, Any, bool, bool] | str:
         """One training batch, its phases in order: a plain fit's ``zero_grad`` (where a hand loop has it),
@@ -371,7 +402,7 @@ class FitLoop:
             return DATA_ENDED
         with self._transfer_phase:
             batch = self._transfer(batch)
-        self.t.metrics.batch = batch  # its size is read only if a value is logged per epoch
+        self.metrics.batch = batch  # its size is read only if a value is logged per epoch
         p.take_batch(batch_idx)
         end_of_window = (batch_idx + 1) % self._accumulate == 0 or last
         if self._beat is not None:
@@ -387,7 +418,7 @@ class FitLoop:
         return batch, output, stepped, last
 
     def _log_step(self) -> None:
-        with self.t.profiler.phase("logging step"):
+        with self.profiler.phase("logging step"):
             self._logging_step()
         self.goodput.mark(self.progress.global_step)
 
@@ -397,8 +428,9 @@ class FitLoop:
         Every rank gets here at the same step, so the collectives inside stay matched. The parameters are
         checked before each checkpoint and at the end, not here: one made non-finite by a step makes the
         next loss non-finite."""
-        t, s = self.t, self.stopping
-        publish(t.metrics, t.hooks, t.metrics.pop_step_values(t.strategy.dp_group), self.progress.global_step)
+        s, metrics = self.stopping, self.metrics
+        values = metrics.pop_step_values(self.strategy.dp_group)
+        publish(metrics, self.hooks, values, self.progress.global_step)
         stop, time_up = self.guard.check((s.requested, self._time_up()), parameters=False)
         if time_up:  # max_time: every rank stops here; the fit-end checkpoint lets a resubmitted job continue
             s.time_up()
@@ -406,35 +438,35 @@ class FitLoop:
             s.agree(stop or time_up)
 
     def _after_optimizer_step(self, last_batch: bool) -> None:
-        t, p = self.t, self.progress
-        configs, metrics = t.lr_scheduler_configs, t.callback_metrics
+        p = self.progress
+        configs, metrics = self.lr_scheduler_configs, self.metrics.callback
         step_schedulers(configs, "step", p.global_step, metrics, self._scheduler_step)
         if last_batch:  # Lightning's order: epoch schedulers after the epoch's last update
             step_schedulers(configs, "epoch", p.epoch + 1, metrics, self._scheduler_step, plateau=False)
 
     def _scheduler_step(self, scheduler: Any, metric: Any) -> None:
-        with self.t.metrics.refusing("lr_scheduler_step"):
-            self.t.hooks.module("lr_scheduler_step", scheduler, metric)
+        with self.metrics.refusing("lr_scheduler_step"):
+            self.hooks.module("lr_scheduler_step", scheduler, metric)
 
     # ------------------------------------------------------------------ validation
     def _reload_due(self, stage: str) -> bool:
         """``reload_dataloaders_every_n_epochs``: the loader was last requested that many epochs ago."""
-        every, epoch = self.t.config.reload_dataloaders_every_n_epochs, self.progress.epoch
+        every, epoch = self.config.reload_dataloaders_every_n_epochs, self.progress.epoch
         if not every or epoch - self._loaded[stage] < every:
             return False
         self._loaded[stage] = epoch
         return True
 
     def _request_val(self) -> None:
-        t, data = self.t, self.data
-        data.val_loader = None if disabled(t, "val") else request_loader(t, "val")
-        data.num_val_batches = batch_limit(t, "val", data.val_loader) if data.val_loader is not None else 0
+        data, loaders = self.data, self.loaders
+        val_loader = None if loaders.disabled("val") else loaders.request("val")
+        data.use_val(val_loader, loaders.batch_limit("val", val_loader) if val_loader is not None else 0)
 
     def _sanity_check(self) -> None:
         """A few validation batches before training, so a bug in ``validation_step`` shows in seconds, not
         after an epoch. Its random draws are undone and its metrics dropped (Lightning's order: the
         hooks, then the val loader is asked for, all without gradients)."""
-        steps, hooks, data = self.t.config.num_sanity_val_steps, self.t.hooks, self.data
+        steps, hooks, data = self.config.num_sanity_val_steps, self.hooks, self.data
         with isolate_rng():
             self.sanity_checking = True
             hooks.callbacks("on_sanity_check_start")
@@ -444,33 +476,33 @@ class FitLoop:
                 if data.val_loader is not None:
                     limit = data.num_val_batches if steps == -1 else min(steps, data.num_val_batches or steps)
                     if limit:
-                        run_eval_pass(self.t, data.val_loader, "val", limit, sanity=True)
+                        self.evaluate(data.val_loader, "val", limit, sanity=True)
             finally:
                 self.sanity_checking = False
             hooks.callbacks("on_sanity_check_end")
-            self.t.metrics.reset()
+            self.metrics.reset()
 
     def _validate(self) -> None:
-        with self.goodput.phase("validation"), self.t.profiler.phase("validation"):
+        with self.goodput.phase("validation"), self.profiler.phase("validation"):
             self._run_validation()
 
     def _run_validation(self) -> None:
-        t, data = self.t, self.data
+        data = self.data
         self.progress.expect_validation(False)  # from here on, a checkpoint resumes after this validation
         if self._reload_due("val"):  # before the validation, as Lightning
             self._request_val()
         if data.num_val_batches == 0:  # None: a loader without length, run until it ends
             return
-        with t.metrics.refusing("on_validation_model_zero_grad"):
-            t.hooks.module("on_validation_model_zero_grad")
-        run_eval_pass(t, data.val_loader, "val", data.num_val_batches)
+        with self.metrics.refusing("on_validation_model_zero_grad"):
+            self.hooks.module("on_validation_model_zero_grad")
+        self.evaluate(data.val_loader, "val", data.num_val_batches)
         self._agree_on_stop()  # e.g. EarlyStopping after a validation inside the epoch
 
     # ------------------------------------------------------------------ the epoch's end
     def _finish_epoch(self, complete: bool) -> None:
         """``on_train_epoch_end`` with this epoch's values already reduced (the hooks read them), what the
         module logs there reduced before the callbacks that watch metrics run, then the epoch schedulers."""
-        t, p, metrics, group = self.t, self.progress, self.t.metrics, self.t.strategy.dp_group
+        p, metrics, hooks, group = self.progress, self.metrics, self.hooks, self.strategy.dp_group
         heartbeat.at("train_epoch_end")
         metrics.start_stage("train", EPOCH_ONLY)
         with p.ending_epoch(complete):  # a checkpoint taken now resumes at the next epoch
@@ -478,11 +510,11 @@ class FitLoop:
 
             def reduced_and_published() -> None:
                 values.update(metrics.reduce_epoch("train", group, more=True))
-                publish(metrics, t.hooks, values, p.global_step)
+                publish(metrics, hooks, values, p.global_step)
 
-            t.hooks.epoch_end("on_train_epoch_end", reduced_and_published)
+            hooks.epoch_end("on_train_epoch_end", reduced_and_published)
         if complete:
-            step_schedulers(t.lr_scheduler_configs, "epoch", p.epoch + 1, t.callback_metrics,
+            step_schedulers(self.lr_scheduler_configs, "epoch", p.epoch + 1, metrics.callback,
                             self._scheduler_step, plateau=True)
             # A mid-epoch stop (max_steps) keeps its position, so a checkpoint taken at fit end
             # resumes from the next batch instead of skipping the rest of the epoch.

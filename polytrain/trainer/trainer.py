@@ -5,6 +5,7 @@ strategy it has: everything that differs between parallelisms is behind the stra
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -31,11 +32,12 @@ from polytrain.trainer.config import (
     trainer_to_dict,
     validate_trainer_config,
 )
+from polytrain.trainer.data_connector import DataConnector
 from polytrain.trainer.datamodule import DataModule
 from polytrain.trainer.default_callbacks import build_callbacks, split_objects
 from polytrain.trainer.entry_points import run_stage
-from polytrain.trainer.evaluation import PredictionRecord
-from polytrain.trainer.fit_loop import FitLoop
+from polytrain.trainer.evaluation import PredictionRecord, run_eval_pass
+from polytrain.trainer.fit_loop import FitCollaborators, FitLoop
 from polytrain.trainer.hooks import Hooks, is_overridden
 from polytrain.trainer.metrics import MetricCollector
 from polytrain.trainer.module import TrainModule
@@ -384,10 +386,21 @@ class Trainer:
         # From the current list, as Lightning: a callback appended to trainer.callbacks between stages stays.
         self.callbacks = lifecycle.merge_callbacks(self.callbacks, self.hooks.module("configure_callbacks"))
         self.hooks = Hooks(self, self.module, self.callbacks, self.datamodule, self.profiler.instrument)
+        self.data_connector = DataConnector(self.config, self.strategy, self.hooks, self.module,
+                                            self.datamodule, self.given_loaders)
         lifecycle.seed(self)
         self._run_directory = settle_run_directory(self, self.stage, ckpt_path, self._run_directory)
         lifecycle.begin(self, self.stage)
         self.transfer_batch = lifecycle.batch_transfer(self)
+
+    def fit_collaborators(self) -> FitCollaborators:
+        """What this fit's loop works with, named (it is handed nothing else)."""
+        return FitCollaborators(
+            strategy=self.strategy, hooks=self.hooks, metrics=self.metrics, profiler=self.profiler,
+            loaders=self.data_connector, evaluate=functools.partial(run_eval_pass, self),
+            transfer_batch=self.transfer_batch, module=self.module, datamodule=self.datamodule,
+            callbacks=self.callbacks, loggers=self.loggers if self.is_logging_rank else [],
+            log_dir=self.log_dir)
 
     def _setup_strategy(self, plan: LaunchPlan) -> None:
         if self.strategy is not None:
