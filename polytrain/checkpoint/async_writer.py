@@ -273,9 +273,11 @@ class AsyncCheckpointWriter:
         disk: in the writer thread, or now if it already is. Dropped if the save fails."""
         with self._lock:
             save = self._save
-            if save is not None and save.thread is not None and not save.done:
-                if save.error is None:
-                    save.after.append(action)
+            state = save.state if save is not None else None
+            if state in (SaveState.STAGING, SaveState.WRITING):
+                save.after.append(action)
+                return
+            if state is SaveState.FAILED:
                 return
         action()
 
