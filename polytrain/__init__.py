@@ -13,15 +13,15 @@ from polytrain.core.version import __version__
 
 _EXPORTS = {
     "Trainer": "polytrain.trainer.trainer",
-    "TrainModule": "polytrain.trainer.module",
-    "DataModule": "polytrain.trainer.datamodule",
+    "TrainModule": "polytrain.trainer.api.module",
+    "DataModule": "polytrain.trainer.api.datamodule",
     "Callback": "polytrain.callbacks.base",
     "seed_everything": "polytrain.core.rng",
-    "load_config": "polytrain.trainer.config",
+    "load_config": "polytrain.trainer.configuration.config",
     "connect": "polytrain.strategies.connect",
     # Lightning's names, so a Lightning module runs with only its import changed.
-    "LightningModule": "polytrain.trainer.module",
-    "LightningDataModule": "polytrain.trainer.datamodule",
+    "LightningModule": "polytrain.trainer.api.module",
+    "LightningDataModule": "polytrain.trainer.api.datamodule",
 }
 
 __all__ = ["Callback", "DataModule", "LightningDataModule", "LightningModule", "TrainModule", "Trainer",
@@ -31,9 +31,9 @@ if TYPE_CHECKING:
     from polytrain.callbacks.base import Callback
     from polytrain.core.rng import seed_everything
     from polytrain.strategies.connect import connect
-    from polytrain.trainer.config import load_config
-    from polytrain.trainer.datamodule import DataModule, LightningDataModule
-    from polytrain.trainer.module import LightningModule, TrainModule
+    from polytrain.trainer.api.datamodule import DataModule, LightningDataModule
+    from polytrain.trainer.api.module import LightningModule, TrainModule
+    from polytrain.trainer.configuration.config import load_config
     from polytrain.trainer.trainer import Trainer
 
 

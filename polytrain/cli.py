@@ -1,7 +1,8 @@
 """``polytrain fit|validate|test|predict --config cfg.yaml key=value ...``, ``polytrain checkpoint`` and
 ``polytrain plan``: the command line, parsed before anything heavy loads, so ``--help``, a malformed
-command and a typo in the config's trainer keys answer at once (``trainer/config_file.py``). What a
-command runs (torch, the Trainer, the launcher) is ``polytrain.commands``, imported only then;
+command and a typo in the config's trainer keys answer at once
+(``trainer/configuration/config_file.py``). What a command runs (torch, the Trainer, the launcher) is
+``polytrain.commands``, imported only then;
 ``polytrain plan``'s own options come with the planner (``plan_cli``).
 """
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser(plan=bool(argv) and argv[0] == "plan").parse_args(argv)
     if args.command in STAGES:
         # The config's file, sections and trainer keys checked before torch loads: a typo answers at once.
-        config_file = importlib.import_module("polytrain.trainer.config_file")
+        config_file = importlib.import_module("polytrain.trainer.configuration.config_file")
         try:
             config_file.first_check(args.config, args.overrides)
         except config_file.ConfigError as err:

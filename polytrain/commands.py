@@ -20,8 +20,8 @@ from polytrain.core.errors import ConfigError, RankFailedError
 from polytrain.core.rng import seed_all
 from polytrain.plan_cli import run_plan
 from polytrain.strategies.launcher import launch_elastic, launch_spawn, plan_launch
-from polytrain.trainer.config import TrainerConfig, elastic_warning, instantiate, load_config
-from polytrain.trainer.run_directory import checkpoint_for_launch
+from polytrain.trainer.checkpointing.run_directory import checkpoint_for_launch
+from polytrain.trainer.configuration.config import TrainerConfig, elastic_warning, instantiate, load_config
 from polytrain.trainer.trainer import Trainer
 
 

@@ -17,8 +17,8 @@ from polytrain.parallel.float8 import resolve_float8
 from polytrain.parallel.planner import PRESETS, Training, format_table, hardware, parse_bytes, plan_module
 from polytrain.parallel.planner.model_profile import ATTENTION_KERNELS
 from polytrain.parallel.planner.search import describe_time
-from polytrain.trainer.config import instantiate, load_config
-from polytrain.trainer.planned import as_built, first_batch, optimizer_kind, schedule_settings
+from polytrain.trainer.configuration.config import instantiate, load_config
+from polytrain.trainer.launch.planned import as_built, first_batch, optimizer_kind, schedule_settings
 from polytrain.trainer.trainer import Trainer
 
 

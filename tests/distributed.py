@@ -62,7 +62,7 @@ class DistributedRunError(RuntimeError):
 # initialises a process group or an OpenMP pool, so forking it is safe.
 _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo",
             "polytrain.trainer.trainer", "polytrain.trainer.loops", "polytrain.strategies.ddp",
-            "polytrain.strategies.single", "polytrain.trainer.default_callbacks",
+            "polytrain.strategies.single", "polytrain.trainer.configuration.default_callbacks",
             "torchvision", "transformers.models.gpt2.modeling_gpt2",
             "transformers.models.llama.modeling_llama"]
 _context: Any = None

@@ -335,7 +335,7 @@ def test_default_logger_is_tensorboard_and_csv(quiet_kwargs: dict[str, Any]) -> 
 
 def test_unknown_logger_name() -> None:
     from polytrain import Trainer
-    from polytrain.trainer.config import ConfigError
+    from polytrain.trainer.configuration.config import ConfigError
 
     with pytest.raises(ConfigError, match="neptune"):
         Trainer(logger="neptune", enable_progress_bar=False)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from procs import POLYTRAIN, TINY_CONFIG, run  # noqa: E402
 
 from polytrain.commands import _print_metrics  # noqa: E402
-from polytrain.trainer.config import TrainerConfig, elastic_warning, load_config  # noqa: E402
+from polytrain.trainer.configuration.config import TrainerConfig, elastic_warning, load_config  # noqa: E402
 
 
 def test_final_metrics_keep_four_significant_digits(capsys: pytest.CaptureFixture[str]) -> None:
@@ -148,9 +148,10 @@ def test_help_and_a_malformed_command_answer_without_importing_torch(args: list[
 ])
 def test_a_typo_in_the_config_answers_in_one_line_before_torch_loads(override: str, message: str) -> None:
     """The file, its sections, the trainer keys, the strategy's name and options (a planner request and
-    context parallel on CPU included) and the ``_target_`` arguments are checked by ``trainer/config_file.py``
-    (with ``strategies/options.py`` and ``trainer/target_source.py``) before the command imports torch: a
-    typo costs a tenth of a second, not the seconds torch takes to load."""
+    context parallel on CPU included) and the ``_target_`` arguments are checked by
+    ``trainer/configuration/config_file.py`` (with ``strategies/options.py`` and
+    ``trainer/configuration/target_source.py``) before the command imports torch: a typo costs a tenth of
+    a second, not the seconds torch takes to load."""
     import subprocess
 
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "polytrain", "fit", "-c",

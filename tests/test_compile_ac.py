@@ -281,7 +281,7 @@ def test_compile_and_checkpointing_tensor_and_pipeline(strategy: dict[str, Any],
 
 
 def _example_run(rank: int, world: int, run_dir: str) -> dict[str, Any]:
-    from polytrain.trainer.config import instantiate, load_config
+    from polytrain.trainer.configuration.config import instantiate, load_config
 
     path = os.path.join(GPT_DIR, "config_compile.yaml")
     overrides = [f"trainer.run_dir={run_dir}", "trainer.enable_progress_bar=false", "trainer.logger=false",

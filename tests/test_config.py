@@ -11,7 +11,7 @@ import torch
 
 from polytrain.cli import main as cli_main
 from polytrain.strategies.registry import available_strategies, validate_strategy_spec
-from polytrain.trainer.config import (
+from polytrain.trainer.configuration.config import (
     ACCELERATORS,
     LAUNCHERS,
     PRECISIONS,
@@ -167,7 +167,7 @@ def test_the_torch_free_strategy_options_are_the_registered_classes_options() ->
 ])
 def test_the_torch_free_check_says_what_the_full_check_says(spec: Any) -> None:
     from polytrain.strategies import options
-    from polytrain.trainer import config_file
+    from polytrain.trainer.configuration import config_file
 
     with pytest.raises(ConfigError) as full:
         validate_trainer_config({"strategy": spec, "accelerator": "cpu"})

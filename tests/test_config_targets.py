@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from polytrain import Trainer
-from polytrain.trainer.config import ConfigError, load_config
+from polytrain.trainer.configuration.config import ConfigError, load_config
 
 # A user's module file next to the config. Building either class fails loudly: loading the config must not.
 USER_CODE = '''
@@ -190,8 +190,8 @@ def test_the_source_reading_says_what_the_import_says_or_leaves_it_to_the_import
     """``polytrain`` reads ``_target_`` signatures from the source before torch loads (``target_source.py``);
     what it decides must be what importing the class decides (``targets.check_spec``), and what it cannot
     settle it must leave alone."""
-    from polytrain.trainer.target_source import check_targets_from_source
-    from polytrain.trainer.targets import check_spec
+    from polytrain.trainer.configuration.target_source import check_targets_from_source
+    from polytrain.trainer.configuration.targets import check_spec
 
     package = tmp_path / "srcpkg"
     package.mkdir()
@@ -220,7 +220,7 @@ def test_the_source_reading_says_what_the_import_says_or_leaves_it_to_the_import
 
 def test_the_source_reading_imports_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The file is read, not run: a module whose import would fail (or train) is still checked."""
-    from polytrain.trainer.target_source import check_targets_from_source
+    from polytrain.trainer.configuration.target_source import check_targets_from_source
 
     (tmp_path / "explodes_on_import.py").write_text(
         'raise SystemExit("imported")\n\n'

@@ -18,7 +18,7 @@ from distributed import run_distributed
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from polytrain import Trainer, TrainModule
-from polytrain.trainer.guards import EmptyDataError
+from polytrain.trainer.loops.guards import EmptyDataError
 
 SEED = 7
 NUM_TRAIN = 22  # 11 per rank: batch 3 with drop_last gives 3 batches (4 without), so drop_last shows

@@ -20,7 +20,7 @@ from polytrain import DataModule, Trainer, TrainModule
 from polytrain.checkpoint.reading import read_checkpoint
 from polytrain.cli import main as cli_main
 from polytrain.core.errors import ConfigError
-from polytrain.trainer.config import load_config
+from polytrain.trainer.configuration.config import load_config
 
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, logger=False)
 

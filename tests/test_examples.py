@@ -67,7 +67,7 @@ def cifar_module() -> Any:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", ["cifar10", "toy_spawn"])
 def test_example_config_is_valid(name: str) -> None:
-    from polytrain.trainer.config import load_config
+    from polytrain.trainer.configuration.config import load_config
 
     cfg = load_config(os.path.join(EXAMPLES, name, "config.yaml"))
     assert cfg["trainer"]["strategy"]["name"] == "ddp"
@@ -76,7 +76,7 @@ def test_example_config_is_valid(name: str) -> None:
 
 @pytest.mark.timeout(60)
 def test_cifar10_config_asks_for_ddp_amp_and_sync_batchnorm() -> None:
-    from polytrain.trainer.config import load_config
+    from polytrain.trainer.configuration.config import load_config
 
     trainer = load_config(os.path.join(CIFAR_DIR, "config.yaml"))["trainer"]
     assert trainer["precision"] == "16-mixed"

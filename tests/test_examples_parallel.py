@@ -49,7 +49,7 @@ def _fit_example(path: str, run_dir: str) -> dict[str, Any]:
     this spawn's process group)."""
     from polytrain import Trainer
     from polytrain.core.rng import seed_everything
-    from polytrain.trainer.config import instantiate, load_config
+    from polytrain.trainer.configuration.config import instantiate, load_config
 
     config = load_config(path, _quiet(run_dir))
     if config["trainer"]["seed"] is not None:
@@ -129,7 +129,7 @@ def test_tensor_parallel_mlp_example(example_runs: list[dict[str, Any]]) -> None
 
 
 def test_gpt_configs_differ_only_in_strategy() -> None:
-    from polytrain.trainer.config import load_config
+    from polytrain.trainer.configuration.config import load_config
 
     configs = {n: load_config(RUNS[n]) for n in ("gpt_fsdp", "gpt_tensor", "gpt_pipeline")}
     names = set()

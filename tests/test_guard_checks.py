@@ -17,7 +17,7 @@ import torch
 from conftest import TinyModule
 
 from polytrain import Callback
-from polytrain.trainer.guards import NonFiniteError
+from polytrain.trainer.loops.guards import NonFiniteError
 
 MakeTrainer = Callable[..., Any]
 
@@ -49,7 +49,7 @@ def test_an_infinite_or_nan_loss_is_named_at_the_next_logging_step(make_trainer:
 
 def test_more_losses_than_slots_between_checks(make_trainer: MakeTrainer, monkeypatch: Any) -> None:
     # Slot buffers of 4: by the check at step 8, two full buffers were set aside; the NaN is in the second.
-    from polytrain.trainer.guards import NonFiniteGuard
+    from polytrain.trainer.loops.guards import NonFiniteGuard
 
     monkeypatch.setattr(NonFiniteGuard, "FOLD_EVERY", 4)
     module = LossAt({6}, lambda loss: loss * float("nan"), n=40, batch_size=4, val_n=None)
@@ -154,8 +154,8 @@ def test_a_dtensor_loss_is_checked_through_its_local_part() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    from polytrain.trainer.guards import NonFiniteGuard
-    from polytrain.trainer.progress import FitProgress
+    from polytrain.trainer.loops.guards import NonFiniteGuard
+    from polytrain.trainer.loops.progress import FitProgress
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

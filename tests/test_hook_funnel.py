@@ -1,4 +1,4 @@
-"""Every hook goes through the one funnel (``trainer/hooks.py``): a run where a module, a callback and a
+"""Every hook goes through the one funnel (``trainer/api/hooks.py``): a run where a module, a callback and a
 DataModule override every hook they can has each of those hooks timed by the simple profiler, whose only
 way in is that funnel (it wraps callables as the funnel plans them, and patches nothing). The steps
 (``training_step``, ``validation_step``, ...) run inside the strategy and show as the profiler's phase rows.
@@ -15,8 +15,8 @@ from conftest import TinyModule
 from torch.utils.data import DataLoader
 
 from polytrain import Callback, DataModule, Trainer
-from polytrain.trainer.hooks import CALLBACK_HOOKS, DATAMODULE_HOOKS, MODULE_HOOKS, is_overridden
-from polytrain.trainer.module import TrainModule
+from polytrain.trainer.api.hooks import CALLBACK_HOOKS, DATAMODULE_HOOKS, MODULE_HOOKS, is_overridden
+from polytrain.trainer.api.module import TrainModule
 
 # the strategy runs them: phase rows
 STEPS = {"training_step", "validation_step", "test_step", "predict_step"}

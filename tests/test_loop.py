@@ -14,9 +14,9 @@ from conftest import TinyModule, make_dataset
 from torch.utils.data import DataLoader
 
 from polytrain import Callback, TrainModule
-from polytrain.trainer.config import ConfigError
-from polytrain.trainer.guards import EmptyDataError, NonFiniteError
-from polytrain.trainer.optimizer_config import parse_optimizers
+from polytrain.trainer.api.optimizer_config import parse_optimizers
+from polytrain.trainer.configuration.config import ConfigError
+from polytrain.trainer.loops.guards import EmptyDataError, NonFiniteError
 
 MakeTrainer = Callable[..., Any]
 

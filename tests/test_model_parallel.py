@@ -26,7 +26,7 @@ from polytrain import Callback, Trainer, TrainModule
 from polytrain.core.environment import ClusterEnvironment
 from polytrain.core.precision import Precision
 from polytrain.strategies.model_parallel import ModelParallelStrategy
-from polytrain.trainer.config import ConfigError
+from polytrain.trainer.configuration.config import ConfigError
 
 NUM_SAMPLES = 160  # 20 global batches of 8: one epoch = 20 optimizer steps
 GLOBAL_BATCH = 8

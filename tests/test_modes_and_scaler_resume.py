@@ -83,7 +83,7 @@ def test_dp_on_cpu_warns_and_trains_exactly_like_a_plain_loop(make_trainer: Any)
 
 def test_launcher_none_runs_one_process_here_and_refuses_to_start_more(monkeypatch: Any) -> None:
     from polytrain.strategies.launcher import plan_launch
-    from polytrain.trainer.config import validate_trainer_config
+    from polytrain.trainer.configuration.config import validate_trainer_config
 
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_JOB_ID"):

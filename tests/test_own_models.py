@@ -30,7 +30,7 @@ from polytrain.parallel.pipeline_path_cut import default_split_paths
 from polytrain.parallel.planner import Training, hardware, plan_module
 from polytrain.parallel.planner.estimate import stages
 from polytrain.parallel.tensor_parallel import module_plan
-from polytrain.trainer.planned import chosen_layout
+from polytrain.trainer.launch.planned import chosen_layout
 
 GLOBAL_BATCH, SAMPLES, STEPS, STOP_AT = 4, 8, 4, 2  # two steps an epoch, two epochs
 VOCAB, TOKENS, CLASSES = 64, 9, 10

@@ -14,7 +14,7 @@ from torch import nn
 
 from polytrain import Trainer, TrainModule
 from polytrain.parallel import pipeline_sequential_cut as S
-from polytrain.trainer.config import ConfigError
+from polytrain.trainer.configuration.config import ConfigError
 
 
 def _max_stage(weights: list[int], points: list[int]) -> int:

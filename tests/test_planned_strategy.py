@@ -1,6 +1,6 @@
 """``strategy: {name: parallel, plan: true}`` and ``"auto"`` degrees: the planner picks the layout when a
-stage starts (polytrain/trainer/planned.py), every rank agrees, the checkpoint's config holds the layout
-and a resume at the same world size reuses it (docs/strategies/planner.md)."""
+stage starts (polytrain/trainer/launch/planned.py), every rank agrees, the checkpoint's config holds the
+layout and a resume at the same world size reuses it (docs/strategies/planner.md)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _fit(rank: int, world: int, root: str, strategy: Any, steps: int, ckpt: str 
     """Every rank: fit (resuming from ``ckpt``), stdout captured; what was chosen and built."""
     import torch
 
-    from polytrain.trainer import planned
+    from polytrain.trainer.launch import planned
 
     if forbid_planning:  # a resume must reuse the stored layout, not plan again
         planned._plan = lambda *a, **k: (_ for _ in ()).throw(AssertionError("planned again"))
@@ -89,7 +89,7 @@ def test_plan_true_chooses_trains_stores_and_resumes(tmp_path: Any) -> None:
 def _plan_for(strategy: dict, world: int) -> dict:
     """Plan as rank 0 of ``world`` CPU ranks would, without starting them (planning needs no process
     group)."""
-    from polytrain.trainer.planned import plan_layout
+    from polytrain.trainer.launch.planned import plan_layout
 
     trainer = Trainer(accelerator="cpu", strategy=strategy, logger=False)
     launch = SimpleNamespace(world_size=world, num_nodes=1, accelerator="cpu",
@@ -116,7 +116,7 @@ def test_the_planned_checkpointing_mode_is_the_one_that_runs(run_dir: str) -> No
     trainer = Trainer(accelerator="cpu", strategy={"name": "parallel", "plan": True}, logger=False,
                       activation_checkpointing={"mode": "op"})
     launch = SimpleNamespace(world_size=2, num_nodes=1, accelerator="cpu", env=SimpleNamespace(global_rank=1))
-    from polytrain.trainer.planned import plan_layout
+    from polytrain.trainer.launch.planned import plan_layout
 
     module = _module()
     assert plan_layout(trainer, launch, module, module.train_dataloader(), None, "fit", None)
@@ -164,7 +164,7 @@ def test_plan_true_profiles_the_attention_kernel_torch_runs(monkeypatch: Any) ->
     """On CPU (fp32 included) and on CUDA (bf16) torch runs SDPA's flash kernel, on CPU the math kernel under
     dropout: ``plan: true`` on CPU profiles with the ``cpu`` kernel (flash, math under dropout), not the math
     kernel's ``s x s`` matrix throughout (15-30 % more activations, planner.md)."""
-    from polytrain.trainer import planned
+    from polytrain.trainer.launch import planned
 
     kernels: list[str] = []
     real = planned.profiler

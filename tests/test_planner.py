@@ -297,7 +297,7 @@ def test_plans_cost_the_configs_pipeline_schedule() -> None:
     """The schedule and FSDP resharding the run will use are the ones costed; a schedule the planner does not
     model is refused unless there is no pipeline."""
     from polytrain.core.errors import ConfigError
-    from polytrain.trainer.planned import schedule_settings
+    from polytrain.trainer.launch.planned import schedule_settings
 
     assert schedule_settings({}) == {"pp_schedule": "1f1b", "stages_per_rank": 1,
                                      "reshard_after_forward": None}
@@ -470,7 +470,7 @@ class BuiltLate(TrainModule):
 def test_a_module_built_in_configure_model_is_planned_on_what_it_builds(tmp_path, monkeypatch) -> None:
     """The planner configures a copy on the meta device: the layers and the SGD that configure_optimizers
     builds from them are what it plans; the user's module is left to its own fit."""
-    from polytrain.trainer.planned import as_built
+    from polytrain.trainer.launch.planned import as_built
 
     (tmp_path / "built_late.py").write_text(BUILT_LATE)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -15,7 +15,7 @@ from distributed import run_distributed
 from polytrain import Trainer
 from polytrain.core.batch import move_to_device
 from polytrain.core.errors import ConfigError
-from polytrain.trainer.profiler import PassThroughProfiler, SimpleProfiler, TorchProfiler
+from polytrain.trainer.observability.profiler import PassThroughProfiler, SimpleProfiler, TorchProfiler
 
 STEPS = 8  # TinyModule(n=32, batch_size=4): 8 batches per epoch
 

@@ -22,7 +22,7 @@ from procs import TORCHRUN, run  # noqa: E402
 
 from polytrain.core.errors import ConfigError  # noqa: E402
 from polytrain.strategies.launcher import plan_launch  # noqa: E402
-from polytrain.trainer.config import validate_trainer_config  # noqa: E402
+from polytrain.trainer.configuration.config import validate_trainer_config  # noqa: E402
 
 SCRIPT = textwrap.dedent('''
     import json, os, sys

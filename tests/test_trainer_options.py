@@ -25,7 +25,7 @@ from polytrain.callbacks import CSVLogger, EarlyStopping, ModelCheckpoint
 from polytrain.core import process_group
 from polytrain.core.errors import ConfigError
 from polytrain.strategies.launcher import plan_launch
-from polytrain.trainer.config import parse_max_time, validate_trainer_config
+from polytrain.trainer.configuration.config import parse_max_time, validate_trainer_config
 
 QUIET = dict(accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False)
 

@@ -11,7 +11,7 @@ from conftest import TinyModule
 from torch.utils.data import DataLoader
 
 from polytrain import Callback, DataModule, Trainer
-from polytrain.trainer.hooks import CALLBACK_HOOKS, DATAMODULE_HOOKS, MODULE_HOOKS
+from polytrain.trainer.api.hooks import CALLBACK_HOOKS, DATAMODULE_HOOKS, MODULE_HOOKS
 
 
 def _fit(trainer_kwargs: dict, module: Any, **kwargs: Any) -> list[str]:

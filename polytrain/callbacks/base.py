@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from polytrain.trainer.module import TrainModule
+    from polytrain.trainer.api.module import TrainModule
     from polytrain.trainer.trainer import Trainer
 
 

@@ -12,7 +12,7 @@ and ``chosen`` (written by the Trainer: the layout picked, which a resume at the
 reuses). Plain ``strategy: auto`` is not the planner: it keeps Lightning's meaning, ``single`` on one
 device and ``ddp`` on several.
 
-This module checks and rewrites the spec only; ``polytrain.trainer.planned`` does the planning.
+This module checks and rewrites the spec only; ``polytrain.trainer.launch.planned`` does the planning.
 """
 
 from __future__ import annotations

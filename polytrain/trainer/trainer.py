@@ -1,6 +1,6 @@
 """``Trainer``: the entry points (fit, validate, test, predict, save_checkpoint) and Lightning's names
-for what a run holds. Loop state lives in ``fit_loop`` (``trainer/progress.py``), read here through
-read-only properties; every hook goes through ``hooks`` (``trainer/hooks.py``). It never asks which
+for what a run holds. Loop state lives in ``fit_loop`` (``trainer/loops/progress.py``), read here through
+read-only properties; every hook goes through ``hooks`` (``trainer/api/hooks.py``). It never asks which
 strategy it has: everything that differs between parallelisms is behind the strategy's verbs."""
 
 from __future__ import annotations
@@ -23,31 +23,35 @@ from polytrain.core.nodes import node_range
 from polytrain.core.rank_zero import rank_zero_only
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.launcher import LaunchPlan, plan_launch
-from polytrain.trainer import lifecycle
-from polytrain.trainer.checkpoint_payload import build_payload
-from polytrain.trainer.config import (
+from polytrain.trainer.api.datamodule import DataModule
+from polytrain.trainer.api.hooks import Hooks, is_overridden
+from polytrain.trainer.api.module import TrainModule
+from polytrain.trainer.checkpointing.checkpoint_payload import build_payload
+from polytrain.trainer.checkpointing.run_directory import (
+    RunDirectory,
+    discard_if_unused,
+    settle_run_directory,
+)
+from polytrain.trainer.configuration.config import (
     TrainerConfig,
     load_config,
     parse_max_time,
     trainer_to_dict,
     validate_trainer_config,
 )
-from polytrain.trainer.data_connector import DataConnector
-from polytrain.trainer.datamodule import DataModule
-from polytrain.trainer.default_callbacks import build_callbacks, split_objects
-from polytrain.trainer.entry_points import run_stage
-from polytrain.trainer.evaluation import PredictionRecord, run_eval_pass
-from polytrain.trainer.fit_loop import FitCollaborators, FitLoop
-from polytrain.trainer.hooks import Hooks, is_overridden
-from polytrain.trainer.metrics import MetricCollector
-from polytrain.trainer.module import TrainModule
-from polytrain.trainer.optimization import clip_gradients
-from polytrain.trainer.planned import agree_on_plan, plan_layout
-from polytrain.trainer.process_placement import launch_from_trainer, strategy_for
-from polytrain.trainer.profiler import build_profiler
-from polytrain.trainer.progress import EvalProgress
-from polytrain.trainer.run_directory import RunDirectory, discard_if_unused, settle_run_directory
-from polytrain.trainer.targets import check_run_targets
+from polytrain.trainer.configuration.default_callbacks import build_callbacks, split_objects
+from polytrain.trainer.configuration.targets import check_run_targets
+from polytrain.trainer.launch.planned import agree_on_plan, plan_layout
+from polytrain.trainer.launch.process_placement import launch_from_trainer, strategy_for
+from polytrain.trainer.loops import lifecycle
+from polytrain.trainer.loops.data_connector import DataConnector
+from polytrain.trainer.loops.entry_points import run_stage
+from polytrain.trainer.loops.evaluation import PredictionRecord, run_eval_pass
+from polytrain.trainer.loops.fit_loop import FitCollaborators, FitLoop
+from polytrain.trainer.loops.optimization import clip_gradients
+from polytrain.trainer.loops.progress import EvalProgress
+from polytrain.trainer.observability.metrics import MetricCollector
+from polytrain.trainer.observability.profiler import build_profiler
 
 log = logging.getLogger("polytrain")
 
@@ -70,7 +74,7 @@ class Trainer:
         # by default
         self.hooks: Hooks | None = None  # the running stage's hook funnel
         self.transfer_batch: Any = None  # the running stage's batch mover (the batch-transfer hooks, if any)
-        self.fit_loop = FitLoop(self.config)  # loop state: trainer/progress.py
+        self.fit_loop = FitLoop(self.config)  # loop state: trainer/loops/progress.py
         self.eval_progress = EvalProgress()
         self.predict_loop = PredictionRecord()  # what prediction writers read (Lightning's name)
         self.given_loaders: dict[str, Any] = {}
@@ -358,7 +362,7 @@ class Trainer:
         self._setup_strategy(plan)
         self.profiler.setup(self.global_rank, self.strategy.root_device.type)
         if planned:
-            agree_on_plan(self)  # trainer.strategy plan: true (trainer/planned.py)
+            agree_on_plan(self)  # trainer.strategy plan: true (trainer/launch/planned.py)
         self.stage, self.module = stage, model
         self.datamodule = datamodule if datamodule is not None else self.datamodule
         self.given_loaders = {k: v for k, v in loaders.items() if v is not None}

@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from polytrain.strategies.registry import _STRATEGIES, strategy_class
-from polytrain.trainer.config import ConfigError, TrainerConfig, load_config, parse_yaml
+from polytrain.trainer.configuration.config import ConfigError, TrainerConfig, load_config, parse_yaml
 
 from .helpers import Done, figure, pick
 

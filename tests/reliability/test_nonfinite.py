@@ -48,7 +48,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from polytrain.callbacks.model_checkpoint import ModelCheckpoint
     from polytrain.checkpoint.layout import find_resumable
     from polytrain.checkpoint.reading import read_checkpoint
-    from polytrain.trainer.guards import NonFiniteError
+    from polytrain.trainer.loops.guards import NonFiniteError
 
     class Recorder(Callback):
         def __init__(self) -> None:

@@ -101,7 +101,7 @@ def test_our_checkpoints_load_with_weights_only_and_no_allowlist(good_checkpoint
                 if not safe:
                     loose.append(f"{path.relative_to(REPO)}: {ast.unparse(node)}")
         assert "add_safe_globals" not in text and "safe_globals(" not in text, path
-    spawned = "polytrain/trainer/process_placement.py: torch.load(result_path, weights_only=False)"
+    spawned = "polytrain/trainer/launch/process_placement.py: torch.load(result_path, weights_only=False)"
     assert loose == [spawned], loose
     figure("our checkpoints",
            "load with weights_only=True, no allow-list of ours (entries beyond torch's own: "

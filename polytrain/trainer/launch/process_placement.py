@@ -18,10 +18,10 @@ from polytrain.strategies.base import Strategy
 from polytrain.strategies.launcher import LaunchPlan, launch_spawn, relaunch_script
 from polytrain.strategies.plan_spec import is_planned, resolved_spec
 from polytrain.strategies.registry import build_strategy, strategy_class
-from polytrain.trainer.config import TrainerConfig, trainer_to_dict
+from polytrain.trainer.configuration.config import TrainerConfig, trainer_to_dict
 
 if TYPE_CHECKING:
-    from polytrain.trainer.module import TrainModule
+    from polytrain.trainer.api.module import TrainModule
     from polytrain.trainer.trainer import Trainer
 
 

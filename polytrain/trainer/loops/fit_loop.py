@@ -6,8 +6,8 @@
     a validation when one is due), validation at the epoch's end, on_train_epoch_end;
     on_train_end, on_fit_end, teardown("fit").
 
-``FitLoop`` owns the loop state (``trainer/progress.py``) and is its only writer. Per batch the loop adds
-no host-device sync of its own: values leave the device only on logging steps, and decisions that
+``FitLoop`` owns the loop state (``trainer/loops/progress.py``) and is its only writer. Per batch the
+loop adds no host-device sync of its own: values leave the device only on logging steps, and decisions that
 change control flow are reduced across ranks. What is constant for the fit (the batch step, hook
 plans, the validation schedule, whether a heartbeat runs) is fixed before the first batch.
 """
@@ -28,22 +28,22 @@ from polytrain.core import heartbeat
 from polytrain.core.errors import ConfigError, EmptyDataError
 from polytrain.core.rng import isolate_rng, training_streams, user_seed
 from polytrain.parallel.float8 import precompute_scales_after_each_step, resolve_float8
-from polytrain.trainer.config_file import parse_max_time
-from polytrain.trainer.data_connector import NO_BATCH, DataConnector, agreed_batches, epoch_iterator
-from polytrain.trainer.goodput import Goodput, report_goodput
-from polytrain.trainer.guards import NonFiniteGuard, check_batches
-from polytrain.trainer.hooks import Hooks, is_overridden
-from polytrain.trainer.metrics import MetricCollector, publish
-from polytrain.trainer.module import TrainModule
-from polytrain.trainer.optimization import AutomaticOptimization, ManualOptimization
-from polytrain.trainer.optimizer_config import parse_optimizers, step_schedulers
-from polytrain.trainer.progress import EpochData, FitProgress, Resumed, Stopping
-from polytrain.trainer.resume import restore_fit
-from polytrain.trainer.schedule import ValidationSchedule
+from polytrain.trainer.api.hooks import Hooks, is_overridden
+from polytrain.trainer.api.module import TrainModule
+from polytrain.trainer.api.optimizer_config import parse_optimizers, step_schedulers
+from polytrain.trainer.checkpointing.resume import restore_fit
+from polytrain.trainer.configuration.config_file import parse_max_time
+from polytrain.trainer.loops.data_connector import NO_BATCH, DataConnector, agreed_batches, epoch_iterator
+from polytrain.trainer.loops.guards import NonFiniteGuard, check_batches
+from polytrain.trainer.loops.optimization import AutomaticOptimization, ManualOptimization
+from polytrain.trainer.loops.progress import EpochData, FitProgress, Resumed, Stopping
+from polytrain.trainer.loops.schedule import ValidationSchedule
+from polytrain.trainer.observability.goodput import Goodput, report_goodput
+from polytrain.trainer.observability.metrics import MetricCollector, publish
 
 if TYPE_CHECKING:
-    from polytrain.trainer.config import TrainerConfig
-    from polytrain.trainer.profiler import PassThroughProfiler
+    from polytrain.trainer.configuration.config import TrainerConfig
+    from polytrain.trainer.observability.profiler import PassThroughProfiler
 
 # What train_step returns instead of a step when the epoch ends before it.
 DATA_ENDED = "the data ran out"

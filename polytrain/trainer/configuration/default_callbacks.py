@@ -15,7 +15,7 @@ from polytrain.callbacks.summary import ModelSummary
 from polytrain.callbacks.tensorboard_logger import TensorBoardLogger
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.compile import resolve_compile
-from polytrain.trainer.config import TrainerConfig, instantiate
+from polytrain.trainer.configuration.config import TrainerConfig, instantiate
 
 _LOGGER_NAMES = ("tensorboard", "csv", "mlflow", "wandb")
 _OBJECT_KEYS = ("callbacks", "logger", "strategy")

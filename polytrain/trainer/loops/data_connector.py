@@ -27,10 +27,10 @@ from polytrain.data.loaders import (
     set_user_sampler_state,
 )
 from polytrain.data.stateful import restore_state, state_source
-from polytrain.trainer.datamodule import DataModule
-from polytrain.trainer.hooks import is_overridden
-from polytrain.trainer.module import TrainModule
-from polytrain.trainer.progress import Resumed
+from polytrain.trainer.api.datamodule import DataModule
+from polytrain.trainer.api.hooks import is_overridden
+from polytrain.trainer.api.module import TrainModule
+from polytrain.trainer.loops.progress import Resumed
 
 log = logging.getLogger("polytrain")
 

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from polytrain.trainer import lifecycle
-from polytrain.trainer.evaluation import run_eval_pass
-from polytrain.trainer.resume import agree_on_checkpoint, restore_weights
-from polytrain.trainer.run_directory import resolve_path
+from polytrain.trainer.checkpointing.resume import agree_on_checkpoint, restore_weights
+from polytrain.trainer.checkpointing.run_directory import resolve_path
+from polytrain.trainer.loops import lifecycle
+from polytrain.trainer.loops.evaluation import run_eval_pass
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer

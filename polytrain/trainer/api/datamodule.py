@@ -13,8 +13,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from polytrain.trainer.data_hooks import DataHooks
-from polytrain.trainer.hparams import HyperparametersMixin, load_datamodule_from_checkpoint
+from polytrain.trainer.api.data_hooks import DataHooks
+from polytrain.trainer.api.hparams import HyperparametersMixin, load_datamodule_from_checkpoint
 
 
 class DataModule(HyperparametersMixin, DataHooks):

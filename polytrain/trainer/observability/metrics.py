@@ -26,16 +26,17 @@ from polytrain.core import collectives as C
 from polytrain.core.batch import batch_size_of
 
 if TYPE_CHECKING:
-    from polytrain.trainer.hooks import Hooks
+    from polytrain.trainer.api.hooks import Hooks
 
 REDUCE_FX = ("mean", "sum", "max", "min")
-_HERE = (os.path.dirname(os.path.abspath(__file__)),)
+# The trainer's own files (every room of polytrain/trainer): frames there are not the user's hook.
+_TRAINER = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _calling_hook() -> str:
     """The user function that called ``self.log`` (only looked up to word an error)."""
     frame = sys._getframe(1)
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) in _HERE:
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_TRAINER):
         frame = frame.f_back
     return f"{frame.f_code.co_name}()" if frame is not None else "this hook"
 

@@ -1,5 +1,5 @@
 """The checkpoint payload (docs/architecture.md, "Checkpoints"): what the Trainer adds to the model and
-optimizer state. Taking it back is ``trainer/resume.py``'s.
+optimizer state. Taking it back is ``trainer/checkpointing/resume.py``'s.
 
 A payload holds everything needed to continue exactly: model and optimizer state (added by the
 strategy, which knows whether they are sharded), schedulers, grad scaler, the loop's state (its
@@ -16,7 +16,7 @@ from polytrain.core.rng import capture_rng_state
 from polytrain.core.version import __version__
 from polytrain.data.loaders import user_sampler_state
 from polytrain.data.stateful import rank_entry
-from polytrain.trainer.hparams import plain
+from polytrain.trainer.api.hparams import plain
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer

@@ -11,7 +11,7 @@ from polytrain.core.errors import EmptyDataError, NonFiniteError
 from polytrain.data.loaders import is_iterable_style
 
 if TYPE_CHECKING:
-    from polytrain.trainer.progress import FitProgress
+    from polytrain.trainer.loops.progress import FitProgress
 
 
 def _describe(loader: Any) -> str:

@@ -23,7 +23,7 @@ from polytrain.core.options import check_choice, check_keys, validate_dataclass
 from polytrain.parallel.choices import check_context_parallel_device
 from polytrain.strategies.options import OPTIONS, check_strategy_spec, spec_mapping, wants_plan
 from polytrain.strategies.plan_spec import split_plan
-from polytrain.trainer.target_source import check_targets_from_source
+from polytrain.trainer.configuration.target_source import check_targets_from_source
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
 PRECISION_ALIASES = {"32-true": "32", "16": "16-mixed", "bf16": "bf16-mixed"}  # Lightning's other spellings

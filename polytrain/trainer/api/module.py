@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from polytrain.core.protocol import LOG_TAP, MUTED
-from polytrain.trainer.data_hooks import DataHooks
-from polytrain.trainer.hparams import HyperparametersMixin, load_module_from_checkpoint
+from polytrain.trainer.api.data_hooks import DataHooks
+from polytrain.trainer.api.hparams import HyperparametersMixin, load_module_from_checkpoint
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer

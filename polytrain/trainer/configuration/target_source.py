@@ -22,7 +22,7 @@ import inspect
 import sys
 from typing import Any
 
-from polytrain.trainer.targets import check_signature, missing_attribute, search_from
+from polytrain.trainer.configuration.targets import check_signature, missing_attribute, search_from
 
 MAX_HOPS = 8  # re-exports followed (from a package's __init__ to the module defining the class)
 

@@ -30,9 +30,9 @@ from polytrain.parallel.planner.search import world_check
 from polytrain.parallel.planner.timing import SCHEDULES as PLANNED_SCHEDULES
 from polytrain.strategies.launcher import LaunchPlan
 from polytrain.strategies.plan_spec import CHOSEN_REQUIRED, DEGREES, is_planned, pinned_degrees
-from polytrain.trainer.hooks import is_overridden
-from polytrain.trainer.module import TrainModule
-from polytrain.trainer.run_directory import resolve_path
+from polytrain.trainer.api.hooks import is_overridden
+from polytrain.trainer.api.module import TrainModule
+from polytrain.trainer.checkpointing.run_directory import resolve_path
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer

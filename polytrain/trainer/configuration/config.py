@@ -3,7 +3,7 @@
 Every section is a dataclass. Unknown keys, wrong types and missing values are rejected before
 any process group starts, naming the key and the valid choices. ``_target_`` entries import and
 call arbitrary code: a config is code, treat it like a script you would run. Loading a config
-imports every ``_target_`` and matches its arguments against the signature (trainer/targets.py);
+imports every ``_target_`` and matches its arguments against the signature (trainer/configuration/targets.py);
 the objects are built only where they run (in the workers). Reading the file and the checks that need
 no torch are ``config_file.py`` (``polytrain`` runs them first); the ones here need the strategies,
 ``torch.compile``'s signature, the profilers and the ``_target_`` classes.
@@ -19,7 +19,7 @@ from polytrain.parallel.activation_checkpointing import resolve_checkpointing
 from polytrain.parallel.compile import resolve_compile
 from polytrain.parallel.float8 import resolve_float8
 from polytrain.strategies.registry import normalize_strategy, validate_strategy_spec
-from polytrain.trainer.config_file import (
+from polytrain.trainer.configuration.config_file import (
     ACCELERATORS,
     LAUNCHERS,
     LOGGERS,
@@ -33,8 +33,13 @@ from polytrain.trainer.config_file import (
     read_config,
     trainer_to_dict,
 )
-from polytrain.trainer.profiler import check_profiler_options
-from polytrain.trainer.targets import check_arguments, check_run_targets, import_target, search_from
+from polytrain.trainer.configuration.targets import (
+    check_arguments,
+    check_run_targets,
+    import_target,
+    search_from,
+)
+from polytrain.trainer.observability.profiler import check_profiler_options
 
 __all__ = ["ACCELERATORS", "LAUNCHERS", "LOGGERS", "PRECISIONS", "PRECISION_ALIASES", "ConfigError",
            "TrainerConfig", "elastic_warning", "instantiate", "load_config", "parse_max_time", "parse_yaml",
@@ -49,7 +54,8 @@ def validate_trainer_config(data: dict[str, Any]) -> TrainerConfig:
         data["strategy"] = normalize_strategy(data["strategy"])
     cfg = check_trainer_section(data)
     if cfg.profiler is not None:
-        check_profiler_options(cfg.profiler)  # the names and each profiler's options (trainer/profiler.py)
+        # The names and each profiler's options (trainer/observability/profiler.py).
+        check_profiler_options(cfg.profiler)
     resolve_compile(cfg.compile)
     resolve_checkpointing(cfg.activation_checkpointing)
     resolve_float8(cfg.float8)

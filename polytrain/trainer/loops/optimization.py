@@ -39,8 +39,8 @@ import torch
 
 from polytrain.core import heartbeat
 from polytrain.core.precision import runs_closure_itself
-from polytrain.trainer.guards import NonFiniteGuard
-from polytrain.trainer.hooks import Hooks
+from polytrain.trainer.api.hooks import Hooks
+from polytrain.trainer.loops.guards import NonFiniteGuard
 
 Phase = Callable[..., contextlib.AbstractContextManager]  # the profiler's: phase(row, excluding=None)
 

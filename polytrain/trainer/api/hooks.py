@@ -29,8 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 from polytrain.callbacks.base import Callback
-from polytrain.trainer.datamodule import DataModule
-from polytrain.trainer.module import TrainModule
+from polytrain.trainer.api.datamodule import DataModule
+from polytrain.trainer.api.module import TrainModule
 
 # Hooks called on callbacks, with (trainer, module, *args); on_log with (trainer, *args).
 CALLBACK_HOOKS = frozenset({

@@ -23,9 +23,9 @@ from polytrain.core import heartbeat
 from polytrain.data.index_recording import recorded_indices, with_index_recording
 from polytrain.data.loaders import set_epoch
 from polytrain.strategies.router import PADDING_BATCH
-from polytrain.trainer.hooks import is_overridden
-from polytrain.trainer.metrics import publish
-from polytrain.trainer.module import TrainModule
+from polytrain.trainer.api.hooks import is_overridden
+from polytrain.trainer.api.module import TrainModule
+from polytrain.trainer.observability.metrics import publish
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer

@@ -22,15 +22,15 @@ from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 from polytrain.core.errors import ConfigError, RankFailedError
 from polytrain.core.rng import capture_rng_state, restore_rng_state, seed_all, user_seed
 from polytrain.parallel.float8 import convert_to_float8, has_float8_matmuls, resolve_float8
-from polytrain.trainer.datamodule import DataModule
-from polytrain.trainer.hooks import (
+from polytrain.trainer.api.datamodule import DataModule
+from polytrain.trainer.api.hooks import (
     CALLBACK_HOOKS,
     DATAMODULE_HOOKS,
     MODULE_HOOKS,
     is_overridden,
     warn_unknown_hooks,
 )
-from polytrain.trainer.module import TrainModule
+from polytrain.trainer.api.module import TrainModule
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer

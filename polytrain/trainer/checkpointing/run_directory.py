@@ -34,10 +34,10 @@ from polytrain.checkpoint.layout import (
     version_of,
 )
 from polytrain.core.errors import CheckpointError, ConfigError
-from polytrain.trainer.resume import choose_checkpoint
+from polytrain.trainer.checkpointing.resume import choose_checkpoint
 
 if TYPE_CHECKING:
-    from polytrain.trainer.config import TrainerConfig
+    from polytrain.trainer.configuration.config import TrainerConfig
     from polytrain.trainer.trainer import Trainer
 
 

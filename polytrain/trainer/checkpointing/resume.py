@@ -29,8 +29,8 @@ from typing import Any
 from polytrain.checkpoint.layout import existing_checkpoints, recorded_best, resolve_resume
 from polytrain.core.errors import ConfigError
 from polytrain.data.stateful import select_rank_state
-from polytrain.trainer.hooks import Hooks
-from polytrain.trainer.progress import FitProgress, Resumed
+from polytrain.trainer.api.hooks import Hooks
+from polytrain.trainer.loops.progress import FitProgress, Resumed
 
 log = logging.getLogger("polytrain")
 

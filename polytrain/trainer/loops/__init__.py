@@ -1,0 +1,3 @@
+"""The trainer's loops: the fit and evaluation loops: a stage run (entry_points, lifecycle), the fit
+(fit_loop), one batch's optimisation, evaluation passes, when validation runs, loop state, the run's
+guards, where loaders come from."""
