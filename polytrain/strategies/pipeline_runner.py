@@ -51,80 +51,11 @@ from polytrain.parallel.pipeline_schedules import (
     stage_owners,
 )
 from polytrain.strategies.base import Strategy
+from polytrain.strategies.pipeline_batches import batch_rows, leading_size, signature, split_batch
+from polytrain.strategies.pipeline_stand_in import Captured, StandIn
 from polytrain.strategies.router import PADDING_BATCH, StepResult, user_step
 
 log = logging.getLogger("polytrain")
-
-
-class _Captured(Exception):
-    """Raised by the input stand-in: the step got as far as calling the Sequential."""
-
-
-class _StandIn(nn.Module):
-    """Takes the pipelined Sequential's place while a user's step runs: returns ``output`` (the stage
-    output of this micro-batch), or, with ``output`` None, records its input and stops the step."""
-
-    def __init__(self, output: Any, seq_name: str) -> None:
-        super().__init__()
-        self.output, self.seq_name, self.calls, self.input = output, seq_name, 0, None
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        if self.output is None:
-            if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
-                raise TypeError(f"self.{self.seq_name} must be called with one tensor under pipeline "
-                                f"parallelism (it flows between stages); got {len(args)} argument(s) and "
-                                f"{sorted(kwargs)}")
-            self.input = args[0]
-            raise _Captured
-        if self.calls > 1:
-            raise RuntimeError(f"the step called self.{self.seq_name} {self.calls} times; under pipeline "
-                               f"parallelism the Sequential runs once per batch "
-                               f"(per micro-batch in training)")
-        return self.output
-
-
-def _leading_size(batch: Any) -> int:
-    """The batch size: dimension 0 of the first tensor in the batch."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    for value in values:
-        size = _leading_size(value)
-        if size >= 0:
-            return size
-    return -1
-
-
-def _rows(batch: Any, start: int, stop: int, size: int) -> Any:
-    """Rows ``start:stop`` of every tensor in ``batch`` whose dimension 0 is the batch size."""
-    if isinstance(batch, torch.Tensor):
-        return batch[start:stop] if batch.ndim and batch.shape[0] == size else batch
-    if isinstance(batch, (list, tuple)):
-        rows = [_rows(x, start, stop, size) for x in batch]
-        return type(batch)(*rows) if hasattr(batch, "_fields") else type(batch)(rows)
-    if isinstance(batch, dict):
-        return {k: _rows(v, start, stop, size) for k, v in batch.items()}
-    return batch
-
-
-def _signature(batch: Any) -> tuple:
-    if isinstance(batch, torch.Tensor):
-        return (tuple(batch.shape), batch.dtype)
-    if isinstance(batch, dict):
-        return tuple((k, _signature(v)) for k, v in batch.items())
-    if isinstance(batch, (list, tuple)):
-        return tuple(_signature(x) for x in batch)
-    return ()
-
-
-def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    if not (isinstance(batch, (list, tuple)) and len(batch) == 2):
-        kind = (f"{type(batch).__name__} of {len(batch)}" if isinstance(batch, (list, tuple))
-                else type(batch).__name__)
-        raise TypeError(f"the pipeline strategy needs batches of (inputs, targets); got a {kind}. Return "
-                        f"pairs from the dataset/collate_fn")
-    return batch[0], batch[1]
 
 
 class PipelineRunner:
@@ -320,7 +251,7 @@ class PipelineRunner:
         s = self.strategy
         user_step = self.settings.step == "training_step"
         if user_step:
-            size, key = _leading_size(batch), _signature(batch)
+            size, key = leading_size(batch), signature(batch)
             inputs = self._stage_input("training_step", batch, batch_idx) if 0 in self.local_stages else None
             if inputs is not None and inputs.shape[0] != size:
                 raise ValueError(f"self.{self.seq_name} was called on {inputs.shape[0]} rows of a batch of "
@@ -365,9 +296,9 @@ class PipelineRunner:
             # torch's shape probe on placeholder outputs: no user code. Multiplied before the sum, so the
             # gradient it sends back is dense (a sum's alone is expanded, stride 0, and gloo refuses it).
             return (outputs.float() * 0.0).sum()
-        size = _leading_size(self._batch)
+        size = leading_size(self._batch)
         start, stop = int(targets[0]), int(targets[-1]) + 1
-        micro = _rows(self._batch, start, stop, size)
+        micro = batch_rows(self._batch, start, stop, size)
         with recorded_logs(self.module, self._records), self._as_last_stage(outputs):
             output = user_step(self.module, "training_step")(micro, self._batch_idx)
         loss = extract_loss(output)
@@ -380,10 +311,10 @@ class PipelineRunner:
         """What the user's ``step`` feeds the Sequential: the step runs until it calls it (logs muted).
         Cut at module paths, the first stage runs the step itself: it gets the batch's row indices."""
         if self.by_paths:
-            return torch.arange(_leading_size(batch), device=self.strategy.root_device)
-        stand_in = _StandIn(None, self.seq_name)
+            return torch.arange(leading_size(batch), device=self.strategy.root_device)
+        stand_in = StandIn(None, self.seq_name)
         with muted_logs(self.module), self._sequential_as(stand_in), torch.no_grad():
-            with contextlib.suppress(_Captured), self.strategy.precision.forward_context():
+            with contextlib.suppress(Captured), self.strategy.precision.forward_context():
                 user_step(self.module, step)(batch, batch_idx)
         if stand_in.input is None:
             raise RuntimeError(f"{type(self.module).__name__}.{step} returned without calling "
@@ -407,9 +338,9 @@ class PipelineRunner:
             micro = 0 if probing else self._counts[index]
             if not probing:
                 self._counts[index] += 1
-            size = _leading_size(self._batch)
+            size = leading_size(self._batch)
             rows = size // self.n_microbatches
-            batch, step = _rows(self._batch, micro * rows, (micro + 1) * rows, size), "training_step"
+            batch, step = batch_rows(self._batch, micro * rows, (micro + 1) * rows, size), "training_step"
         stage_pass = P.StagePass(index, x if index > 0 else None, self.strategy.root_device)
         with P.running_as(stage_pass), muted_logs(self.module):
             try:
@@ -464,7 +395,7 @@ class PipelineRunner:
         modules = self.module._modules
         seq = modules[self.seq_name]
         modules[self.seq_name] = (stand_in if isinstance(stand_in, nn.Module)
-                                  else _StandIn(stand_in, self.seq_name))
+                                  else StandIn(stand_in, self.seq_name))
         try:
             yield
         finally:
