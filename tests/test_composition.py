@@ -326,6 +326,10 @@ def test_parallel_degrees_are_checked_at_config_load_and_cp_refused_on_cpu() -> 
                        match=r"schedule='zbv' splits backward .* use gpipe, 1f1b or interleaved_1f1b"):
         Trainer(accelerator="cpu", strategy={"name": "parallel", "pp": 2, "dp_shard": 2, "schedule": "zbv",
                                              "stages_per_rank": 2})
+    # pp inferred (-1) may be more than one stage: the schedule is refused before the world size is known.
+    with pytest.raises(ConfigError, match=r"schedule='zbv' splits backward"):
+        Trainer(accelerator="cpu", strategy={"name": "parallel", "pp": -1, "dp_shard": 2, "schedule": "zbv",
+                                             "stages_per_rank": 2})
     with pytest.raises(ConfigError, match="strategy 'parallel' has no option 'tp_size'"):
         Trainer(accelerator="cpu", strategy={"name": "parallel", "tp_size": 2})
 

@@ -35,9 +35,10 @@ def check_schedule_with_fsdp(schedule: str) -> None:
                           f"data_parallel: all_reduce")
 
 
-def check_pipeline_with_sharding(pp: int, shards: bool, schedule: str) -> None:
-    """A pipeline whose stages are sharded (FSDP) needs a schedule that runs each backward whole."""
-    if pp > 1 and shards:
+def check_pipeline_with_sharding(pipelined: bool, shards: bool, schedule: str) -> None:
+    """A pipeline whose stages are sharded (FSDP) needs a schedule that runs each backward whole.
+    ``pipelined``: ``pp > 1``, or, at config time, a ``pp`` not known to be 1 (``-1``: inferred)."""
+    if pipelined and shards:
         check_schedule_with_fsdp(schedule)
 
 

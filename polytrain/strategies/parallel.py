@@ -78,7 +78,7 @@ class ParallelStrategy(Strategy):
         dims = dims if dims is not None else self.layout.dims(env.world_size, env.global_rank)
         self.backend = backend_for(data_parallel_mode(self.layout, dims), self.layout.ddp)
         self.tensor_parallel = self.layout.uses_tp(dims)  # the module's plan is applied
-        check_pipeline_with_sharding(dims.pp, self.backend.shards, self.layout.pipeline.schedule)
+        check_pipeline_with_sharding(dims.pp > 1, self.backend.shards, self.layout.pipeline.schedule)
         # The one place deciding whether the model is spread over ranks: parameters are DTensors (FSDP,
         # tensor parallel), and with a pipeline each rank holds some stages only.
         self.dtensor_parameters = self.backend.shards or self.tensor_parallel
@@ -116,7 +116,7 @@ class ParallelStrategy(Strategy):
         if layout.cp != 1:
             check_context_parallel(layout.cp, device_type)
         # The rest is known with the world size.
-        check_pipeline_with_sharding(layout.pp,
+        check_pipeline_with_sharding(layout.pp != 1,
                                      layout.data_parallel == "fsdp" or layout.dp_shard > 1 or layout.cp > 1,
                                      layout.pipeline.schedule)
 
