@@ -5,7 +5,6 @@ strategy it has: everything that differs between parallelisms is behind the stra
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
@@ -46,7 +45,7 @@ from polytrain.trainer.launch.process_placement import launch_from_trainer, stra
 from polytrain.trainer.loops import lifecycle
 from polytrain.trainer.loops.data_connector import DataConnector
 from polytrain.trainer.loops.entry_points import run_stage
-from polytrain.trainer.loops.evaluation import PredictionRecord, run_eval_pass
+from polytrain.trainer.loops.evaluation import EvaluationLoop, PredictionRecord
 from polytrain.trainer.loops.fit_loop import FitCollaborators, FitLoop
 from polytrain.trainer.loops.optimization import clip_gradients
 from polytrain.trainer.loops.progress import EvalProgress
@@ -396,12 +395,14 @@ class Trainer:
         self._run_directory = settle_run_directory(self, self.stage, ckpt_path, self._run_directory)
         lifecycle.begin(self, self.stage)
         self.transfer_batch = lifecycle.batch_transfer(self)
+        self.evaluation = EvaluationLoop(self.strategy, self.hooks, self.metrics, self.module, self.callbacks,
+                                         self.transfer_batch, self.predict_loop, self.eval_progress)
 
     def fit_collaborators(self) -> FitCollaborators:
         """What this fit's loop works with, named (it is handed nothing else)."""
         return FitCollaborators(
             strategy=self.strategy, hooks=self.hooks, metrics=self.metrics, profiler=self.profiler,
-            loaders=self.data_connector, evaluate=functools.partial(run_eval_pass, self),
+            loaders=self.data_connector, evaluation=self.evaluation,
             transfer_batch=self.transfer_batch, module=self.module, datamodule=self.datamodule,
             callbacks=self.callbacks, loggers=self.loggers if self.is_logging_rank else [],
             log_dir=self.log_dir)

@@ -10,7 +10,6 @@ import torch
 from polytrain.trainer.checkpointing.resume import agree_on_checkpoint, restore_weights
 from polytrain.trainer.checkpointing.run_directory import resolve_path
 from polytrain.trainer.loops import lifecycle
-from polytrain.trainer.loops.evaluation import run_eval_pass
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
@@ -78,7 +77,8 @@ def _evaluate(trainer: Trainer, stage: str, ckpt_path: str | None, model_given: 
     limit = trainer.data_connector.batch_limit(loader_stage, loader)
     if loader_stage == "val":  # trainer.val_dataloaders / num_val_batches show the standalone validation's
         trainer.fit_loop.data.use_val(loader, limit)
-    result = run_eval_pass(trainer, loader, loader_stage, limit)
+    result = trainer.evaluation.run(loader, loader_stage, limit, entry=trainer.stage,
+                                    epoch=trainer.current_epoch, global_step=trainer.global_step)
     if stage == "predict":
         return result if trainer.predict_loop.return_predictions else None
     return [result]

@@ -34,6 +34,7 @@ from polytrain.trainer.api.optimizer_config import parse_optimizers, step_schedu
 from polytrain.trainer.checkpointing.resume import restore_fit
 from polytrain.trainer.configuration.config_file import parse_max_time
 from polytrain.trainer.loops.data_connector import NO_BATCH, DataConnector, agreed_batches, epoch_iterator
+from polytrain.trainer.loops.evaluation import EvaluationLoop
 from polytrain.trainer.loops.guards import NonFiniteGuard, check_batches
 from polytrain.trainer.loops.optimization import AutomaticOptimization, ManualOptimization
 from polytrain.trainer.loops.progress import EpochData, FitProgress, Resumed, Stopping
@@ -65,7 +66,7 @@ class FitCollaborators:
     metrics: MetricCollector
     profiler: PassThroughProfiler
     loaders: DataConnector  # where the stage's loaders come from, and how many batches of each
-    evaluate: Callable[..., Any]  # a validation pass: evaluate(loader, "val", limit, sanity=False)
+    evaluation: EvaluationLoop  # validation passes
     transfer_batch: Callable[[Any], Any]  # the stage's batch mover (transfer hooks or the strategy's)
     module: Any
     datamodule: Any
@@ -100,7 +101,7 @@ class FitLoop:
         self.metrics = c.metrics if c else None
         self.profiler = c.profiler if c else None
         self.loaders = c.loaders if c else None
-        self.evaluate = c.evaluate if c else None
+        self.evaluation = c.evaluation if c else None
         self.transfer_batch = c.transfer_batch if c else None
         self.module = c.module if c else None
         self.datamodule = c.datamodule if c else None
@@ -476,11 +477,16 @@ class FitLoop:
                 if data.val_loader is not None:
                     limit = data.num_val_batches if steps == -1 else min(steps, data.num_val_batches or steps)
                     if limit:
-                        self.evaluate(data.val_loader, "val", limit, sanity=True)
+                        self._evaluate(data.val_loader, limit, sanity=True)
             finally:
                 self.sanity_checking = False
             hooks.callbacks("on_sanity_check_end")
             self.metrics.reset()
+
+    def _evaluate(self, loader: Any, limit: int | None, sanity: bool = False) -> None:
+        p = self.progress
+        self.evaluation.run(loader, "val", limit, entry="fit", epoch=p.epoch, global_step=p.global_step,
+                            sanity=sanity)
 
     def _validate(self) -> None:
         with self.goodput.phase("validation"), self.profiler.phase("validation"):
@@ -495,7 +501,7 @@ class FitLoop:
             return
         with self.metrics.refusing("on_validation_model_zero_grad"):
             self.hooks.module("on_validation_model_zero_grad")
-        self.evaluate(data.val_loader, "val", data.num_val_batches)
+        self._evaluate(data.val_loader, data.num_val_batches)
         self._agree_on_stop()  # e.g. EarlyStopping after a validation inside the epoch
 
     # ------------------------------------------------------------------ the epoch's end
