@@ -25,7 +25,7 @@ from polytrain.strategies.launcher import LaunchPlan, plan_launch
 from polytrain.trainer.api.datamodule import DataModule
 from polytrain.trainer.api.hooks import Hooks, is_overridden
 from polytrain.trainer.api.module import TrainModule
-from polytrain.trainer.checkpointing.checkpoint_payload import build_payload
+from polytrain.trainer.checkpointing.checkpoint_payload import PayloadSources, build_payload
 from polytrain.trainer.checkpointing.run_directory import (
     RunDirectory,
     discard_if_unused,
@@ -333,7 +333,12 @@ class Trainer:
             self.guard.check()
         waited = self.strategy.checkpoint_io.staging_waited()  # by updates, for the last async save's copy
         with self.fit_loop.goodput.saving(self.global_step, waited):  # training is blocked for this long
-            self.strategy.save_checkpoint(build_payload(self), filepath, async_save=async_save)
+            sources = PayloadSources(
+                strategy=self.strategy, hooks=self.hooks, metrics=self.metrics, module=self.module,
+                datamodule=self.datamodule, callbacks=self.callbacks, progress=self.fit_loop.progress,
+                epoch_data=self.fit_loop.data, schedulers=self.fit_loop.lr_scheduler_configs,
+                config=self.config_dict(), seed=self.config.seed)
+            self.strategy.save_checkpoint(build_payload(sources), filepath, async_save=async_save)
 
     # ------------------------------------------------------------------ plumbing
     def _run(self, stage: str, model: TrainModule | None, loaders: dict[str, Any], datamodule: Any,

@@ -10,6 +10,7 @@ config and the library version. Only plain types and tensors, so ``weights_only=
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from polytrain.core.rng import capture_rng_state
@@ -19,51 +20,68 @@ from polytrain.data.stateful import rank_entry
 from polytrain.trainer.api.hparams import plain
 
 if TYPE_CHECKING:
-    from polytrain.trainer.trainer import Trainer
+    from polytrain.trainer.loops.progress import EpochData, FitProgress
 
 FORMAT_VERSION = 1
 
 
-def _rank_rng(trainer: Trainer) -> dict[str, Any]:
+@dataclass
+class PayloadSources:
+    """What a checkpoint payload is read from, each named: the Trainer gathers them for a save."""
+
+    strategy: Any
+    hooks: Any  # the stage's funnel (callbacks' and the module's on_save_checkpoint, the DataModule's state)
+    metrics: Any  # its ``refusing``: logging inside on_save_checkpoint is an error, as Lightning
+    module: Any
+    datamodule: Any
+    callbacks: list[Any]
+    progress: FitProgress
+    epoch_data: EpochData  # the loader (user sampler, stateful data) and the epoch iterator's RNG
+    schedulers: list[Any]  # the fit's LR scheduler configs
+    config: dict[str, Any]  # the run's whole config, as ``trainer.config_dict()`` gives it
+    seed: int | None
+
+
+def _rank_rng(progress: FitProgress, epoch_data: EpochData) -> dict[str, Any]:
     """This rank's RNG streams (with the sharded-region stream, ``polytrain.layers.sharded_rng``);
     mid-epoch, the state the epoch's DataLoader iterator drew its workers' base seed from: a resume
     recreates that iterator and replays the consumed batches through the workers; and the generator of
     a split user sampler (``user_sampler``), which a resume sets before the epoch draws again."""
     state = capture_rng_state()
-    loop = trainer.fit_loop
-    mid_epoch = not loop.progress.at_epoch_end and loop.progress.batch_in_epoch > 0
-    if mid_epoch and loop.data.loader_rng is not None:
-        state["loader_iter"] = loop.data.loader_rng
-    sampler = user_sampler_state(loop.data.train_loader, mid_epoch)
+    mid_epoch = not progress.at_epoch_end and progress.batch_in_epoch > 0
+    if mid_epoch and epoch_data.loader_rng is not None:
+        state["loader_iter"] = epoch_data.loader_rng
+    sampler = user_sampler_state(epoch_data.train_loader, mid_epoch)
     if sampler is not None:
         state["user_sampler"] = sampler
     return state
 
 
-def _rank_data(trainer: Trainer) -> dict[str, Any] | None:
+def _rank_data(progress: FitProgress, epoch_data: EpochData, strategy: Any) -> dict[str, Any] | None:
     """This rank's stateful training data (``data/stateful.py``), or None. Mid-epoch from iterable-style
     data: the snapshot taken after the last consumed batch (the loop has fetched one batch ahead)."""
-    loop, strategy = trainer.fit_loop, trainer.strategy
-    stream, progress = loop.data.stream, loop.progress
+    stream = epoch_data.stream
     mid_epoch = not progress.at_epoch_end and progress.batch_in_epoch > 0
     snapshot = stream.state if mid_epoch and stream is not None and stream.snapshot is not None else None
-    return rank_entry(loop.data.train_loader, strategy.dp_rank, strategy.dp_size, snapshot)
+    return rank_entry(epoch_data.train_loader, strategy.dp_rank, strategy.dp_size, snapshot)
 
 
-def _rank_states(trainer: Trainer) -> tuple[list[Any], list[Any] | None]:
+def _rank_states(sources: PayloadSources) -> tuple[list[Any], list[Any] | None]:
     """Every rank's RNG state and data state, in one gather (a checkpoint adds no collective for data)."""
-    gathered = trainer.strategy.all_gather_object((_rank_rng(trainer), _rank_data(trainer)))
+    progress, epoch_data, strategy = sources.progress, sources.epoch_data, sources.strategy
+    gathered = strategy.all_gather_object((_rank_rng(progress, epoch_data),
+                                           _rank_data(progress, epoch_data, strategy)))
     data = [d for _, d in gathered]
     return [r for r, _ in gathered], (data if any(d is not None for d in data) else None)
 
 
-def build_payload(trainer: Trainer) -> dict[str, Any]:
+def build_payload(sources: PayloadSources) -> dict[str, Any]:
     """Called on every rank (it gathers RNG states); the strategy adds model/optimizer state. Hooks in
     Lightning's order: callbacks' and the DataModule's ``state_dict``, then ``on_save_checkpoint`` of
     the callbacks and of the module (both may add keys)."""
-    strategy, module, datamodule, hooks = trainer.strategy, trainer.module, trainer.datamodule, trainer.hooks
-    loop = trainer.fit_loop.progress.state_dict()
-    rng, data = _rank_states(trainer)
+    strategy, module, datamodule, hooks = sources.strategy, sources.module, sources.datamodule, sources.hooks
+    loop = sources.progress.state_dict()
+    rng, data = _rank_states(sources)
     payload: dict[str, Any] = {
         "polytrain": {"format": FORMAT_VERSION, "version": __version__},
         "epoch": loop["epoch"],
@@ -72,12 +90,12 @@ def build_payload(trainer: Trainer) -> dict[str, Any]:
         # strategy writes the model itself (under "model", gathered or sharded), so this is not saved.
         "state_dict": module.state_dict(),
         "loop": loop,
-        "sampler": {"seed": trainer.config.seed},
+        "sampler": {"seed": sources.seed},
         "rng": rng,
-        "schedulers": [s.scheduler.state_dict() for s in trainer.lr_scheduler_configs],
+        "schedulers": [s.scheduler.state_dict() for s in sources.schedulers],
         "precision": strategy.precision.state_dict(),
-        "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
-        "config": plain(trainer.config_dict()),
+        "callbacks": {cb.state_key: cb.state_dict() for cb in sources.callbacks},
+        "config": plain(sources.config),
         "hyper_parameters": plain(dict(module.hparams)),
     }
     if data is not None:
@@ -85,7 +103,7 @@ def build_payload(trainer: Trainer) -> dict[str, Any]:
     if datamodule is not None:
         payload["datamodule"] = {type(datamodule).__qualname__: hooks.datamodule("state_dict")}
         payload["datamodule_hyper_parameters"] = plain(dict(datamodule.hparams))
-    with trainer.metrics.refusing("on_save_checkpoint"):
+    with sources.metrics.refusing("on_save_checkpoint"):
         hooks.callbacks("on_save_checkpoint", payload)
         hooks.module("on_save_checkpoint", payload)
     return payload
