@@ -90,8 +90,11 @@ def job_env(fault: str | None = None, out_dir: str | None = None, **extra: str) 
 
 
 def torchrun(args: Iterable[str], nproc: int = 2, max_restarts: int = 0) -> list[str]:
+    # Port 0: the agent binds its rendezvous store to a port the kernel picks, as torchrun --standalone
+    # does. A port picked here first can be taken by a job running beside this one before the agent binds
+    # it; the agent then connects to that job's socket as a client and times out after 60 s.
     return [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--nnodes=1", f"--nproc-per-node={nproc}",
+            "--rdzv-endpoint=127.0.0.1:0", "--nnodes=1", f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}", "--monitor-interval=0.1", *map(str, args)]
 
 
