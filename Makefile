@@ -4,13 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
-# The lowest supported torch (pyproject.toml: torch>=2.11,<2.16) in a venv of its own; `make test`
-# gets the newest the range allows from the registry.
+# The lowest supported torch (pyproject.toml: torch>=2.11,<2.16) and omegaconf (>=2.3) in a venv of
+# their own; `make test` gets the newest the ranges allow from the registry.
 MIN_VENV := .venv-torch-min
 MIN_PY := $(MIN_VENV)/bin/python
 MIN_STAMP := $(MIN_VENV)/.installed-dev
 TORCH_MIN := 2.11.*
 TORCHVISION_MIN := 0.26.*
+OMEGACONF_MIN := 2.3.0
 
 .PHONY: install dev train test test-torch-min test-fast test-reliability lint bench figures clean
 
@@ -40,11 +41,14 @@ $(MIN_PY):
 	$(MIN_PY) -m pip install -q --upgrade pip
 
 # One resolver run with the pins, so nothing in the dev extras can lift torch above them.
-$(MIN_STAMP): pyproject.toml | $(MIN_PY)
-	$(MIN_PY) -m pip install -q "torch==$(TORCH_MIN)" "torchvision==$(TORCHVISION_MIN)" -e ".[vision,examples,dev,data]"
+$(MIN_STAMP): pyproject.toml Makefile | $(MIN_PY)
+	$(MIN_PY) -m pip install -q "torch==$(TORCH_MIN)" "torchvision==$(TORCHVISION_MIN)" \
+		"omegaconf==$(OMEGACONF_MIN)" -e ".[vision,examples,dev,data]"
 	$(MIN_PY) -c "import torch, torchvision as tv; v = torch.__version__; assert v.startswith('2.11.'), \
 		f'.venv-torch-min holds torch {v}, not 2.11: rm -rf $(MIN_VENV) and run make test-torch-min again'; \
 		print('lowest supported: torch', v, 'torchvision', tv.__version__)"
+	$(MIN_PY) -c "import omegaconf; v = omegaconf.__version__; assert v == '$(OMEGACONF_MIN)', \
+		f'.venv-torch-min holds omegaconf {v}, not $(OMEGACONF_MIN): rm -rf $(MIN_VENV) and run make test-torch-min again'"
 	touch $@
 
 # The suite on the lowest supported torch. MIN_PYTEST_ARGS narrows it if ever needed (.ci/run passes none).

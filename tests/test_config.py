@@ -139,6 +139,18 @@ def test_auto_strategy_takes_no_options() -> None:
         validate_strategy_spec({"name": "auto", "static_graph": True})
 
 
+@pytest.mark.parametrize("points", [[2], ["net.3"]])
+def test_split_points_parse_as_child_indices_or_module_paths(points: list[Any]) -> None:
+    """``list[int] | list[str]`` is a union of containers: OmegaConf 2.3 (the lowest supported, in
+    .venv-torch-min) refuses such an annotation outright, 2.4 lets it through unchecked. Either way the
+    value arrives as written, and a mixed list is refused."""
+    config = validate_trainer_config({"strategy": {"name": "pipeline", "pp": 2, "split_points": points}})
+    spec = config.strategy
+    assert spec["split_points"] == points
+    with pytest.raises(ConfigError, match=r"split_points=\[1, 'net.3'\] is not valid .*all child indices"):
+        validate_trainer_config({"strategy": {"name": "pipeline", "pp": 2, "split_points": [1, "net.3"]}})
+
+
 def test_the_torch_free_strategy_options_are_the_registered_classes_options() -> None:
     """``polytrain`` checks a config's strategy against ``strategies/options.py`` before torch loads; the
     workers build from the registered classes. Both must know the same names, options and Lightning

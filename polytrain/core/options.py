@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import types
+import typing
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -36,6 +39,38 @@ def check_choice(value: Any, choices: tuple[str, ...], where: str) -> None:
         raise ConfigError(f"{where}={value!r} is not valid{hint}; choose one of: {', '.join(choices)}")
 
 
+def _holds_a_container(annotation: Any) -> bool:
+    """Whether ``annotation`` is a union with a list or mapping among its members (``None`` aside)."""
+    if typing.get_origin(annotation) is not typing.Union and not isinstance(annotation, types.UnionType):
+        return False
+    members = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return any(typing.get_origin(a) in (list, dict) or a in (list, dict) for a in members)
+
+
+def _keep_default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=f.default_factory)
+    if f.default is not dataclasses.MISSING:
+        return dataclasses.field(default=f.default)
+    return dataclasses.field()
+
+
+@functools.cache
+def _omegaconf_schema(cls: type) -> type:
+    """``cls`` in a form every supported OmegaConf accepts. A union with a container member
+    (``list[int] | list[str]``) is refused by OmegaConf 2.3 and passed through unchecked by 2.4, so
+    such a field is ``Any`` in the schema, and ``validate_dataclass`` checks it itself."""
+    hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    if not any(_holds_a_container(hints[f.name]) for f in fields):
+        return cls
+    return dataclasses.make_dataclass(
+        cls.__name__,
+        [(f.name, Any if _holds_a_container(hints[f.name]) else hints[f.name], _keep_default(f))
+         for f in fields],
+    )
+
+
 def validate_dataclass(cls: type, data: dict[str, Any], where: str) -> Any:
     """Build ``cls`` from ``data``, rejecting unknown keys and values of the wrong type."""
     if data is None:
@@ -45,7 +80,7 @@ def validate_dataclass(cls: type, data: dict[str, Any], where: str) -> Any:
     valid = [f.name for f in dataclasses.fields(cls)]
     check_keys(data, valid, where)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(data))
+        merged = OmegaConf.merge(OmegaConf.structured(_omegaconf_schema(cls)), OmegaConf.create(data))
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
         expected = {f.name: f.type for f in dataclasses.fields(cls)}.get(
@@ -61,6 +96,8 @@ def validate_dataclass(cls: type, data: dict[str, Any], where: str) -> Any:
     if missing:
         raise ConfigError(f"{where} is missing required value(s): {', '.join(missing)}")
     obj = OmegaConf.to_object(merged)
+    if not isinstance(obj, cls):  # built from the loosened schema: build the real one (its checks run)
+        obj = cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)})
     for f in dataclasses.fields(cls):
         # OmegaConf lets a mapping or list through as an element of a list[str] field.
         value = getattr(obj, f.name)
