@@ -70,3 +70,31 @@ def test_loop_state_changes_only_through_its_own_methods() -> None:
                 if assignment.search(line):
                     found.append(f"{path}:{number}: {line.strip()}")
     assert not found, "loop state written outside trainer/loops/progress.py:\n" + "\n".join(found)
+
+
+def test_only_the_trainer_and_the_lightning_facing_api_take_the_trainer() -> None:
+    """Loop pieces get the collaborators they use. Under ``polytrain/trainer/`` only ``trainer.py`` holds
+    the Trainer, and the module API that Lightning code expects to see it (``self.trainer`` in a module,
+    a callback's ``trainer`` argument through the hook funnel): no other module imports the Trainer or
+    has a parameter named ``trainer`` or typed ``Trainer``."""
+    import ast
+
+    allowed = {"trainer.py", os.path.join("api", "module.py"), os.path.join("api", "hooks.py")}
+    base = os.path.join(ROOT, "polytrain", "trainer")
+    found = []
+    for folder, _, files in os.walk(base):
+        for name in files:
+            rel = os.path.relpath(os.path.join(folder, name), base)
+            if not name.endswith(".py") or rel in allowed:
+                continue
+            tree = ast.parse(_source(os.path.join("polytrain", "trainer", rel)))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module == "polytrain.trainer.trainer":
+                    found.append(f"{rel}:{node.lineno} imports the Trainer")
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                    for arg in args:
+                        annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                        if arg.arg == "trainer" or re.search(r"\bTrainer\b", annotation):
+                            found.append(f"{rel}:{node.lineno} {node.name}({arg.arg}: {annotation})")
+    assert not found, "modules under polytrain/trainer/ that take the Trainer:\n" + "\n".join(found)

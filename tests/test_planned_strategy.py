@@ -86,16 +86,22 @@ def test_plan_true_chooses_trains_stores_and_resumes(tmp_path: Any) -> None:
     assert "reusing the plan stored in" in resumed[0]["printed"] and resumed[1]["printed"] == ""
 
 
+def _planned(trainer: Trainer, launch: Any, module: Any) -> bool:
+    """``plan_layout`` as ``Trainer.fit`` calls it for ``module`` (a fresh fit, no checkpoint)."""
+    from polytrain.trainer.launch.planned import plan_layout
+
+    train = module.train_dataloader()
+    return plan_layout(trainer.run_sources(), None, launch, module, train, None, "fit", None)
+
+
 def _plan_for(strategy: dict, world: int) -> dict:
     """Plan as rank 0 of ``world`` CPU ranks would, without starting them (planning needs no process
     group)."""
-    from polytrain.trainer.launch.planned import plan_layout
-
     trainer = Trainer(accelerator="cpu", strategy=strategy, logger=False)
     launch = SimpleNamespace(world_size=world, num_nodes=1, accelerator="cpu",
                              env=SimpleNamespace(global_rank=1))
     module = _module()
-    assert plan_layout(trainer, launch, module, module.train_dataloader(), None, "fit", None)
+    assert _planned(trainer, launch, module)
     return trainer.config.strategy
 
 
@@ -116,16 +122,14 @@ def test_the_planned_checkpointing_mode_is_the_one_that_runs(run_dir: str) -> No
     trainer = Trainer(accelerator="cpu", strategy={"name": "parallel", "plan": True}, logger=False,
                       activation_checkpointing={"mode": "op"})
     launch = SimpleNamespace(world_size=2, num_nodes=1, accelerator="cpu", env=SimpleNamespace(global_rank=1))
-    from polytrain.trainer.launch.planned import plan_layout
-
     module = _module()
-    assert plan_layout(trainer, launch, module, module.train_dataloader(), None, "fit", None)
+    assert _planned(trainer, launch, module)
     assert trainer.config.strategy["chosen"]["activation_checkpointing"] == "op"
     planned = {}
     for every in (1, 2):  # every: n is costed as the strategy will run it: fewer blocks checkpointed
         trainer = Trainer(accelerator="cpu", strategy={"name": "parallel", "plan": True, "dp_replicate": 2},
                           logger=False, activation_checkpointing={"every": every})
-        assert plan_layout(trainer, launch, module, module.train_dataloader(), None, "fit", None)
+        assert _planned(trainer, launch, module)
         planned[every] = trainer.config.strategy["chosen"]
     assert planned[1]["activation_checkpointing"] is True and planned[2]["activation_checkpointing"] is True
     assert planned[2]["memory_bytes"] > planned[1]["memory_bytes"]

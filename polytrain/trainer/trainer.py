@@ -5,7 +5,9 @@ strategy it has: everything that differs between parallelisms is behind the stra
 
 from __future__ import annotations
 
+import copy
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -26,9 +28,12 @@ from polytrain.trainer.api.datamodule import DataModule
 from polytrain.trainer.api.hooks import Hooks, is_overridden
 from polytrain.trainer.api.module import TrainModule
 from polytrain.trainer.checkpointing.checkpoint_payload import PayloadSources, build_payload
+from polytrain.trainer.checkpointing.resume import agree_on_checkpoint, restore_weights
 from polytrain.trainer.checkpointing.run_directory import (
     RunDirectory,
+    RunSources,
     discard_if_unused,
+    resolve_path,
     settle_run_directory,
 )
 from polytrain.trainer.configuration.config import (
@@ -41,11 +46,10 @@ from polytrain.trainer.configuration.config import (
 from polytrain.trainer.configuration.default_callbacks import build_callbacks, split_objects
 from polytrain.trainer.configuration.targets import check_run_targets
 from polytrain.trainer.launch.planned import agree_on_plan, plan_layout
-from polytrain.trainer.launch.process_placement import launch_from_trainer, strategy_for
+from polytrain.trainer.launch.process_placement import launch_workers, strategy_for
 from polytrain.trainer.loops import lifecycle
 from polytrain.trainer.loops.data_connector import DataConnector
-from polytrain.trainer.loops.entry_points import run_stage
-from polytrain.trainer.loops.evaluation import EvaluationLoop, PredictionRecord
+from polytrain.trainer.loops.evaluation import EvaluationLoop, PredictionRecord, results_table
 from polytrain.trainer.loops.fit_loop import FitCollaborators, FitLoop
 from polytrain.trainer.loops.optimization import clip_gradients
 from polytrain.trainer.loops.progress import EvalProgress
@@ -53,6 +57,8 @@ from polytrain.trainer.observability.metrics import MetricCollector
 from polytrain.trainer.observability.profiler import build_profiler
 
 log = logging.getLogger("polytrain")
+
+_LOADER_STAGE = {"validate": "val", "test": "test", "predict": "predict"}
 
 
 class Trainer:
@@ -356,17 +362,21 @@ class Trainer:
                 given = dict(train_dataloaders=loaders.get("train"), val_dataloaders=loaders.get("val"))
             else:
                 given = dict(dataloaders=next(iter(loaders.values())))
-            out = launch_from_trainer(self, plan, stage, model,
-                                      dict(given, datamodule=datamodule, ckpt_path=ckpt_path))
+            user_callbacks = [cb for cb in self.callbacks if getattr(cb, "_user_given", False)]
+            args = (type(self), trainer_to_dict(self.config), user_callbacks, stage, model,
+                    dict(given, datamodule=datamodule, ckpt_path=ckpt_path))
+            out = launch_workers(plan, _stage_in_worker, args, self.config.max_restarts, stage, model)
             self.metrics.callback = out["callback_metrics"]
             self._run_directory = RunDirectory(out["log_dir"], out["ckpt_path"])
             return out["result"]
-        planned = plan_layout(self, plan, model, loaders.get("train"), datamodule or self.datamodule, stage,
-                              ckpt_path)
+        planned = self.strategy is None and plan_layout(
+            self.run_sources(), self._run_config, plan, model, loaders.get("train"),
+            datamodule or self.datamodule, stage, ckpt_path)
         self._setup_strategy(plan)
         self.profiler.setup(self.global_rank, self.strategy.root_device.type)
         if planned:
-            agree_on_plan(self)  # trainer.strategy plan: true (trainer/launch/planned.py)
+            # trainer.strategy plan: true (trainer/launch/planned.py)
+            agree_on_plan(self.strategy, self.config)
         self.stage, self.module = stage, model
         self.datamodule = datamodule if datamodule is not None else self.datamodule
         self.given_loaders = {k: v for k, v in loaders.items() if v is not None}
@@ -376,12 +386,12 @@ class Trainer:
         self.hooks = Hooks(self, model, self.callbacks, self.datamodule, self.profiler.instrument)
         try:
             self._begin_stage(ckpt_path)
-            return run_stage(self, stage, ckpt_path, model_given, verbose)
+            return self._run_stage(stage, ckpt_path, model_given, verbose)
         except BaseException as exc:
             heartbeat.failed(exc, self.global_step)  # peers waiting on this rank learn why, and where
             self.hooks.callbacks("on_exception", exc)
             self.hooks.datamodule("on_exception", exc)
-            discard_if_unused(self, self._run_directory)
+            discard_if_unused(self._run_directory, self.is_global_zero)
             explained = heartbeat.explain(exc)  # a collective timeout -> which rank stopped, and where
             if explained is not None:
                 raise explained from exc
@@ -396,12 +406,75 @@ class Trainer:
         self.hooks = Hooks(self, self.module, self.callbacks, self.datamodule, self.profiler.instrument)
         self.data_connector = DataConnector(self.config, self.strategy, self.hooks, self.module,
                                             self.datamodule, self.given_loaders)
-        lifecycle.seed(self)
-        self._run_directory = settle_run_directory(self, self.stage, ckpt_path, self._run_directory)
-        lifecycle.begin(self, self.stage)
-        self.transfer_batch = lifecycle.batch_transfer(self)
+        lifecycle.seed(self.strategy, self.config.seed)
+        self._run_directory = settle_run_directory(self.strategy, self.run_sources(), self.stage, ckpt_path,
+                                                   self._run_directory)
+        lifecycle.begin(self.stage, strategy=self.strategy, hooks=self.hooks, module=self.module,
+                        datamodule=self.datamodule, callbacks=self.callbacks,
+                        float8_option=self.config.float8, phase=self.profiler.phase)
+        self.transfer_batch = lifecycle.batch_transfer(self.strategy, self.hooks, self.metrics)
         self.evaluation = EvaluationLoop(self.strategy, self.hooks, self.metrics, self.module, self.callbacks,
                                          self.transfer_batch, self.predict_loop, self.eval_progress)
+
+    def _run_stage(self, stage: str, ckpt_path: str | None, model_given: bool, verbose: bool) -> Any:
+        """The stage's loop, once ``_begin_stage`` set it up, then its tear-down."""
+        self.metrics.reset()
+        if stage == "fit":
+            # As Lightning, anomaly detection covers the fit loop only.
+            with torch.autograd.set_detect_anomaly(self.config.detect_anomaly):
+                self.profiler.start(self.log_dir)
+                checkpoint_io = self.strategy.checkpoint_io
+                try:
+                    with checkpoint_io.updates_wait_for_staging():
+                        # The checkpoint was settled with the run's directory.
+                        self.fit_loop.run(self.fit_collaborators(), self.ckpt_path)
+                except BaseException:
+                    checkpoint_io.abandon()  # a save being written still completes
+                    raise
+                checkpoint_io.finish()  # fit returns with the last async save on disk, or raises
+                self.profiler.stop()
+            result = None
+        else:
+            result = self._evaluate(stage, ckpt_path, model_given)
+            if verbose and stage != "predict" and self.is_global_zero:
+                print(results_table(stage, result[0]), flush=True)
+        lifecycle.end(self.hooks, stage)
+        return result
+
+    def _evaluate(self, stage: str, ckpt_path: str | None, model_given: bool) -> Any:
+        """validate, test or predict: the weights to evaluate (a checkpoint, the best one after a fit when
+        no model is given), the stage's loader, one pass."""
+        loader_stage = _LOADER_STAGE[stage]
+        best = getattr(self.checkpoint_callback, "best_model_path", None)
+        if ckpt_path is None and not model_given and best:
+            warnings.warn(f"trainer.{stage}() without a model after fit evaluates the best checkpoint "
+                          f"({best}), as Lightning does; pass the model (current weights) or ckpt_path to "
+                          f"choose", stacklevel=5)
+            ckpt_path = "best"
+        if ckpt_path is not None:
+            sources = self.run_sources()
+            path = agree_on_checkpoint(self.strategy, lambda: resolve_path(sources, ckpt_path, stage=stage),
+                                       ckpt_path, self.run_dir)
+            restore_weights(path, self.strategy, self.hooks)
+        with torch.no_grad():  # as Lightning: the loader is asked for inside the (gradient-free) evaluation
+            loader = self.data_connector.request(loader_stage)
+        if loader is None:
+            raise ValueError(f"no {loader_stage} data: pass dataloaders to {stage}() or define "
+                             f"{loader_stage}_dataloader() on {type(self.module).__name__} "
+                             f"(or its DataModule)")
+        limit = self.data_connector.batch_limit(loader_stage, loader)
+        if loader_stage == "val":  # trainer.val_dataloaders / num_val_batches show this validation's
+            self.fit_loop.data.use_val(loader, limit)
+        result = self.evaluation.run(loader, loader_stage, limit, entry=stage, epoch=self.current_epoch,
+                                     global_step=self.global_step)
+        if stage == "predict":
+            return result if self.predict_loop.return_predictions else None
+        return [result]
+
+    def run_sources(self) -> RunSources:
+        """What decides where this Trainer's runs write and which checkpoint they resume."""
+        return RunSources(config=self.config, loggers=self.loggers,
+                          checkpoint_callback=self.checkpoint_callback)
 
     def fit_collaborators(self) -> FitCollaborators:
         """What this fit's loop works with, named (it is handed nothing else)."""
@@ -432,3 +505,24 @@ class Trainer:
             raise RuntimeError("manual_backward is for manual optimisation: set self.automatic_optimization "
                                "= False in __init__, or return the loss from training_step")
         self.strategy.manual_backward(loss, *args, **kwargs)
+
+
+def _stage_in_worker(trainer_cls: type[Trainer], trainer_kwargs: dict[str, Any], callbacks: list[Any],
+                     stage: str, module: TrainModule, kwargs: dict[str, Any], result_path: str) -> None:
+    """What each worker process runs for a method called outside any launcher (``launch_workers``): its own
+    Trainer and stage; global rank 0 saves what the launching Trainer shows afterwards."""
+    # torch.multiprocessing hands tensors to spawned workers in shared memory: without a private
+    # copy every rank would step the same parameters (one update per rank per step).
+    module = copy.deepcopy(module)
+    trainer_kwargs = {**trainer_kwargs, "callbacks": list(trainer_kwargs["callbacks"]) + callbacks}
+    trainer = trainer_cls(**trainer_kwargs)
+    result = getattr(trainer, stage)(module, **kwargs)
+    # Every rank: under sharded strategies (fsdp, tensor parallel) gathering the weights is a collective.
+    state_dict = trainer.strategy.module_state_dict()
+    if trainer.is_global_zero:
+        # Hand the trained weights and the result back to the launching process.
+        torch.save({"state_dict": state_dict, "result": result, "log_dir": trainer.log_dir,
+                    "ckpt_path": trainer.ckpt_path,
+                    "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
+                   result_path)
+    trainer.strategy.teardown()

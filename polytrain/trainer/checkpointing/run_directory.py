@@ -37,8 +37,20 @@ from polytrain.core.errors import CheckpointError, ConfigError
 from polytrain.trainer.checkpointing.resume import choose_checkpoint
 
 if TYPE_CHECKING:
+    from polytrain.callbacks.loggers import Logger
+    from polytrain.callbacks.model_checkpoint import ModelCheckpoint
     from polytrain.trainer.configuration.config import TrainerConfig
-    from polytrain.trainer.trainer import Trainer
+
+
+@dataclass(frozen=True)
+class RunSources:
+    """What decides where a run writes and which checkpoint it resumes: the Trainer's options
+    (``run_dir``, ``version``, ``resume``, ``fast_dev_run``), its loggers (the first file logger may name
+    the root) and its first ModelCheckpoint (the best checkpoint it kept)."""
+
+    config: TrainerConfig
+    loggers: list[Logger]
+    checkpoint_callback: ModelCheckpoint | None
 
 
 @dataclass(frozen=True)
@@ -48,64 +60,64 @@ class RunDirectory:
     claimed: bool = False  # this stage created the directory: a failure before anything is written removes it
 
 
-def discard_if_unused(trainer: Trainer, run: RunDirectory | None) -> None:
+def discard_if_unused(run: RunDirectory | None, is_global_zero: bool) -> None:
     """After a stage failed: the directory it claimed goes again if nothing was written into it, so failed
     attempts leave no empty ``version_<n>`` behind. Global rank 0, which created it; no collective (the
     other ranks may be gone)."""
     unused = run is not None and run.claimed and os.path.isdir(run.path) and not os.listdir(run.path)
-    if unused and trainer.is_global_zero:
+    if unused and is_global_zero:
         with contextlib.suppress(OSError):  # a file arrived after all: the run is kept
             os.rmdir(run.path)
 
 
-def run_root(trainer: Trainer) -> tuple[str, int | str | None]:
+def run_root(sources: RunSources) -> tuple[str, int | str | None]:
     """The directory runs are versioned under, and the version asked for (None: the next free one)."""
-    first = trainer.logger
+    first = sources.loggers[0] if sources.loggers else None
     if isinstance(first, DirectoryLogger):  # the Trainer's own file loggers have run_dir as their root
         return first.root_dir, first.asked_version
-    return trainer.config.run_dir, trainer.config.version
+    return sources.config.run_dir, sources.config.version
 
 
-def settle_run_directory(trainer: Trainer, stage: str, ckpt_path: str | None,
+def settle_run_directory(strategy: Any, sources: RunSources, stage: str, ckpt_path: str | None,
                          previous: RunDirectory | None) -> RunDirectory:
     """Every rank calls this when a stage starts (it holds one broadcast and, when the run writes, an
     agreement on whether its directory could be created)."""
-    strategy = trainer.strategy
     decision: Any = None
     if strategy.is_global_zero:
         try:
-            decision = _decide(trainer, stage, ckpt_path, previous, _writes(trainer, stage))
+            decision = _decide(sources, stage, ckpt_path, previous, _writes(sources, stage))
         except Exception as err:  # noqa: BLE001 - every rank raises it, after the broadcast below
             decision = err
     decision = strategy.broadcast(decision)
     if isinstance(decision, BaseException):
         raise decision
     run, versions = decision
-    for logger, version in zip(_directory_loggers(trainer), versions):
+    for logger, version in zip(_directory_loggers(sources), versions):
         logger.pin_version(version)
-    if _writes(trainer, stage):
-        _create(trainer, run.path)
+    if _writes(sources, stage):
+        _create(strategy, run.path, sources.config.run_dir)
     return run
 
 
-def _directory_loggers(trainer: Trainer) -> list[DirectoryLogger]:
-    return [lg for lg in trainer.loggers if isinstance(lg, DirectoryLogger)]
+def _directory_loggers(sources: RunSources) -> list[DirectoryLogger]:
+    return [lg for lg in sources.loggers if isinstance(lg, DirectoryLogger)]
 
 
-def _writes(trainer: Trainer, stage: str) -> bool:
-    if trainer.config.fast_dev_run:
+def _writes(sources: RunSources, stage: str) -> bool:
+    if sources.config.fast_dev_run:
         return False
-    return bool(trainer.loggers) or (stage == "fit" and trainer.checkpoint_callback is not None)
+    return bool(sources.loggers) or (stage == "fit" and sources.checkpoint_callback is not None)
 
 
-def _decide(trainer: Trainer, stage: str, ckpt_path: str | None, previous: RunDirectory | None,
+def _decide(sources: RunSources, stage: str, ckpt_path: str | None, previous: RunDirectory | None,
             writes: bool) -> tuple[RunDirectory, list[int | str]]:
     """Global rank 0 only: the run's directory, the checkpoint a fit resumes from, each file logger's version.
     A run that writes claims a new version directory as it picks it."""
-    root, version = run_root(trainer)
+    root, version = run_root(sources)
+    run_dir = sources.config.run_dir
     claimed, kind = False, "version"
-    choice = ckpt_path if ckpt_path is not None else trainer.config.resume
-    resume_from = resolve_path(trainer, choice, ckpt_path is not None) if stage == "fit" else None
+    choice = ckpt_path if ckpt_path is not None else sources.config.resume
+    resume_from = resolve_path(sources, choice, ckpt_path is not None) if stage == "fit" else None
     adopted = run_of_checkpoint(resume_from, root) if resume_from is not None else None
     if adopted:  # a run under the root: continue it there
         path = os.path.join(root, adopted)
@@ -122,32 +134,32 @@ def _decide(trainer: Trainer, stage: str, ckpt_path: str | None, previous: RunDi
                 f"unset")
     else:  # a new run: a fit is a version_<n>; an evaluation of a new Trainer a <stage>_<n>, told apart
         kind = "version" if stage == "fit" else stage
-        path = os.path.join(root, version_name(_new_version(trainer, root, writes, kind)))
+        path = os.path.join(root, version_name(_new_version(root, writes, kind, run_dir)))
         claimed = writes
     name = version_of(os.path.basename(path))
     versions = [name if os.path.abspath(lg.root_dir) == os.path.abspath(root)
                 else lg.asked_version if lg.asked_version is not None
-                else _new_version(trainer, lg.root_dir, writes, kind)
-                for lg in _directory_loggers(trainer)]
+                else _new_version(lg.root_dir, writes, kind, run_dir)
+                for lg in _directory_loggers(sources)]
     return RunDirectory(path, resume_from, claimed), versions
 
 
-def _new_version(trainer: Trainer, root: str, claim: bool, kind: str = "version") -> int | str:
+def _new_version(root: str, claim: bool, kind: str, run_dir: str) -> int | str:
     """The next free ``<kind>_<n>`` under ``root`` (``version_<n>`` as the number ``n``, Lightning's version),
     claimed (its directory created, exclusively) when ``claim``."""
     try:
         name = claim_next_version(root, kind) if claim else f"{kind}_{next_version(root, kind)}"
     except OSError as err:
-        raise CheckpointError(_unwritable(trainer, root, err)) from None
+        raise CheckpointError(_unwritable(run_dir, root, err)) from None
     return version_of(name)
 
 
-def resolve_path(trainer: Trainer, choice: str | None, argument: bool = False,
+def resolve_path(sources: RunSources, choice: str | None, argument: bool = False,
                  stage: str = "fit") -> str | None:
-    """``resume.choose_checkpoint`` for this Trainer's run (global rank 0): its root and version, and the
+    """``resume.choose_checkpoint`` for a Trainer's run (global rank 0): its root and version, and the
     best checkpoint its ModelCheckpoint kept."""
-    root, version = run_root(trainer)
-    kept = getattr(trainer.checkpoint_callback, "best_model_path", None)
+    root, version = run_root(sources)
+    kept = getattr(sources.checkpoint_callback, "best_model_path", None)
     return choose_checkpoint(choice, root, version, kept, from_argument=argument, stage=stage)
 
 
@@ -176,20 +188,20 @@ def _loggers_choose_the_root(config: TrainerConfig) -> bool:
     return any(not isinstance(lg, (str, bool, type(None))) for lg in loggers)
 
 
-def _create(trainer: Trainer, path: str) -> None:
+def _create(strategy: Any, path: str, run_dir: str) -> None:
     """Create the run's directory before the first step: an unwritable path then fails at once, with one
     clear error on every rank, instead of after an epoch inside a logger on one rank only."""
     error = None
-    if trainer.is_global_zero or trainer.is_logging_rank:
+    if strategy.is_global_zero or strategy.is_logging_rank:
         try:
             os.makedirs(path, exist_ok=True)
             if not os.access(path, os.W_OK | os.X_OK):
                 raise PermissionError(13, "Permission denied")
         except OSError as err:
-            error = _unwritable(trainer, path, err)
-    agree_on_error(error, trainer.strategy.collective_device)
+            error = _unwritable(run_dir, path, err)
+    agree_on_error(error, strategy.collective_device)
 
 
-def _unwritable(trainer: Trainer, path: str, err: OSError) -> str:
-    return (f"cannot write trainer.run_dir={trainer.run_dir} (this run's directory: {path}): "
+def _unwritable(run_dir: str, path: str, err: OSError) -> str:
+    return (f"cannot write trainer.run_dir={run_dir} (this run's directory: {path}): "
             f"{err.strerror or err}. Point trainer.run_dir at a writable directory")

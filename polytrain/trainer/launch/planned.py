@@ -32,10 +32,10 @@ from polytrain.strategies.launcher import LaunchPlan
 from polytrain.strategies.plan_spec import CHOSEN_REQUIRED, DEGREES, is_planned, pinned_degrees
 from polytrain.trainer.api.hooks import is_overridden
 from polytrain.trainer.api.module import TrainModule
-from polytrain.trainer.checkpointing.run_directory import resolve_path
+from polytrain.trainer.checkpointing.run_directory import RunSources, resolve_path
 
 if TYPE_CHECKING:
-    from polytrain.trainer.trainer import Trainer
+    from polytrain.trainer.configuration.config import TrainerConfig
 
 log = logging.getLogger("polytrain")
 
@@ -99,13 +99,14 @@ def _train_loader(given: Any, datamodule: Any, module: Any) -> Any:
                           f"the dataset in __init__, pass train_dataloaders, or pin the degrees") from err
 
 
-def _checkpoint_plan(trainer: Trainer, stage: str, ckpt_path: str | None) -> tuple[dict | None, str | None]:
+def _checkpoint_plan(sources: RunSources, stage: str,
+                     ckpt_path: str | None) -> tuple[dict | None, str | None]:
     """The ``chosen`` layout stored in the checkpoint this fit resumes from (every rank reads it, as every
     rank will read the checkpoint itself), or (None, None)."""
-    choice = ckpt_path if ckpt_path is not None else trainer.config.resume
+    choice = ckpt_path if ckpt_path is not None else sources.config.resume
     if stage != "fit" or choice is None:
         return None, None
-    path = resolve_path(trainer, choice, ckpt_path is not None)
+    path = resolve_path(sources, choice, ckpt_path is not None)
     if path is None:
         return None, None
     if os.path.isdir(path):
@@ -116,9 +117,10 @@ def _checkpoint_plan(trainer: Trainer, stage: str, ckpt_path: str | None) -> tup
     return (spec.get("chosen") if isinstance(spec, dict) else None), path
 
 
-def _plan(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamodule: Any) -> dict[str, Any]:
+def _plan(config: TrainerConfig, launch: LaunchPlan, module: Any, train: Any,
+          datamodule: Any) -> dict[str, Any]:
     """Rank every layout of this job for ``module`` and return the best as a ``chosen`` mapping."""
-    spec, config, world = trainer.config.strategy, trainer.config, launch.world_size
+    spec, world = config.strategy, launch.world_size
     x, y = first_batch(_train_loader(train, datamodule, module))
     pinned = pinned_degrees(spec)
     checkpointing = resolve_checkpointing(config.activation_checkpointing)
@@ -190,15 +192,17 @@ def describe(chosen: dict[str, Any]) -> str:
     return line + f" on {chosen['world_size']} {chosen.get('hardware', '')} ranks".replace("  ", " ")
 
 
-def plan_layout(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, datamodule: Any, stage: str,
-                ckpt_path: str | None) -> bool:
+def plan_layout(sources: RunSources, run_config: dict[str, Any] | None, launch: LaunchPlan, module: Any,
+                train: Any, datamodule: Any, stage: str, ckpt_path: str | None) -> bool:
     """Resolve a planned ``trainer.strategy`` before the strategy is built; True when this call did (the
-    same on every rank: it depends on the config only)."""
-    spec = trainer.config.strategy
-    if trainer.strategy is not None or not is_planned(spec):
+    same on every rank: it depends on the config only). The chosen layout goes into ``sources.config``
+    and into ``run_config``, the run's whole config when it has one."""
+    config = sources.config
+    spec = config.strategy
+    if not is_planned(spec):
         return False
     world = launch.world_size
-    stored, source = _checkpoint_plan(trainer, stage, ckpt_path)
+    stored, source = _checkpoint_plan(sources, stage, ckpt_path)
     if stored is None and spec.get("chosen") is not None:
         stored, source = spec["chosen"], "the config (trainer.strategy.chosen)"
     pins = pinned_degrees(spec)
@@ -211,29 +215,28 @@ def plan_layout(trainer: Trainer, launch: LaunchPlan, module: Any, train: Any, d
             log.warning("the plan stored in %s (%s) is for %d ranks or other pinned degrees (%s) and this "
                         "job has %d ranks: planning again", source, describe(stored), stored["world_size"],
                         pins, world)
-        chosen = _plan(trainer, launch, module, train, datamodule)
+        chosen = _plan(config, launch, module, train, datamodule)
         how = chosen.pop("summary")
-    _record(trainer, {**spec, "chosen": chosen})
+    _record(config, run_config, {**spec, "chosen": chosen})
     if launch.env.global_rank == 0:
         print(f"polytrain plan: {describe(chosen)}; {how}", flush=True)
     return True
 
 
-def _record(trainer: Trainer, spec: dict[str, Any]) -> None:
+def _record(config: TrainerConfig, run_config: dict[str, Any] | None, spec: dict[str, Any]) -> None:
     """The chosen layout into the config every checkpoint stores (the run's whole config, if it has one)."""
-    trainer.config.strategy = spec
-    run_config = trainer.config_dict()
-    if "module" in run_config:  # Trainer.from_config: the run's own config is what checkpoints store
+    config.strategy = spec
+    if run_config is not None and "module" in run_config:  # Trainer.from_config: checkpoints store it
         run_config.setdefault("trainer", {})["strategy"] = dict(spec)
 
 
-def agree_on_plan(trainer: Trainer) -> None:
+def agree_on_plan(strategy: Any, config: TrainerConfig) -> None:
     """Every rank chose the same layout (one all-gather of a few integers; every rank calls it)."""
-    if trainer.world_size == 1:
+    if strategy.world_size == 1:
         return
-    chosen = trainer.config.strategy["chosen"]
+    chosen = config.strategy["chosen"]
     mine = {k: chosen[k] for k in CHOSEN_REQUIRED}
-    every = trainer.strategy.all_gather_object(mine)
+    every = strategy.all_gather_object(mine)
     if any(other != every[0] for other in every):
         differ = [r for r, other in enumerate(every) if other != every[0]]
         raise ConfigError(f"plan: true chose different layouts on different ranks (rank 0: {every[0]}; ranks "

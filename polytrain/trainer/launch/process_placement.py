@@ -1,11 +1,11 @@
 """Where a ``Trainer`` runs: its strategy for this process, or worker processes started for a method
-called outside any launcher."""
+called outside any launcher (the Trainer hands them the function each worker runs)."""
 
 from __future__ import annotations
 
-import copy
 import os
 import tempfile
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,45 +18,23 @@ from polytrain.strategies.base import Strategy
 from polytrain.strategies.launcher import LaunchPlan, launch_spawn, relaunch_script
 from polytrain.strategies.plan_spec import is_planned, resolved_spec
 from polytrain.strategies.registry import build_strategy, strategy_class
-from polytrain.trainer.configuration.config import TrainerConfig, trainer_to_dict
+from polytrain.trainer.configuration.config import TrainerConfig
 
 if TYPE_CHECKING:
     from polytrain.trainer.api.module import TrainModule
-    from polytrain.trainer.trainer import Trainer
 
 
-def _spawn_entry(trainer_cls: type[Trainer], trainer_kwargs: dict[str, Any], callbacks: list[Any], stage: str,
-                 module: TrainModule, kwargs: dict[str, Any], result_path: str) -> None:
-    # torch.multiprocessing hands tensors to spawned workers in shared memory: without a private
-    # copy every rank would step the same parameters (one update per rank per step).
-    module = copy.deepcopy(module)
-    trainer_kwargs = {**trainer_kwargs, "callbacks": list(trainer_kwargs["callbacks"]) + callbacks}
-    trainer = trainer_cls(**trainer_kwargs)
-    result = getattr(trainer, stage)(module, **kwargs)
-    # Every rank: under sharded strategies (fsdp, tensor parallel) gathering the weights is a collective.
-    state_dict = trainer.strategy.module_state_dict()
-    if trainer.is_global_zero:
-        # Hand the trained weights and the result back to the launching process.
-        torch.save({"state_dict": state_dict, "result": result, "log_dir": trainer.log_dir,
-                    "ckpt_path": trainer.ckpt_path,
-                    "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
-                   result_path)
-    trainer.strategy.teardown()
-
-
-def launch_from_trainer(trainer: Trainer, plan: LaunchPlan, stage: str, module: TrainModule,
-                        kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Run ``stage`` in worker processes; the trained weights are loaded into ``module``, and what the
-    launching Trainer shows afterwards comes back: ``result``, ``callback_metrics``, ``log_dir``,
-    ``ckpt_path``."""
+def launch_workers(plan: LaunchPlan, worker: Callable[..., None], args: tuple[Any, ...], max_restarts: int,
+                   stage: str, module: TrainModule) -> dict[str, Any]:
+    """Run ``worker(*args, result_path)`` in worker processes (a script under an elastic launch is started
+    again by it: this process then exits with the job's status). Global rank 0's worker saves what the
+    launching process shows afterwards into ``result_path``: ``result``, ``callback_metrics``, ``log_dir``,
+    ``ckpt_path`` and, after a fit, the trained weights, which are loaded into ``module``."""
     if plan.method == "elastic":
-        relaunch_script(plan, trainer.config.max_restarts)  # exits with the job's status
-    trainer_kwargs = trainer_to_dict(trainer.config)
-    user_callbacks = [cb for cb in trainer.callbacks if getattr(cb, "_user_given", False)]
+        relaunch_script(plan, max_restarts)  # exits with the job's status
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.pt")
-        launch_spawn(plan, _spawn_entry,
-                     (type(trainer), trainer_kwargs, user_callbacks, stage, module, kwargs, result_path))
+        launch_spawn(plan, worker, (*args, result_path))
         out = torch.load(result_path, weights_only=False)  # written by our own worker just now
     if stage == "fit":
         module.load_state_dict(out.pop("state_dict"))

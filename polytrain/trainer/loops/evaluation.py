@@ -169,3 +169,15 @@ class EvaluationLoop:
         if not sanity:  # as Lightning: each loop (fit's validation, validate, test) counts its own
             self.progress.next_step(entry)
         return output
+
+
+def results_table(stage: str, metrics: dict[str, float]) -> str:
+    """Lightning's table of an evaluation's epoch metrics: one row per name, sorted, the value in full."""
+    header = (f"{stage.capitalize()} metric", "DataLoader 0")
+    rows = [(name, str(value)) for name, value in sorted(metrics.items())] or [("(nothing was logged)", "")]
+    left = max(len(header[0]), *(len(r[0]) for r in rows)) + 4
+    right = max(len(header[1]), *(len(r[1]) for r in rows)) + 4
+    rule = "─" * (left + right)
+    lines = [rule, header[0].center(left) + header[1].center(right), rule]
+    lines += [name.center(left) + value.center(right) for name, value in rows]
+    return "\n".join([*lines, rule])

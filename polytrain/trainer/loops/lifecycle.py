@@ -6,7 +6,8 @@
 
 and the seeding rule (``polytrain.core.rng``): with ``trainer.seed`` unset, rank 0's random streams
 are shared with every rank before anything is built, and nothing is reseeded. Every hook goes through
-the stage's funnel (``trainer.hooks``).
+the stage's funnel (``Hooks``). Each step is handed what it uses: the strategy, the funnel, the module,
+the DataModule, the callbacks.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import contextlib
 import logging
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from polytrain.callbacks.base import Callback
 from polytrain.callbacks.model_checkpoint import ModelCheckpoint
@@ -27,25 +28,23 @@ from polytrain.trainer.api.hooks import (
     CALLBACK_HOOKS,
     DATAMODULE_HOOKS,
     MODULE_HOOKS,
+    Hooks,
     is_overridden,
     warn_unknown_hooks,
 )
 from polytrain.trainer.api.module import TrainModule
-
-if TYPE_CHECKING:
-    from polytrain.trainer.trainer import Trainer
+from polytrain.trainer.observability.metrics import MetricCollector
 
 log = logging.getLogger("polytrain")
 
 
-def seed(trainer: Trainer) -> None:
-    """Every stage starts here. ``trainer.seed``: everything built before training sees the same stream on
-    every rank. Without it, under several processes: when the user called ``seed_everything``, every rank
-    is re-seeded from that seed, as Lightning's multi-process strategies do at each stage; otherwise rank
-    0's stream is shared, whatever the user seeded (or not) there."""
-    strategy = trainer.strategy
-    if trainer.config.seed is not None:
-        seed_all(trainer.config.seed)  # identical on every rank while things are built; per rank in training
+def seed(strategy: Any, configured: int | None) -> None:
+    """Every stage starts here. ``trainer.seed`` (``configured``): everything built before training sees
+    the same stream on every rank. Without it, under several processes: when the user called
+    ``seed_everything``, every rank is re-seeded from that seed, as Lightning's multi-process strategies do
+    at each stage; otherwise rank 0's stream is shared, whatever the user seeded (or not) there."""
+    if configured is not None:
+        seed_all(configured)  # identical on every rank while things are built; per rank in training
         return
     if strategy.world_size > 1 and user_seed() is not None:
         seed_all(user_seed())
@@ -65,15 +64,17 @@ def merge_callbacks(base: list[Callback], extra: Any) -> list[Callback]:
     return merged
 
 
-def begin(trainer: Trainer, stage: str) -> None:
-    """Everything between the stage's funnel and its loop; every rank calls it (it holds collectives)."""
-    module, hooks, strategy = trainer.module, trainer.hooks, trainer.strategy
+def begin(stage: str, *, strategy: Any, hooks: Hooks, module: TrainModule, datamodule: DataModule | None,
+          callbacks: list[Callback], float8_option: Any, phase: Callable[..., Any]) -> None:
+    """Everything between the stage's funnel and its loop; every rank calls it (it holds collectives).
+    ``float8_option`` is ``trainer.float8`` as configured; ``phase`` the profiler's, for the strategy's
+    step."""
     warn_unknown_hooks(module, MODULE_HOOKS, TrainModule)
-    for cb in trainer.callbacks:
+    for cb in callbacks:
         warn_unknown_hooks(cb, CALLBACK_HOOKS, Callback)
-    if trainer.datamodule is not None:
-        warn_unknown_hooks(trainer.datamodule, DATAMODULE_HOOKS, DataModule)
-    _prepare_data(trainer)
+    if datamodule is not None:
+        warn_unknown_hooks(datamodule, DATAMODULE_HOOKS, DataModule)
+    _prepare_data(strategy, hooks, module, datamodule)
     hooks.datamodule("setup", stage=stage)
     hooks.callbacks("setup", stage=stage)
     hooks.module("setup", stage=stage)
@@ -88,7 +89,7 @@ def begin(trainer: Trainer, stage: str) -> None:
                 f"{type(module).__name__}.configure_model() built new layers when called again for "
                 f"{stage}(): the trained weights were replaced. It runs in every stage (as in Lightning), so "
                 f"make it idempotent, e.g. start it with `if hasattr(self, 'net'): return`")
-    float8 = resolve_float8(trainer.config.float8)
+    float8 = resolve_float8(float8_option)
     if first and float8 is not None and float8["auto"] and not has_float8_matmuls(strategy.root_device):
         log.info("float8: auto leaves the Linear layers in high precision: %s has no float8 matmuls",
                  strategy.root_device)
@@ -98,24 +99,22 @@ def begin(trainer: Trainer, stage: str) -> None:
         convert_to_float8(module, float8)
     if first:
         strategy.setup_module(module)
-    strategy.bind_hooks(hooks.batch_plan, hooks.module_hook("backward"), trainer.profiler.phase)
+    strategy.bind_hooks(hooks.batch_plan, hooks.module_hook("backward"), phase)
 
 
-def end(trainer: Trainer, stage: str) -> None:
-    hooks = trainer.hooks
+def end(hooks: Hooks, stage: str) -> None:
     hooks.datamodule("teardown", stage=stage)
     hooks.callbacks("teardown", stage=stage)
     hooks.module("teardown", stage=stage)
 
 
-def _prepare_data(trainer: Trainer) -> None:
+def _prepare_data(strategy: Any, hooks: Hooks, module: TrainModule, datamodule: DataModule | None) -> None:
     """Downloads run on one process per node (local rank 0) or, with ``prepare_data_per_node=False``,
     once in all (global rank 0); every rank then meets at a barrier, so no rank reads half a file. If
     it raises, every rank stops with that rank's traceback (``_raise_first_failure``). Without a
     ``prepare_data`` (decided by the classes, the same on every rank) there is no barrier, as in Lightning."""
-    strategy, hooks = trainer.strategy, trainer.hooks
-    preparers = [(obj, call) for obj, base, call in ((trainer.datamodule, DataModule, hooks.datamodule),
-                                                     (trainer.module, TrainModule, hooks.module))
+    preparers = [(obj, call) for obj, base, call in ((datamodule, DataModule, hooks.datamodule),
+                                                     (module, TrainModule, hooks.module))
                  if obj is not None and is_overridden(obj, "prepare_data", base)]
     if not preparers:
         return
@@ -145,14 +144,13 @@ def _raise_first_failure(strategy: Any, error: Exception | None, step: str) -> N
                           f"Rank {rank}'s error:\n{reports[rank].rstrip()}")
 
 
-def batch_transfer(trainer: Trainer) -> Callable[[Any], Any]:
+def batch_transfer(strategy: Any, hooks: Hooks, metrics: MetricCollector) -> Callable[[Any], Any]:
     """How a stage moves each batch: the strategy's move, or the batch-transfer hooks around it when the
-    DataModule or the module overrides one of them (``Hooks.transfer_plan``)."""
-    strategy = trainer.strategy
-    before, move, after = trainer.hooks.transfer_plan()
+    DataModule or the module overrides one of them (``Hooks.transfer_plan``); what those log is refused."""
+    before, move, after = hooks.transfer_plan()
     if before is None and move is None and after is None:
         return strategy.batch_mover()
-    refusing = trainer.metrics.refusing("a batch-transfer hook")
+    refusing = metrics.refusing("a batch-transfer hook")
 
     def transfer(batch: Any, dataloader_idx: int = 0) -> Any:
         with refusing:
