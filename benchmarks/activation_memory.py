@@ -23,18 +23,24 @@ ratio to off (the recompute's cost, median of ``--steps`` steps) and the last lo
 must agree.
 
 Against the planner (``--model example``: the GPT example, examples/gpt, whose ``nn.Sequential`` the
-planner profiles; CPU only). What each side counts, in that one measured step:
+planner profiles; on CPU, or on CUDA as one H100). What each side counts, in that one measured step:
 
 - the example zeroes its gradients in place (``zero_grad(set_to_none=False)``), so they stay allocated
   from step 0 on and backward adds into them: the step's peak holds no gradient (nor optimizer state);
 - measured "held": the bytes allocated since the step started, read at ``on_before_backward`` (the end
   of forward): what autograd keeps for backward, plus the loss (the batch was fetched before the step);
+  on CUDA ``torch.cuda.memory_allocated()`` there, less what was allocated when the step started;
 - measured "peak": the step's peak: what is held at that moment plus backward's transients (the
   incoming gradient of a layer, a new gradient before it is added, the recomputed block under
   checkpointing);
 - predicted: the planner's ``activations`` term (``estimate(...).memory`` of ``Layout()`` with
-  ``activation_checkpointing`` False, True or "op", fp32, the same batch). The goal: within 20 % of the
-  measured peak, in each of the three modes.
+  ``activation_checkpointing`` False, True or "op", the run's precision, the same batch). The goal: within
+  20 % of the measured peak, in each of the three modes.
+
+On CUDA the allocator's reserve is printed beside it: ``max_memory_reserved()`` over
+``max_memory_allocated()`` in the measured step, both whole (weights and state included): what the caching
+allocator holds beyond what tensors use, the part of a published "peak reserved memory" the planner does
+not model. ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (torchtitan's default) changes it.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ def memory_probe(cuda: bool) -> Any:
     class Probe(Callback):
         def __init__(self) -> None:
             self.peak = self.held = 0
+            self.reserve = 0.0  # CUDA: peak reserved over peak allocated in the measured step
             self.times: list[float] = []
             self._prof: Any = None
             self._base = 0
@@ -89,6 +96,8 @@ def memory_probe(cuda: bool) -> Any:
             self._t0 = time.perf_counter()
 
         def on_before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
+            if cuda and trainer.global_step == 1:
+                self.held = torch.cuda.memory_allocated() - self._base
             if self._prof is not None and trainer.global_step == 1:
                 with torch.profiler.record_function(END_OF_FORWARD):
                     pass
@@ -103,6 +112,7 @@ def memory_probe(cuda: bool) -> Any:
                 return
             if cuda:
                 self.peak = torch.cuda.max_memory_allocated() - self._base
+                self.reserve = torch.cuda.max_memory_reserved() / torch.cuda.max_memory_allocated()
                 return
             self._prof.__exit__(None, None, None)
             with tempfile.NamedTemporaryFile(suffix=".json") as fh:
@@ -126,7 +136,7 @@ def measure(args: argparse.Namespace, mode: str) -> dict[str, Any]:
                           activation_checkpointing=MODES[mode][0])
         trainer.fit(module)
     return {"peak": probe.peak, "held": probe.held, "step": statistics.median(probe.times),
-            "loss": trainer.logged_metrics["train/loss"]}
+            "loss": trainer.logged_metrics["train/loss"], "reserve": probe.reserve}
 
 
 def peak_and_held(events: list[dict[str, Any]]) -> tuple[int, int]:
@@ -183,21 +193,24 @@ def example_module(args: argparse.Namespace, meta: bool = False) -> Any:
 
 
 def predicted(args: argparse.Namespace, mode: str) -> tuple[int, int]:
-    """The planner's activation bytes for the example at ``args``' shape on one CPU rank (fp32, AdamW): what
-    forward leaves for backward, and the step's peak above the state (activations + transients)."""
+    """The planner's activation bytes for the example at ``args``' shape on one rank of the run's device
+    (AdamW, the run's precision): what forward leaves for backward, and the step's peak above the state
+    (activations + transients)."""
     import torch
 
     from polytrain.parallel.planner import Layout, Training, estimate, hardware, profiler
 
     module = example_module(args, meta=True)
     x = torch.zeros(1, args.seq_len, dtype=torch.long)
-    # torch's Adam on CPU steps one parameter at a time (foreach is its default on CUDA only)
-    train = Training(global_batch=args.batch_size, precision="32", optimizer="adamw", foreach=False)
-    # CPU runs F.scaled_dot_product_attention's flash kernel (fp32 too): it saves q, k, v, the output and
-    # the log-sum-exp, not the attention matrix, as the planner's "flash" trace counts.
+    cuda = args.device == "cuda"
+    # torch's Adam steps every parameter at once on CUDA (foreach), one at a time on CPU
+    train = Training(global_batch=args.batch_size, precision=args.precision, optimizer="adamw", foreach=cuda)
+    # F.scaled_dot_product_attention without dropout runs a fused kernel on both devices (flash on CPU, fp32
+    # too; flash or memory-efficient on CUDA): each saves q, k, v, the output and the log-sum-exp, not the
+    # attention matrix, as the planner's "flash" trace counts.
     est = estimate(Layout(activation_checkpointing=MODES[mode][1]), train,
                    profiler(module, x, x, attention="flash")(1),
-                   hardware("cpu", 1, 1))
+                   hardware("h100" if cuda else "cpu", 1, 1))
     return est.memory["activations"], est.memory["activations"] + est.memory["transients"]
 
 
@@ -231,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--model", choices=("bench", "example"), default="bench",
                    help="bench: gpt_model.py's GPT; example: examples/gpt's, with the planner's "
-                        "prediction (CPU)")
+                        "prediction")
     args = p.parse_args(argv)
     import torch
 
@@ -241,8 +254,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.shape = M.Shape(args.vocab, args.d_model, args.layers, args.heads, args.seq_len)
-    if args.model == "example" and args.device != "cpu":
-        p.error("--model example measures on CPU only")
     params = sum(p.numel() for p in build_module(args).parameters())
     how = "torch.cuda.max_memory_allocated" if args.device == "cuda" else "torch.profiler memory events"
     print(f"activation_memory: polytrain {polytrain.__version__}, GPT L={args.layers} d={args.d_model} "
@@ -252,7 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = {mode: measure(args, mode) for mode in MODES}
     mb = 2 ** 20
     for mode, run in runs.items():
-        print(f"checkpointing {mode}: {run['peak'] / mb:.1f} MB, {run['step'] * 1e3:.1f} ms/step", flush=True)
+        reserve = f", reserved {run['reserve']:.3f}x allocated at peak" if run["reserve"] else ""
+        print(f"checkpointing {mode}: {run['peak'] / mb:.1f} MB, {run['step'] * 1e3:.1f} ms/step{reserve}",
+              flush=True)
     ok = compare_with_planner(args, runs) if args.model == "example" else True
     off, full, op = runs["off"], runs["full"], runs["op"]
     print(f"memory: {full['peak'] / off['peak']:.3f} of off "
