@@ -177,7 +177,7 @@ class SaveState(enum.Enum):
     ELSEWHERE = "elsewhere"  # a file save another rank (global rank 0) writes
 
 
-@dataclass
+@dataclass(eq=False)  # one save, compared by identity
 class SaveInFlight:
     """The one asynchronous save a writer has, from the save that starts it until ``finish`` (or
     ``abandon``) ends it. It exists on every rank: ``finish`` then agrees on it (a collective)."""

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 1
 
 
-@dataclass
+@dataclass(eq=False, repr=False)  # a bundle of live objects: no comparison, no dump
 class PayloadSources:
     """What a checkpoint payload is read from, each named: the Trainer gathers them for a save."""
 

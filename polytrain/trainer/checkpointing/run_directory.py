@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from polytrain.trainer.configuration.config import TrainerConfig
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False, repr=False)  # a bundle of live objects: no comparison, no dump
 class RunSources:
     """What decides where a run writes and which checkpoint it resumes: the Trainer's options
     (``run_dir``, ``version``, ``resume``, ``fast_dev_run``), its loggers (the first file logger may name
