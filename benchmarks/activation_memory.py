@@ -209,7 +209,8 @@ def predicted(args: argparse.Namespace, mode: str) -> tuple[int, int]:
     # too; flash or memory-efficient on CUDA): each saves q, k, v, the output and the log-sum-exp, not the
     # attention matrix, as the planner's "flash" trace counts.
     est = estimate(Layout(activation_checkpointing=MODES[mode][1]), train,
-                   profiler(module, x, x, attention="flash")(1),
+                   profiler(module, x, x, attention="flash", precision=args.precision,
+                            device="cuda" if cuda else "cpu")(1),
                    hardware("h100" if cuda else "cpu", 1, 1))
     return est.memory["activations"], est.memory["activations"] + est.memory["transients"]
 

@@ -425,7 +425,8 @@ def predicted_float8_ratio(args: argparse.Namespace, strategy: str, device_name:
         model = build(args)
     x = torch.zeros(1, args.shape.seq, dtype=torch.long)
     layout = Layout(dp_shard=world) if strategy == "fsdp" else Layout(dp_replicate=world)
-    profile, hw = profiler(model, x, x)(1), hardware(preset, 1, world)
+    profile = profiler(model, x, x, precision=args.precision, device="cuda")(1)
+    hw = hardware(preset, 1, world)
     steps = [estimate(layout, Training(global_batch=args.batch_size * world, precision=args.precision,
                                        float8=float8), profile, hw).step_time for float8 in (False, True)]
     return f"planner ({preset}, {layout.label()}, no compile): {steps[1] / steps[0]:.3f}"

@@ -111,7 +111,7 @@ def plan(args: argparse.Namespace, figures: dict[str, float]) -> tuple[Any, list
     train = Training(global_batch=args.global_batch, precision="32", optimizer="adamw")
     # The planner rejects what torch's 1F1B refuses (fewer micro-batches than stages) and keeps cp at 1,
     # so every ranked layout runs here; its default attention (flash) is what CPU runs.
-    found = plan_module(module, x, hw, train, target=x)
+    found = plan_module(module, x, hw, train, target=x, device="cpu")
     return hw, best_per_degrees(found)
 
 

@@ -93,7 +93,9 @@ def run_plan(args: argparse.Namespace) -> int:
                      float8_tp=float8 and float8_options["recipe"] == "tensorwise", foreach=preset != "cpu",
                      **schedule_settings(options))
     attention = args.attention or ("cpu" if preset == "cpu" else "flash")
-    plan = plan_module(module, x[:1], hw, train, target=None if y is None else y[:1], attention=attention)
+    # Traced in the run's precision, under the autocast of the device it runs on
+    plan = plan_module(module, x[:1], hw, train, target=None if y is None else y[:1], attention=attention,
+                       device="cpu" if preset == "cpu" else "cuda")
     optimizer_said = f"{train.optimizer} (assumed: {assumed})" if assumed else train.optimizer
     print(f"plan for {type(module).__name__} ({sum(p.numel() for p in module.parameters()):,} parameters) on "
           f"{hw.nodes} x {hw.devices_per_node} {preset}{chosen} ({hw.memory_bytes / 1024**3:.0f} GiB each); "

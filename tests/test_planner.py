@@ -556,3 +556,19 @@ def test_the_memory_is_the_peak_over_the_steps_phases() -> None:
     assert adam["transients"] == 2000 * 4 - adam["activations"]  # sqrt(exp_avg_sq), all at once
     one_by_one = Training(global_batch=4, precision="32", optimizer="adamw", foreach=False)
     assert stage_memories(Layout(), one_by_one, small_activations)[0]["transients"] == 4 * 10 + 900 * 4
+
+
+def test_a_mixed_precision_profile_is_traced_under_autocast() -> None:
+    """bf16-mixed is traced as CUDA autocast runs it (fake CUDA tensors: no GPU needed): a block's qkv and fc
+    outputs, kept by per-op checkpointing, are bf16 (half of fp32's), its weights' bf16 casts are counted
+    apart, once a micro-batch, and the FLOPs do not change. A model built in bf16 is traced as built."""
+    d, s = 128, 32
+    x = torch.zeros(1, s, dtype=torch.long)
+    fp32, mixed = (next(c for c in profiler(_gpt(), x, precision=p)(1).children if c.kind == "Block")
+                   for p in ("32", "bf16-mixed"))
+    assert fp32.cast_bytes == 0 and mixed.cast_bytes == 2 * 12 * d * d  # qkv, proj, fc, fc2 weights in bf16
+    assert mixed.saved_bytes < 0.75 * fp32.saved_bytes
+    assert mixed.flops == fp32.flops and mixed.op_recompute_flops == fp32.op_recompute_flops
+    assert 0 <= mixed.op_kept_bytes - (s * 3 * d * 2 + s * 4 * d * 2 + s * d * 2 + 4 * s * 4) <= 64
+    bf16 = _gpt().to(torch.bfloat16)
+    assert profiler(bf16, x, precision="bf16-mixed")(1).children == profiler(bf16, x)(1).children

@@ -47,7 +47,7 @@ def _llama_plan(run: PublishedRun, pinned: dict[str, int] | None = None):
 def _llama_profiler(name: str, seq_len: int) -> Any:
     """One profiler per model and sequence (cached per TP degree): the runs share their traces."""
     x = torch.zeros(1, seq_len, dtype=torch.long)
-    return profiler(build(name), x, x)
+    return profiler(build(name), x, x, precision="bf16-mixed")  # built in bf16: traced as built
 
 
 @pytest.mark.parametrize("key", ["8B-config", "8B"])

@@ -33,14 +33,17 @@ __all__ = ["PRESETS", "Estimate", "Hardware", "Layout", "ModelProfile", "Plan", 
 
 
 def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | None = None,
-             attention: str = "flash", sequential: str | None = None) -> Any:
+             attention: str = "flash", sequential: str | None = None, precision: str = "32",
+             device: str = "cuda") -> Any:
     """``tp -> ModelProfile`` for a module built on the meta device, cached per degree.
 
     A module not on meta is profiled through a meta copy of its Sequential. ``example`` is one sample of the
     Sequential's input (batch dimension 1, any device: it is moved to meta); ``target`` one sample of the
     targets for ``module.pipeline_loss``, when the module has one.
     ``attention``: ``flash`` (torch's kernel for SDPA on CUDA in bf16), ``cpu`` (torch's pick on CPU: flash,
-    fp32 included, but math under dropout) or ``math``.
+    fp32 included, but math under dropout) or ``math``. ``precision``: the training precision
+    (``Training``'s), traced as it runs: ``16-mixed`` and ``bf16-mixed`` under the autocast of ``device``
+    (``cuda`` or ``cpu``: their rules differ), unless the model is built in the compute dtype.
     """
     hook = getattr(module, "tensor_parallel_plan", None)
     refusal = (f"{type(module).__name__} has no tensor-parallel plan: define tensor_parallel_plan() or "
@@ -78,8 +81,8 @@ def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | No
             if tp > 1 and not splits:
                 raise ConfigError(refusal)
             if by_blocks:
-                return profile_blocks(whole, batch, tp, plan, attention)
-            return profile_whole(whole, batch, why, tp, plan, attention)
+                return profile_blocks(whole, batch, tp, plan, attention, precision, device)
+            return profile_whole(whole, batch, why, tp, plan, attention, precision, device)
 
         return whole_at
     seq = on_meta(seq)
@@ -94,7 +97,7 @@ def profiler(module: nn.Module, example: torch.Tensor, target: torch.Tensor | No
     def at(tp: int) -> ModelProfile:
         if tp > 1 and not splits:
             raise ConfigError(refusal)
-        return profile_sequential(seq, example, tp, plan, seq_name, loss, attention)
+        return profile_sequential(seq, example, tp, plan, seq_name, loss, attention, precision, device)
 
     return at
 
@@ -111,6 +114,8 @@ def _apply_loss(loss_fn: Any, target: torch.Tensor, out: torch.Tensor) -> torch.
 
 def plan_module(module: nn.Module, example: torch.Tensor, hw: Hardware, train: Training,
                 target: torch.Tensor | None = None, attention: str = "flash",
-                pinned: dict[str, int] | None = None) -> Plan:
-    """Rank every layout of ``hw``'s world for ``module`` (built on meta) on ``train``'s batch."""
-    return rank_layouts(hw, train, profiler(module, example, target, attention), pinned)
+                pinned: dict[str, int] | None = None, device: str = "cuda") -> Plan:
+    """Rank every layout of ``hw``'s world for ``module`` (built on meta) on ``train``'s batch, traced in
+    ``train``'s precision as ``device`` (``cuda`` or ``cpu``) runs it."""
+    return rank_layouts(hw, train, profiler(module, example, target, attention, precision=train.precision,
+                                            device=device), pinned)

@@ -206,12 +206,17 @@ def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, chunks: list
     def between_passes(c: ChildProfile, checkpointed: bool) -> int:
         return c.input_bytes + (c.op_kept_bytes if op else 0) if checkpointed else c.saved_bytes
 
-    kept = sum(n * sum(between_passes(prof.children[i], ckpt[i]) for i in range(lo, hi))
+    # Autocast's weight casts are saved once a micro-batch (not per sample) by the children not checkpointed;
+    # a checkpointed block makes its casts again when it recomputes.
+    kept = sum(n * sum(micro * between_passes(prof.children[i], ckpt[i]) + (0 if ckpt[i] else
+                                                                              prof.children[i].cast_bytes)
+                       for i in range(lo, hi))
                for n, (lo, hi) in zip(flights, chunks))
     # A checkpointed block's backward brings back what it did not keep (one block at a time)
-    recompute = max((prof.children[i].saved_bytes - (prof.children[i].op_kept_bytes if op else 0)
-                     for lo, hi in chunks for i in range(lo, hi) if ckpt[i]), default=0)
-    activations = math.ceil(micro * (kept + recompute))
+    recompute = max((micro * (prof.children[i].saved_bytes - (prof.children[i].op_kept_bytes if op else 0))
+                     + prof.children[i].cast_bytes for lo, hi in chunks for i in range(lo, hi) if ckpt[i]),
+                    default=0)
+    activations = math.ceil(kept + recompute)
     params = math.ceil(held * master)
     buffers = _fsdp_buffers(lay, prof, held * lay.fsdp, units, master, train.reshards(lay.pp))
     return {

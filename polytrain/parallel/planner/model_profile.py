@@ -22,6 +22,15 @@ before the trace, so the attention and MLP between them run on the shapes one TP
 forward that derives its head count from the tensor, as tensor parallelism requires anyway, just works).
 Under a plan with ``SequenceParallel`` entries, what those modules save and each block's input are
 sharded over the sequence: they count ``1/tp``.
+
+Mixed precision (``16-mixed``, ``bf16-mixed``) is traced as autocast runs it, by torch's own autocast:
+autocast's dispatch keys follow a tensor's device, and meta has none (``F.linear`` on meta tensors stays
+fp32 inside ``torch.autocast``), so the trace runs on fake tensors (``FakeTensorMode``: meta storage, a
+CPU or CUDA device, no GPU needed) under the device's autocast. Matmuls, convolutions and attention then
+save their inputs' casts in the compute dtype, the ops on autocast's fp32 list save fp32, and the cast of
+each weight (autocast's cache, kept for backward) counts where it is first saved. A model whose
+parameters are built in the compute dtype is traced as built, on meta: it stands for a run with bf16
+parameters and no autocast (torchtitan's).
 """
 
 from __future__ import annotations
@@ -37,7 +46,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from polytrain.core.errors import ConfigError
@@ -78,6 +89,9 @@ class ChildProfile:
     # holds it (a fresh gradient before it is added into the kept one).
     largest_saved_bytes: int = 0
     largest_param: int = 0
+    # Under autocast: the casts of its weights it saves (autocast's cache, kept for backward), per
+    # micro-batch: they do not grow with the batch. Not in ``saved_bytes`` nor ``largest_saved_bytes``.
+    cast_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,6 +112,10 @@ class ModelProfile:
     units: tuple[tuple[int, int], ...] = ()
     # With ``units``: each tie's size, held again by a stage that holds the tie but not its first child
     tied_params: tuple[int, ...] = ()
+    # The training precision the trace ran as (a mixed one under autocast, unless the model is built in
+    # the compute dtype) and the device type whose autocast rules it followed
+    precision: str = "32"
+    device: str = "cuda"
 
     @property
     def params(self) -> int:
@@ -149,6 +167,111 @@ def _shrink(linear: nn.Module, style: str, tp: int, name: str) -> None:
         linear.bias = nn.Parameter(torch.empty(out_f // tp, device="meta", dtype=linear.bias.dtype))
 
 
+# The training precisions traced under autocast, and its compute dtype
+AUTOCAST_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+# Whose autocast rules a mixed-precision trace follows (they differ: CUDA runs layer_norm in fp32, CPU in
+# the compute dtype)
+TRACE_DEVICES = ("cuda", "cpu")
+
+
+class _AsRun:
+    """Where a profile's trace runs: on meta, as built (``precision`` 32 or bf16-true, or a model built in
+    the compute dtype); under a mixed precision, on fake tensors of ``device`` inside its autocast, so that
+    torch's own autocast picks each op's dtype as in training. ``module`` and ``value`` give the trace's
+    copy of a module and of its inputs; the trace runs inside ``with``."""
+
+    def __init__(self, precision: str, device: str, module: nn.Module) -> None:
+        if device not in TRACE_DEVICES:
+            raise ConfigError(f"trace device '{device}' is not one of: {', '.join(TRACE_DEVICES)}")
+        dtype = AUTOCAST_DTYPES.get(precision)
+        built = {p.dtype for p in module.parameters() if p.is_floating_point()}
+        self.dtype = dtype if dtype is not None and built - {dtype} else None
+        self.device_type = device
+        # An explicit index: a fake CUDA tensor without one asks CUDA for its current device
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        self.mode = FakeTensorMode()
+        self._stack = contextlib.ExitStack()
+        self.params: set[int] = set()  # the trace's parameter storages
+        self.casts: set[int] = set()  # storages of their casts, made by autocast during the trace
+
+    def lift(self, t: Any) -> Any:
+        """A tensor as a fake one of the trace's device (its shape, dtype, strides; no data)."""
+        if self.dtype is None or not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor):
+            return t
+        with unset_fake_temporarily():  # the meta copy is made outside the fake mode, as its element
+            return FakeTensor(self.mode, t.detach().to("meta"), self.device)
+
+    def value(self, value: Any) -> Any:
+        return tree_map(self.lift, value)
+
+    def module(self, module: nn.Module) -> nn.Module:
+        """A copy of ``module`` with fake parameters and buffers (a parameter two modules share stays
+        shared); ``module`` itself when the trace runs on meta."""
+        if self.dtype is None:
+            return module
+        module = copy.deepcopy(module)
+        lifted: dict[int, nn.Parameter] = {}
+        for sub in module.modules():
+            for name, p in sub._parameters.items():
+                if p is not None:
+                    if id(p) not in lifted:
+                        lifted[id(p)] = nn.Parameter(self.lift(p), requires_grad=p.requires_grad)
+                    sub._parameters[name] = lifted[id(p)]
+            for name, b in sub._buffers.items():
+                if b is not None:
+                    sub._buffers[name] = self.lift(b)
+        self.params = _storages(module.parameters())
+        return module
+
+    def __enter__(self) -> _AsRun:
+        if self.dtype is not None:
+            self._stack.enter_context(self.mode)
+            self._stack.enter_context(_Lifted(self))
+            self._stack.enter_context(_autocast(self.device_type, self.dtype))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+
+class _Lifted(TorchDispatchMode):
+    """Lifts the tensors a fake trace meets that are not fake yet (a loss's target, a tensor a module keeps
+    outside its parameters and buffers, both on meta) to the trace's device, as they would be in training."""
+
+    def __init__(self, run: _AsRun) -> None:
+        super().__init__()
+        self.run = run
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        args, kwargs = self.run.value((args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten._to_copy.default and args[0].untyped_storage()._cdata in self.run.params:
+            self.run.casts.add(out.untyped_storage()._cdata)  # a weight's cast: one per step, not per sample
+        return out
+
+
+@contextlib.contextmanager
+def _autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
+    """What ``torch.autocast(device_type, dtype)`` sets on entry and undoes on exit (its weight-cast cache
+    included, cleared when the outermost region ends), without its check that the device exists:
+    ``torch.autocast("cuda")`` turns itself off where CUDA is not available, and a plan for GPUs is made on
+    any machine. Only fake tensors of that device run under it here."""
+    enabled, before = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_enabled(device_type, True)
+    torch.set_autocast_dtype(device_type, dtype)
+    torch.set_autocast_cache_enabled(True)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled(device_type, enabled)
+        torch.set_autocast_dtype(device_type, before)
+        torch.set_autocast_cache_enabled(cache)
+
+
 def _nbytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
@@ -161,16 +284,21 @@ class _SavedCounter:
     """Counts the bytes autograd saves, each storage once: ``seen`` (parameters, what earlier children
     saved) is shared and grows, so a storage two children save counts with the first."""
 
-    def __init__(self, seen: set[int]) -> None:
+    def __init__(self, seen: set[int], casts: set[int] | None = None) -> None:
         self.seen = seen
+        self.casts = casts if casts is not None else set()
         self.total = 0
+        self.cast_total = 0  # of autocast's weight casts (``casts``), not in ``total``
         self.sharded = 0  # saved while inside a SequenceParallel module
         self.in_sp = 0
         self.largest = 0  # the largest storage it saved: backward makes a gradient as large beside it
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage()._cdata
-        if key not in self.seen:
+        if key in self.casts and key not in self.seen:
+            self.seen.add(key)
+            self.cast_total += t.untyped_storage().nbytes()
+        elif key not in self.seen:
             self.seen.add(key)
             size = t.untyped_storage().nbytes()
             self.total += size
@@ -191,6 +319,7 @@ class _Traced:
     op_recompute: int = 0
     op_recompute_matmul: int = 0
     largest: int = 0  # bytes of the largest activation it saved
+    casts: int = 0  # bytes of the weight casts it saved (autocast)
 
 
 def _largest_param(module: nn.Module) -> int:
@@ -234,9 +363,11 @@ def _linear_hooks(child: nn.Module, planned: dict[str, str], traced: _Traced) ->
     return handles
 
 
-def _trace_child(child: nn.Module, x: Any, planned: dict[str, str], tp: int, seen: set[int]) -> _Traced:
-    """Run one child on meta: its output, saved bytes, FLOPs (all, Linear, split Linear), all-reduce bytes."""
-    counter = _SavedCounter(seen)
+def _trace_child(child: nn.Module, x: Any, planned: dict[str, str], tp: int, seen: set[int],
+                 casts: set[int] | None = None) -> _Traced:
+    """Run one child on meta: its output, saved bytes, FLOPs (all, Linear, split Linear), all-reduce bytes.
+    ``casts``: the storages of autocast's weight casts (filled as the trace makes them)."""
+    counter = _SavedCounter(seen, casts)
     reduced = [0]
     traced = _Traced(None, 0, 0, 0)
     handles = _linear_hooks(child, planned, traced)
@@ -273,7 +404,7 @@ def _trace_child(child: nn.Module, x: Any, planned: dict[str, str], tp: int, see
             h.remove()
     traced.out, traced.flops, traced.reduced = out, flops.get_total_flops(), reduced[0]
     traced.saved = counter.total - counter.sharded + math.ceil(counter.sharded / tp)
-    traced.largest = counter.largest
+    traced.largest, traced.casts = counter.largest, counter.cast_total
     return traced
 
 
@@ -318,6 +449,11 @@ def _flash_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: An
     if attn_mask is not None:
         raise ConfigError("the planner's flash-attention trace does not take attn_mask; plan with "
                           "--attention math")
+    kind = q.device.type
+    if kind in TRACE_DEVICES and torch.is_autocast_enabled(kind):
+        # SDPA is on autocast's lower-precision list (CUDA and CPU): the stand-in casts as autocast would
+        dtype = torch.get_autocast_dtype(kind)
+        q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
     if k.shape[1] != q.shape[1]:  # grouped-query attention: flash wants as many k/v heads as q heads
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
@@ -357,21 +493,23 @@ def _attention_kernel(kind: str) -> Iterator[None]:
 def profile_sequential(seq: nn.Sequential, example: torch.Tensor, tp: int = 1,
                        plan: dict[str, str] | None = None, prefix: str = "",
                        loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                       attention: str = "flash") -> ModelProfile:
+                       attention: str = "flash", precision: str = "32", device: str = "cuda") -> ModelProfile:
     """Profile ``seq`` (on meta) at tensor-parallel degree ``tp`` on ``example`` (one sample, meta).
 
     ``plan`` maps plan keys (relative to the module that owns ``seq``, which ``prefix`` + "." names) to
     style class names; ``loss`` turns the last output into the loss, so its saved tensors (logits'
     softmax) are counted with the last child. ``attention``: which SDPA kernel's saved tensors to count:
     ``flash`` (the default: the kernel torch picks for bf16 on CUDA, and on CPU for fp32 too) or ``math``
-    (the ``s x s`` matrix, e.g. with an ``attn_mask``).
+    (the ``s x s`` matrix, e.g. with an ``attn_mask``). ``precision``: the training precision, traced as it
+    runs (a mixed one under ``device``'s autocast: ``cuda`` or ``cpu``).
     """
     with _attention_kernel(attention):
-        return _profile(seq, example, tp, plan, prefix, loss)
+        return _profile(seq, example, tp, plan, prefix, loss, precision, device)
 
 
 def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str, str] | None, prefix: str,
-             loss: Callable[[torch.Tensor], torch.Tensor] | None) -> ModelProfile:
+             loss: Callable[[torch.Tensor], torch.Tensor] | None, precision: str,
+             device: str) -> ModelProfile:
     seq = copy.deepcopy(seq) if tp > 1 else seq
     relative = {k[len(prefix) + 1:] if prefix else k: s for k, s in (plan or {}).items()
                 if not prefix or k.startswith(prefix + ".")}
@@ -382,42 +520,54 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
     for name, style in planned.items():
         if tp > 1:
             _shrink(seq.get_submodule(name), style, tp, f"{prefix}.{name}" if prefix else name)
-    seen = _storages(seq.parameters())
-    x, children = example, []
-    for index, (name, child) in enumerate(seq.named_children()):
-        local = {n[len(name) + 1:]: s for n, s in planned.items() if n == name or n.startswith(name + ".")}
+    run = _AsRun(precision, device, seq)
+    traced_seq = run.module(seq)
+    seen = _storages(traced_seq.parameters())
+    x, children, traces = run.value(example), [], []
+    # One autocast region for the whole forward, as training's step: a weight's cast is made once
+    with run:
+        for index, (name, child) in enumerate(traced_seq.named_children()):
+            local = {n[len(name) + 1:]: s for n, s in planned.items()
+                     if n == name or n.startswith(name + ".")}
+            # Sequence parallel shards a block's input (the residual stream) over the sequence.
+            sp = tp > 1 and "SequenceParallel" in local.values()
+            input_bytes = math.ceil(_nbytes(x) / tp) if sp else _nbytes(x)
+            t = _trace_child(child, x, local, tp, seen, run.casts)
+            if loss is not None and index == len(seq) - 1:
+                lt = _trace_child(_Fn(loss), t.out, {}, tp, seen, run.casts)
+                t.out, t.saved, t.flops = lt.out, t.saved + lt.saved, t.flops + lt.flops
+                t.largest, t.casts = max(t.largest, lt.largest), t.casts + lt.casts
+            traces.append((t, input_bytes, sp, _nbytes(t.out)))
+            x = t.out
+    for index, ((name, child), (t, input_bytes, sp, output_bytes)) in enumerate(zip(seq.named_children(),
+                                                                                    traces)):
         n_split, n_whole = counts[index]
-        # Sequence parallel shards a block's input (the residual stream) over the sequence.
-        sp = tp > 1 and "SequenceParallel" in local.values()
-        input_bytes = math.ceil(_nbytes(x) / tp) if sp else _nbytes(x)
-        t = _trace_child(child, x, local, tp, seen)
-        if loss is not None and index == len(seq) - 1:
-            lt = _trace_child(_Fn(loss), t.out, {}, tp, seen)
-            t.out, t.saved, t.flops = lt.out, t.saved + lt.saved, t.flops + lt.flops
-            t.largest = max(t.largest, lt.largest)
         linear_params = sum(m.weight.numel() for m in child.modules() if isinstance(m, nn.Linear))
         children.append(ChildProfile(name=name, kind=type(child).__name__, params=n_split + n_whole,
                                      tp_params=n_split, saved_bytes=t.saved, input_bytes=input_bytes,
-                                     output_bytes=_nbytes(t.out), flops=t.flops, tp_allreduce_bytes=t.reduced,
+                                     output_bytes=output_bytes, flops=t.flops, tp_allreduce_bytes=t.reduced,
                                      linear_flops=t.linear_flops, tp_linear_flops=t.tp_linear_flops,
                                      linear_params=linear_params, sequence_parallel=sp,
                                      op_kept_bytes=t.op_kept,
                                      op_recompute_flops=t.op_recompute,
                                      op_recompute_matmul_flops=t.op_recompute_matmul,
-                                     largest_saved_bytes=t.largest, largest_param=_largest_param(child)))
-        x = t.out
+                                     largest_saved_bytes=t.largest, largest_param=_largest_param(child),
+                                     cast_bytes=t.casts))
     seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
     first = next(seq.parameters(), None)
     return ModelProfile(tp=tp, children=tuple(children), seq_len=seq_len,
-                        param_bytes=first.element_size() if first is not None else 4, ties=_ties(seq))
+                        param_bytes=first.element_size() if first is not None else 4, ties=_ties(seq),
+                        precision=precision, device=device)
 
 
 def profile_whole(module: nn.Module, batch: list[torch.Tensor], why: str, tp: int = 1,
-                  plan: dict[str, str] | None = None, attention: str = "flash") -> ModelProfile:
+                  plan: dict[str, str] | None = None, attention: str = "flash", precision: str = "32",
+                  device: str = "cuda") -> ModelProfile:
     """Profile ``module`` (on meta) as one child: its ``training_step`` on ``batch`` (one sample of each
     tensor, meta), the loss included, at tensor-parallel degree ``tp`` (the plan's keys are relative to
     ``module``). For a model with no ``nn.Sequential`` to cut (a Hugging Face model held as one
-    attribute): every layout but a pipeline can run it, and ``why`` says why not a pipeline."""
+    attribute): every layout but a pipeline can run it, and ``why`` says why not a pipeline. ``precision``
+    and ``device``: as ``profile_sequential``'s."""
     with _attention_kernel(attention):
         module = copy.deepcopy(module) if tp > 1 else module
         planned = _planned_modules(module, plan or {})
@@ -427,9 +577,12 @@ def profile_whole(module: nn.Module, batch: list[torch.Tensor], why: str, tp: in
                 _shrink(module.get_submodule(name), style, tp, name)
         blocks = [sum(p.numel() for p in block.parameters()) for block in blocks_to_wrap(module, None)]
         root = sum(p.numel() for p in module.parameters()) - sum(blocks)  # local sizes: shrunk above
-        step = _TrainingStep(module, batch)
-        t = _trace_child(step, None, {f"module.{k}": v for k, v in planned.items()}, tp,
-                         _storages(module.parameters()))
+        run = _AsRun(precision, device, module)
+        traced = run.module(module)
+        step = _TrainingStep(traced, run.value(batch))
+        with run:
+            t = _trace_child(step, None, {f"module.{k}": v for k, v in planned.items()}, tp,
+                             _storages(traced.parameters()), run.casts)
     linear_params = sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
     child = ChildProfile(name=type(module).__name__, kind=type(module).__name__, params=n_split + n_whole,
                          tp_params=n_split, saved_bytes=t.saved, input_bytes=_nbytes(batch), output_bytes=0,
@@ -438,21 +591,24 @@ def profile_whole(module: nn.Module, batch: list[torch.Tensor], why: str, tp: in
                          op_kept_bytes=t.op_kept, op_recompute_flops=t.op_recompute,
                          op_recompute_matmul_flops=t.op_recompute_matmul,
                          fsdp_unit_params=max([root, *blocks]), largest_saved_bytes=t.largest,
-                         largest_param=_largest_param(module))
+                         largest_param=_largest_param(module), cast_bytes=t.casts)
     example = batch[0]
     seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
     first = next(module.parameters(), None)
     return ModelProfile(tp=tp, children=(child,), seq_len=seq_len,
-                        param_bytes=first.element_size() if first is not None else 4, whole=why)
+                        param_bytes=first.element_size() if first is not None else 4, whole=why,
+                        precision=precision, device=device)
 
 
 def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1,
-                   plan: dict[str, str] | None = None, attention: str = "flash") -> ModelProfile:
+                   plan: dict[str, str] | None = None, attention: str = "flash", precision: str = "32",
+                   device: str = "cuda") -> ModelProfile:
     """Profile ``module`` (on meta) through its ``training_step`` on ``batch`` (one sample of each tensor,
     meta, the loss included) as its repeated blocks (``blocks_to_wrap``: FSDP's units, where the pipeline
     cuts a model that is not one Sequential) with the glue before the first and after the last as children
     of their own: ``[before, block 0, ..., block n-1, after]``. Parameters weigh where they are registered
-    (a tie once, where first), as the strategy's cut weighs them; saved bytes and FLOPs where they run."""
+    (a tie once, where first), as the strategy's cut weighs them; saved bytes and FLOPs where they run.
+    ``precision`` and ``device``: as ``profile_sequential``'s."""
     with _attention_kernel(attention):
         module = copy.deepcopy(module) if tp > 1 else module
         planned = _planned_modules(module, plan or {})
@@ -485,9 +641,13 @@ def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1,
             for p in sub.parameters(recurse=False):
                 largest[segment[id(sub)]] = max(largest[segment[id(sub)]], p.numel())
         root = sum(p.numel() for p in module.parameters()) - sum(local_blocks)
-        step = _TrainingStep(module, batch)
-        traced, inputs = _trace_segments(step, blocks, {f"module.{k}": v for k, v in planned.items()}, tp,
-                                         _storages(module.parameters()))
+        run = _AsRun(precision, device, module)
+        twin = run.module(module)
+        step = _TrainingStep(twin, run.value(batch))
+        with run:
+            traced, inputs = _trace_segments(step, [twin.get_submodule(names[id(b)]) for b in blocks],
+                                             {f"module.{k}": v for k, v in planned.items()}, tp,
+                                             _storages(twin.parameters()), run.casts)
     label = ["before " + names[id(blocks[0])], *(names[id(b)] for b in blocks),
              "after " + names[id(blocks[-1])]]
     children = []
@@ -501,14 +661,14 @@ def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1,
             tp_allreduce_bytes=t.reduced, linear_flops=t.linear_flops, tp_linear_flops=t.tp_linear_flops,
             linear_params=linears[index], op_kept_bytes=t.op_kept, op_recompute_flops=t.op_recompute,
             op_recompute_matmul_flops=t.op_recompute_matmul, fsdp_unit_params=root if glue else 0,
-            largest_saved_bytes=t.largest, largest_param=largest[index]))
+            largest_saved_bytes=t.largest, largest_param=largest[index], cast_bytes=t.casts))
     last = len(children) - 1
     example = batch[0]
     seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
     first = next(module.parameters(), None)
     return ModelProfile(tp=tp, children=tuple(children), seq_len=seq_len,
                         param_bytes=first.element_size() if first is not None else 4, ties=tuple(tied),
-                        tied_params=tuple(tied.values()),
+                        tied_params=tuple(tied.values()), precision=precision, device=device,
                         units=((0, 2), *((i, i + 1) for i in range(2, last - 1)), (last - 1, last + 1)))
 
 
@@ -544,12 +704,12 @@ class _FlopsHere(TorchDispatchMode):
 
 
 def _trace_segments(step: nn.Module, blocks: list[nn.Module], planned: dict[str, str], tp: int,
-                    seen: set[int]) -> tuple[list[_Traced], list[int]]:
+                    seen: set[int], casts: set[int] | None = None) -> tuple[list[_Traced], list[int]]:
     """Run the step on meta once, attributing what ``_trace_child`` measures to the glue before the first
     block, each block (with the glue up to the next), and the glue after the last (the loss with it).
     Also returns the bytes of each block's input (its first tensor argument: what a pipeline sends)."""
     segments = [_Traced(None, 0, 0, 0) for _ in range(len(blocks) + 2)]
-    counters = [_SavedCounter(seen) for _ in segments]
+    counters = [_SavedCounter(seen, casts) for _ in segments]
     current, inputs = [0], [0] * len(blocks)
     here = _Current(segments, current)
 
@@ -583,7 +743,7 @@ def _trace_segments(step: nn.Module, blocks: list[nn.Module], planned: dict[str,
         for h in handles:
             h.remove()
     for segment, counter in zip(segments, counters):
-        segment.saved, segment.largest = counter.total, counter.largest
+        segment.saved, segment.largest, segment.casts = counter.total, counter.largest, counter.cast_total
     return segments, inputs
 
 

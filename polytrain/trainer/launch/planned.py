@@ -148,7 +148,9 @@ def _plan(config: TrainerConfig, launch: LaunchPlan, module: Any, train: Any,
     # The SDPA kernel torch will run: flash on CUDA; on CPU flash too (fp32 included), but math (its s x s
     # matrices) under dropout
     attention = "flash" if on_cuda else "cpu"
-    profile_at = profiler(built, x[:1], None if y is None else y[:1], attention, spec.get("sequential"))
+    # Traced in the run's precision, under the autocast of the device it runs on
+    profile_at = profiler(built, x[:1], None if y is None else y[:1], attention, spec.get("sequential"),
+                          precision=precision, device="cuda" if on_cuda else "cpu")
     plan = rank_layouts(hw, training, profile_at, pinned)
     chosen = chosen_layout(plan.best, world, preset)  # raises, with the first rejections, when nothing fits
     chosen["summary"] = (f"best of {len(plan.ranked)} layouts that fit ({len(plan.rejected)} rejected), "
