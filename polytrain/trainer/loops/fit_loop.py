@@ -2,14 +2,13 @@
 
     configure_callbacks, prepare_data, setup("fit"), configure_model, configure_optimizers,
     [resume], on_fit_start, sanity check (RNG isolated), train_dataloader, on_train_start,
-    per epoch: on_train_epoch_start, batches (each: on_train_batch_start, the step, on_train_batch_end,
-    a validation when one is due), validation at the epoch's end, on_train_epoch_end;
+    per epoch: on_train_epoch_start, its batches (``TrainingEpochLoop``, loops/training_epoch.py),
+    validation at the epoch's end, on_train_epoch_end;
     on_train_end, on_fit_end, teardown("fit").
 
-``FitLoop`` owns the loop state (``trainer/loops/progress.py``) and is its only writer. Per batch the
-loop adds no host-device sync of its own: values leave the device only on logging steps, and decisions that
-change control flow are reduced across ranks. What is constant for the fit (the batch step, hook
-plans, the validation schedule, whether a heartbeat runs) is fixed before the first batch.
+``FitLoop`` owns the loop state (``trainer/loops/progress.py``), changed only through its own methods.
+Decisions that change control flow are reduced across ranks. What is constant for the fit (the batch
+step, hook plans, the validation schedule, the epoch loop) is fixed before the first epoch.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from polytrain.core import heartbeat
-from polytrain.core.errors import ConfigError, EmptyDataError
+from polytrain.core.errors import ConfigError
 from polytrain.core.rng import isolate_rng, training_streams, user_seed
 from polytrain.parallel.float8 import precompute_scales_after_each_step, resolve_float8
 from polytrain.trainer.api.hooks import Hooks, is_overridden
@@ -33,12 +32,13 @@ from polytrain.trainer.api.module import TrainModule
 from polytrain.trainer.api.optimizer_config import parse_optimizers, step_schedulers
 from polytrain.trainer.checkpointing.resume import restore_fit
 from polytrain.trainer.configuration.config_file import parse_max_time
-from polytrain.trainer.loops.data_connector import NO_BATCH, DataConnector, agreed_batches, epoch_iterator
+from polytrain.trainer.loops.data_connector import DataConnector, epoch_iterator
 from polytrain.trainer.loops.evaluation import EvaluationLoop
 from polytrain.trainer.loops.guards import NonFiniteGuard, check_batches
 from polytrain.trainer.loops.optimization import AutomaticOptimization, ManualOptimization
 from polytrain.trainer.loops.progress import EpochData, FitProgress, Resumed, Stopping
 from polytrain.trainer.loops.schedule import ValidationSchedule
+from polytrain.trainer.loops.training_epoch import TrainingEpochLoop
 from polytrain.trainer.observability.goodput import Goodput, report_goodput
 from polytrain.trainer.observability.metrics import MetricCollector, publish
 
@@ -46,17 +46,13 @@ if TYPE_CHECKING:
     from polytrain.trainer.configuration.config import TrainerConfig
     from polytrain.trainer.observability.profiler import PassThroughProfiler
 
-# What train_step returns instead of a step when the epoch ends before it.
-DATA_ENDED = "the data ran out"
-EPOCH_SKIPPED = "on_train_batch_start returned -1"
 
 EPOCH_ONLY = (False, True)  # self.log defaults in epoch-level hooks
-PER_STEP = (True, False)  # in training_step and the batch-level hooks
 
 log = logging.getLogger("polytrain")
 
 
-@dataclass
+@dataclass(eq=False, repr=False)  # live objects handed over once: no comparison, no dump
 class FitCollaborators:
     """What a fit works with, each named: the Trainer gathers them for every fit (``Trainer`` builds the
     strategy, the stage's hook funnel and loaders), and the loop reaches nothing else."""
@@ -89,6 +85,7 @@ class FitLoop:
         self.guard: NonFiniteGuard | None = None
         self.optimization: AutomaticOptimization | ManualOptimization | None = None
         self.schedule: ValidationSchedule | None = None
+        self.epoch_loop: TrainingEpochLoop | None = None  # an epoch's batches, built for each fit
         self.lr_scheduler_configs: list[Any] = []
         self.goodput = Goodput()
         self._take(None)
@@ -181,6 +178,13 @@ class FitLoop:
             self._max_epochs = cfg.max_epochs
         else:  # as Lightning: 1000 epochs unless max_steps bounds the fit
             self._max_epochs = 1000 if cfg.max_steps < 0 else 10**9
+        self.epoch_loop = TrainingEpochLoop(
+            config=cfg, progress=self.progress, stopping=self.stopping, data=data, strategy=strategy,
+            hooks=hooks, metrics=self.metrics, profiler=self.profiler, goodput=self.goodput,
+            optimization=self.optimization, guard=self.guard, schedule=self.schedule,
+            schedulers=self.lr_scheduler_configs, module=self.module, transfer_batch=self.transfer_batch,
+            agreed=self.agreed, multi_rank=self._multi_rank, validate=self._validate, time_up=self._time_up,
+            min_reached=self._min_reached, scheduler_step=self._scheduler_step)
         while not self._done():
             with self.goodput.phase("epoch"), self.profiler.phase("train epoch"):
                 self._run_epoch()
@@ -303,147 +307,16 @@ class FitLoop:
         iterator, start = first if first is not None else self._epoch_iterator()
         if start and p.validation_due is None:  # a file from before the loop recorded it
             at_end = start == self.data.num_training_batches
-            p.expect_validation(at_end and self.schedule.due_after(p.epoch, start - 1, True, self._has_val()))
+            due = self.schedule.due_after(p.epoch, start - 1, True, self.data.has_val())
+            p.expect_validation(at_end and due)
         if start and p.validation_due and start != self.data.num_training_batches:
             self._validate()  # the checkpoint was taken between a batch and its validation
             self.metrics.start_stage("train", EPOCH_ONLY)
-        complete = self._run_batches(iterator, start)
+        complete = self.epoch_loop.run(iterator, start)
         if complete and p.validation_due:
             self._validate()
         with self.profiler.phase("epoch end"):
             self._finish_epoch(complete)
-
-    def _has_val(self) -> bool:
-        return self.data.val_loader is not None and self.data.num_val_batches != 0
-
-    def _run_batches(self, iterator: Any, start: int) -> bool:
-        """The epoch's batches from ``start``; True if it ran to its end (no stop mid-epoch). Per batch:
-        ``train_step``, the logging step when due, ``on_train_batch_end``, a validation when due, then
-        whether to stop.
-
-        Sized loaders take ``num_batches`` batches. Iterable-style ones go through ``AgreedBatches``: the
-        epoch ends at the shortest rank's stream (or the limit), and its last batch closes its window."""
-        cfg, p, stopping, schedule = self.config, self.progress, self.stopping, self.schedule
-        metrics, end_hooks = self.metrics, self.hooks.batch_plan("on_train_batch_end")
-        automatic, log_every = self.module.automatic_optimization, cfg.log_every_n_steps
-        epoch, max_steps = p.epoch, cfg.max_steps
-        self._start_epoch_steps(iterator)
-        stop = self._stop
-        has_val = self._has_val()
-        for batch_idx in range(start, stop):
-            step = self.train_step(batch_idx)
-            if step is DATA_ENDED:
-                break
-            if step is EPOCH_SKIPPED:
-                return False
-            batch, output, stepped, last = step
-            if (stepped or not automatic) and p.count_stepped_batch(log_every):
-                self._log_step()
-            # Set before on_train_batch_end: a checkpoint taken there records that a validation follows.
-            p.expect_validation(schedule.due_after(epoch, batch_idx, last, has_val))
-            if end_hooks:
-                outputs = _batch_outputs(output, automatic)
-                for fn in end_hooks:
-                    fn(outputs, batch, batch_idx)
-            validated = p.validation_due and not last
-            if validated:
-                self._validate()
-                metrics.start_stage("train", PER_STEP)
-            if 0 <= max_steps <= p.global_step or stopping.out_of_time:
-                return last
-            stop_requested = stopping.agreed if self._multi_rank else stopping.requested
-            if not last and stop_requested and self._min_reached():
-                # As Lightning: the epoch ends here, validating first if this batch did not (and the epoch
-                # does).
-                p.expect_validation(not validated and schedule.due_after(epoch, batch_idx, False, has_val,
-                                                                         stopping=True))
-                return True
-        return True
-
-    def _start_epoch_steps(self, iterator: Any) -> None:
-        """What ``train_step`` reads on every batch of this epoch, looked up once: the iterator (or the
-        ranks' agreement on an iterable's batches), the hooks that run, the profiler's and the clock's
-        blocks."""
-        data = self.data
-        self._iterator = iterator
-        self._agreed = data.stream = agreed_batches(iterator, self.strategy.reduce_boolean_decision,
-                                                    data.train_loader) if self.agreed else None
-        self._num_batches = data.num_training_batches
-        self._stop = data.num_training_batches if data.num_training_batches is not None else 2**62
-        self._accumulate = self.config.accumulate_grad_batches
-        self._start_hooks = self.hooks.batch_plan("on_train_batch_start")
-        self._beat = heartbeat.beat if self._multi_rank else None
-        self._schedulers = bool(self.lr_scheduler_configs)
-        self._transfer = self.transfer_batch
-        phase = self.profiler.phase
-        self._fetch_phase, self._data_clock = phase("get batch"), self.goodput.phase("data")
-        self._transfer_phase, self._batch_phase = phase("batch to device"), phase("training batch")
-        self.metrics.defaults = PER_STEP
-
-    def train_step(self, batch_idx: int) -> tuple[Any, Any, bool, bool] | str:
-        """One training batch, its phases in order: a plain fit's ``zero_grad`` (where a hand loop has it),
-        fetch, transfer, ``on_train_batch_start``, then forward and backward through the strategy, clipping,
-        the optimizer step and zero_grad (``optimization.run``: Lightning's order), then the step-wise
-        schedulers. Returns ``(batch, output, stepped, last)``; ``DATA_ENDED`` when some rank's stream
-        ended, ``EPOCH_SKIPPED`` when ``on_train_batch_start`` returned -1."""
-        p, optimization = self.progress, self.optimization
-        if optimization.releases_gradients:
-            optimization.release_gradients()
-        with self._fetch_phase, self._data_clock:
-            if self._agreed is None:
-                batch = next(self._iterator)
-                last = batch_idx + 1 == self._num_batches
-            else:
-                batch, last = self._agreed.take(batch_idx + 1 < self._stop)
-        if batch is NO_BATCH:  # every rank learnt together that some stream has ended
-            if batch_idx == 0:
-                raise EmptyDataError(
-                    f"the training DataLoader yielded no batch in epoch {p.epoch} on at least one "
-                    f"data-parallel rank; an iterable dataset must yield a batch on every rank every epoch")
-            return DATA_ENDED
-        with self._transfer_phase:
-            batch = self._transfer(batch)
-        self.metrics.batch = batch  # its size is read only if a value is logged per epoch
-        p.take_batch(batch_idx)
-        end_of_window = (batch_idx + 1) % self._accumulate == 0 or last
-        if self._beat is not None:
-            self._beat(p.global_step, "training_step")
-        if self._start_hooks and any([fn(batch, batch_idx) == -1 for fn in self._start_hooks]):
-            return EPOCH_SKIPPED  # the rest of the epoch is skipped
-        with self._batch_phase:
-            output, stepped = optimization.run(batch, batch_idx, end_of_window, p.epoch)
-        if stepped:
-            p.count_optimizer_step()
-            if self._schedulers:
-                self._after_optimizer_step(last)
-        return batch, output, stepped, last
-
-    def _log_step(self) -> None:
-        with self.profiler.phase("logging step"):
-            self._logging_step()
-        self.goodput.mark(self.progress.global_step)
-
-    def _logging_step(self) -> None:
-        """Every ``log_every_n_steps``: per-step values to the loggers, then the losses' non-finite check, the
-        time limit and a stop request (a callback's ``on_log`` may make one) agreed in the check's one gather.
-        Every rank gets here at the same step, so the collectives inside stay matched. The parameters are
-        checked before each checkpoint and at the end, not here: one made non-finite by a step makes the
-        next loss non-finite."""
-        s, metrics = self.stopping, self.metrics
-        values = metrics.pop_step_values(self.strategy.dp_group)
-        publish(metrics, self.hooks, values, self.progress.global_step)
-        stop, time_up = self.guard.check((s.requested, self._time_up()), parameters=False)
-        if time_up:  # max_time: every rank stops here; the fit-end checkpoint lets a resubmitted job continue
-            s.time_up()
-        if self._multi_rank:
-            s.agree(stop or time_up)
-
-    def _after_optimizer_step(self, last_batch: bool) -> None:
-        p = self.progress
-        configs, metrics = self.lr_scheduler_configs, self.metrics.callback
-        step_schedulers(configs, "step", p.global_step, metrics, self._scheduler_step)
-        if last_batch:  # Lightning's order: epoch schedulers after the epoch's last update
-            step_schedulers(configs, "epoch", p.epoch + 1, metrics, self._scheduler_step, plateau=False)
 
     def _scheduler_step(self, scheduler: Any, metric: Any) -> None:
         with self.metrics.refusing("lr_scheduler_step"):
@@ -526,14 +399,3 @@ class FitLoop:
             # resumes from the next batch instead of skipping the rest of the epoch.
             p.finish_epoch()
 
-
-def _batch_outputs(output: Any, automatic: bool) -> Any:
-    """What ``on_train_batch_end`` receives: under automatic optimisation ``{"loss": normalised loss,
-    **the step's other keys}``; under manual, what ``training_step`` returned."""
-    if not automatic:
-        return output
-    if output is None or output.output is None:
-        return None
-    raw = output.output
-    extra = {k: v for k, v in raw.items() if k != "loss"} if isinstance(raw, dict) else {}
-    return {"loss": output.loss, **extra}

@@ -193,7 +193,8 @@ class AutomaticOptimization:
         self.guard.skip_step = False
         if self.optimizer_step_hook is None:
             for optimizer, step_closure in zip(self.optimizers, self.step_closures):
-                self._step_optimizer(optimizer, step_closure)
+                with self.update_phase:  # what _step_optimizer does, called here: one hop less
+                    self.strategy.optimizer_step(optimizer, step_closure, self._after[id(optimizer)])
         else:
             for wrapped, step_closure in zip(self.wrapped, self.step_closures):
                 self.optimizer_step_hook(epoch, batch_idx, wrapped, step_closure)

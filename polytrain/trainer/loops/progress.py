@@ -187,5 +187,9 @@ class EpochData:
     # estimated_stepping_batches asked for the train loader before the fit did.
     requested_early: bool = False
 
+    def has_val(self) -> bool:
+        """A validation loader with batches to run (None: a loader without length, run until it ends)."""
+        return self.val_loader is not None and self.num_val_batches != 0
+
     def use_val(self, loader: Any, num_batches: int | None) -> None:
         self.val_loader, self.num_val_batches = loader, num_batches
