@@ -40,11 +40,13 @@ def check_choice(value: Any, choices: tuple[str, ...], where: str) -> None:
 
 
 def _holds_a_container(annotation: Any) -> bool:
-    """Whether ``annotation`` is a union with a list or mapping among its members (``None`` aside)."""
+    """Whether ``annotation`` is a union of two or more types (``None`` aside: OmegaConf takes an optional
+    list) with a list or mapping among them."""
     if typing.get_origin(annotation) is not typing.Union and not isinstance(annotation, types.UnionType):
         return False
     members = [a for a in typing.get_args(annotation) if a is not type(None)]
-    return any(typing.get_origin(a) in (list, dict) or a in (list, dict) for a in members)
+    containers = [a for a in members if typing.get_origin(a) in (list, dict) or a in (list, dict)]
+    return len(members) > 1 and bool(containers)
 
 
 def _keep_default(f: dataclasses.Field) -> Any:
