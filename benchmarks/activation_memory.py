@@ -234,7 +234,7 @@ def compare_with_planner(args: argparse.Namespace, runs: dict[str, dict[str, Any
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--precision", choices=("32", "bf16-mixed"), default="32")
+    p.add_argument("--precision", choices=("32", "bf16-mixed", "bf16-true"), default="32")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)

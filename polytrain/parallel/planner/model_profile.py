@@ -101,7 +101,7 @@ class ModelProfile:
     tp: int
     children: tuple[ChildProfile, ...]
     seq_len: int
-    param_bytes: int  # bytes per parameter as built (4 for fp32)
+    param_bytes: int  # bytes per parameter as trained (4 for fp32; 2 for bf16-true or a model built in bf16)
     ties: tuple[tuple[int, int], ...] = ()  # (first, later) child indices sharing a parameter
     # Set when the model has no Sequential to cut: it is profiled whole, through its training_step, as
     # one child, and this says why (the pipeline strategy's own words, for the layouts it rules out).
@@ -175,9 +175,10 @@ TRACE_DEVICES = ("cuda", "cpu")
 
 
 class _AsRun:
-    """Where a profile's trace runs: on meta, as built (``precision`` 32 or bf16-true, or a model built in
-    the compute dtype); under a mixed precision, on fake tensors of ``device`` inside its autocast, so that
-    torch's own autocast picks each op's dtype as in training. ``module`` and ``value`` give the trace's
+    """Where a profile's trace runs: on meta, as built (``precision`` 32, or a model built in the compute
+    dtype); under bf16-true on meta too, on a copy converted to bf16; under a mixed precision, on fake
+    tensors of ``device`` inside its autocast, so that torch's own autocast picks each op's dtype as in
+    training. ``module`` and ``value`` give the trace's
     copy of a module and of its inputs; the trace runs inside ``with``."""
 
     def __init__(self, precision: str, device: str, module: nn.Module) -> None:
@@ -186,6 +187,9 @@ class _AsRun:
         dtype = AUTOCAST_DTYPES.get(precision)
         built = {p.dtype for p in module.parameters() if p.is_floating_point()}
         self.dtype = dtype if dtype is not None and built - {dtype} else None
+        # bf16-true trains the model converted to bf16 (``Precision.convert_module``) on inputs cast to
+        # it: the trace runs on such a copy (on meta, no autocast)
+        self.convert = torch.bfloat16 if precision == "bf16-true" and built - {torch.bfloat16} else None
         self.device_type = device
         # An explicit index: a fake CUDA tensor without one asks CUDA for its current device
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
@@ -195,7 +199,10 @@ class _AsRun:
         self.casts: set[int] = set()  # storages of their casts, made by autocast during the trace
 
     def lift(self, t: Any) -> Any:
-        """A tensor as a fake one of the trace's device (its shape, dtype, strides; no data)."""
+        """A tensor as a fake one of the trace's device (its shape, dtype, strides; no data); under
+        bf16-true, a floating-point input as the precision casts it."""
+        if self.convert is not None and isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.to(self.convert)
         if self.dtype is None or not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor):
             return t
         with unset_fake_temporarily():  # the meta copy is made outside the fake mode, as its element
@@ -206,7 +213,10 @@ class _AsRun:
 
     def module(self, module: nn.Module) -> nn.Module:
         """A copy of ``module`` with fake parameters and buffers (a parameter two modules share stays
-        shared); ``module`` itself when the trace runs on meta."""
+        shared); under bf16-true a copy converted to bf16; ``module`` itself when the trace runs on meta as
+        built."""
+        if self.convert is not None:
+            return copy.deepcopy(module).to(self.convert)
         if self.dtype is None:
             return module
         module = copy.deepcopy(module)
@@ -554,7 +564,7 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
                                      largest_saved_bytes=t.largest, largest_param=_largest_param(child),
                                      cast_bytes=t.casts))
     seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
-    first = next(seq.parameters(), None)
+    first = next(traced_seq.parameters(), None)  # as trained: bf16-true converts the model
     return ModelProfile(tp=tp, children=tuple(children), seq_len=seq_len,
                         param_bytes=first.element_size() if first is not None else 4, ties=_ties(seq),
                         precision=precision, device=device)
@@ -594,7 +604,7 @@ def profile_whole(module: nn.Module, batch: list[torch.Tensor], why: str, tp: in
                          largest_param=_largest_param(module), cast_bytes=t.casts)
     example = batch[0]
     seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
-    first = next(module.parameters(), None)
+    first = next(traced.parameters(), None)  # as trained: bf16-true converts the model
     return ModelProfile(tp=tp, children=(child,), seq_len=seq_len,
                         param_bytes=first.element_size() if first is not None else 4, whole=why,
                         precision=precision, device=device)
@@ -665,7 +675,7 @@ def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1,
     last = len(children) - 1
     example = batch[0]
     seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
-    first = next(module.parameters(), None)
+    first = next(twin.parameters(), None)  # as trained: bf16-true converts the model
     return ModelProfile(tp=tp, children=tuple(children), seq_len=seq_len,
                         param_bytes=first.element_size() if first is not None else 4, ties=tuple(tied),
                         tied_params=tuple(tied.values()), precision=precision, device=device,
