@@ -33,7 +33,10 @@ from polytrain.strategies.router import StepResult, StepRouter, user_step
 
 
 def _no_phase(row: str) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
+    return _NO_PHASE
+
+
+_NO_PHASE = contextlib.nullcontext()
 
 
 class Strategy(CollectiveVerbs, ABC):
@@ -75,7 +78,9 @@ class Strategy(CollectiveVerbs, ABC):
         # the module's own backward, if it overrides it
         self._module_backward: Callable[..., None] | None = None
         self._training_step_fn: Callable[[Any, int], Any] | None = None
-        self._phase: Callable[[str], contextlib.AbstractContextManager] = _no_phase
+        # The profiler's blocks around the user's step and backward (looked up once, entered each step)
+        self._step_phase: contextlib.AbstractContextManager = _NO_PHASE
+        self._backward_phase: contextlib.AbstractContextManager = _NO_PHASE
         self._mark_position: Callable[[str], None] | None = None
         self._plain_backward = False
 
@@ -102,7 +107,9 @@ class Strategy(CollectiveVerbs, ABC):
         self._before_backward = plan("on_before_backward") if plan is not None else []
         self._after_backward = plan("on_after_backward") if plan is not None else []
         self._module_backward = module_backward
-        self._phase = phase or _no_phase
+        phase = phase or _no_phase
+        self._step_phase = phase("training_step")
+        self._backward_phase = phase("backward")
         self._training_step_fn = None
         # Fixed for the stage so the common step calls nothing it does not need: the heartbeat's position
         # marks only when one runs, and ``loss.backward()`` straight when neither a GradScaler nor an
@@ -229,7 +236,7 @@ class Strategy(CollectiveVerbs, ABC):
     # ------------------------------------------------------------------ step
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         """Manual optimisation's step: the user's ``training_step`` alone (it drives the optimizers)."""
-        with self._phase("training_step"):
+        with self._step_phase:
             return (self._training_step_fn or self.bound_training_step())(batch, batch_idx)
 
     def bound_training_step(self) -> Callable[[Any, int], Any]:
@@ -274,8 +281,7 @@ class Strategy(CollectiveVerbs, ABC):
         """One micro-batch, in Lightning's order: ``training_step``, then ``zero_grad`` (given on the
         first micro-batch of a window), then the backward hooks around ``backward`` of the loss divided
         by ``accumulate``. A pipeline's schedule owns the step instead (``ParallelStrategy``)."""
-        phase = self._phase
-        with phase("training_step"):
+        with self._step_phase:
             output = (self._training_step_fn or self.bound_training_step())(batch, batch_idx)
         if self._mark_position is not None:
             self._mark_position("backward")  # past the user's step: a peer stuck inside it is now behind
@@ -288,7 +294,7 @@ class Strategy(CollectiveVerbs, ABC):
             loss = loss / accumulate  # a division, as a hand loop writes it (bitwise the same)
         for hook in self._before_backward:
             hook(loss)
-        with phase("backward"):
+        with self._backward_phase:
             if self._plain_backward:
                 loss.backward()
             else:

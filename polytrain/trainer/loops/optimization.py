@@ -153,8 +153,10 @@ class AutomaticOptimization:
         # An async checkpoint may still be copying what the update changes (checkpoint_io.wait_staged).
         self.wait_staged = strategy.checkpoint_io.wait_staged
         self.plain = self._is_plain()
-        # Called by the loop before it fetches each batch (a plain fit's zero_grad); None otherwise.
-        self.releases_gradients = self.plain
+        # A plain fit's zero_grad, which the loop calls before it fetches each batch; None when the closure
+        # zeroes the gradients (Lightning's order). The optimizer's own method: nothing in between.
+        self.release_gradients: Callable[[], None] | None = (
+            functools.partial(self.optimizers[0].zero_grad, set_to_none=True) if self.plain else None)
 
     def _is_plain(self) -> bool:
         """One optimizer stepped on every batch with nothing between backward and the update: no hook
@@ -165,10 +167,6 @@ class AutomaticOptimization:
                 and self.clip_hook is None and self.clip_val is None
                 and not self.before_zero_grad and not self.before_optimizer_step
                 and not self.votes_on_skip and self.update_scaler is None)
-
-    def release_gradients(self) -> None:
-        """A plain fit's ``zero_grad``: the loop calls it before it fetches the next batch."""
-        self.optimizers[0].zero_grad(set_to_none=True)
 
     def run(self, batch: Any, batch_idx: int, end_of_window: bool, epoch: int) -> tuple[Any, bool]:
         """Forward/backward, and at a window's end the optimizers' steps: ``(the step's result, stepped)``."""
@@ -260,7 +258,7 @@ class ManualOptimization:
         self.forward_backward_phase = phase("forward+backward")
         self.update_phase = phase("optimizer update")
         self.wrapped = [wrap_optimizer(opt, self._step_optimizer) for opt in self.optimizers]
-        self.releases_gradients = False  # the module zeroes its gradients itself
+        self.release_gradients: Callable[[], None] | None = None  # the module zeroes its gradients itself
         self.accumulating = False  # this batch is not the last of its window (manual_backward skips the sync)
 
     def run(self, batch: Any, batch_idx: int, end_of_window: bool, epoch: int) -> tuple[Any, bool]:

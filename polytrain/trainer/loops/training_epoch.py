@@ -128,6 +128,7 @@ class TrainingEpochLoop:
         self._num_batches = data.num_training_batches
         self._stop = data.num_training_batches if data.num_training_batches is not None else 2**62
         self._accumulate = self.config.accumulate_grad_batches
+        self._release_gradients = self.optimization.release_gradients
         self._start_hooks = self.hooks.batch_plan("on_train_batch_start")
         self._beat = heartbeat.beat if self._multi_rank else None
         self._schedulers = bool(self.lr_scheduler_configs)
@@ -144,8 +145,8 @@ class TrainingEpochLoop:
         schedulers. Returns ``(batch, output, stepped, last)``; ``DATA_ENDED`` when some rank's stream
         ended, ``EPOCH_SKIPPED`` when ``on_train_batch_start`` returned -1."""
         p, optimization = self.progress, self.optimization
-        if optimization.releases_gradients:
-            optimization.release_gradients()
+        if self._release_gradients is not None:
+            self._release_gradients()
         with self._fetch_phase, self._data_clock:
             if self._agreed is None:
                 batch = next(self._iterator)
