@@ -107,7 +107,8 @@ def test_the_planners_float8_ratio_for_an_h100() -> None:
     args = gpt_throughput.resolve(gpt_throughput.parse_args(["--device", "cpu", "--precision", "bf16-mixed"]))
     line = gpt_throughput.predicted_float8_ratio(args, "fsdp", "NVIDIA H100 80GB HBM3")
     assert line.startswith("planner (h100, dp_shard2, no compile): ")
-    assert 0.3 < float(line.rsplit(": ", 1)[1]) < 1.0  # float8 matmuls at twice the bf16 peak: faster
+    # float8 matmuls at twice the bf16 peak, less the casts around them (memory-bound): 0.94, was 0.70
+    assert 0.8 < float(line.rsplit(": ", 1)[1]) < 1.0
 
 
 def test_activation_memory_benchmark_shows_a_saving() -> None:

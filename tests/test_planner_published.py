@@ -67,8 +67,8 @@ def test_llama3_8b_on_8_h100_ranks_fsdp8_in_the_top_three(key: str) -> None:
 @pytest.mark.parametrize("key", ["8B", "70B", "405B"])
 def test_llama3_published_runs_fit_and_rank(key: str) -> None:
     """Each run of torchtitan's Dec 2024 benchmarks (planner_llama.PUBLISHED) with its own batch, schedule,
-    float8 and async-TP settings: the published layout fits the run's 96 GB H100s and is ranked. 70B (36th)
-    and 405B (7th) do not reach the top three; planner.md's "Published layouts" table gives every rank
+    float8 and async-TP settings: the published layout fits the run's 96 GB H100s and is ranked. 70B (45th)
+    and 405B (10th) do not reach the top three; planner.md's "Published layouts" table gives every rank
     and why."""
     run = PUBLISHED[key]
     plan = _llama_plan(run)
@@ -81,13 +81,24 @@ def test_llama3_published_runs_fit_and_rank(key: str) -> None:
         assert any(r.layout.dp == 512 and "not divisible by dp=512" in r.reason for r in plan.rejected)
 
 
-def test_llama3_70b_with_async_tp_and_full_ac_ranks_in_the_top_three() -> None:
-    """Table 4's second run, "2D + AsyncTP" (FSDP 32 x TP 8, float8, async TP), with its full activation
-    checkpointing pinned as a config setting pins it (``plan: true`` does the same): the published layout
-    is in the top three. Caveat (planner.md): the async-TP term hides all but 0.02 s of TP's 3.1 s here and
-    predicts 1077 tok/s/GPU against the run's 876: it over-states async TP's gain (20 % vs the published
-    5.7 %), and the same layout without async TP ranks 13th with checkpointing pinned."""
+# What each run measured, tokens per second per GPU (the tables' TPS/GPU), and the variant it ran: its
+# activation checkpointing and, for the 405B pipeline, its micro-batches (9dec370: m = pp = 8)
+MEASURED_TOKENS = {"8B": (5762, "op", None), "70B": (829, True, None), "70B-async-tp": (876, True, None),
+                   "405B": (128, True, 8)}
+
+
+@pytest.mark.parametrize("key", list(MEASURED_TOKENS))
+def test_llama3_published_layouts_throughput_within_10_percent(key: str) -> None:
+    """The planner's tokens/s/GPU for each published layout, as run, within 10 % of what the run measured.
+    Float8's casts and scale reductions are costed (memory-bound passes): without them 70B with async TP
+    came out at +23 %, as float8 matmuls under TP 8 are small beside their casts."""
     from planner_llama import PUBLISHED_VARIANTS
 
-    run = PUBLISHED_VARIANTS["70B-async-tp"]
-    assert _rank_of(_llama_plan(run, {"activation_checkpointing": True}), run.degrees) <= 3
+    run = {**PUBLISHED, **PUBLISHED_VARIANTS}[key]
+    measured, checkpointing, micro_batches = MEASURED_TOKENS[key]
+    plan = _llama_plan(run)
+    as_run = next(e for e in plan.ranked
+                  if (e.layout.dp_replicate, e.layout.dp_shard, e.layout.tp, e.layout.pp) == run.degrees
+                  and e.layout.activation_checkpointing == checkpointing
+                  and micro_batches in (None, e.layout.n_microbatches))
+    assert as_run.tokens_per_s / run.gpus == pytest.approx(measured, rel=0.10), as_run.layout.label()

@@ -31,6 +31,10 @@ class Hardware:
     usable_memory: float = 0.9  # allocator fragmentation, CUDA context, NCCL buffers take the rest
     # dense float8 tensor-core peak; None: no fp8 (float8 training refused)
     fp8_peak_flops: float | None = None
+    # Device memory bytes/s (datasheet) and the fraction of it a memory-bound kernel reaches: float8's
+    # casts and scale reductions run at this rate. None: not costed.
+    memory_bandwidth: float | None = None
+    memory_efficiency: float = 0.7
 
     @property
     def world_size(self) -> int:
@@ -39,8 +43,10 @@ class Hardware:
 
 PRESETS: dict[str, Hardware] = {
     # H100 SXM 80GB: 989 TFLOP/s dense bf16, NVLink4 450 GB/s per direction, 8 x 400 Gb/s InfiniBand;
-    # 1979 TFLOP/s dense FP8 (NVIDIA H100 Tensor Core GPU datasheet: 3958 "with sparsity", half dense).
-    "h100": Hardware(1, 8, 80 * GiB, 989e12, 0.4, 450e9, 50e9, 5e-6, 15e-6, fp8_peak_flops=1979e12),
+    # 1979 TFLOP/s dense FP8 (NVIDIA H100 Tensor Core GPU datasheet: 3958 "with sparsity", half dense);
+    # HBM3 3.35 TB/s.
+    "h100": Hardware(1, 8, 80 * GiB, 989e12, 0.4, 450e9, 50e9, 5e-6, 15e-6, fp8_peak_flops=1979e12,
+                     memory_bandwidth=3.35e12),
     # A100 SXM 80GB: 312 TFLOP/s dense bf16, NVLink3 300 GB/s per direction, 8 x 200 Gb/s HDR; no FP8.
     "a100": Hardware(1, 8, 80 * GiB, 312e12, 0.4, 300e9, 25e9, 5e-6, 15e-6),
     # A CPU box running gloo: shared memory between processes, fp32 FLOPs of a few cores.

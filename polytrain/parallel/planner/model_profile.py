@@ -75,6 +75,10 @@ class ChildProfile:
     linear_flops: int = 0  # of ``flops``, the matmuls of nn.Linear layers (2 x rows x in x out each)
     tp_linear_flops: int = 0  # of those, in the Linear layers the plan splits (this rank's shard)
     linear_params: int = 0  # weights of its nn.Linear layers as one TP rank holds them (float8 gathers these)
+    # Elements its nn.Linear layers read and write, per sample, as one TP rank holds them (float8 casts
+    # each input, and each output's gradient, to float8)
+    linear_inputs: int = 0
+    linear_outputs: int = 0
     # Its TP collectives are reduce-scatter + all-gather (a SequenceParallel plan)
     sequence_parallel: bool = False
     # Per-op checkpointing (activation_checkpointing mode op, ``OpSelection`` replayed on the trace):
@@ -325,6 +329,8 @@ class _Traced:
     reduced: int  # row-parallel output bytes (all-reduced)
     linear_flops: int = 0
     tp_linear_flops: int = 0
+    linear_inputs: int = 0
+    linear_outputs: int = 0
     op_kept: int = 0
     op_recompute: int = 0
     op_recompute_matmul: int = 0
@@ -369,6 +375,8 @@ def _linear_hooks(child: nn.Module, planned: dict[str, str], traced: _Traced) ->
                 n = 2 * (i[0].numel() // m.weight.shape[1]) * m.weight.numel()  # in_features is not shrunk
                 traced.linear_flops += n
                 traced.tp_linear_flops += n if split else 0
+                traced.linear_inputs += i[0].numel()
+                traced.linear_outputs += o.numel()
             handles.append(sub.register_forward_hook(hook))
     return handles
 
@@ -558,6 +566,7 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
                                      output_bytes=output_bytes, flops=t.flops, tp_allreduce_bytes=t.reduced,
                                      linear_flops=t.linear_flops, tp_linear_flops=t.tp_linear_flops,
                                      linear_params=linear_params, sequence_parallel=sp,
+                                     linear_inputs=t.linear_inputs, linear_outputs=t.linear_outputs,
                                      op_kept_bytes=t.op_kept,
                                      op_recompute_flops=t.op_recompute,
                                      op_recompute_matmul_flops=t.op_recompute_matmul,
@@ -597,6 +606,7 @@ def profile_whole(module: nn.Module, batch: list[torch.Tensor], why: str, tp: in
     child = ChildProfile(name=type(module).__name__, kind=type(module).__name__, params=n_split + n_whole,
                          tp_params=n_split, saved_bytes=t.saved, input_bytes=_nbytes(batch), output_bytes=0,
                          flops=t.flops, tp_allreduce_bytes=t.reduced, linear_flops=t.linear_flops,
+                         linear_inputs=t.linear_inputs, linear_outputs=t.linear_outputs,
                          tp_linear_flops=t.tp_linear_flops, linear_params=linear_params,
                          op_kept_bytes=t.op_kept, op_recompute_flops=t.op_recompute,
                          op_recompute_matmul_flops=t.op_recompute_matmul,
@@ -669,6 +679,7 @@ def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1,
             input_bytes=_nbytes(batch) if index == 0 else inputs[index - 1] if not glue or index == 1 else 0,
             output_bytes=inputs[index] if index < len(blocks) else 0, flops=t.flops,
             tp_allreduce_bytes=t.reduced, linear_flops=t.linear_flops, tp_linear_flops=t.tp_linear_flops,
+            linear_inputs=t.linear_inputs, linear_outputs=t.linear_outputs,
             linear_params=linears[index], op_kept_bytes=t.op_kept, op_recompute_flops=t.op_recompute,
             op_recompute_matmul_flops=t.op_recompute_matmul, fsdp_unit_params=root if glue else 0,
             largest_saved_bytes=t.largest, largest_param=largest[index], cast_bytes=t.casts))

@@ -151,6 +151,23 @@ def compute_time(c: ChildProfile, micro: int, cp: int, hw: Hardware, f8: bool) -
     return f, micro * c.tp_linear_flops / cp / (rate8 if f8 else rate)
 
 
+def float8_cast_time(c: ChildProfile, micro: int, cp: int, hw: Hardware) -> tuple[float, float]:
+    """(forward, backward) seconds of a float8 child's casts (torchao's dynamic tensorwise scaling), each a
+    memory-bound pass over bf16 tensors: a tensor's scale is its absolute maximum (one read), then it is
+    cast (one read, a float8 write). Forward casts every Linear input and weight (2 + 2 + 1 bytes an
+    element); backward each output's gradient (5) and the transposed copies its two matmuls take of that
+    gradient, the input and the weight (2 + 1 each). At ``memory_bandwidth x memory_efficiency``; 0 when
+    the hardware gives no bandwidth. Without ``torch.compile`` torchao runs each step as its own kernel:
+    more passes than counted here."""
+    if hw.memory_bandwidth is None:
+        return 0.0, 0.0
+    rate = hw.memory_bandwidth * hw.memory_efficiency
+    inputs, outputs = micro * c.linear_inputs / cp, micro * c.linear_outputs / cp
+    forward = 5 * (inputs + c.linear_params)
+    backward = 8 * outputs + 3 * (inputs + c.linear_params)
+    return forward / rate, backward / rate
+
+
 def recompute_time(c: ChildProfile, micro: int, cp: int, hw: Hardware, f8: bool,
                    tf: float) -> tuple[float, float]:
     """(compute, TP collective) seconds a per-op checkpointed child recomputes in backward: the FLOPs of the
@@ -231,12 +248,13 @@ def unit_times(kids: tuple[ChildProfile, ...], ckpt: list[bool], micro: int, *, 
     for i, (c, k) in enumerate(zip(kids, ckpt)):
         f8 = features.f8(i)
         f, matmul = compute_time(c, micro, cp, hw, f8)
+        cast_f, cast_b = float8_cast_time(c, micro, cp, hw) if f8 else (0.0, 0.0)
         tf, tb = tp_time(c, micro, tp, hw, f8, features.async_tp, matmul)
-        again, tf_again = ((recompute_time(c, micro, cp, hw, f8, tf) if op_checkpointing else (f, tf))
-                           if k else (0, 0))
-        fwd.append(f + tf)
+        again, tf_again = ((recompute_time(c, micro, cp, hw, f8, tf) if op_checkpointing
+                            else (f + cast_f, tf)) if k else (0, 0))
+        fwd.append(f + cast_f + tf)
         # checkpointed: (part of) the forward again, collectives too
-        bwd.append((2 * f + tb) + again + tf_again)
+        bwd.append((2 * f + cast_b + tb) + again + tf_again)
         tp_total += tf + tb + tf_again
         g, r = fsdp_times(c, tp, shard, replicate, param_bytes, master_bytes, links, ddp,
                           features.fp8_gather and f8 and shard > 1)
