@@ -36,11 +36,21 @@ def test_llama3_shapes_are_the_published_sizes() -> None:
 
 
 def _llama_plan(run: PublishedRun, pinned: dict[str, int] | None = None):
+    return _unpinned_plan(run) if pinned is None else _rank(run, tuple(pinned.items()))
+
+
+@functools.cache
+def _unpinned_plan(run: PublishedRun) -> Any:
+    """A run's plan with nothing pinned, made once: several tests read it."""
+    return _rank(run, ())
+
+
+def _rank(run: PublishedRun, pinned: tuple[tuple[str, Any], ...]) -> Any:
     hw = hardware("h100", run.gpus // 8, 8, memory_bytes=run.device_gib * 1024**3)
     train = Training(global_batch=run.global_batch, pp_schedule=run.pp_schedule,
                      stages_per_rank=run.stages_per_rank, float8=run.float8,
                      fsdp_float8_all_gather=run.fsdp_float8_all_gather, async_tp=run.async_tp)
-    return rank_layouts(hw, train, _llama_profiler(run.name, run.seq_len), pinned)
+    return rank_layouts(hw, train, _llama_profiler(run.name, run.seq_len), dict(pinned) or None)
 
 
 @functools.cache

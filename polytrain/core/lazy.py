@@ -8,6 +8,7 @@ sharded run need. Seconds to import each on top of ``import torch`` (torch 2.15,
     torch.distributed.checkpoint      0.6    DCP: every checkpoint's optimizer state, sharded files
     torch.distributed.fsdp            0.5    fully_shard
     torch.distributed.pipelining      1.3    pipeline schedules and stages
+    torch.utils.flop_counter          0.08   the planner's FLOP counts (it imports triton where installed)
 
 Every function-level import of them in the package goes through here, so the dependency on each
 is one grep away.
@@ -44,5 +45,13 @@ def fsdp() -> ModuleType:
 def pipelining() -> ModuleType:
     """``torch.distributed.pipelining`` with its ``schedules`` and ``_utils`` submodules."""
     import torch.distributed.pipelining as module  # late: 1.3 s, see the module docstring
+
+    return module
+
+
+def flop_counter() -> ModuleType:
+    """``torch.utils.flop_counter`` (``FlopCounterMode``, ``flop_registry``): only a traced model needs it,
+    and with CUDA's torch it loads triton, most of what ``from polytrain import Trainer`` would cost."""
+    import torch.utils.flop_counter as module  # late: 0.08 s, see the module docstring
 
     return module

@@ -49,8 +49,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from polytrain.core import lazy
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.activation_checkpointing import OpSelection
 from polytrain.parallel.fsdp import blocks_to_wrap
@@ -349,6 +349,7 @@ class _OpSelectionReplay(TorchDispatchMode):
     def __init__(self, traced: _Traced) -> None:
         super().__init__()
         self.selection, self.traced = OpSelection(), traced
+        self.registry = lazy.flop_counter().flop_registry
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -356,7 +357,7 @@ class _OpSelectionReplay(TorchDispatchMode):
         if self.selection.keeps(func):
             self.traced.op_kept += _nbytes(out)
         else:
-            formula = flop_registry.get(func._overloadpacket)
+            formula = self.registry.get(func._overloadpacket)
             n = formula(*args, **kwargs, out_val=out) if formula is not None else 0
             self.traced.op_recompute += n
             self.traced.op_recompute_matmul += n if func in OpSelection.MATMULS else 0
@@ -412,7 +413,7 @@ def _trace_child(child: nn.Module, x: Any, planned: dict[str, str], tp: int, see
         elif style == "SequenceParallel":
             handles.append(sub.register_forward_pre_hook(enter_sequence_parallel))
             handles.append(sub.register_forward_hook(leave_sequence_parallel))
-    flops = FlopCounterMode(display=False)
+    flops = lazy.flop_counter().FlopCounterMode(display=False)
     saved = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
     try:
         with saved, flops, _OpSelectionReplay(traced):
@@ -714,11 +715,12 @@ class _FlopsHere(TorchDispatchMode):
     def __init__(self, where: _Current) -> None:
         super().__init__()
         self.where = where
+        self.registry = lazy.flop_counter().flop_registry
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
+        formula = self.registry.get(func._overloadpacket)
         if formula is not None:
             self.where.flops += formula(*args, **kwargs, out_val=out)
         return out
