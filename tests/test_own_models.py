@@ -138,10 +138,10 @@ def reference(kind: str) -> dict[int, dict[str, torch.Tensor]]:
 
 
 def _fit(kind: str, strategy: Any, world_size: int, run_dir: str, max_steps: int,
-         ckpt_path: str | None = None, save: bool = False) -> dict[str, Any]:
+         ckpt_path: str | None = None, save: bool = False, held: type = HeldModel) -> dict[str, Any]:
     tp = strategy.get("tp", 1) if isinstance(strategy, dict) else 1
     pp = strategy.get("pp", 1) if isinstance(strategy, dict) else 1
-    module = HeldModel(kind, GLOBAL_BATCH // (world_size // (tp * pp)))  # tp and pp peers share a batch
+    module = held(kind, GLOBAL_BATCH // (world_size // (tp * pp)))  # tp and pp peers share a batch
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=max_steps,
                       run_dir=run_dir, logger=False, enable_progress_bar=False, enable_model_summary=False,
                       enable_checkpointing=save, num_sanity_val_steps=0, timeout=120)
@@ -198,6 +198,35 @@ def test_a_library_model_trains_and_resumes_equal_to_one_process(kind: str, stra
                                                                  tmp_path: Any) -> None:
     out = run_distributed(_train_and_resume, 2, kind, _strategy(kind, strategy), str(tmp_path), timeout=540)
     _check_against_reference(kind, strategy, out)
+
+
+class BuiltInConfigureModel(HeldModel):
+    """The same model built in ``configure_model``, as large models are: fsdp builds it on the meta device
+    first, finds the library's own layers (GPT-2's Conv1D, Llama's RMSNorm) without ``reset_parameters``,
+    and builds it again on the CPU from the same RNG state, then shards it."""
+
+    def __init__(self, kind: str, batch_size: int) -> None:
+        TrainModule.__init__(self)
+        self.kind, self.batch_size = kind, batch_size
+        self.batches_run = 0
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "model"):
+            self.model = build_model(self.kind)
+
+
+def _fit_built_in_configure_model(rank: int, world_size: int, kind: str, root: str) -> dict[str, Any]:
+    return _fit(kind, "fsdp", world_size, root, STOP_AT, held=BuiltInConfigureModel)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", LANGUAGE_MODELS)
+def test_a_library_model_built_in_configure_model_trains_under_fsdp_equal_to_one_process(
+        kind: str, tmp_path: Any) -> None:
+    out = run_distributed(_fit_built_in_configure_model, 2, kind, str(tmp_path), timeout=240)
+    assert [result["batches_run"] for result in out] == [STOP_AT, STOP_AT]
+    _assert_equal(out[0]["weights"], reference(kind)[STOP_AT], f"{kind} built in configure_model, fsdp")
 
 
 # A pipeline of models that are not one nn.Sequential: cut at module paths (named, or across the repeated

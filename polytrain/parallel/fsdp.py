@@ -122,6 +122,24 @@ def _direct_tensors(module: nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
             if t is not None]
 
 
+def uninitialisable_on_meta(module: nn.Module) -> list[str]:
+    """The modules holding meta tensors that no ``reset_parameters()`` can initialise (a library's own
+    layers: Hugging Face's ``Conv1D``, ``LlamaRMSNorm``), each as ``Class [names]``; empty when every
+    meta tensor can be materialised (or there is none)."""
+    stuck = []
+    for m in module.modules():
+        on_meta = [name for _, name, t in _direct_tensors(m) if t.is_meta]
+        if on_meta and not callable(getattr(m, "reset_parameters", None)):
+            stuck.append(f"{type(m).__name__} {on_meta}")
+    return stuck
+
+
+def first_few(names: list[str], shown: int = 3) -> str:
+    """``names`` for a message: the first ``shown``, then how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def materialize_meta(module: nn.Module, device: torch.device, rng_state: torch.Tensor | None) -> None:
     """Allocate the shards of every meta tensor and initialise them as a CPU build would have.
 
@@ -133,13 +151,11 @@ def materialize_meta(module: nn.Module, device: torch.device, rng_state: torch.T
     drew, as a CPU build that ties after constructing does; the later ones still draw, so the
     modules after them draw what they would have.
     """
+    stuck = uninitialisable_on_meta(module)
+    if stuck:
+        raise ConfigError(f"{first_few(stuck)}: built on the meta device but without reset_parameters() to "
+                          f"initialise them; define reset_parameters() or create those tensors in __init__")
     targets = [m for m in module.modules() if any(t.is_meta for _, _, t in _direct_tensors(m))]
-    for m in targets:
-        if not callable(getattr(m, "reset_parameters", None)):
-            names = [n for _, n, t in _direct_tensors(m) if t.is_meta]
-            raise ConfigError(f"{type(m).__name__} holds {names} built on the meta device "
-                              f"(configure_model under fsdp) but has no reset_parameters() to initialise "
-                              f"them; define reset_parameters() on it or create those tensors in __init__")
     with torch.random.fork_rng(devices=[]):
         if rng_state is not None:
             torch.set_rng_state(rng_state)

@@ -12,17 +12,19 @@ the DataModule, the callbacks.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from polytrain.callbacks.base import Callback
 from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 from polytrain.core.errors import ConfigError, RankFailedError
 from polytrain.core.rng import capture_rng_state, restore_rng_state, seed_all, user_seed
 from polytrain.parallel.float8 import convert_to_float8, has_float8_matmuls, resolve_float8
+from polytrain.parallel.fsdp import first_few, uninitialisable_on_meta
 from polytrain.trainer.api.datamodule import DataModule
 from polytrain.trainer.api.hooks import (
     CALLBACK_HOOKS,
@@ -82,7 +84,9 @@ def begin(stage: str, *, strategy: Any, hooks: Hooks, module: TrainModule, datam
     if is_overridden(module, "configure_model", TrainModule):
         # As Lightning: when defined, in every stage, so it must be idempotent; on meta the first time.
         before = [id(p) for p in module.parameters()]
-        with strategy.model_init_context() if first else contextlib.nullcontext():
+        if first:
+            _configure_model(strategy, hooks, module)
+        else:
             hooks.module("configure_model")
         if not first and [id(p) for p in module.parameters()] != before:
             raise ConfigError(
@@ -100,6 +104,31 @@ def begin(stage: str, *, strategy: Any, hooks: Hooks, module: TrainModule, datam
     if first:
         strategy.setup_module(module)
     strategy.bind_hooks(hooks.batch_plan, hooks.module_hook("backward"), phase)
+
+
+def _configure_model(strategy: Any, hooks: Hooks, module: TrainModule) -> None:
+    """The first ``configure_model``, under the strategy's init context (the meta device when it shards:
+    each rank then allocates its shards only). Layers built on meta that no ``reset_parameters()`` can
+    initialise (a library's own: Hugging Face's ``Conv1D``, ``LlamaRMSNorm``) are built again, at full size
+    on the CPU from the same RNG state, as Lightning builds them unless asked for meta: the weights equal a
+    one-process build, and the strategy shards them as it shards a model built in ``__init__``."""
+    rng = torch.get_rng_state()
+    attributes = {k: dict(v) if k in ("_modules", "_parameters", "_buffers") else v
+                  for k, v in module.__dict__.items()}
+    with strategy.model_init_context():
+        hooks.module("configure_model")
+    stuck = uninitialisable_on_meta(module)
+    if not stuck:
+        return
+    if strategy.is_global_zero:
+        log.warning("configure_model built layers on the meta device that have no reset_parameters() to "
+                    "initialise them (%s): built again at full size on the CPU, then sharded. Give them "
+                    "reset_parameters() to build on meta (each rank then holds its shards only)",
+                    first_few(stuck))
+    module.__dict__.clear()  # as before configure_model: it builds its layers again, not on meta
+    module.__dict__.update(attributes)
+    torch.set_rng_state(rng)
+    hooks.module("configure_model")
 
 
 def end(hooks: Hooks, stage: str) -> None:
