@@ -115,9 +115,12 @@ def _configure_model(strategy: Any, hooks: Hooks, module: TrainModule) -> None:
     rng = torch.get_rng_state()
     attributes = {k: dict(v) if k in ("_modules", "_parameters", "_buffers") else v
                   for k, v in module.__dict__.items()}
-    with strategy.model_init_context():
+    context = strategy.model_init_context()
+    with context:
         hooks.module("configure_model")
-    stuck = uninitialisable_on_meta(module)
+    # Only what the strategy put on meta: a module that builds on meta itself keeps its own choice
+    on_meta = isinstance(context, torch.device) and context.type == "meta"
+    stuck = uninitialisable_on_meta(module) if on_meta else []
     if not stuck:
         return
     if strategy.is_global_zero:
