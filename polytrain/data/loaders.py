@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import random
 import warnings
 from collections.abc import Callable, Iterator
@@ -337,3 +338,27 @@ def loader_length(loader: Any) -> int | None:
         return len(loader)
     except TypeError:
         return None
+
+
+def stop_workers(iterator: Any, loader: Any, keep_persistent: bool) -> None:
+    """Stop the worker processes behind a loader's iterator now that the loop is done with it.
+
+    An epoch that ends at its batch count (or a stop mid-epoch) never exhausts its iterator, so torch does
+    not stop its workers; they live until the iterator is collected. When that is the cyclic collector
+    (the loop's objects refer to each other), the iterator's queues are finalised before its ``__del__``
+    runs, the stop message never reaches the workers and torch waits out a 5 s join on each of them:
+    whatever code triggered the collection (the next fit, a training step) stalls. ``keep_persistent``:
+    between epochs of a fit, a ``persistent_workers`` loader keeps its workers, as it asks; when the fit or
+    the evaluation ends they stop too (Lightning's data fetcher tears them down likewise)."""
+    target = loader if isinstance(loader, DataLoader) else getattr(loader, "loader", None)  # EvalBatches
+    persistent = None
+    if isinstance(target, DataLoader) and target.persistent_workers:
+        persistent = getattr(target, "_iterator", None)
+    if persistent is not None and not keep_persistent:
+        persistent._shutdown_workers()
+        target._iterator = None  # the loader would hand the stopped iterator out again
+    if iterator is not None and iterator is not persistent:
+        if hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()  # a stateful loader's iterator still answers state_dict() after
+        elif inspect.isgenerator(iterator):
+            iterator.close()  # EvalBatches and the like: their own iterators are dropped with them

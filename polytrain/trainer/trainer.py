@@ -22,6 +22,7 @@ from polytrain.core import heartbeat
 from polytrain.core.errors import ConfigError
 from polytrain.core.nodes import node_range
 from polytrain.core.rank_zero import rank_zero_only
+from polytrain.data.loaders import stop_workers
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.launcher import LaunchPlan, plan_launch
 from polytrain.trainer.api.datamodule import DataModule
@@ -465,8 +466,11 @@ class Trainer:
         limit = self.data_connector.batch_limit(loader_stage, loader)
         if loader_stage == "val":  # trainer.val_dataloaders / num_val_batches show this validation's
             self.fit_loop.data.use_val(loader, limit)
-        result = self.evaluation.run(loader, loader_stage, limit, entry=stage, epoch=self.current_epoch,
-                                     global_step=self.global_step)
+        try:
+            result = self.evaluation.run(loader, loader_stage, limit, entry=stage, epoch=self.current_epoch,
+                                         global_step=self.global_step)
+        finally:  # the stage is over: a persistent_workers loader's workers stop with it
+            stop_workers(None, loader, keep_persistent=False)
         if stage == "predict":
             return result if self.predict_loop.return_predictions else None
         return [result]

@@ -22,7 +22,7 @@ import torch
 from polytrain.callbacks.prediction_writer import BasePredictionWriter
 from polytrain.core import heartbeat
 from polytrain.data.index_recording import recorded_indices, with_index_recording
-from polytrain.data.loaders import set_epoch
+from polytrain.data.loaders import set_epoch, stop_workers
 from polytrain.strategies.router import PADDING_BATCH
 from polytrain.trainer.api.hooks import is_overridden
 from polytrain.trainer.api.module import TrainModule
@@ -111,14 +111,17 @@ class EvaluationLoop:
             hooks(f"on_{word}_epoch_start")
             metrics.eval_epoch_level = False
             self.strategy.prepare_evaluation()  # every rank: what a wrapper's first evaluation forward does
-            for batch_idx, batch in enumerate(iterator):
-                if limit is not None and batch_idx >= limit:
-                    break
-                if stage == "predict":
-                    record.batch_started(loader, batch_idx)
-                output = self._eval_batch(eval_step, stage, word, batch, batch_idx, entry, sanity)
-                if output is not PADDING_BATCH and stage == "predict":
-                    record.batch_predicted(output)
+            try:
+                for batch_idx, batch in enumerate(iterator):
+                    if limit is not None and batch_idx >= limit:
+                        break
+                    if stage == "predict":
+                        record.batch_started(loader, batch_idx)
+                    output = self._eval_batch(eval_step, stage, word, batch, batch_idx, entry, sanity)
+                    if output is not PADDING_BATCH and stage == "predict":
+                        record.batch_predicted(output)
+            finally:  # a pass cut at its limit leaves workers behind; persistent ones stay for the next pass
+                stop_workers(iterator, loader, keep_persistent=True)
             result: Any = record.predictions
             if stage == "predict":
                 hooks(f"on_{word}_epoch_end")

@@ -26,6 +26,7 @@ import torch
 from polytrain.core import heartbeat
 from polytrain.core.errors import ConfigError
 from polytrain.core.rng import isolate_rng, training_streams, user_seed
+from polytrain.data.loaders import stop_workers
 from polytrain.parallel.float8 import precompute_scales_after_each_step, resolve_float8
 from polytrain.trainer.api.hooks import Hooks, is_overridden
 from polytrain.trainer.api.module import TrainModule
@@ -128,6 +129,18 @@ class FitLoop:
     # ------------------------------------------------------------------ the fit
     def run(self, collaborators: FitCollaborators, ckpt_path: str | None) -> None:
         self._take(collaborators)
+        self._first: tuple[Any, int] | None = None  # the first epoch's iterator, made before on_train_start
+        try:
+            self._fit(ckpt_path)
+        finally:
+            # However the fit ends, its loaders' workers stop now, not when the loop is collected.
+            data = self.data
+            if self._first is not None:
+                stop_workers(self._first[0], data.train_loader, keep_persistent=False)
+            stop_workers(None, data.train_loader, keep_persistent=False)
+            stop_workers(None, data.val_loader, keep_persistent=False)
+
+    def _fit(self, ckpt_path: str | None) -> None:
         cfg, hooks, data, strategy = self.config, self.hooks, self.data, self.strategy
         # This fit's loader (estimated_stepping_batches may ask for it before the fit does).
         data.train_loader, data.requested_early = None, False
@@ -166,7 +179,7 @@ class FitLoop:
         # As Lightning, a fit that starts past epoch 0 without a checkpoint (a second fit of this Trainer)
         # asks the loader for a new iterator when its first epoch starts: the one made here is dropped then.
         self._renew_first = self.progress.epoch > 0 and self.resumed.loop is None
-        self._first: tuple[Any, int] | None = self._epoch_iterator()
+        self._first = self._epoch_iterator()
         if not sanity:  # as Lightning: without a sanity check the val loader is asked for here
             self._request_val()
         self.metrics.start_stage("train", EPOCH_ONLY)
@@ -298,6 +311,8 @@ class FitLoop:
 
     def _run_epoch(self) -> None:
         p, first = self.progress, None if self._renew_first else self._first
+        if self._renew_first and self._first is not None:
+            stop_workers(self._first[0], self.data.train_loader, keep_persistent=True)
         self._first = None
         if first is None and self._reload_due("train"):
             self.data.train_loader = self.request_train_loader()
@@ -312,7 +327,10 @@ class FitLoop:
         if start and p.validation_due and start != self.data.num_training_batches:
             self._validate()  # the checkpoint was taken between a batch and its validation
             self.metrics.start_stage("train", EPOCH_ONLY)
-        complete = self.epoch_loop.run(iterator, start)
+        try:
+            complete = self.epoch_loop.run(iterator, start)
+        finally:  # before a validation starts workers of its own; persistent ones stay for the next epoch
+            stop_workers(iterator, self.data.train_loader, keep_persistent=True)
         if complete and p.validation_due:
             self._validate()
         with self.profiler.phase("epoch end"):
