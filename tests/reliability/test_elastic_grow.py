@@ -144,9 +144,12 @@ def test_two_nodes_lose_one_and_regain_one_in_one_run(tmp_path: Path) -> None:
     assert "new nodes from group_rank" in a_log, outputs  # the joining node: a membership restart
 
     starts = [e for e in events if e["event"] == "fit_start"]
-    # The final group: A's worker after one counted restart (the lost node) and one that torch does
-    # not count (the joining node), and C's first.
-    assert sorted(e["restart_count"] for e in starts[-2:]) == [0, 1], starts
+    # The final group: A's worker and C's first. torch counts a restart for each failed worker group (the
+    # lost node's, and any a loaded machine adds, e.g. a collective timing out while C's worker starts),
+    # never for the joining node: A's count is its agent's failures.
+    failures = a_log.count("attempts left; will restart worker group")
+    assert failures >= 1 and sorted(e["restart_count"] for e in starts[-2:]) == [0, failures], (starts,
+                                                                                                  outputs)
     kept = _kept_steps(_records(out, "samples"))
     assert _world_sizes(kept) == [2, 1, 2], _world_sizes(kept)
     for epoch in range(EPOCHS):
