@@ -9,7 +9,8 @@ assigns three attributes per position (no store traffic, no device sync on the h
 
 When a collective raises (a timeout, or a peer's connection closed), ``explain(exc)`` reads every
 peer's record and names the rank(s) that fell behind: the smallest sequence number, or a record
-the peer's thread stopped refreshing (the process died). A rank that raises (its own error, not a
+the peer's thread stopped refreshing (the process died). A peer on this host whose process has
+exited is named as dead even while its record is fresh (killed within one publish interval). A rank that raises (its own error, not a
 failed collective) publishes at once, synchronously, that it raised, what and at which step
 (``failed``): its thread publishes only about once a second, so a rank that fails quickly would
 otherwise leave a record of where it was a second earlier (even "step 0, in setup"), and its
@@ -29,6 +30,7 @@ import atexit
 import contextlib
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from polytrain.core.errors import DivergenceError, RankUnresponsiveError
 
 _PREFIX = "polytrain/heartbeat/"
+_HOST = socket.gethostname()
 _COLLECTIVE_ERROR_HINTS = (
     "timed out", "timeout", "connection closed", "connection reset", "broken pipe", "socket",
     "nccl", "gloo", "watchdog", "connection refused", "peer",
@@ -63,7 +66,7 @@ class _Heartbeat:
     def record(self) -> dict[str, Any]:
         return {"rank": self.rank, "step": self.step, "where": self.where, "seq": self.seq,
                 "changed_at": self.changed_at, "pushed_at": time.time(), "pid": os.getpid(),
-                "error": self.error}
+                "host": _HOST, "error": self.error}
 
     def push(self) -> None:
         self.store.set(f"{_PREFIX}{self.rank}", json.dumps(self.record()))
@@ -202,12 +205,41 @@ def describe_peers(now: float | None = None) -> tuple[list[str], dict[int, dict[
         silent = now - rec["pushed_at"]
         idle = now - rec["changed_at"]
         where = f"step {rec['step']} (last seen in {rec['where']}, {idle:.1f} s ago)"
-        if silent > stale_after:
+        if _exited(rec):
+            # Killed (SIGKILL, the OOM killer) before its record aged: its last report may lag what it ran
+            # by up to one interval, so the step is a lower bound.
+            culprits.append(f"rank {r} died: its process (pid {rec['pid']}, this host) has exited; it last "
+                            f"reported step {rec['step']} (in {rec['where']}, {idle:.1f} s ago; reports come "
+                            f"every {hb.interval_s:g} s, so it may have got further)")
+        elif silent > stale_after:
             culprits.append(f"rank {r} stopped responding at {where}; its heartbeat stopped {silent:.1f} s "
                             f"ago (the process died or is frozen)")
         elif rec["seq"] < hb.seq and rec["seq"] == min_seq:
             culprits.append(f"rank {r} stopped responding at {where}")
     return culprits, records
+
+
+def _exited(record: dict[str, Any]) -> bool:
+    """Whether the process behind a peer's record is gone: only answerable on this host (Linux's /proc
+    shows a killed child its launcher has not reaped yet as a zombie)."""
+    pid = record.get("pid")
+    if record.get("host") != _HOST or not isinstance(pid, int) or pid == os.getpid():
+        return False
+    if os.path.isdir("/proc/self"):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                return stat.read().rpartition(")")[2].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+    try:  # no /proc (macOS): signal 0 only checks that the pid exists
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def explain(exc: BaseException) -> RankUnresponsiveError | None:

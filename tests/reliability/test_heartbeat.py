@@ -5,6 +5,9 @@ and what happens when the store itself is gone. End to end it runs in ``test_fai
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -55,6 +58,53 @@ def test_a_dead_peer_is_named_as_dead(store: Any) -> None:
     text = str(heartbeat.explain(RuntimeError("Connection closed by peer [127.0.0.1]:1234")))
     figure("heartbeat diagnosis, dead peer", text.split("; rank 0")[0])
     assert "rank 1 stopped responding at step 5" in text and "heartbeat stopped" in text and "died" in text
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rpartition(")")[2].split()[0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
+def test_a_peer_killed_before_its_record_aged_is_named_as_dead(store: Any, reaped: bool) -> None:
+    """Rank 1 trained 7 steps in 0.25 s and was SIGKILLed before its thread published again (as the
+    elastic grow test's lost node): its fresh record still says "step 0, setup", which read as a rank
+    lagging there. On the same host its process is looked up: gone (or a zombie its launcher has not
+    reaped yet) means dead."""
+    heartbeat.start(0, 2, timeout_s=10.0, store=store, interval_s=1.0)
+    heartbeat.beat(7, "backward")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    if reaped:
+        dead.wait()
+    else:
+        while _state(dead.pid) != "Z":  # exited, not yet waited for
+            time.sleep(0.05)
+    now = time.time()
+    store.set("polytrain/heartbeat/1", json.dumps({
+        "rank": 1, "step": 0, "where": "setup", "seq": 1, "changed_at": now - 1.8, "pushed_at": now - 0.5,
+        "pid": dead.pid, "host": socket.gethostname()}))
+    text = str(heartbeat.explain(RuntimeError("Connection closed by peer [127.0.0.1]:1234")))
+    dead.wait()
+    figure(f"heartbeat diagnosis, peer killed within an interval ({'reaped' if reaped else 'zombie'})",
+           text.split("; rank 0")[0])
+    assert f"rank 1 died: its process (pid {dead.pid}, this host) has exited; it last reported step 0" in text
+    assert "stopped responding" not in text and "rank 0 waited in backward at step 7" in text, text
+
+
+@pytest.mark.timeout(60)
+def test_a_live_peer_on_this_host_is_not_called_dead(store: Any) -> None:
+    heartbeat.start(0, 2, timeout_s=10.0, store=store, interval_s=0.2)
+    heartbeat.beat(3, "backward")
+    now = time.time()
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) as alive:
+        store.set("polytrain/heartbeat/1", json.dumps({
+            "rank": 1, "step": 2, "where": "training_step", "seq": 0, "changed_at": now - 5.0,
+            "pushed_at": now, "pid": alive.pid, "host": socket.gethostname()}))
+        text = str(heartbeat.explain(RuntimeError("[gloo] Timed out waiting 10000ms for recv")))
+        alive.kill()
+    assert "rank 1 stopped responding at step 2 (last seen in training_step" in text, text
+    assert "died" not in text, text
 
 
 @pytest.mark.timeout(60)
