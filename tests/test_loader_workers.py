@@ -20,6 +20,8 @@ import torch
 from conftest import TinyModule
 from torch.utils.data import DataLoader, Dataset
 
+from polytrain.callbacks import BasePredictionWriter
+
 
 class PidDataset(Dataset):
     """Each sample carries the pid of the process that loaded it."""
@@ -102,9 +104,22 @@ def test_a_fit_that_raises_leaves_no_worker_running(make_trainer: Any) -> None:
     assert not _live_workers(), [p.pid for p in _live_workers()]
 
 
+class Writer(BasePredictionWriter):
+    def write_on_batch_end(self, *args: Any) -> None:
+        pass
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("persistent", [False, True])
-def test_an_evaluation_cut_at_its_limit_leaves_no_worker_running(make_trainer: Any, persistent: bool) -> None:
-    trainer = make_trainer(limit_val_batches=2)
-    trainer.validate(WorkerModule(persistent=persistent))
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent"])
+@pytest.mark.parametrize("call", ["validate", "test", "predict"])
+def test_an_evaluation_cut_at_its_limit_leaves_no_worker_running(make_trainer: Any, persistent: bool,
+                                                                 call: str) -> None:
+    module = WorkerModule(persistent=persistent)
+    module.test_dataloader = module.predict_dataloader = module.val_dataloader  # type: ignore[method-assign]
+    module.test_step = module.validation_step  # type: ignore[method-assign]
+    module.predict_step = lambda batch, batch_idx: module(batch[0])  # type: ignore[method-assign]
+    # predict with a writer iterates a loader rebuilt to record its batches' indices
+    trainer = make_trainer(limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2,
+                           callbacks=[Writer()] if call == "predict" else [])
+    getattr(trainer, call)(module)
     assert not _live_workers(), [p.pid for p in _live_workers()]

@@ -120,8 +120,10 @@ class EvaluationLoop:
                     output = self._eval_batch(eval_step, stage, word, batch, batch_idx, entry, sanity)
                     if output is not PADDING_BATCH and stage == "predict":
                         record.batch_predicted(output)
-            finally:  # a pass cut at its limit leaves workers behind; persistent ones stay for the next pass
-                stop_workers(iterator, loader, keep_persistent=True)
+            finally:
+                # A pass cut at its limit leaves workers behind. Persistent ones stay for the fit's next
+                # validation (a validate() call stops them when it returns); test and predict are one pass.
+                stop_workers(iterator, loader, keep_persistent=stage == "val")
             result: Any = record.predictions
             if stage == "predict":
                 hooks(f"on_{word}_epoch_end")
