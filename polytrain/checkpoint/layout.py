@@ -29,7 +29,7 @@ import torch
 from polytrain.checkpoint.integrity import verify_directory, verify_file
 from polytrain.checkpoint.reading import META_FILE
 from polytrain.checkpoint.unpickler import METADATA_FILE
-from polytrain.core.errors import CheckpointError, ConfigError
+from polytrain.core.errors import CheckpointError, ConfigError, first_few
 from polytrain.core.files import replace_text
 
 log = logging.getLogger("polytrain")
@@ -252,8 +252,7 @@ def existing_checkpoints(root: str, limit: int = 6) -> str:
              for path in candidates(checkpoint_dir(run))]
     if not found:
         return f"There is no checkpoint under {root}"
-    more = f" and {len(found) - limit} more" if len(found) > limit else ""
-    return f"Checkpoints under {root}: {', '.join(found[:limit])}{more}"
+    return f"Checkpoints under {root}: {first_few(found, limit)}"
 
 
 def recorded_best(root: str, version: int | str | None = None) -> str | None:

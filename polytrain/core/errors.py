@@ -39,3 +39,9 @@ class RankFailedError(Exception):
     """Another rank raised in a step every rank takes together (``prepare_data``); the message carries that
     rank's traceback, so whichever rank's error a launcher reports first shows the real one. Not a
     ``RuntimeError``: the text of the original error must never pass for a failed collective."""
+
+
+def first_few(names: list[str], shown: int = 3) -> str:
+    """``names`` for a message: the first ``shown``, then how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

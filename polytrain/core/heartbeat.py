@@ -10,13 +10,13 @@ assigns three attributes per position (no store traffic, no device sync on the h
 When a collective raises (a timeout, or a peer's connection closed), ``explain(exc)`` reads every
 peer's record and names the rank(s) that fell behind: the smallest sequence number, or a record
 the peer's thread stopped refreshing (the process died). A peer on this host whose process has
-exited is named as dead even while its record is fresh (killed within one publish interval). A rank that raises (its own error, not a
-failed collective) publishes at once, synchronously, that it raised, what and at which step
-(``failed``): its thread publishes only about once a second, so a rank that fails quickly would
-otherwise leave a record of where it was a second earlier (even "step 0, in setup"), and its
-peers would report it as lagging there. The Trainer re-raises a failed collective as
-``RankUnresponsiveError`` chained to the original error, so the launcher's failure summary says
-who stopped responding and where, e.g.::
+exited is named as dead even while its record is fresh (killed within one publish interval). A
+rank that raises (its own error, not a failed collective) publishes at once, synchronously, that
+it raised, what and at which step (``failed``): its thread publishes only about once a second, so
+a rank that fails quickly would otherwise leave a record of where it was a second earlier (even
+"step 0, in setup"), and its peers would report it as lagging there. The Trainer re-raises a
+failed collective as ``RankUnresponsiveError`` chained to the original error, so the launcher's
+failure summary says who stopped responding and where, e.g.::
 
     rank 1 stopped responding at step 7 (last seen in training_step, 10.2 s ago); rank 0 waited
     in backward at step 7 until the collective timed out (trainer.timeout=10s)

@@ -15,7 +15,7 @@ from torch import nn
 
 from polytrain.core import collectives as C
 from polytrain.core import lazy
-from polytrain.core.errors import ConfigError
+from polytrain.core.errors import ConfigError, first_few
 
 # --------------------------------------------------------------------------- wrapping
 
@@ -132,12 +132,6 @@ def uninitialisable_on_meta(module: nn.Module) -> list[str]:
         if on_meta and not callable(getattr(m, "reset_parameters", None)):
             stuck.append(f"{type(m).__name__} {on_meta}")
     return stuck
-
-
-def first_few(names: list[str], shown: int = 3) -> str:
-    """``names`` for a message: the first ``shown``, then how many more."""
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
 
 
 def materialize_meta(module: nn.Module, device: torch.device, rng_state: torch.Tensor | None) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from polytrain.core.errors import ConfigError
+from polytrain.core.errors import ConfigError, first_few
 
 
 class PipelineSplitError(ConfigError):
@@ -47,7 +47,7 @@ def check_params_inside(module: nn.Module, seq_name: str) -> None:
     """Parameters outside the pipelined Sequential would never be trained: refuse them."""
     outside = [n for n, _ in module.named_parameters() if not n.startswith(seq_name + ".")]
     if outside:
-        shown = ", ".join(outside[:5]) + (f" (+{len(outside) - 5} more)" if len(outside) > 5 else "")
+        shown = first_few(outside, 5)
         raise PipelineSplitError(
             f"{type(module).__name__} has {len(outside)} parameter(s) outside the pipelined nn.Sequential "
             f"'{seq_name}': {shown}. Under pipeline parallelism every trained layer must be a child of "
