@@ -20,7 +20,7 @@ import torch
 from conftest import TinyModule
 from torch.utils.data import DataLoader, Dataset
 
-from polytrain.callbacks import BasePredictionWriter
+from polytrain.callbacks import BasePredictionWriter, Callback
 
 
 class PidDataset(Dataset):
@@ -87,6 +87,36 @@ def test_persistent_workers_serve_every_epoch_then_end_with_the_fit(make_trainer
     assert module.pids_by_epoch[0] == module.pids_by_epoch[1] == module.pids_by_epoch[2]  # kept, as asked
     assert len(module.pids_by_epoch[0]) == 2
     assert not _live_workers(), [p.pid for p in _live_workers()]
+
+
+@pytest.mark.timeout(120)
+def test_reloaded_loaders_stop_the_persistent_workers_of_the_ones_they_replace(make_trainer: Any) -> None:
+    module = WorkerModule(persistent=True)
+    loaders: list[DataLoader] = []
+    build = module._loader
+
+    def recorded(n: int) -> DataLoader:
+        loaders.append(build(n))
+        return loaders[-1]
+
+    module._loader = recorded  # type: ignore[method-assign]
+    make_trainer(max_epochs=3, limit_val_batches=2, reload_dataloaders_every_n_epochs=1,
+                 callbacks=[AliveAtEpochStart(loaders)]).fit(module)
+    assert len(loaders) == 6  # a train and a val loader for each epoch
+    assert len(set().union(*module.pids_by_epoch.values())) == 6  # two workers each epoch, new ones each
+    assert not _live_workers(), [p.pid for p in _live_workers()]
+
+
+class AliveAtEpochStart(Callback):
+    """How many worker processes are alive as each epoch's batches start: never more than the current
+    train and val loaders' (an old loader's persistent workers are stopped when it is replaced)."""
+
+    def __init__(self, loaders: list[DataLoader]) -> None:
+        self.loaders = loaders
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            assert len(_live_workers()) <= 4, len(_live_workers())
 
 
 @pytest.mark.timeout(120)

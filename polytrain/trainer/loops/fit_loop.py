@@ -315,6 +315,7 @@ class FitLoop:
             stop_workers(self._first[0], self.data.train_loader, keep_persistent=True)
         self._first = None
         if first is None and self._reload_due("train"):
+            stop_workers(None, self.data.train_loader, keep_persistent=False)  # the loader being replaced
             self.data.train_loader = self.request_train_loader()
         self.metrics.start_stage("train", EPOCH_ONLY)
         self.hooks("on_train_epoch_start")
@@ -351,6 +352,7 @@ class FitLoop:
 
     def _request_val(self) -> None:
         data, loaders = self.data, self.loaders
+        stop_workers(None, data.val_loader, keep_persistent=False)  # the loader being replaced, if any
         val_loader = None if loaders.disabled("val") else loaders.request("val")
         data.use_val(val_loader, loaders.batch_limit("val", val_loader) if val_loader is not None else 0)
 
