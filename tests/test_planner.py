@@ -538,14 +538,15 @@ def test_the_cpu_kernel_is_flash_without_dropout_and_math_with_it(dropout: float
 
 
 def test_the_memory_is_the_peak_over_the_steps_phases() -> None:
-    """Beyond the state, activations and FSDP's buffers, the busiest phase's transients: in backward, a
-    child's largest saved activation's gradient beside its largest parameter's fresh gradient (none under
-    FSDP: its unsharded gradients are its buffers); at the optimizer step, Adam's temporaries once the
+    """Beyond the state, activations and FSDP's buffers, the busiest phase's transients: in backward, what a
+    child's backward allocates at its peak beside its largest parameter's fresh gradient (none under FSDP:
+    its unsharded gradients are its buffers), and beside its recompute when it is checkpointed (not the
+    loss's backward: no block is recomputed then); at the optimizer step, Adam's temporaries once the
     activations are freed (every parameter at once, foreach, or the largest one)."""
-    def child(saved: int, largest_saved: int, largest_param: int) -> ChildProfile:
-        return ChildProfile(name="b", kind="Block", params=1000, tp_params=0, saved_bytes=saved,
+    def child(saved: int, backward: int, largest_param: int, kind: str = "Block") -> ChildProfile:
+        return ChildProfile(name="b", kind=kind, params=1000, tp_params=0, saved_bytes=saved,
                             input_bytes=0, output_bytes=0, flops=0, tp_allreduce_bytes=0,
-                            largest_saved_bytes=largest_saved, largest_param=largest_param)
+                            backward_bytes=backward, largest_param=largest_param)
 
     big_activations = ModelProfile(tp=1, children=(child(5000, 3000, 600), child(5000, 1000, 900)), seq_len=1,
                                    param_bytes=4)
@@ -563,6 +564,22 @@ def test_the_memory_is_the_peak_over_the_steps_phases() -> None:
     assert adam["transients"] == 2000 * 4 - adam["activations"]  # sqrt(exp_avg_sq), all at once
     one_by_one = Training(global_batch=4, precision="32", optimizer="adamw", foreach=False)
     assert stage_memories(Layout(), one_by_one, small_activations)[0]["transients"] == 4 * 10 + 900 * 4
+
+    # Two checkpointed blocks (each brings back its 5000 saved bytes a sample) and a loss whose backward
+    # allocates 8000: activations hold the blocks' inputs (0 here) and one block's recompute; the loss's
+    # backward runs before any recompute, so its phase is 4 x 8000, not 4 x 5000 + 4 x 8000.
+    with_loss = ModelProfile(tp=1, children=(child(5000, 1000, 10), child(5000, 1000, 10),
+                                             child(100, 8000, 10, kind="Head")), seq_len=1, param_bytes=4)
+    [checkpointed] = stage_memories(Layout(dp_shard=2, activation_checkpointing=True),
+                                    Training(global_batch=8, precision="32", optimizer="sgd"), with_loss)
+    assert checkpointed["activations"] == 4 * 100 + 4 * 5000
+    assert checkpointed["activations"] + checkpointed["transients"] == 4 * 100 + 4 * 8000
+    # A block's phase decides when its recompute and backward outgrow the loss's: 5000 + 4000 > 8000
+    heavy_blocks = ModelProfile(tp=1, children=(child(5000, 4000, 10), child(5000, 4000, 10),
+                                                child(100, 8000, 10, kind="Head")), seq_len=1, param_bytes=4)
+    [blocks] = stage_memories(Layout(dp_shard=2, activation_checkpointing=True),
+                              Training(global_batch=8, precision="32", optimizer="sgd"), heavy_blocks)
+    assert blocks["activations"] + blocks["transients"] == 4 * 100 + 4 * (5000 + 4000)
 
 
 def test_a_mixed_precision_profile_is_traced_under_autocast() -> None:

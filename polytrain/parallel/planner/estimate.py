@@ -213,9 +213,9 @@ def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, chunks: list
                        for i in range(lo, hi))
                for n, (lo, hi) in zip(flights, chunks))
     # A checkpointed block's backward brings back what it did not keep (one block at a time)
-    recompute = max((micro * (prof.children[i].saved_bytes - (prof.children[i].op_kept_bytes if op else 0))
-                     + prof.children[i].cast_bytes for lo, hi in chunks for i in range(lo, hi) if ckpt[i]),
-                    default=0)
+    recomputes = [micro * (prof.children[i].saved_bytes - (prof.children[i].op_kept_bytes if op else 0))
+                  + prof.children[i].cast_bytes if ckpt[i] else 0 for lo, hi in chunks for i in range(lo, hi)]
+    recompute = max(recomputes, default=0)
     activations = math.ceil(kept + recompute)
     params = math.ceil(held * master)
     buffers = _fsdp_buffers(lay, prof, held * lay.fsdp, units, master, train.reshards(lay.pp))
@@ -227,27 +227,32 @@ def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, chunks: list
         "optimizer": math.ceil(held * master * OPTIMIZER_STATES[train.optimizer]),
         "fsdp_buffers": buffers,
         "activations": activations,
-        "transients": _transients(lay, train, kids, micro, master, params, activations + buffers),
+        "transients": _transients(lay, train, kids, recomputes, micro, master, params,
+                                  activations + buffers),
     }
 
 
-def _transients(lay: Layout, train: Training, kids: list[ChildProfile], micro: int, master: int,
-                params: int, freed_by_step: int) -> int:
+def _transients(lay: Layout, train: Training, kids: list[ChildProfile], recomputes: list[float], micro: int,
+                master: int, params: int, freed_by_step: int) -> int:
     """What the step's busiest phase holds beyond the terms above (memory is the peak over the phases):
 
-    - backward, at each child: the gradient of its largest saved activation (with the loss: the logits'),
-      and, without FSDP, its largest parameter's fresh gradient before it is added into the kept one
-      (FSDP's unsharded gradients are in ``fsdp_buffers``);
+    - backward, at each child: what its backward allocates at its peak (``backward_bytes``, measured on
+      meta: the gradient arriving, those it makes, their temporaries; with the loss, two tensors as large
+      as the logits) beside its recompute when it is checkpointed (``activations`` already holds the
+      largest recompute, which only a checkpointed block's backward has live: the loss's backward comes
+      before any), and, without FSDP, its largest parameter's fresh gradient before it is added into the
+      kept one (FSDP's unsharded gradients are in ``fsdp_buffers``);
     - the optimizer step: its temporaries (``STEP_TEMPORARIES``), once activations and FSDP's buffers
       are freed.
     Gradients count as allocated through the whole step (as from the second micro-batch on): after
     ``zero_grad(set_to_none=True)`` the first backward allocates them as it frees activations, so for
     that backward the sum is an upper bound."""
     fresh = max(c.largest_param for c in kids) * master if lay.fsdp == 1 else 0
-    backward = max(micro * c.largest_saved_bytes for c in kids) + fresh
+    backward = (max(rec + micro * c.backward_bytes for c, rec in zip(kids, recomputes)) - max(recomputes)
+                + fresh)
     stepped = params if train.foreach else math.ceil(max(c.largest_param for c in kids) * master / lay.fsdp)
     step = stepped * STEP_TEMPORARIES[train.optimizer] - freed_by_step
-    return max(backward, step, 0)
+    return math.ceil(max(backward, step, 0))
 
 
 def _stage_units(lay: Layout, train: Training, prof: ModelProfile, chunks: list[tuple[int, int]]

@@ -39,6 +39,7 @@ import contextlib
 import copy
 import functools
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from polytrain.core import lazy
 from polytrain.core.errors import ConfigError
@@ -88,13 +89,16 @@ class ChildProfile:
     # The largest FSDP unit inside it, as one TP rank holds it; 0: the child is one unit. A model profiled
     # whole is sharded block by block (``blocks_to_wrap``), the rest in the root unit.
     fsdp_unit_params: int = 0
-    # Backward's transients (estimate.py): the largest activation it saves, per sample (backward makes a
-    # gradient as large beside it: with the loss, the logits'), and its largest parameter as one TP rank
-    # holds it (a fresh gradient before it is added into the kept one).
-    largest_saved_bytes: int = 0
+    # Backward's transients (estimate.py): the most bytes its backward has allocated at once, per sample,
+    # beside what forward saved (less what it has freed by then): the gradients it makes and their
+    # temporaries (with a loss: the logits' gradient and log-softmax's, two tensors as large as the logits),
+    # measured by running that backward on meta (``_backward_peak``; where it cannot run, a CUDA trace on a
+    # machine without CUDA, its largest saved activation, whose gradient backward makes); and its largest
+    # parameter as one TP rank holds it (a fresh gradient before it is added into the kept one).
+    backward_bytes: int = 0
     largest_param: int = 0
     # Under autocast: the casts of its weights it saves (autocast's cache, kept for backward), per
-    # micro-batch: they do not grow with the batch. Not in ``saved_bytes`` nor ``largest_saved_bytes``.
+    # micro-batch: they do not grow with the batch. Not in ``saved_bytes``.
     cast_bytes: int = 0
 
 
@@ -305,7 +309,7 @@ class _SavedCounter:
         self.cast_total = 0  # of autocast's weight casts (``casts``), not in ``total``
         self.sharded = 0  # saved while inside a SequenceParallel module
         self.in_sp = 0
-        self.largest = 0  # the largest storage it saved: backward makes a gradient as large beside it
+        self.largest = 0  # the largest storage it saved (backward's stand-in where it cannot run)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage()._cdata
@@ -317,6 +321,8 @@ class _SavedCounter:
             size = t.untyped_storage().nbytes()
             self.total += size
             self.largest = max(self.largest, size)
+            # Backward frees what forward saved as it goes: the measured backward counts it (_Allocations)
+            weakref.finalize(t.untyped_storage(), _saved_freed, key, size)
             self.sharded += size if self.in_sp else 0
         return t
 
@@ -334,6 +340,7 @@ class _Traced:
     op_kept: int = 0
     op_recompute: int = 0
     op_recompute_matmul: int = 0
+    backward: int = 0  # the peak bytes its backward allocates (``_backward_peak``)
     largest: int = 0  # bytes of the largest activation it saved
     casts: int = 0  # bytes of the weight casts it saved (autocast)
 
@@ -382,6 +389,102 @@ def _linear_hooks(child: nn.Module, planned: dict[str, str], traced: _Traced) ->
     return handles
 
 
+# The _Allocations measuring now: a saved tensor freed while one is active is counted there
+_MEASURING: list[_Allocations] = []
+
+
+def _saved_freed(key: int, nbytes: int) -> None:
+    for allocations in _MEASURING:
+        allocations.events.append((key, -nbytes))
+
+
+class _Allocations(TorchDispatchMode):
+    """The storages ops make while it is active, in order, and when each is freed (a weakref on the
+    storage fires when the last tensor on it goes), with the saved tensors backward frees as it goes
+    (``_SavedCounter`` registered them): what a backward allocates beyond what forward saved, on meta."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[int, int]] = []  # (storage, +bytes when made, -bytes when freed)
+        self.alive: set[int] = set()
+
+    def __enter__(self) -> _Allocations:
+        _MEASURING.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _MEASURING.remove(self)
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        given = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in given or key in self.alive:  # a view, or an in-place op's result: nothing new
+                continue
+            self.alive.add(key)
+            self.events.append((key, storage.nbytes()))
+            weakref.finalize(storage, self._freed, key, storage.nbytes())
+        return out
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.alive.discard(key)
+        self.events.append((key, -nbytes))
+
+    def peak(self, leaving_out: set[int]) -> int:
+        """The most bytes alive at once beyond what was alive before, ``leaving_out`` some storages
+        (gradients counted elsewhere): saved tensors freed early make room for what comes after."""
+        live = top = 0
+        for key, nbytes in self.events:
+            if key not in leaving_out:
+                live += nbytes
+                top = max(top, live)
+        return top
+
+
+def _backward_peak(run: _AsRun, output: Any, inputs: list[torch.Tensor], incoming: Any = None,
+                   parameters: bool = False) -> tuple[int | None, Any]:
+    """Run the backward from ``output`` to ``inputs`` on meta (inside ``run``), as training does (outside
+    autocast), from the gradient arriving (``incoming``; a scalar loss's when None): the most bytes it has
+    allocated at once, and the gradients of ``inputs`` (what arrives at the child before). The arriving
+    gradient is not counted: a block's residual passes it on, and autograd adds the branch's gradient into
+    it in place (the trace, holding it, makes a new sum instead, which it counts). With ``parameters`` the
+    inputs are parameters: their gradients are counted elsewhere (``grads``, and one fresh gradient in
+    ``_transients``), so they are left out of the peak, though the temporaries that make them are not.
+
+    None where autograd's engine cannot run it: on fake CUDA tensors (a CUDA mixed-precision trace) on a
+    machine with no CUDA device, the engine asks the device for its context."""
+    outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    wanted = [t for t in inputs if t.requires_grad]
+    if not outs or not wanted:
+        return 0, None
+    if any(t.device.type == "cuda" for t in outs) and not torch.cuda.is_available():
+        return None, None
+    if incoming is None:
+        incoming = [torch.empty_like(t) if t.dim() else None for t in outs]
+    elif isinstance(incoming, torch.Tensor):
+        incoming = [incoming]
+    outside_autocast = (torch.autocast(run.device_type, enabled=False) if run.dtype is not None
+                        else contextlib.nullcontext())
+    with outside_autocast, _Allocations() as made:
+        grads = torch.autograd.grad(outs, wanted, incoming, allow_unused=True)
+    leaving_out = {g.untyped_storage()._cdata for g in grads if g is not None} if parameters else set()
+    return made.peak(leaving_out), grads[0] if len(grads) == 1 else grads
+
+
+def _gathered(shard: torch.Tensor, tp: int) -> torch.Tensor:
+    """A column-parallel layer's output as the all-gather returns it: ``tp`` shards side by side. It stays in
+    the autograd graph (what consumes it, a loss over the whole vocabulary, saves its tensors as in training;
+    a fresh empty tensor would cut the graph and drop them); ``cat`` itself saves nothing."""
+    return torch.cat([shard] * tp, dim=-1)
+
+
 def _trace_child(child: nn.Module, x: Any, planned: dict[str, str], tp: int, seen: set[int],
                  casts: set[int] | None = None) -> _Traced:
     """Run one child on meta: its output, saved bytes, FLOPs (all, Linear, split Linear), all-reduce bytes.
@@ -404,9 +507,9 @@ def _trace_child(child: nn.Module, x: Any, planned: dict[str, str], tp: int, see
         sub = child.get_submodule(name)
         if style == "RowwiseParallel":
             handles.append(sub.register_forward_hook(count_reduced))
-        elif style == COLWISE_GATHERED:
+        elif style == COLWISE_GATHERED and tp > 1:
             def gather(m: nn.Module, i: Any, o: torch.Tensor) -> torch.Tensor:
-                whole = o.new_empty(*o.shape[:-1], o.shape[-1] * tp)  # the shards, all-gathered
+                whole = _gathered(o, tp)
                 reduced[0] += _nbytes(whole)  # counted as an all-reduce's payload: an upper bound
                 return whole
             handles.append(sub.register_forward_hook(gather))
@@ -542,7 +645,7 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
     run = _AsRun(precision, device, seq)
     traced_seq = run.module(seq)
     seen = _storages(traced_seq.parameters())
-    x, children, traces = run.value(example), [], []
+    x, children, traces, inputs = run.value(example), [], [], []
     # One autocast region for the whole forward, as training's step: a weight's cast is made once
     with run:
         for index, (name, child) in enumerate(traced_seq.named_children()):
@@ -552,12 +655,19 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
             sp = tp > 1 and "SequenceParallel" in local.values()
             input_bytes = math.ceil(_nbytes(x) / tp) if sp else _nbytes(x)
             t = _trace_child(child, x, local, tp, seen, run.casts)
+            output_bytes = _nbytes(t.out)
             if loss is not None and index == len(seq) - 1:
                 lt = _trace_child(_Fn(loss), t.out, {}, tp, seen, run.casts)
                 t.out, t.saved, t.flops = lt.out, t.saved + lt.saved, t.flops + lt.flops
                 t.largest, t.casts = max(t.largest, lt.largest), t.casts + lt.casts
-            traces.append((t, input_bytes, sp, _nbytes(t.out)))
+            traces.append((t, input_bytes, sp, output_bytes))
+            inputs.append(x)
             x = t.out
+        # Backward, child by child from the loss (or the last output), each from the gradient the next made
+        incoming = None
+        for (t, *_), child_input in zip(reversed(traces), reversed(inputs)):
+            peak, incoming = _backward_peak(run, t.out, [child_input], incoming)
+            t.backward = t.largest if peak is None else peak
     for index, ((name, child), (t, input_bytes, sp, output_bytes)) in enumerate(zip(seq.named_children(),
                                                                                     traces)):
         n_split, n_whole = counts[index]
@@ -571,7 +681,7 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
                                      op_kept_bytes=t.op_kept,
                                      op_recompute_flops=t.op_recompute,
                                      op_recompute_matmul_flops=t.op_recompute_matmul,
-                                     largest_saved_bytes=t.largest, largest_param=_largest_param(child),
+                                     backward_bytes=t.backward, largest_param=_largest_param(child),
                                      cast_bytes=t.casts))
     seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
     first = next(traced_seq.parameters(), None)  # as trained: bf16-true converts the model
@@ -603,6 +713,9 @@ def profile_whole(module: nn.Module, batch: list[torch.Tensor], why: str, tp: in
         with run:
             t = _trace_child(step, None, {f"module.{k}": v for k, v in planned.items()}, tp,
                              _storages(traced.parameters()), run.casts)
+            # Nothing flows back to a batch: the backward runs to the parameters, their gradients left out
+            peak, _ = _backward_peak(run, t.out, list(traced.parameters()), parameters=True)
+            t.backward = t.largest if peak is None else peak
     linear_params = sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
     child = ChildProfile(name=type(module).__name__, kind=type(module).__name__, params=n_split + n_whole,
                          tp_params=n_split, saved_bytes=t.saved, input_bytes=_nbytes(batch), output_bytes=0,
@@ -611,7 +724,7 @@ def profile_whole(module: nn.Module, batch: list[torch.Tensor], why: str, tp: in
                          tp_linear_flops=t.tp_linear_flops, linear_params=linear_params,
                          op_kept_bytes=t.op_kept, op_recompute_flops=t.op_recompute,
                          op_recompute_matmul_flops=t.op_recompute_matmul,
-                         fsdp_unit_params=max([root, *blocks]), largest_saved_bytes=t.largest,
+                         fsdp_unit_params=max([root, *blocks]), backward_bytes=t.backward,
                          largest_param=_largest_param(module), cast_bytes=t.casts)
     example = batch[0]
     seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
@@ -666,7 +779,7 @@ def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1,
         twin = run.module(module)
         step = _TrainingStep(twin, run.value(batch))
         with run:
-            traced, inputs = _trace_segments(step, [twin.get_submodule(names[id(b)]) for b in blocks],
+            traced, inputs = _trace_segments(run, step, [twin.get_submodule(names[id(b)]) for b in blocks],
                                              {f"module.{k}": v for k, v in planned.items()}, tp,
                                              _storages(twin.parameters()), run.casts)
     label = ["before " + names[id(blocks[0])], *(names[id(b)] for b in blocks),
@@ -683,7 +796,7 @@ def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1,
             linear_inputs=t.linear_inputs, linear_outputs=t.linear_outputs,
             linear_params=linears[index], op_kept_bytes=t.op_kept, op_recompute_flops=t.op_recompute,
             op_recompute_matmul_flops=t.op_recompute_matmul, fsdp_unit_params=root if glue else 0,
-            largest_saved_bytes=t.largest, largest_param=largest[index], cast_bytes=t.casts))
+            backward_bytes=t.backward, largest_param=largest[index], cast_bytes=t.casts))
     last = len(children) - 1
     example = batch[0]
     seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
@@ -726,14 +839,18 @@ class _FlopsHere(TorchDispatchMode):
         return out
 
 
-def _trace_segments(step: nn.Module, blocks: list[nn.Module], planned: dict[str, str], tp: int,
+def _trace_segments(run: _AsRun, step: nn.Module, blocks: list[nn.Module], planned: dict[str, str], tp: int,
                     seen: set[int], casts: set[int] | None = None) -> tuple[list[_Traced], list[int]]:
-    """Run the step on meta once, attributing what ``_trace_child`` measures to the glue before the first
-    block, each block (with the glue up to the next), and the glue after the last (the loss with it).
-    Also returns the bytes of each block's input (its first tensor argument: what a pipeline sends)."""
+    """Run the step on meta once (inside ``run``), attributing what ``_trace_child`` measures to the glue
+    before the first block, each block (with the glue up to the next), and the glue after the last (the
+    loss with it); then its backward, segment by segment from the loss (``_backward_peak``). Also returns
+    the bytes of each block's input (its first tensor argument: what a pipeline sends)."""
     segments = [_Traced(None, 0, 0, 0) for _ in range(len(blocks) + 2)]
     counters = [_SavedCounter(seen, casts) for _ in segments]
     current, inputs = [0], [0] * len(blocks)
+    # Where each segment's backward starts and ends: the blocks' inputs, and the last block's output
+    starts: list[torch.Tensor | None] = [None] * len(blocks)
+    last_output: list[torch.Tensor | None] = [None]
     here = _Current(segments, current)
 
     def enter(index: int) -> Any:
@@ -741,10 +858,15 @@ def _trace_segments(step: nn.Module, blocks: list[nn.Module], planned: dict[str,
             current[0] = index + 1
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
             inputs[index] = _nbytes(tensors[0]) if tensors else 0
+            starts[index] = tensors[0] if tensors else None
         return hook
 
+    def leave_last(m: nn.Module, i: Any, o: Any) -> None:
+        current[0] = len(blocks) + 1
+        last_output[0] = next((t for t in tree_leaves(o) if isinstance(t, torch.Tensor)), None)
+
     handles = [block.register_forward_pre_hook(enter(i), with_kwargs=True) for i, block in enumerate(blocks)]
-    handles.append(blocks[-1].register_forward_hook(lambda m, i, o: current.__setitem__(0, len(blocks) + 1)))
+    handles.append(blocks[-1].register_forward_hook(leave_last))
     handles += _linear_hooks(step, planned, here)
     for name, style in planned.items():
         sub = step.get_submodule(name)
@@ -752,21 +874,31 @@ def _trace_segments(step: nn.Module, blocks: list[nn.Module], planned: dict[str,
             def reduce(m: nn.Module, i: Any, o: torch.Tensor) -> None:
                 here.reduced += _nbytes(o)
             handles.append(sub.register_forward_hook(reduce))
-        elif style == COLWISE_GATHERED:
+        elif style == COLWISE_GATHERED and tp > 1:
             def gather(m: nn.Module, i: Any, o: torch.Tensor) -> torch.Tensor:
-                whole = o.new_empty(*o.shape[:-1], o.shape[-1] * tp)
+                whole = _gathered(o, tp)
                 here.reduced += _nbytes(whole)  # as in _trace_child: an all-reduce's payload, an upper bound
                 return whole
             handles.append(sub.register_forward_hook(gather))
     try:
         with (torch.autograd.graph.saved_tensors_hooks(lambda t: counters[current[0]].pack(t), lambda t: t),
               _FlopsHere(here), _OpSelectionReplay(here)):  # type: ignore[arg-type]
-            step(None)
+            loss = step(None)
     finally:
         for h in handles:
             h.remove()
     for segment, counter in zip(segments, counters):
         segment.saved, segment.largest, segment.casts = counter.total, counter.largest, counter.cast_total
+    # The glue before the first block gets no gradient to pass on (its input is the batch): its backward is
+    # its parameters' gradients, costed apart (a fresh one in ``_transients``)
+    ends = [*starts[1:], last_output[0], loss]
+    incoming = None
+    for index in range(len(segments) - 1, 0, -1):
+        start = last_output[0] if index == len(segments) - 1 else starts[index - 1]
+        if start is None or ends[index - 1] is None:
+            break
+        peak, incoming = _backward_peak(run, ends[index - 1], [start], incoming)
+        segments[index].backward = segments[index].largest if peak is None else peak
     return segments, inputs
 
 

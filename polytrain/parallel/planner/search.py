@@ -222,8 +222,9 @@ def format_table(plan: Plan, top: int = 10, show_rejected: int = 20, capacity: f
     if shown:
         lines.append("     columns: memory a rank holds by term (parameters, gradients, optimizer state, "
                      "FSDP's gathered buffers, activations kept for backward, the busiest phase's "
-                     "transients: a gradient beside the largest saved activation, or the optimizer "
-                     "step's temporaries) and in total, its peak; step s: predicted "
+                     "transients: what a backward allocates beside a block's recompute, the loss's "
+                     "logits-sized gradients, or the optimizer step's temporaries) and in total, its "
+                     "peak; step s: predicted "
                      "seconds per optimizer step; bubble: a pipeline's idle share; tokens/s and samples/s "
                      "for the whole job; sent/step: bytes the busiest rank sends per step")
     if capacity and shown:
