@@ -3,7 +3,10 @@
 
 One ``nn.Sequential`` (embedding, blocks, final norm, head), grouped-query attention through
 ``F.scaled_dot_product_attention``, SwiGLU MLP, and torchtitan's tensor-parallel plan: q/k/v, w1, w3
-and the head column-parallel, wo and w2 row-parallel, the norms sequence-parallel.
+and the head column-parallel, wo and w2 row-parallel, the norms sequence-parallel. The loss is
+torchtitan's (cross-entropy on the logits cast to fp32); under tensor parallelism, where each rank holds
+its shard of the vocabulary, it is computed as torch's loss parallelism computes it (the runs'
+default), whose backward makes other temporaries than cross-entropy's.
 """
 
 from __future__ import annotations
@@ -149,7 +152,33 @@ class Llama(nn.Module):
         return plan
 
     def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(outputs.flatten(0, 1).float(), targets.flatten())
+        logits = outputs.flatten(0, 1).float()
+        if outputs.shape[-1] < self.shape.vocab:  # the head's output is this rank's vocabulary shard
+            return ShardedCrossEntropy.apply(logits, targets.flatten())
+        return F.cross_entropy(logits, targets.flatten())
+
+
+class ShardedCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits sharded on the vocabulary, as torch's loss parallelism runs it on one rank's
+    shard (``torch/distributed/tensor/parallel/loss.py``, which torchtitan's TP runs enter): log-softmax
+    through the max, the sum of exponentials and their log, its output saved; the backward fused into
+    nll's, a zeroed tensor with -1 at the targets, then ``(that + exp(log_probs)) x grad``. Its all-reduces
+    (tensors of one value a token) and the masking of targets outside the shard are left out: the planner
+    counts bytes."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        shifted = logits - logits.amax(dim=-1, keepdim=True)
+        log_probs = shifted - torch.exp(shifted).sum(dim=-1, keepdim=True).log()
+        ctx.save_for_backward(log_probs, targets)
+        return -log_probs.gather(-1, targets.unsqueeze(-1)).mean()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        log_probs, targets = ctx.saved_tensors
+        picked = torch.zeros_like(log_probs)
+        picked.scatter_(-1, targets.unsqueeze(-1), -1.0)
+        return (picked + torch.exp(log_probs)) * (grad / log_probs.shape[0]), None
 
 
 def build(name: str, dtype: torch.dtype = torch.bfloat16) -> Llama:

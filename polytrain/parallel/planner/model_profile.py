@@ -92,8 +92,8 @@ class ChildProfile:
     # Backward's transients (estimate.py): the most bytes its backward has allocated at once, per sample,
     # beside what forward saved (less what it has freed by then): the gradients it makes and their
     # temporaries (with a loss: the logits' gradient and log-softmax's, two tensors as large as the logits),
-    # measured by running that backward on meta (``_backward_peak``; where it cannot run, a CUDA trace on a
-    # machine without CUDA, its largest saved activation, whose gradient backward makes); and its largest
+    # measured by running that backward on meta (``_backward_peak``; where it is not run, a CUDA
+    # mixed-precision trace, its largest saved activation, whose gradient backward makes); and its largest
     # parameter as one TP rank holds it (a fresh gradient before it is added into the kept one).
     backward_bytes: int = 0
     largest_param: int = 0
@@ -458,13 +458,14 @@ def _backward_peak(run: _AsRun, output: Any, inputs: list[torch.Tensor], incomin
     inputs are parameters: their gradients are counted elsewhere (``grads``, and one fresh gradient in
     ``_transients``), so they are left out of the peak, though the temporaries that make them are not.
 
-    None where autograd's engine cannot run it: on fake CUDA tensors (a CUDA mixed-precision trace) on a
-    machine with no CUDA device, the engine asks the device for its context."""
+    None for fake CUDA tensors (a CUDA mixed-precision trace): autograd's engine asks their device for its
+    context, which fails on a machine with no CUDA device and would make one on a machine with a GPU (on GPU
+    0, from every rank that plans). A plan is the same wherever it is made, so it is never run there."""
     outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
     wanted = [t for t in inputs if t.requires_grad]
     if not outs or not wanted:
         return 0, None
-    if any(t.device.type == "cuda" for t in outs) and not torch.cuda.is_available():
+    if any(t.device.type == "cuda" for t in outs):
         return None, None
     if incoming is None:
         incoming = [torch.empty_like(t) if t.dim() else None for t in outs]
