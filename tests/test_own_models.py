@@ -12,6 +12,7 @@ their published sizes (25.6M and 86.6M parameters), only the images are small.
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import pytest
@@ -391,6 +392,26 @@ def plan_profile(module: nn.Module) -> Any:
 
     tensors = dataset(module.kind).tensors
     return profiler(module, tensors[0][:1], tensors[1][:1] if len(tensors) > 1 else None)(1)
+
+
+def test_the_loss_over_a_gathered_lm_head_is_counted_at_every_tp_degree(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama's head is column-parallel with its output gathered (``colwise_gather_output``): the loss over the
+    whole vocabulary saves log-softmax's output (tokens x vocabulary x 4 bytes) and its backward makes two
+    gradients as large, at tp 1 (no gather) and tp 2 (the shards side by side) alike. A fresh tensor standing
+    in for the gathered output cut the autograd graph there: the loss's tensors were not counted at all."""
+    from polytrain.parallel.planner import profiler
+
+    monkeypatch.setattr(sys.modules[__name__], "VOCAB", 4096)
+    with torch.device("meta"):
+        module = HeldModel("llama", 1)
+    tokens = torch.zeros(1, TOKENS, dtype=torch.long)
+    logits = (TOKENS - 1) * VOCAB * 4  # the library's loss drops the last position's prediction
+    for tp in (1, 2):
+        after = profiler(module, tokens)(tp).children[-1]
+        assert after.name.startswith("after ")
+        assert after.saved_bytes >= TOKENS * VOCAB * 4, (tp, after.saved_bytes)
+        assert after.backward_bytes >= 2 * logits, (tp, after.backward_bytes)
 
 
 def _train_planned(rank: int, world_size: int, kind: str, chosen: dict[str, Any],

@@ -237,11 +237,11 @@ def _transients(lay: Layout, train: Training, kids: list[ChildProfile], recomput
     """What the step's busiest phase holds beyond the terms above (memory is the peak over the phases):
 
     - backward, at each child: what its backward allocates at its peak (``backward_bytes``, measured on
-      meta: the gradient arriving, those it makes, their temporaries; with the loss, two tensors as large
-      as the logits) beside its recompute when it is checkpointed (``activations`` already holds the
-      largest recompute, which only a checkpointed block's backward has live: the loss's backward comes
-      before any), and, without FSDP, its largest parameter's fresh gradient before it is added into the
-      kept one (FSDP's unsharded gradients are in ``fsdp_buffers``);
+      meta: the gradients it makes and their temporaries, less the saved tensors it frees; with the loss,
+      two tensors as large as the logits) beside its recompute when it is checkpointed (``activations``
+      already holds the largest recompute, which only a checkpointed block's backward has live: the
+      loss's backward comes before any), and, without FSDP, its largest parameter's fresh gradient
+      before it is added into the kept one (FSDP's unsharded gradients are in ``fsdp_buffers``);
     - the optimizer step: its temporaries (``STEP_TEMPORARIES``), once activations and FSDP's buffers
       are freed.
     Gradients count as allocated through the whole step (as from the second micro-batch on): after

@@ -668,7 +668,11 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
         incoming = None
         for (t, *_), child_input in zip(reversed(traces), reversed(inputs)):
             peak, incoming = _backward_peak(run, t.out, [child_input], incoming)
-            t.backward = t.largest if peak is None else peak
+            if peak is None:  # not run (a CUDA trace): each child's largest saved activation stands in
+                for other, *_ in traces:
+                    other.backward = other.largest
+                break
+            t.backward = peak
     for index, ((name, child), (t, input_bytes, sp, output_bytes)) in enumerate(zip(seq.named_children(),
                                                                                     traces)):
         n_split, n_whole = counts[index]
@@ -899,7 +903,11 @@ def _trace_segments(run: _AsRun, step: nn.Module, blocks: list[nn.Module], plann
         if start is None or ends[index - 1] is None:
             break
         peak, incoming = _backward_peak(run, ends[index - 1], [start], incoming)
-        segments[index].backward = segments[index].largest if peak is None else peak
+        if peak is None:  # not run (a CUDA trace): each segment's largest saved activation stands in
+            for segment in segments:
+                segment.backward = segment.largest
+            break
+        segments[index].backward = peak
     return segments, inputs
 
 
