@@ -3,7 +3,8 @@ Face's GPT-2 (its head tied to its embedding) and Llama (grouped-query attention
 ResNet-50 (BatchNorm everywhere) and ViT-B/16 (small images). Two gloo ranks train each under ddp
 and fsdp equal to a plain PyTorch loop on the same global batch, and a run resumed from its
 checkpoint ends on the same weights; Llama also under its own tensor-parallel plan, alone and under
-FSDP. The planner plans each of them, and the top three layouts it ranks for Llama train.
+FSDP; Qwen2 (its head tied to its embedding) under its own plan. The planner plans each of them, and the
+top three layouts it ranks train.
 
 The configurations are small and built here (nothing is downloaded); the torchvision models keep
 their published sizes (25.6M and 86.6M parameters), only the images are small.
@@ -37,7 +38,7 @@ GLOBAL_BATCH, SAMPLES, STEPS, STOP_AT = 4, 8, 4, 2  # two steps an epoch, two ep
 VOCAB, TOKENS, CLASSES = 64, 9, 10
 POSITIONS = 256  # room for the longer sequences tests/test_planner_measured.py measures
 IMAGE = {"resnet50": 64, "vit_b_16": 32}  # ResNet-50's last BatchNorms see 2x2 pixels, not one
-LANGUAGE_MODELS = ("gpt2", "llama")
+LANGUAGE_MODELS = ("gpt2", "llama", "qwen2")
 
 
 def build_model(kind: str) -> nn.Module:
@@ -53,6 +54,11 @@ def build_model(kind: str) -> nn.Module:
                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                           max_position_embeddings=POSITIONS)
         return transformers.LlamaForCausalLM(config)
+    if kind == "qwen2":  # biased q/k/v projections, and its head tied to its embedding as small Qwen2s are
+        config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=POSITIONS, tie_word_embeddings=True)
+        return transformers.Qwen2ForCausalLM(config)
     if kind == "resnet50":
         # ResNet-50 at initialisation, on a few random images, amplifies rounding: float32 alone moves its
         # first gradients by 1.5 % against float64 in one process, and each step multiplies a difference
@@ -222,7 +228,7 @@ def _fit_built_in_configure_model(rank: int, world_size: int, kind: str, root: s
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", LANGUAGE_MODELS)
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_a_library_model_built_in_configure_model_trains_under_fsdp_equal_to_one_process(
         kind: str, tmp_path: Any) -> None:
     out = run_distributed(_fit_built_in_configure_model, 2, kind, str(tmp_path), timeout=240)
@@ -334,6 +340,31 @@ def test_llama_trains_with_its_own_tensor_parallel_plan_equal_to_one_process(
         ["model.lm_head.weight", "model.model.embed_tokens.weight", *projections])
 
 
+# Qwen2's own plan with its head tied to the embedding: the plan splits the head (colwise, its logits
+# gathered) and not the embedding, so the tie stays whole on every rank rather than split on one side, and the
+# rest of the plan applies; q/k/v carry biases, split with their weights. The planner counts the tie whole
+# on each rank: its tp2 layout, trained as planned, holds the state it predicted.
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_tied_head_trains_under_the_library_tensor_parallel_plan_equal_to_one_process(
+        tmp_path: Any) -> None:
+    module = HeldModel("qwen2", GLOBAL_BATCH)
+    assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
+    out = run_distributed(_train_and_resume, 2, "qwen2", {"name": "parallel", "tp": 2}, str(tmp_path),
+                          timeout=240)
+    _check_against_reference("qwen2", "tp2, tied head", out)
+    split = out[0]["resumed"]["split_over_tp"]
+    assert "model.model.embed_tokens.weight" not in split
+    assert {"model.model.layers.0.self_attn.q_proj.weight", "model.model.layers.0.self_attn.q_proj.bias",
+            "model.model.layers.1.mlp.down_proj.weight"} <= set(split)
+    (estimate,) = [e for e in _plan("qwen2", 2)[1].ranked if e.layout.label() == "tp2"]
+    planned = run_distributed(_train_planned, 2, "qwen2", chosen_layout(estimate, 2, "cpu"),
+                              str(tmp_path / "planned"), timeout=240)
+    _assert_equal(planned[0]["weights"], reference("qwen2")[STEPS], "tp2 as planned")
+    predicted = {term: estimate.memory[term] for term in ("params", "grads", "optimizer")}
+    assert [r["held"] for r in planned] == [predicted] * 2, (predicted, planned)
+
+
 def test_the_library_plan_is_translated_and_a_model_without_one_is_refused_in_words() -> None:
     plan = module_plan(HeldModel("llama", GLOBAL_BATCH))
     styles = {key: type(style).__name__ for key, style in plan.items()}
@@ -365,12 +396,12 @@ def _plan(kind: str, devices: int = 4) -> Any:
     return module, plan_module(module, tensors[0][:1], hardware("cpu", 1, devices), train, target=target)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "resnet50", "vit_b_16"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "resnet50", "vit_b_16"])
 def test_the_planner_plans_a_library_model_and_ranks_only_what_the_strategies_run(kind: str) -> None:
     """No Sequential to cut: the model is profiled block by block through its training_step (the loss
     included) and every layout is ranked, pipelines cut where the strategy cuts them (between the
     repeated blocks, balanced by parameters, a tie counted once), activation checkpointing on the blocks,
-    tensor parallelism where the model carries a plan (Llama) and rejected where it has none."""
+    tensor parallelism where the model carries a plan (Llama, Qwen2) and rejected where it has none."""
     module, plan = _plan(kind)
     profile = plan_profile(module)
     assert profile.params == sum(p.numel() for p in module.parameters())  # GPT-2's tie once
@@ -380,7 +411,7 @@ def test_the_planner_plans_a_library_model_and_ranks_only_what_the_strategies_ru
         starts = [profile.children[first].name for first, _ in stages(profile, pp)[1:]]
         assert starts == default_split_paths(module, pp)
     tp_ranked = [e.layout for e in plan.ranked if e.layout.tp > 1]
-    if kind == "llama":
+    if kind in ("llama", "qwen2"):
         assert tp_ranked
     else:
         assert not tp_ranked
