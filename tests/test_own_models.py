@@ -3,8 +3,8 @@ Face's GPT-2 (its head tied to its embedding) and Llama (grouped-query attention
 ResNet-50 (BatchNorm everywhere) and ViT-B/16 (small images). Two gloo ranks train each under ddp
 and fsdp equal to a plain PyTorch loop on the same global batch, and a run resumed from its
 checkpoint ends on the same weights; Llama also under its own tensor-parallel plan, alone and under
-FSDP; Qwen2 (its head tied to its embedding) under its own plan. The planner plans each of them, and the
-top three layouts it ranks train.
+FSDP; Qwen2 (its head tied to its embedding) under its own plan. The planner plans each of them, and BERT,
+ConvNeXt-T and Swin-T, and the top three layouts it ranks train.
 
 The configurations are small and built here (nothing is downloaded); the torchvision models keep
 their published sizes (25.6M and 86.6M parameters), only the images are small.
@@ -37,8 +37,9 @@ from polytrain.trainer.launch.planned import chosen_layout
 GLOBAL_BATCH, SAMPLES, STEPS, STOP_AT = 4, 8, 4, 2  # two steps an epoch, two epochs
 VOCAB, TOKENS, CLASSES = 64, 9, 10
 POSITIONS = 256  # room for the longer sequences tests/test_planner_measured.py measures
-IMAGE = {"resnet50": 64, "vit_b_16": 32}  # ResNet-50's last BatchNorms see 2x2 pixels, not one
-LANGUAGE_MODELS = ("gpt2", "llama", "qwen2")
+# ResNet-50's last BatchNorms see 2x2 pixels, not one
+IMAGE = {"resnet50": 64, "vit_b_16": 32, "convnext_tiny": 64, "swin_t": 64}
+LANGUAGE_MODELS = ("gpt2", "llama", "qwen2", "bert")
 
 
 def build_model(kind: str) -> nn.Module:
@@ -59,6 +60,12 @@ def build_model(kind: str) -> nn.Module:
                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                           max_position_embeddings=POSITIONS, tie_word_embeddings=True)
         return transformers.Qwen2ForCausalLM(config)
+    if kind == "bert":  # an encoder, its masked-LM decoder tied to the word embedding
+        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         max_position_embeddings=POSITIONS, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0)
+        return transformers.BertForMaskedLM(config)
     if kind == "resnet50":
         # ResNet-50 at initialisation, on a few random images, amplifies rounding: float32 alone moves its
         # first gradients by 1.5 % against float64 in one process, and each step multiplies a difference
@@ -66,6 +73,12 @@ def build_model(kind: str) -> nn.Module:
         return torchvision.models.resnet50(num_classes=CLASSES).double()
     if kind == "vit_b_16":
         return torchvision.models.vit_b_16(image_size=IMAGE[kind], num_classes=CLASSES)
+    if kind == "convnext_tiny":  # its stages and downsampling layers side by side in one Sequential
+        return torchvision.models.convnext_tiny(num_classes=CLASSES, stochastic_depth_prob=0.0)
+    if kind == "swin_t":  # shifted windows, masked attention: swin_t's arguments, without stochastic depth
+        return torchvision.models.SwinTransformer(patch_size=[4, 4], embed_dim=96, depths=[2, 2, 6, 2],
+                                                  num_heads=[3, 6, 12, 24], window_size=[7, 7],
+                                                  stochastic_depth_prob=0.0, num_classes=CLASSES)
     raise ValueError(kind)
 
 
@@ -396,7 +409,8 @@ def _plan(kind: str, devices: int = 4) -> Any:
     return module, plan_module(module, tensors[0][:1], hardware("cpu", 1, devices), train, target=target)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "resnet50", "vit_b_16"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "bert", "resnet50", "vit_b_16", "convnext_tiny",
+                                  "swin_t"])
 def test_the_planner_plans_a_library_model_and_ranks_only_what_the_strategies_run(kind: str) -> None:
     """No Sequential to cut: the model is profiled block by block through its training_step (the loss
     included) and every layout is ranked, pipelines cut where the strategy cuts them (between the
@@ -407,7 +421,7 @@ def test_the_planner_plans_a_library_model_and_ranks_only_what_the_strategies_ru
     assert profile.params == sum(p.numel() for p in module.parameters())  # GPT-2's tie once
     assert (any(e.layout.pp > 1 for e in plan.ranked)
             and any(e.layout.activation_checkpointing for e in plan.ranked))
-    for pp in (2, 4) if kind in ("resnet50", "vit_b_16") else (2,):
+    for pp in (2,) if kind in LANGUAGE_MODELS else (2, 4):
         starts = [profile.children[first].name for first, _ in stages(profile, pp)[1:]]
         assert starts == default_split_paths(module, pp)
     tp_ranked = [e.layout for e in plan.ranked if e.layout.tp > 1]

@@ -77,6 +77,7 @@ class _KeptGradients:
 @pytest.mark.parametrize("kind,precision,vocab", [
     ("gpt2", "32", 64), ("llama", "32", 64), ("resnet50", "32", 0), ("vit_b_16", "32", 0),
     ("gpt2", "bf16-mixed", 64), ("llama", "bf16-mixed", 64), ("gpt2", "32", 4096), ("llama", "32", 4096),
+    ("qwen2", "32", 64), ("bert", "32", 64), ("convnext_tiny", "32", 0), ("swin_t", "32", 0),
 ])
 def test_a_library_models_profile_predicts_its_measured_activations(kind: str, precision: str, vocab: int,
                                                                     tmp_path: Any,
