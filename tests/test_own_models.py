@@ -4,7 +4,7 @@ ResNet-50 (BatchNorm everywhere) and ViT-B/16 (small images). Two gloo ranks tra
 and fsdp equal to a plain PyTorch loop on the same global batch, and a run resumed from its
 checkpoint ends on the same weights; Llama also under its own tensor-parallel plan, alone and under
 FSDP; Qwen2 (its head tied to its embedding) under its own plan. The planner plans each of them, and BERT,
-ConvNeXt-T and Swin-T, and the top three layouts it ranks train.
+ConvNeXt-T and Swin-T; the top three layouts it ranks for GPT-2, Llama, ResNet-50 and ViT-B/16 train.
 
 The configurations are small and built here (nothing is downloaded); the torchvision models keep
 their published sizes (25.6M and 86.6M parameters), only the images are small.
