@@ -3,7 +3,8 @@ Face's GPT-2 (its head tied to its embedding) and Llama (grouped-query attention
 ResNet-50 (BatchNorm everywhere) and ViT-B/16 (small images). Two gloo ranks train each under ddp
 and fsdp equal to a plain PyTorch loop on the same global batch, and a run resumed from its
 checkpoint ends on the same weights; Llama also under its own tensor-parallel plan, alone and under
-FSDP; Qwen2 (its head tied to its embedding) under its own plan. The planner plans each of them, and BERT,
+FSDP; Qwen2 (its head tied to its embedding) under its own plan; BERT (an encoder, its masked-LM decoder
+tied to its word embedding) under ddp, fsdp and a pipeline. The planner plans each of them, and
 ConvNeXt-T and Swin-T; the top three layouts it ranks for GPT-2, Llama, ResNet-50 and ViT-B/16 train.
 
 The configurations are small and built here (nothing is downloaded); the torchvision models keep
@@ -213,7 +214,7 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], w
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "resnet50", "vit_b_16"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "resnet50", "vit_b_16"])
 def test_a_library_model_trains_and_resumes_equal_to_one_process(kind: str, strategy: str,
                                                                  tmp_path: Any) -> None:
     out = run_distributed(_train_and_resume, 2, kind, _strategy(kind, strategy), str(tmp_path), timeout=540)
@@ -260,10 +261,11 @@ def test_a_library_model_built_in_configure_model_trains_under_fsdp_equal_to_one
     # BatchNorm normalises over what it is given: one micro-batch is the whole batch, as on one process
     ("resnet50", {"schedule": "gpipe", "n_microbatches": 1}),
     ("vit_b_16", {"schedule": "1f1b"}),  # the class token and position embedding sit on containers
+    ("bert", {"schedule": "1f1b"}),  # an encoder: its decoder's tie to the word embedding spans the stages
     # three stages: the embeddings alone, a middle stage that holds no copy of the tie, the rest
     ("gpt2", {"pp": 3, "schedule": "1f1b", "n_microbatches": 4,
               "split_points": ["model.transformer.h.0", "model.transformer.h.1"]}),
-], ids=["gpt2", "llama", "resnet50", "vit_b_16", "gpt2-pp3"])
+], ids=["gpt2", "llama", "resnet50", "vit_b_16", "bert", "gpt2-pp3"])
 def test_a_library_model_trains_in_a_pipeline_cut_at_module_paths_equal_to_one_process(
         kind: str, options: dict[str, Any], tmp_path: Any) -> None:
     strategy = {"name": "parallel", "pp": 2, **options}
