@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader, Dataset
 from polytrain import Trainer
 from polytrain.callbacks import ModelCheckpoint
 
-# A step's sleep stands for its work: the by-hand split counts training_step alone, the loop also its
-# backward, update and logging, a few milliseconds a step on a slow machine (2 % of the wall time against a
-# 50 ms step, as much as the tolerance): long steps keep that small.
+# A step's sleep stands for its work. The by-hand split times each batch from on_train_batch_start to the end
+# of its update (training_step, backward and the optimizer inside); the loop also counts its logging and
+# bookkeeping between batches, a millisecond or two on a slow machine: long steps keep that small.
 STEP_SLEEP, FETCH_SLEEP, VAL_SLEEP = 0.15, 0.004, 0.01
 
 
@@ -38,25 +38,33 @@ class SlowData(Dataset):
 
 
 class Timed(TinyModule):
-    """Notes when each training step ran; fails once, at step ``fail_at``, before its update."""
+    """Notes when each batch's work ran (from its start to the end of its update); fails once, at step
+    ``fail_at``, before its update."""
 
     def __init__(self, fail_at: int | None = None) -> None:
         super().__init__()
         self.fail_at = fail_at
         self.steps: list[tuple[int, float, float]] = []  # (global step before the update, start, end)
         self.fit_started = 0.0
+        self._batch_began = (0, 0.0)
 
     def on_fit_start(self) -> None:
         self.fit_started = time.time()
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._batch_began = (self.global_step, time.time())
+
     def training_step(self, batch: Any, batch_idx: int) -> Any:
-        begun = time.time()
         if self.fail_at is not None and self.global_step == self.fail_at:
             raise RuntimeError("the node went away")
         time.sleep(STEP_SLEEP)
-        loss = super().training_step(batch, batch_idx)
-        self.steps.append((self.global_step, begun, time.time()))
-        return loss
+        return super().training_step(batch, batch_idx)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any,
+                       optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        step, began = self._batch_began
+        self.steps.append((step, began, time.time()))
 
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
         time.sleep(VAL_SLEEP)
