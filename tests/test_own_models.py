@@ -355,10 +355,10 @@ def test_llama_trains_with_its_own_tensor_parallel_plan_equal_to_one_process(
         ["model.lm_head.weight", "model.model.embed_tokens.weight", *projections])
 
 
-# Qwen2's own plan with its head tied to the embedding: the plan splits the head (colwise, its logits
-# gathered) and not the embedding, so the tie stays whole on every rank rather than split on one side, and the
-# rest of the plan applies; q/k/v carry biases, split with their weights. The planner counts the tie whole
-# on each rank: its tp2 layout, trained as planned, holds the state it predicted.
+# Qwen2's own plan with its head tied to the embedding: the plan names the head (colwise, its logits gathered)
+# and not the embedding, and a weight split for one use only would be untied, so the tied weight stays whole
+# on every rank and the rest of the plan applies; q/k/v carry biases, split with their weights. The planner
+# counts the tie whole on each rank: its tp2 layout, trained as planned, holds the state it predicted.
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_a_tied_head_trains_under_the_library_tensor_parallel_plan_equal_to_one_process(
