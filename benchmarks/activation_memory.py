@@ -140,24 +140,61 @@ def measure(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
 
 def peak_and_held(events: list[dict[str, Any]]) -> tuple[int, int]:
-    """(peak bytes, bytes at the end-of-forward mark) allocated during the profile, from a chrome trace.
+    """(peak bytes, bytes at the end-of-forward mark) of the tensors allocated during the profile, from a
+    chrome trace.
 
     Summed from each allocation and free (``Bytes``, ``Addr``): the profiler's own running total
-    ("Total Allocated") is process-wide and carries what an earlier profile allocated and kept."""
+    ("Total Allocated") is process-wide and carries what an earlier profile allocated and kept. A kernel's
+    own scratch space (allocated by the kernel itself, not by an operator it calls, and freed before it
+    returns) is left out: the planner models tensors, and a kernel's scratch depends on the machine's
+    kernels (oneDNN's backward of ConvNeXt-T's 7x7 depthwise convolution takes a 38.5 MB scratchpad at
+    batch 8 on an AVX-512 AMD EPYC and none on other CPUs)."""
     mark = min((e["ts"] for e in events if e.get("name") == END_OF_FORWARD), default=None)
     memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    scratch = kernel_scratch(memory, [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"])
     alive: dict[int, int] = {}
     current = peak = held = 0
-    for e in memory:
+    for i, e in enumerate(memory):
         size, addr = e["args"]["Bytes"], e["args"]["Addr"]
         if size > 0:
-            alive[addr] = size
-            current += size
+            alive[addr] = 0 if i in scratch else size
+            current += alive[addr]
         else:
             current -= alive.pop(addr, 0)
         peak = max(peak, current)
         held = current if mark is not None and e["ts"] <= mark else held
     return peak, held
+
+
+def kernel_scratch(memory: list[dict[str, Any]], ops: list[dict[str, Any]]) -> set[int]:
+    """Indices (into ``memory``, sorted by time) of the allocations freed before the innermost operator
+    that was running on their thread when they were made returns. An operator's outputs outlive it, and a
+    tensor an operator makes through another (``aten::empty``) has that one as its innermost: what is left
+    is the kernel's own scratch."""
+    pending = sorted(ops, key=lambda o: o["ts"])
+    open_ends: dict[Any, list[float]] = {}  # per thread: the ends of the operators open there, innermost last
+    next_op = 0
+    made: dict[int, tuple[int, float]] = {}  # address -> (index, end of its innermost operator)
+    scratch = set()
+    for i, e in enumerate(memory):
+        ts, addr = e["ts"], e["args"]["Addr"]
+        while next_op < len(pending) and pending[next_op]["ts"] <= ts:
+            op = pending[next_op]
+            ends = open_ends.setdefault(op.get("tid"), [])
+            while ends and ends[-1] < op["ts"]:  # operators of one thread nest: these ended before it began
+                ends.pop()
+            ends.append(op["ts"] + op["dur"])
+            next_op += 1
+        ends = open_ends.get(e.get("tid"), [])
+        while ends and ends[-1] < ts:
+            ends.pop()
+        if e["args"]["Bytes"] > 0:
+            made[addr] = (i, ends[-1] if ends else float("-inf"))
+        elif addr in made:
+            index, end = made.pop(addr)
+            if ts <= end:
+                scratch.add(index)
+    return scratch
 
 
 def build_module(args: argparse.Namespace) -> Any:
