@@ -86,8 +86,46 @@ def _options() -> Any:
 
 
 def part_state(part: nn.Module, optimizers: list[torch.optim.Optimizer]) -> tuple[dict, dict]:
-    return (lazy.dcp().state_dict.get_model_state_dict(part, options=_options()),
-            optimizer_state(part, optimizers))
+    return (plain_tensors(lazy.dcp().state_dict.get_model_state_dict(part, options=_options())),
+            plain_tensors(optimizer_state(part, optimizers)))
+
+
+def plain_tensors(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each tensor that a library wraps in a subclass of its own (torchao's float8 weights
+    under FSDP's float8 all-gather) replaced by the plain tensor inside it, which shares its storage: a
+    checkpoint then holds plain tensors only and loads where that library is not imported, and a sharded
+    load into these tensors fills the wrapped ones. A ``DTensor`` keeps its layout around its plain shard."""
+    return {key: _plain(value) for key, value in state.items()}
+
+
+def _plain(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or type(value) in (torch.Tensor, nn.Parameter):
+        return value
+    DTensor = lazy.dtensor().DTensor
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        plain = _plain(local)
+        if plain is local:
+            return value
+        return DTensor.from_local(plain, value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    inner = _wrapped(value)
+    return value if inner is None else _plain(inner)
+
+
+def _wrapped(value: torch.Tensor) -> torch.Tensor | None:
+    """The one tensor a wrapper subclass holds, of its own shape and dtype (None: not such a wrapper: a
+    float8 tensor's data and scale are not the value it stands for)."""
+    flatten = getattr(value, "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    names, _ = flatten()
+    if len(names) != 1:
+        return None
+    inner = getattr(value, names[0])
+    if not isinstance(inner, torch.Tensor) or inner.shape != value.shape or inner.dtype != value.dtype:
+        return None
+    return inner
 
 
 def live_state(parts: Parts, states: list[tuple[dict, dict]] | None = None) -> dict[str, Any]:

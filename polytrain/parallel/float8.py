@@ -8,7 +8,11 @@ gradients and the optimizer in the model's own dtype. Converted:
 - every ``nn.Linear`` whose ``in_features`` and ``out_features`` are multiples of 16 (what float8
   matmuls take); the others are skipped, and the log says which;
 - not the output head (the model's last ``nn.Linear``, the logits: torchtitan leaves it in high
-  precision too) unless ``convert_head: true``; not a layer whose name contains one of ``filter_fqns``.
+  precision too) unless ``convert_head: true``; not a layer whose name contains one of ``filter_fqns``;
+- under tensor parallelism, not a layer with a bias (``keep_biased_layers_in_high_precision``).
+
+Where nothing converts, ``float8: true`` is an error naming every candidate and why (``nothing_converts``):
+the run would otherwise train in full precision without a word.
 
 The conversion runs once, on the module as ``configure_model`` left it, before the strategy applies
 anything (the order is float8 -> TP -> activation checkpointing -> compile -> FSDP, as torchtitan's).
@@ -33,7 +37,7 @@ import torch
 from torch import nn
 
 from polytrain.core import lazy
-from polytrain.core.errors import ConfigError
+from polytrain.core.errors import ConfigError, first_few
 
 log = logging.getLogger("polytrain")
 
@@ -107,10 +111,13 @@ def linears_to_convert(module: nn.Module, options: dict[str, Any]) -> tuple[list
 
 def convert_to_float8(module: nn.Module, options: dict[str, Any]) -> list[str]:
     """Swap the chosen Linear layers of ``module`` for torchao's ``Float8Linear`` (in place); returns their
-    names. Layers converted already stay as they are, so a second stage converts nothing new."""
+    names. Layers converted already stay as they are, so a second stage converts nothing new. Asked for
+    (not ``auto``) where no layer can convert, it is an error naming every candidate and why not."""
     torchao_float8 = _torchao_float8()
     chosen, skipped = linears_to_convert(module, options)
     if not chosen:
+        if not has_float8(module):
+            nothing_converts(module, skipped, options)
         return []
     wanted = set(chosen)
     config = torchao_float8.Float8LinearConfig.from_recipe_name(options["recipe"])
@@ -121,6 +128,29 @@ def convert_to_float8(module: nn.Module, options: dict[str, Any]) -> list[str]:
     log.info("float8 (%s): %d Linear layers converted; kept in high precision: %s", options["recipe"],
              len(chosen), "; ".join(f"{n} ({why})" for n, why in skipped.items()) or "none")
     return chosen
+
+
+def nothing_converts(module: nn.Module, skipped: dict[str, str], options: dict[str, Any]) -> None:
+    """``float8: true`` on a model with no layer to convert would train in full precision, silently: an
+    error naming the Linear layers and why each stays, and the layers that look like Linear but are not
+    one (Hugging Face's ``Conv1D``). ``auto`` logs it instead."""
+    reasons = [f"{name} ({why})" for name, why in skipped.items()]
+    lookalikes: dict[str, list[str]] = {}
+    for name, m in module.named_modules():
+        weight = getattr(m, "weight", None)
+        if (isinstance(weight, torch.Tensor) and weight.dim() == 2 and not isinstance(m, nn.Linear)
+                and not isinstance(m, (nn.Embedding, nn.EmbeddingBag))):
+            lookalikes.setdefault(f"{type(m).__module__}.{type(m).__qualname__}", []).append(name)
+    for cls, names in lookalikes.items():
+        reasons.append(f"{len(names)} {cls.rsplit('.', 1)[-1]} layer(s) ({first_few(names)}): {cls} is not "
+                       f"torch.nn.Linear, the only layer float8 converts")
+    what = "; ".join(reasons) or "the model has no torch.nn.Linear layer"
+    if options["auto"]:
+        log.info("float8: auto converts nothing: %s", what)
+        return
+    raise ConfigError(f"trainer.float8 converts no layer of {type(module).__name__}, so it would train in "
+                      f"full precision: {what}. Set trainer.float8: false, or give it layers it converts "
+                      f"(convert_head: true for the head, filter_fqns narrower)")
 
 
 def precompute_scales_after_each_step(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -153,6 +183,8 @@ def with_float8_styles(module: nn.Module, plan: dict[str, Any] | None,
     layers is split into their names."""
     if not has_float8(module):
         return plan
+    if plan is not None:
+        keep_biased_layers_in_high_precision(module, plan, names_of)
     if plan is None:
         raise ConfigError("trainer.float8 with a module's own parallelize(tp_mesh): its styles would not "
                           "cast to float8. Give tensor_parallel_plan() instead (ColwiseParallel/"
@@ -187,6 +219,34 @@ def with_float8_styles(module: nn.Module, plan: dict[str, Any] | None,
         else:
             out.update({name: swapped if name in converted else style for name in names})
     return out
+
+
+def keep_biased_layers_in_high_precision(module: nn.Module, plan: dict[str, Any],
+                                        names_of: Callable[[nn.Module, str], list[str]]) -> None:
+    """Converted layers with a bias that ``plan`` splits go back to ``nn.Linear`` (the same parameters).
+    torchao's float8 tensor-parallel styles cast a layer's output gradient to float8 at the layer's output,
+    after its bias was added, so the bias would learn from the float8 gradient; one process's bias learns
+    from the high-precision one (tests/test_float8.py measures how far that moves the weights). Kept in
+    high precision, the layer trains as one process trains it."""
+    biased = sorted({name for key in plan for name in names_of(module, key)
+                     if _is_float8(layer := module.get_submodule(name)) and layer.bias is not None})
+    if not biased:
+        return
+    for name in biased:
+        parent, _, child = name.rpartition(".")
+        layer = module.get_submodule(name)
+        plain = nn.Linear(layer.in_features, layer.out_features, device="meta")
+        plain.weight, plain.bias = layer.weight, layer.bias
+        setattr(module.get_submodule(parent) if parent else module, child, plain)
+    log.info("float8: %d Linear layer(s) with a bias stay in high precision under tensor parallelism: %s "
+             "(torchao's float8 tensor-parallel styles would give the bias a float8 gradient; "
+             "a layer without bias converts)", len(biased), first_few(biased, 6))
+    if not has_float8(module):
+        raise ConfigError(f"trainer.float8 converts no layer of {type(module).__name__} under tensor "
+                          f"parallelism: every converted layer has a bias ({first_few(biased)}), and "
+                          f"torchao's float8 tensor-parallel styles would give the bias a float8 gradient, "
+                          f"so they stay in high precision. Set trainer.float8: false, or use layers without "
+                          f"bias")
 
 
 def _tensorwise(layer: nn.Module) -> bool:
