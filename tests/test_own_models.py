@@ -5,10 +5,14 @@ and fsdp equal to a plain PyTorch loop on the same global batch, and a run resum
 checkpoint ends on the same weights; Llama also under its own tensor-parallel plan, alone and under
 FSDP; Qwen2 (its head tied to its embedding) under its own plan; BERT (an encoder, its masked-LM decoder
 tied to its word embedding) under ddp, fsdp and a pipeline. The planner plans each of them, and
-ConvNeXt-T and Swin-T; the top three layouts it ranks for GPT-2, Llama, ResNet-50 and ViT-B/16 train.
+ConvNeXt-T and Swin-T; the top three layouts it ranks for GPT-2, Llama, ResNet and ViT train.
 
-The configurations are small and built here (nothing is downloaded); the torchvision models keep
-their published sizes (25.6M and 86.6M parameters), only the images are small.
+The configurations are small and built here (nothing is downloaded). The torchvision models are planned,
+measured and wrapped at their published sizes (ResNet-50 25.6M, ViT-B/16 86.6M parameters) and trained
+on ranks at reduced depth, every layer kind and width kept (``resnet``: ResNet-50's four Bottleneck stages
+at one block each, 8.0M; ``vit``: two of ViT-B/16's twelve encoder layers, 14.8M): what the strategies do
+with a model does not depend on how many of its blocks repeat, and the full depths cost the suite minutes.
+Only the images are small.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import transformers
 from distributed import run_distributed
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchvision.models.resnet import Bottleneck
 
 from polytrain import Trainer, TrainModule
 from polytrain.core.errors import ConfigError
@@ -39,7 +44,8 @@ GLOBAL_BATCH, SAMPLES, STEPS, STOP_AT = 4, 8, 4, 2  # two steps an epoch, two ep
 VOCAB, TOKENS, CLASSES = 64, 9, 10
 POSITIONS = 256  # room for the longer sequences tests/test_planner_measured.py measures
 # ResNet-50's last BatchNorms see 2x2 pixels, not one
-IMAGE = {"resnet50": 64, "vit_b_16": 32, "convnext_tiny": 64, "swin_t": 64}
+IMAGE = {"resnet50": 64, "resnet": 64, "vit_b_16": 32, "vit": 32, "convnext_tiny": 64, "swin_t": 64}
+RESNETS = ("resnet50", "resnet")  # BatchNorm everywhere, trained in float64 (build_model says why)
 LANGUAGE_MODELS = ("gpt2", "llama", "qwen2", "bert")
 
 
@@ -67,13 +73,18 @@ def build_model(kind: str) -> nn.Module:
                                          max_position_embeddings=POSITIONS, hidden_dropout_prob=0.0,
                                          attention_probs_dropout_prob=0.0)
         return transformers.BertForMaskedLM(config)
-    if kind == "resnet50":
+    if kind in RESNETS:
         # ResNet-50 at initialisation, on a few random images, amplifies rounding: float32 alone moves its
         # first gradients by 1.5 % against float64 in one process, and each step multiplies a difference
         # in the last digit by ~1e3. In float64 the runs compare computations, not roundings.
-        return torchvision.models.resnet50(num_classes=CLASSES).double()
+        blocks = [3, 4, 6, 3] if kind == "resnet50" else [1, 1, 1, 1]  # resnet: one Bottleneck a stage
+        return torchvision.models.ResNet(Bottleneck, blocks, num_classes=CLASSES).double()
     if kind == "vit_b_16":
         return torchvision.models.vit_b_16(image_size=IMAGE[kind], num_classes=CLASSES)
+    if kind == "vit":  # ViT-B/16's encoder layers (width 768, 12 heads, MLP 3072), two of them
+        return torchvision.models.VisionTransformer(image_size=IMAGE[kind], patch_size=16, num_layers=2,
+                                                    num_heads=12, hidden_dim=768, mlp_dim=3072,
+                                                    num_classes=CLASSES)
     if kind == "convnext_tiny":  # its stages and downsampling layers side by side in one Sequential
         return torchvision.models.convnext_tiny(num_classes=CLASSES, stochastic_depth_prob=0.0)
     if kind == "swin_t":  # shifted windows, masked attention: swin_t's arguments, without stochastic depth
@@ -88,7 +99,7 @@ def dataset(kind: str) -> TensorDataset:
     if kind in LANGUAGE_MODELS:
         return TensorDataset(torch.randint(0, VOCAB, (SAMPLES, TOKENS), generator=generator))
     images = torch.randn(SAMPLES, 3, IMAGE[kind], IMAGE[kind], generator=generator)
-    if kind == "resnet50":
+    if kind in RESNETS:
         images = images.double()
     return TensorDataset(images, torch.randint(0, CLASSES, (SAMPLES,), generator=generator))
 
@@ -189,7 +200,7 @@ def _train_and_resume(rank: int, world_size: int, kind: str, strategy: Any, root
 
 def _strategy(kind: str, name: str) -> Any:
     # BatchNorm's statistics are the global batch's only when the ranks share them.
-    return {"name": name, "sync_batchnorm": True} if kind == "resnet50" else name
+    return {"name": name, "sync_batchnorm": True} if kind in RESNETS else name
 
 
 def _check_against_reference(kind: str, what: str, out: list[dict[str, Any]]) -> None:
@@ -214,7 +225,7 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], w
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "resnet50", "vit_b_16"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "resnet", "vit"])
 def test_a_library_model_trains_and_resumes_equal_to_one_process(kind: str, strategy: str,
                                                                  tmp_path: Any) -> None:
     out = run_distributed(_train_and_resume, 2, kind, _strategy(kind, strategy), str(tmp_path), timeout=540)
@@ -259,13 +270,13 @@ def test_a_library_model_built_in_configure_model_trains_under_fsdp_equal_to_one
     ("gpt2", {"schedule": "gpipe"}),  # cut across transformer.h; the tie spans the two stages
     ("llama", {"schedule": "1f1b", "split_points": ["model.model.layers.1"]}),
     # BatchNorm normalises over what it is given: one micro-batch is the whole batch, as on one process
-    ("resnet50", {"schedule": "gpipe", "n_microbatches": 1}),
-    ("vit_b_16", {"schedule": "1f1b"}),  # the class token and position embedding sit on containers
+    ("resnet", {"schedule": "gpipe", "n_microbatches": 1}),
+    ("vit", {"schedule": "1f1b"}),  # the class token and position embedding sit on containers
     ("bert", {"schedule": "1f1b"}),  # an encoder: its decoder's tie to the word embedding spans the stages
     # three stages: the embeddings alone, a middle stage that holds no copy of the tie, the rest
     ("gpt2", {"pp": 3, "schedule": "1f1b", "n_microbatches": 4,
               "split_points": ["model.transformer.h.0", "model.transformer.h.1"]}),
-], ids=["gpt2", "llama", "resnet50", "vit_b_16", "bert", "gpt2-pp3"])
+], ids=["gpt2", "llama", "resnet", "vit", "bert", "gpt2-pp3"])
 def test_a_library_model_trains_in_a_pipeline_cut_at_module_paths_equal_to_one_process(
         kind: str, options: dict[str, Any], tmp_path: Any) -> None:
     strategy = {"name": "parallel", "pp": 2, **options}
@@ -465,7 +476,7 @@ def _train_planned(rank: int, world_size: int, kind: str, chosen: dict[str, Any]
                    root: str) -> dict[str, Any]:
     """Train the layout ``chosen`` as a planned run does (``plan: true`` reuses the plan the config holds)."""
     strategy = {"name": "parallel", "plan": True, "chosen": chosen,
-                **({"sync_batchnorm": True} if kind == "resnet50" else {})}
+                **({"sync_batchnorm": True} if kind in RESNETS else {})}
     dp = chosen["dp_replicate"] * chosen["dp_shard"]
     module = HeldModel(kind, GLOBAL_BATCH // dp)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=STEPS, run_dir=root,
@@ -490,19 +501,19 @@ def _bytes(tensors: Any) -> int:
 
 
 # The language models planned for four ranks rank pipelines and checkpointing among their top three; the
-# torchvision models (86M and 26M parameters) are planned for two, to keep the suite's time, and a planned
-# layout the ddp or fsdp test above trains and resumes (every rank a replica, or a shard; nothing else) is
-# not trained again here.
+# torchvision models (15M and 8M parameters at the depths trained) are planned for two, to keep the
+# suite's time, and a planned layout the ddp or fsdp test above trains and resumes (every rank a replica, or
+# a shard; nothing else) is not trained again here.
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kind, devices", [("gpt2", 4), ("llama", 4), ("resnet50", 2), ("vit_b_16", 2)])
+@pytest.mark.parametrize("kind, devices", [("gpt2", 4), ("llama", 4), ("resnet", 2), ("vit", 2)])
 def test_the_top_three_layouts_the_planner_ranks_train_equal_to_one_process(
         kind: str, devices: int, tmp_path: Any) -> None:
     _, plan = _plan(kind, devices)
     want = reference(kind)[STEPS]
     for estimate in plan.ranked[:3]:
         lay = estimate.layout
-        if kind in ("resnet50", "vit_b_16") and _named_preset(lay, devices) in ("ddp", "fsdp"):
+        if kind in ("resnet", "vit") and _named_preset(lay, devices) in ("ddp", "fsdp"):
             continue  # test_a_library_model_trains_and_resumes_equal_to_one_process[kind-preset]
         chosen = chosen_layout(estimate, devices, "cpu")
         out = run_distributed(_train_planned, devices, kind, chosen,
