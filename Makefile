@@ -13,7 +13,7 @@ TORCH_MIN := 2.11.*
 TORCHVISION_MIN := 0.26.*
 OMEGACONF_MIN := 2.3.0
 
-.PHONY: install dev train test test-torch-min test-fast test-reliability lint bench figures clean
+.PHONY: install dev train test test-torch-min test-fast test-reliability coverage lint bench figures clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +33,16 @@ dev: $(DEV_STAMP)
 train: $(STAMP)
 	$(VENV)/bin/polytrain fit --config examples/digits/config.yaml
 
+# The suite runs in PYTEST_WORKERS processes (pytest-xdist); tests that share a fixture wider than one test
+# (a module's spawn of gloo ranks, the reliability battery's background jobs) go to one of them together
+# (tests/conftest.py). docs/testing.md: the tiers, the timings, how to run a part.
+PYTEST_WORKERS ?= 2
+PYTEST_ARGS := -q -n $(PYTEST_WORKERS) --dist load --durations=25
+
 test: $(DEV_STAMP)
-	$(PY) -m pytest -q tests --durations=25
+	@start=$$(date +%s); status=0; $(PY) -m pytest tests $(PYTEST_ARGS) || status=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s, the whole suite on torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	exit $$status
 
 $(MIN_PY):
 	$(PYTHON) -m venv $(MIN_VENV)
@@ -51,12 +59,24 @@ $(MIN_STAMP): pyproject.toml Makefile | $(MIN_PY)
 		f'.venv-torch-min holds omegaconf {v}, not $(OMEGACONF_MIN): rm -rf $(MIN_VENV) and run make test-torch-min again'"
 	touch $@
 
-# The suite on the lowest supported torch. MIN_PYTEST_ARGS narrows it if ever needed (.ci/run passes none).
+# The lowest supported torch runs the files marked torch_api: what a torch release can change (docs/testing.md).
 test-torch-min: $(MIN_STAMP)
-	$(MIN_PY) -m pytest -q tests --durations=25 $(MIN_PYTEST_ARGS)
+	@start=$$(date +%s); status=0; $(MIN_PY) -m pytest tests -m torch_api $(PYTEST_ARGS) || status=$$?; \
+	echo "make test-torch-min: $$(( $$(date +%s) - start )) s, the torch_api tier on torch $$($(MIN_PY) -c 'import torch; print(torch.__version__)')"; \
+	exit $$status
 
 test-fast: $(DEV_STAMP)
-	$(PY) -m pytest -q tests -m "not slow and not reliability"
+	$(PY) -m pytest tests -m "not slow and not reliability" $(PYTEST_ARGS)
+
+# Line coverage of polytrain/ by the suite at both ends, as CI runs it, worker processes and launched jobs
+# included (.coveragerc); the data goes to .coverage-data/, the report's last line is the total.
+COVERAGE_RUN = COVERAGE_FILE=$(CURDIR)/.coverage-data/.coverage COVERAGE_RCFILE=$(CURDIR)/.coveragerc
+coverage: $(DEV_STAMP) $(MIN_STAMP)
+	rm -rf .coverage-data && mkdir .coverage-data
+	-$(COVERAGE_RUN) $(PY) -m coverage run -m pytest tests $(PYTEST_ARGS)
+	-$(COVERAGE_RUN) $(MIN_PY) -m coverage run -m pytest tests -m torch_api $(PYTEST_ARGS)
+	$(COVERAGE_RUN) $(PY) -m coverage combine -q
+	$(COVERAGE_RUN) $(PY) -m coverage report | tail -n 1
 
 test-reliability: $(DEV_STAMP)
 	$(PY) -m pytest -q tests/reliability -m reliability
@@ -81,4 +101,4 @@ figures: $(DEV_STAMP)
 	$(PY) docs/figures/diagrams.py
 
 clean:
-	rm -rf $(VENV) $(MIN_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(MIN_VENV) runs .pytest_cache .coverage-data

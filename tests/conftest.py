@@ -3,6 +3,7 @@ TensorDataset, a per-test run_dir, and Trainer keyword defaults that keep every 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -18,7 +19,9 @@ _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
-from polytrain import TrainModule  # noqa: E402 - after the sys.path insertion on purpose
+import parallel_runs  # noqa: E402 - after the sys.path insertion on purpose
+
+from polytrain import TrainModule  # noqa: E402
 
 SEED_VARIABLES = ("PL_GLOBAL_SEED", "POLYTRAIN_SEED")  # what seed_everything leaves in the environment
 
@@ -166,7 +169,35 @@ def pytest_addoption(parser: Any) -> None:
                           "covering set")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects anything
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    check_tiers(items)
+    if parallel_runs.in_worker(config):
+        parallel_runs.order_longest_first(config, items)
+    skip_gpu_tests(items)
+
+
+@pytest.hookimpl(tryfirst=True)  # the collection as it will run, written before xdist reports it
+def pytest_collection_finish(session: Any) -> None:
+    parallel_runs.write_units(session.config, session.items)
+
+
+def pytest_configure(config: Any) -> None:
+    parallel_runs.announce_groups_folder(config)
+
+
+def pytest_sessionfinish(session: Any) -> None:
+    parallel_runs.record_durations(session.config)
+    parallel_runs.remove_groups_folder(session.config)
+
+
+if importlib.util.find_spec("xdist") is not None:  # a hook pytest knows only with pytest-xdist installed
+
+    def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
+        return parallel_runs.make_scheduler(config, log)
+
+
+def skip_gpu_tests(items: list[Any]) -> None:
     """`gpu` tests skip (reported as skipped, never as passed) where CUDA is absent."""
     if torch.cuda.is_available():
         return
@@ -174,3 +205,22 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# --------------------------------------------------------------------------- the suite's two tiers
+
+# Every test file says which end of the supported torch range it needs (docs/testing.md has the rule):
+# `torch_api` files run on the newest and the lowest torch, `own_logic` files on the newest only.
+TIERS = ("torch_api", "own_logic")
+
+
+def check_tiers(items: list[Any]) -> None:
+    """A file in no tier (or in both) stops the run before any test: no file is left out of a tier unseen."""
+    unclassified = sorted({item.nodeid.split("::")[0] for item in items
+                           if len([m for m in item.iter_markers() if m.name in TIERS]) != 1})
+    if unclassified:
+        raise pytest.UsageError(
+            f"{len(unclassified)} test file(s) are in no tier or in both: {', '.join(unclassified)}. Give "
+            "each file exactly one of `pytestmark = pytest.mark.torch_api` (it proves something a torch "
+            "release can change: runs at both ends of the torch range) or `pytest.mark.own_logic` (the "
+            "newest torch only); docs/testing.md states the rule")

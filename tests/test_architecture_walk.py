@@ -7,6 +7,10 @@ from __future__ import annotations
 import os
 import re
 
+import pytest
+
+pytestmark = pytest.mark.own_logic
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW = re.compile(r"`(polytrain/[\w/]+\.py):(\d+)` \| `([^`]+)`")
 HOP = re.compile(r"^\| (\d+) \| `(polytrain/[\w/]+\.py):(\d+)` \| `([^`]+)` \|$")

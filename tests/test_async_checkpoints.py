@@ -24,7 +24,7 @@ from polytrain.checkpoint.layout import LATEST_POINTER, find_resumable, is_compl
 from polytrain.checkpoint.reading import read_checkpoint
 from polytrain.core.errors import CheckpointError
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.torch_api, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ from polytrain.checkpoint.layout import find_resumable
 from polytrain.checkpoint.reading import read_checkpoint
 from polytrain.core.errors import CheckpointError
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.torch_api, pytest.mark.distributed, pytest.mark.timeout(300)]
 
 
 def _failing(rank: int, world: int, root: str, strategy: str, fail_rank: int) -> str:

@@ -23,6 +23,8 @@ from polytrain.callbacks import (
 )
 from polytrain.core.errors import CheckpointError
 
+pytestmark = pytest.mark.own_logic
+
 MakeTrainer = Callable[..., Any]
 
 

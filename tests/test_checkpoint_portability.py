@@ -25,6 +25,8 @@ from polytrain.checkpoint.layout import find_resumable
 from polytrain.checkpoint.reading import read_checkpoint
 from polytrain.core.errors import CheckpointError
 
+pytestmark = pytest.mark.torch_api
+
 FIRST, SECOND = 6, 12  # ddp trains to step 6; fsdp continues to 12
 
 

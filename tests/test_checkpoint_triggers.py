@@ -16,6 +16,8 @@ from distributed import run_distributed
 from polytrain import Trainer
 from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 
+pytestmark = pytest.mark.own_logic
+
 STEP_SECONDS = 0.02
 
 

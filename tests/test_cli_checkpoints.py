@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
 from procs import POLYTRAIN, TINY_CONFIG, run  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.own_logic, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def _polytrain(command: str, run_dir: Path, *args: str) -> object:

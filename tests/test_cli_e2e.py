@@ -14,6 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
 from procs import POLYTRAIN, TINY_CONFIG, read_records, reference_weights, run  # noqa: E402
 
+pytestmark = pytest.mark.torch_api
+
 RUN_TIMEOUT = 120  # per launch; a launch hit by the known exit-time abort runs once more (procs.py)
 CONSOLE_SCRIPT = Path(sys.executable).parent / "polytrain"
 

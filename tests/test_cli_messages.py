@@ -18,6 +18,8 @@ from procs import POLYTRAIN, TINY_CONFIG, run  # noqa: E402
 from polytrain.commands import _print_metrics  # noqa: E402
 from polytrain.trainer.configuration.config import TrainerConfig, elastic_warning, load_config  # noqa: E402
 
+pytestmark = pytest.mark.own_logic
+
 
 def test_final_metrics_keep_four_significant_digits(capsys: pytest.CaptureFixture[str]) -> None:
     trainer = SimpleNamespace(callback_metrics={"train/loss": torch.tensor(0.000194),

@@ -10,6 +10,8 @@ import pytest
 import torch
 from distributed import run_distributed
 
+pytestmark = pytest.mark.torch_api
+
 
 def _payload(rank: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(rank)

@@ -33,6 +33,8 @@ if GPT_DIR not in sys.path:
 
 from gpt_module import Block, CharGPT  # noqa: E402 - after the sys.path insertion
 
+pytestmark = pytest.mark.torch_api
+
 COMPILE_TOL = {"rtol": 0.0, "atol": 1e-5}
 AC_TOL = {"rtol": 0.0, "atol": 1e-6}
 

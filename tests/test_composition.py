@@ -36,6 +36,8 @@ from gpt_module import CharGPT  # noqa: E402 - the example, imported from its fo
 
 from polytrain import Callback, Trainer  # noqa: E402
 
+pytestmark = pytest.mark.torch_api
+
 TOL = {"rtol": 0.0, "atol": 1e-5}
 SIZE = dict(d_model=16, n_head=2, n_layer=2, block_size=8, stride=8)
 BATCH = 16  # the global batch; per data-parallel rank it is BATCH // dp

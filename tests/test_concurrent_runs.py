@@ -22,7 +22,7 @@ from distributed import _get_context
 from test_run_directories import _snapshot as file_hashes
 
 RUNS = 20
-pytestmark = [pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.own_logic, pytest.mark.timeout(600)]
 
 
 def _run(index: int, root: str, barrier: Any, results: Any) -> None:

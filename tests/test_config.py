@@ -24,6 +24,8 @@ from polytrain.trainer.configuration.config import (
     validate_trainer_config,
 )
 
+pytestmark = pytest.mark.own_logic
+
 
 def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> str:
     path = tmp_path / name

@@ -12,6 +12,8 @@ import pytest
 from polytrain import Trainer
 from polytrain.trainer.configuration.config import ConfigError, load_config
 
+pytestmark = pytest.mark.own_logic
+
 # A user's module file next to the config. Building either class fails loudly: loading the config must not.
 USER_CODE = '''
 BUILT = []

@@ -20,6 +20,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from polytrain import Trainer, TrainModule
 from polytrain.trainer.loops.guards import EmptyDataError
 
+pytestmark = pytest.mark.torch_api
+
 SEED = 7
 NUM_TRAIN = 22  # 11 per rank: batch 3 with drop_last gives 3 batches (4 without), so drop_last shows
 BATCH = 3

@@ -22,6 +22,8 @@ from polytrain.cli import main as cli_main
 from polytrain.core.errors import ConfigError
 from polytrain.trainer.configuration.config import load_config
 
+pytestmark = pytest.mark.own_logic
+
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, logger=False)
 
 

@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from polytrain import Callback, Trainer, TrainModule
 from polytrain.callbacks import EarlyStopping, ModelCheckpoint, ThroughputMonitor
 
+pytestmark = pytest.mark.torch_api
+
 PER_RANK_BATCH = 4
 NUM_SAMPLES = 32  # 4 global batches of 8 per epoch
 EPOCHS = 2

@@ -24,6 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import Callback, Trainer, TrainModule
 
+pytestmark = pytest.mark.torch_api
+
 PER_RANK_BATCH = 4
 WORLD = 2
 NUM_SAMPLES = 80  # 10 global batches of 8 per epoch: 2 epochs = 20 optimizer steps

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.own_logic
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 CIFAR_DIR = os.path.join(EXAMPLES, "cifar10")

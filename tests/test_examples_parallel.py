@@ -20,6 +20,8 @@ from distributed import run_distributed
 
 from polytrain import Callback
 
+pytestmark = pytest.mark.own_logic
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 GPT = os.path.join(EXAMPLES, "gpt")

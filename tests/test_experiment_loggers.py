@@ -27,6 +27,8 @@ from polytrain.callbacks import CSVLogger, MLFlowLogger, WandbLogger
 from polytrain.callbacks.loggers import flatten_hparams
 from polytrain.core.errors import ConfigError
 
+pytestmark = pytest.mark.own_logic
+
 QUIET = dict(accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
              enable_checkpointing=False, max_epochs=2, log_every_n_steps=2)
 HPARAMS = {"hidden": 4, "lr": 0.05, "optim": {"momentum": 0.5, "name": "sgd"}}

@@ -12,6 +12,8 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.own_logic
+
 FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
 
 

@@ -28,6 +28,8 @@ from polytrain import Trainer, TrainModule
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.float8 import linears_to_convert, resolve_float8
 
+pytestmark = pytest.mark.torch_api
+
 SAMPLES, PER_RANK, STEPS, STOP_AT = 16, 2, 4, 2
 FEATURES, CLASSES = 32, 10
 
@@ -131,7 +133,9 @@ def test_float8_auto_is_on_where_the_device_multiplies_in_float8(tmp_path: Any,
 
 
 def test_without_torchao_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import fails as if torchao were not installed
+    # Imports fail as if torchao were not installed, also where an earlier test of this process imported it
+    for name in ("torchao.float8", "torchao.float8.float8_tensor_parallel"):
+        monkeypatch.setitem(sys.modules, name, None)
     trainer = Trainer(float8=True, accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
                       enable_checkpointing=False, run_dir=str(tmp_path))
     with pytest.raises(ConfigError, match=r"trainer.float8 needs torchao.*pip install 'polytrain\[float8\]'"):

@@ -25,6 +25,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import Trainer, TrainModule
 
+pytestmark = pytest.mark.torch_api
+
 PER_RANK_BATCH = 2
 NUM_SAMPLES = 48  # 12 global batches of 4 per epoch: 20 steps cross an epoch boundary
 STEPS = 20

@@ -15,6 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import Trainer, TrainModule
 
+pytestmark = pytest.mark.torch_api
+
 
 class TiedLM(TrainModule):
     def configure_model(self) -> None:

@@ -17,6 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from polytrain import Trainer, TrainModule
 from polytrain.parallel.fsdp import blocks_to_wrap
 
+pytestmark = pytest.mark.torch_api
+
 VOCAB, WIDTH, STEPS = 16, 8, 4
 
 

@@ -25,6 +25,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "gan"))
 from gan_module import DigitsGAN, digit_images  # noqa: E402
 
+pytestmark = pytest.mark.own_logic
+
 N_IMAGES, BATCH, EPOCHS, NOISE_SEED, TOL = 256, 16, 2, 1, 1e-6
 
 

@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, Dataset
 from polytrain import Trainer
 from polytrain.callbacks import ModelCheckpoint
 
+pytestmark = pytest.mark.own_logic
+
 # A step's sleep stands for its work. The by-hand split times each batch from on_train_batch_start to the end
 # of its update (training_step, backward and the optimizer inside); the loop also counts its logging and
 # bookkeeping between batches, a millisecond or two on a slow machine: long steps keep that small.

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import Trainer, TrainModule
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.torch_api, pytest.mark.gpu]
 
 
 def _gpus() -> int:

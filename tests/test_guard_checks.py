@@ -19,6 +19,8 @@ from conftest import TinyModule
 from polytrain import Callback
 from polytrain.trainer.loops.guards import NonFiniteError
 
+pytestmark = pytest.mark.own_logic
+
 MakeTrainer = Callable[..., Any]
 
 

@@ -18,6 +18,8 @@ from polytrain import Callback, DataModule, Trainer
 from polytrain.trainer.api.hooks import CALLBACK_HOOKS, DATAMODULE_HOOKS, MODULE_HOOKS, is_overridden
 from polytrain.trainer.api.module import TrainModule
 
+pytestmark = pytest.mark.own_logic
+
 # the strategy runs them: phase rows
 STEPS = {"training_step", "validation_step", "test_step", "predict_step"}
 NOT_CALLED_BY_THE_LOOP = {"forward"}  # the module's own code calls it (predict_step's default does)

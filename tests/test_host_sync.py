@@ -29,6 +29,8 @@ from polytrain.callbacks import LearningRateMonitor, ThroughputMonitor
 from polytrain.core.batch import move_to_device
 from polytrain.data.loaders import PIN_CHOSEN, distribute_dataloader, record_pin_memory_choice
 
+pytestmark = pytest.mark.torch_api
+
 READS = ("item", "tolist", "numpy", "cpu", "nonzero", "__float__", "__int__", "__bool__", "__index__",
          "__complex__", "__array__", "__format__", "__repr__")
 LOG_EVERY = 4

@@ -24,6 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from polytrain import DataModule, LightningModule, Trainer
 from polytrain.checkpoint.reading import read_checkpoint
 
+pytestmark = pytest.mark.own_logic
+
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
 
 

@@ -23,6 +23,10 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.own_logic
+
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "polytrain"
 
 LAYERS = {

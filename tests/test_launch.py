@@ -38,6 +38,8 @@ from polytrain.core.environment import detect_environment  # noqa: E402
 from polytrain.strategies.launcher import plan_launch  # noqa: E402
 from polytrain.trainer.configuration.config import ConfigError, validate_trainer_config  # noqa: E402
 
+pytestmark = pytest.mark.torch_api
+
 RUN_TIMEOUT = 120  # seconds for one launch (imports alone take several seconds per process on 2 cores)
 RETRIED = 2 * RUN_TIMEOUT + 30  # a launch hit by the known exit-time abort runs once more (see procs.py)
 STEPS = 8  # 64 samples / (2 ranks x batch 8) = 4 steps per epoch, 2 epochs

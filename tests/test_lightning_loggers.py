@@ -18,6 +18,8 @@ import polytrain as pl
 from polytrain import Trainer
 from polytrain.utilities import rank_zero_only
 
+pytestmark = pytest.mark.own_logic
+
 
 def _kwargs(run_dir: str, **over: Any) -> dict[str, Any]:
     return {**dict(strategy="single", accelerator="cpu", devices=1, run_dir=run_dir,

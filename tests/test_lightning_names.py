@@ -16,6 +16,8 @@ import polytrain as pl
 from polytrain import Trainer
 from polytrain.callbacks import LearningRateMonitor, TQDMProgressBar
 
+pytestmark = pytest.mark.own_logic
+
 
 def test_utilities_are_where_lightning_code_imports_them() -> None:
     from polytrain.utilities import rank_zero_info, rank_zero_only, rank_zero_warn, seed_everything

@@ -22,6 +22,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from polytrain.callbacks import BasePredictionWriter, Callback
 
+pytestmark = pytest.mark.torch_api
+
 
 class PidDataset(Dataset):
     """Each sample carries the pid of the process that loaded it."""

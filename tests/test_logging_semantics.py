@@ -21,6 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from polytrain import Trainer, TrainModule
 from polytrain.callbacks import Logger
 
+pytestmark = pytest.mark.own_logic
+
 torchmetrics = pytest.importorskip("torchmetrics")
 
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, logger=False,

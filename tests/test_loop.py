@@ -18,6 +18,8 @@ from polytrain.trainer.api.optimizer_config import parse_optimizers
 from polytrain.trainer.configuration.config import ConfigError
 from polytrain.trainer.loops.guards import EmptyDataError, NonFiniteError
 
+pytestmark = pytest.mark.own_logic
+
 MakeTrainer = Callable[..., Any]
 
 

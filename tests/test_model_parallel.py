@@ -28,6 +28,8 @@ from polytrain.core.precision import Precision
 from polytrain.strategies.model_parallel import ModelParallelStrategy
 from polytrain.trainer.configuration.config import ConfigError
 
+pytestmark = pytest.mark.torch_api
+
 NUM_SAMPLES = 160  # 20 global batches of 8: one epoch = 20 optimizer steps
 GLOBAL_BATCH = 8
 VAL_SAMPLES = 9  # one process: batches of 4, 4, 1; two data-parallel ranks: 5 and 4 samples

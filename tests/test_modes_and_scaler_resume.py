@@ -17,6 +17,8 @@ from torch.utils.data import DataLoader
 from polytrain import Trainer
 from polytrain.core.errors import ConfigError
 
+pytestmark = pytest.mark.torch_api
+
 # --------------------------------------------------------------------------- modes around validation
 
 

@@ -10,6 +10,8 @@ from polytrain.core.errors import ConfigError
 from polytrain.strategies.launcher import _launch_config, plan_launch, rdzv_conf
 from polytrain.trainer.configuration.config import TrainerConfig, load_config, validate_trainer_config
 
+pytestmark = pytest.mark.torch_api
+
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
                  "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_JOB_ID", "POLYTRAIN_RDZV_CONF",
                  "POLYTRAIN_RUN_ID")

@@ -46,6 +46,8 @@ from gpt_module import CharGPT  # noqa: E402 - the example, imported from its fo
 
 from polytrain import Callback, TrainModule  # noqa: E402
 
+pytestmark = pytest.mark.torch_api
+
 TOL = {"rtol": 0.0, "atol": 1e-5}
 OPTIMIZERS = ("sgd", "adam", "adamw")
 IMPLS = ("for-loop", "foreach", "fused")

@@ -40,6 +40,8 @@ from polytrain.parallel.planner.estimate import stages
 from polytrain.parallel.tensor_parallel import module_plan
 from polytrain.trainer.launch.planned import chosen_layout
 
+pytestmark = pytest.mark.torch_api
+
 GLOBAL_BATCH, SAMPLES, STEPS, STOP_AT = 4, 8, 4, 2  # two steps an epoch, two epochs
 VOCAB, TOKENS, CLASSES = 64, 9, 10
 POSITIONS = 256  # room for the longer sequences tests/test_planner_measured.py measures

@@ -22,6 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import Callback, Trainer, TrainModule
 
+pytestmark = pytest.mark.torch_api
+
 NUM_SAMPLES = 80  # 10 batches of 8 per epoch: 2 epochs = 20 optimizer steps
 BATCH = 8  # the global batch; per data-parallel replica it is BATCH // dp
 TOL = {"rtol": 0.0, "atol": 1e-5}

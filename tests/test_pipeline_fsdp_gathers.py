@@ -16,6 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from distributed import run_distributed  # noqa: E402
 from test_composition import BATCH, GPT, SIZE, strategy  # noqa: E402 - the composition tests' model and layouts
 
+pytestmark = pytest.mark.torch_api
+
 
 def _gathers_in_one_step(rank: int, world: int, root: str, reshard: bool | None) -> int:
     """FSDP all-gathers (of a unit's parameters) this rank issues in one pp2 x dp_shard2 step of 4

@@ -15,6 +15,8 @@ from torch import nn
 from polytrain.parallel import pipeline_path_cut as P
 from polytrain.parallel.pipeline_sequential_cut import PipelineSplitError
 
+pytestmark = pytest.mark.own_logic
+
 
 def _held(kind: str) -> HeldModel:
     with torch.device("meta"):

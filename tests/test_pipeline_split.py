@@ -16,6 +16,8 @@ from polytrain import Trainer, TrainModule
 from polytrain.parallel import pipeline_sequential_cut as S
 from polytrain.trainer.configuration.config import ConfigError
 
+pytestmark = pytest.mark.own_logic
+
 
 def _max_stage(weights: list[int], points: list[int]) -> int:
     bounds = [0, *points, len(weights)]

@@ -11,6 +11,8 @@ import pytest
 from polytrain.parallel.planner.estimate import Estimate
 from polytrain.parallel.planner.search import BAR_WIDTH, Layout, Plan, format_table, memory_bar
 
+pytestmark = pytest.mark.own_logic
+
 GiB = 1024**3
 
 

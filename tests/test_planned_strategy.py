@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples", "gpt"))
 
 from distributed import run_distributed  # noqa: E402
 
+pytestmark = pytest.mark.torch_api
+
 SIZE = dict(d_model=32, n_head=2, n_layer=2, block_size=16, stride=16, batch_size=4)
 
 

@@ -18,6 +18,8 @@ from polytrain.parallel.planner import timing as T
 from polytrain.parallel.planner.estimate import checkpointed, stage_memories
 from polytrain.parallel.planner.model_profile import ChildProfile, ModelProfile
 
+pytestmark = pytest.mark.torch_api
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)

@@ -19,6 +19,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import activation_memory  # noqa: E402
 import composition_memory  # noqa: E402
 
+pytestmark = pytest.mark.torch_api
+
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", ["ddp2", "tp2", "pp2_dp2", "pp2_tp2_dp2"])

@@ -19,6 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from planner_llama import LLAMA3, PUBLISHED, PublishedRun, build  # noqa: E402
 
+pytestmark = pytest.mark.torch_api
+
 
 def _rank_of(plan, degrees: tuple[int, int, int, int]) -> int | None:
     for i, est in enumerate(best_per_degrees(plan), 1):

@@ -16,6 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import Trainer, TrainModule
 
+pytestmark = pytest.mark.torch_api
+
 
 def _dataset(n: int = 128) -> TensorDataset:
     gen = torch.Generator().manual_seed(5)

@@ -16,6 +16,8 @@ from torch.utils.data import DataLoader
 from polytrain import Trainer
 from polytrain.callbacks import BasePredictionWriter
 
+pytestmark = pytest.mark.own_logic
+
 
 class FileWriter(BasePredictionWriter):
     def __init__(self, out: str, write_interval: str) -> None:

@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
 from procs import POLYTRAIN, run  # noqa: E402
 
+pytestmark = pytest.mark.torch_api
+
 URL = "https://example.invalid/cifar-10-python.tar.gz"
 
 

@@ -17,6 +17,8 @@ from polytrain.core.batch import move_to_device
 from polytrain.core.errors import ConfigError
 from polytrain.trainer.observability.profiler import PassThroughProfiler, SimpleProfiler, TorchProfiler
 
+pytestmark = pytest.mark.torch_api
+
 STEPS = 8  # TinyModule(n=32, batch_size=4): 8 batches per epoch
 
 

@@ -27,6 +27,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from polytrain import Callback, Trainer, TrainModule
 from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 
+pytestmark = pytest.mark.torch_api
+
 TOTAL_STEPS = 15  # 3 epochs of 5 batches
 STOP_AT = 7  # mid-way through the second epoch
 GLOBAL_BATCH = 8

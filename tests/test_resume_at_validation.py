@@ -24,6 +24,8 @@ from distributed import run_distributed
 from polytrain import Callback, Trainer
 from polytrain.callbacks import ModelCheckpoint
 
+pytestmark = pytest.mark.own_logic
+
 EPOCHS = 3
 BATCHES = 8  # per epoch and rank: 32 samples, batch 4 (per rank)
 

@@ -22,6 +22,8 @@ from polytrain import Trainer
 from polytrain.callbacks import ModelCheckpoint
 from polytrain.core.errors import ConfigError
 
+pytestmark = pytest.mark.own_logic
+
 
 def _kwargs(run_dir: str, **over: Any) -> dict[str, Any]:
     return {**dict(strategy="single", accelerator="cpu", devices=1, run_dir=run_dir,

@@ -16,6 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset, random_split
 
 from polytrain import Trainer, TrainModule
 
+pytestmark = pytest.mark.torch_api
+
 
 def _data() -> TensorDataset:
     g = torch.Generator().manual_seed(3)

@@ -24,6 +24,8 @@ from polytrain.parallel.activation_checkpointing import apply_activation_checkpo
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_compile_ac import SmallGPT, max_diff, state  # noqa: E402 - the blocks with dropout
 
+pytestmark = pytest.mark.torch_api
+
 SDPA = "aten._scaled_dot_product_flash_attention_for_cpu.default"  # the forward kernel on CPU
 
 

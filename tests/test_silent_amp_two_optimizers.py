@@ -21,6 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import Trainer, TrainModule
 
+pytestmark = pytest.mark.torch_api
+
 STEPS = 40
 BATCH = 8
 

@@ -17,6 +17,8 @@ from distributed import run_distributed
 
 from polytrain import connect
 
+pytestmark = pytest.mark.torch_api
+
 
 def _worker(rank: int, world_size: int, spec: Any) -> dict[str, Any]:
     strategy = connect(spec, accelerator="cpu", timeout=30)

@@ -29,6 +29,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from polytrain import Trainer, TrainModule
 
+pytestmark = pytest.mark.own_logic
+
 SEED = 0
 BATCH = 2
 PER_RANK_BATCHES = (6, 4)  # rank 0's stream is longer

@@ -24,6 +24,8 @@ from polytrain.core.errors import ConfigError  # noqa: E402
 from polytrain.strategies.launcher import plan_launch  # noqa: E402
 from polytrain.trainer.configuration.config import validate_trainer_config  # noqa: E402
 
+pytestmark = pytest.mark.torch_api
+
 SCRIPT = textwrap.dedent('''
     import json, os, sys
     import torch

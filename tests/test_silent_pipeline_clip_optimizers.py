@@ -27,6 +27,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import Trainer, TrainModule
 
+pytestmark = pytest.mark.torch_api
+
 CLIP = 0.05
 BATCH = 8
 

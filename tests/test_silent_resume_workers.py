@@ -29,6 +29,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from polytrain import Trainer, TrainModule
 
+pytestmark = pytest.mark.torch_api
+
 SEED = 0
 N = 64
 BATCH = 4

@@ -25,6 +25,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from polytrain import Trainer, TrainModule
 from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 
+pytestmark = pytest.mark.own_logic
+
 N, BATCH, ACCUMULATE, EPOCHS, EVERY = 16, 2, 2, 2, 3  # 8 batches = 4 optimizer steps per epoch
 
 

@@ -29,6 +29,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from polytrain import Trainer, TrainModule
 from polytrain.layers import sharded_rng
 
+pytestmark = pytest.mark.torch_api
+
 SEED = 0
 STEPS = 20
 BATCH = 8

@@ -27,6 +27,8 @@ from polytrain.callbacks import Callback
 from polytrain.core.errors import SamplerError
 from polytrain.data.stateful import state_source
 
+pytestmark = pytest.mark.torch_api
+
 N = 24  # 12 items per rank under ddp x2: batch 3 gives 4 batches an epoch
 BATCH = 3
 EPOCHS = 2

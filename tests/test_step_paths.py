@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TinyModule, make_dataset
 from torch.utils.data import DataLoader
 
 from polytrain import Callback
+
+pytestmark = pytest.mark.own_logic
 
 
 def _hand_weights(make_optimizer: Any, closure_style: bool, batches: int = 4) -> torch.Tensor:

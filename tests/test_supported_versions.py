@@ -7,7 +7,10 @@ from __future__ import annotations
 import os
 import re
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.torch_api
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -14,6 +14,8 @@ from torch.testing import assert_close
 
 from polytrain.layers.sync_batchnorm import CrossProcessBatchNorm, convert_sync_batchnorm
 
+pytestmark = pytest.mark.torch_api
+
 C = 3
 TOL = {"rtol": 0.0, "atol": 1e-9}  # float64 end to end, so far tighter than the 1e-5 we need
 

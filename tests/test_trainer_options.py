@@ -27,6 +27,8 @@ from polytrain.core.errors import ConfigError
 from polytrain.strategies.launcher import plan_launch
 from polytrain.trainer.configuration.config import parse_max_time, validate_trainer_config
 
+pytestmark = pytest.mark.own_logic
+
 QUIET = dict(accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False)
 
 

@@ -13,6 +13,8 @@ from torch.utils.data import DataLoader
 from polytrain import Callback, DataModule, Trainer
 from polytrain.trainer.api.hooks import CALLBACK_HOOKS, DATAMODULE_HOOKS, MODULE_HOOKS
 
+pytestmark = pytest.mark.own_logic
+
 
 def _fit(trainer_kwargs: dict, module: Any, **kwargs: Any) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:

@@ -36,6 +36,8 @@ from polytrain.core.errors import SamplerError
 from polytrain.data.loaders import distribute_dataloader, set_epoch
 from polytrain.data.user_samplers import SplitSampler
 
+pytestmark = pytest.mark.own_logic
+
 N = 24  # 12 draws per rank: batch 3 gives 4 batches a rank, one process 4 batches of 6
 BATCH = 3
 SEED = 11

@@ -18,6 +18,8 @@ from torch.testing import assert_close
 
 from polytrain.layers import VocabParallel, VocabParallelEmbedding, vocab_range
 
+pytestmark = pytest.mark.torch_api
+
 CASES = [  # (vocab size, padding_idx, ids)
     (10, None, torch.tensor([[0, 3, 9, 5], [4, 5, 6, 1]])),
     (11, 7, torch.tensor([[10, 7, 0, 6], [5, 6, 7, 3]])),

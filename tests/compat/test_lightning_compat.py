@@ -25,6 +25,8 @@ pytest.importorskip("lightning.pytorch")
 from compat import harness  # noqa: E402 - after the skip on purpose
 from compat.harness import comparable, first_difference, run_case, run_case_distributed  # noqa: E402
 
+pytestmark = pytest.mark.own_logic
+
 # id -> (case, case keywords, Trainer keywords on top of harness.DEFAULT_TRAINER, stages)
 ONE_PROCESS = {
     # Dropout draws from the global RNG in every step: one process must reproduce Lightning's stream.

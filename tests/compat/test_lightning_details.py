@@ -21,6 +21,8 @@ pytest.importorskip("lightning.pytorch")
 from compat import harness  # noqa: E402 - after the skip on purpose
 from compat.test_lightning_compat import assert_same_run  # noqa: E402
 
+pytestmark = pytest.mark.own_logic
+
 ONE_CYCLE = ("onecycle", {}, dict(max_epochs=2), ["fit"])
 FIT_THEN_TEST = ("fit_then_test", {}, dict(max_epochs=2), ["fit", "test"])
 SECOND_FIT = ("second_fit", {}, dict(max_epochs=1), ["fit", ("call", {"fn": "next_phase"}), "fit"])

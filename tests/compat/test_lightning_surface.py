@@ -21,6 +21,8 @@ pytest.importorskip("lightning.pytorch")
 from compat import harness  # noqa: E402 - after the skip on purpose
 from compat.test_lightning_compat import assert_same_run  # noqa: E402
 
+pytestmark = pytest.mark.own_logic
+
 STAGES = ["fit", ("predict", {"return_predictions": False})]
 TRAINER = dict(max_epochs=2, log_every_n_steps=2)
 

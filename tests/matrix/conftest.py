@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from .report import ROWS, format_table
+from .report import format_table, rows_of
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -18,12 +18,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    rows = config.stash.get(ROWS, {})
+    # The rows come with the reports (the controller's, under pytest-xdist), not from this process's tests.
+    rows = rows_of(report for reports in terminalreporter.stats.values() for report in reports)
     if not rows:
         return
     full = config.getoption("--matrix-full")
     terminalreporter.write_sep("=", f"feature matrix: {len(rows)} cases "
                                     f"({'full product' if full else 'all pairs'}), "
                                     f"max |weight - reference|")
-    for line in format_table(list(rows.values())):
+    for line in format_table(rows):
         terminalreporter.write_line(line)

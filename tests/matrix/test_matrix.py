@@ -19,8 +19,10 @@ from distributed import run_distributed
 
 from .cases import INVALID, Case, all_pairs, covering_cases, full_cases, is_valid, pairs_of, tolerance
 from .reference import reference
-from .report import ROWS, Row
+from .report import Row
 from .runner import run_cases, spawn_worker
+
+pytestmark = pytest.mark.torch_api
 
 SPAWN_SECONDS = 60.0 + 20.0  # start-up and refusals, plus per multi-rank case (below)
 PER_CASE_SECONDS = 15.0
@@ -72,7 +74,14 @@ def _max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> fl
 @pytest.mark.timeout(600)
 def test_case_matches_the_reference(case: Case, runs: dict[str, Any], request: pytest.FixtureRequest) -> None:
     tol, why = tolerance(case)
-    row = request.config.stash.setdefault(ROWS, {}).setdefault(case.name, Row(case, tol))
+    row = Row(case.name, case.values(), tol)
+    try:
+        _compare(case, runs, row, tol, why)
+    finally:
+        request.node.user_properties.append(row.as_property())  # for the table (tests/matrix/conftest.py)
+
+
+def _compare(case: Case, runs: dict[str, Any], row: Row, tol: float, why: str) -> None:
     got = runs.get(case.name)
     if got is None:
         pytest.fail(f"{case.name} did not run (an earlier case of its spawn failed)", pytrace=False)

@@ -31,7 +31,7 @@ from polytrain.checkpoint.reading import read_checkpoint
 from .conftest import CKPT_KILL_MODES
 from .helpers import Done, bitwise_equal, figure, pick, rel_module
 
-pytestmark = [pytest.mark.reliability, pytest.mark.distributed]
+pytestmark = [pytest.mark.torch_api, pytest.mark.reliability, pytest.mark.distributed]
 
 MAX_STEPS = 8
 

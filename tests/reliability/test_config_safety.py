@@ -21,7 +21,7 @@ from polytrain.trainer.configuration.config import ConfigError, TrainerConfig, l
 
 from .helpers import Done, figure, pick
 
-pytestmark = [pytest.mark.reliability, pytest.mark.distributed]
+pytestmark = [pytest.mark.own_logic, pytest.mark.reliability, pytest.mark.distributed]
 
 BASE = "module: {_target_: rel_module.RelModule}\ntrainer: {accelerator: cpu, devices: 1}\n"
 # The expected-type or valid-choices part of a message.

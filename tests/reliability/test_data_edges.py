@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Subset
 
 from .helpers import figure, quiet, rel_module
 
-pytestmark = [pytest.mark.reliability, pytest.mark.distributed]
+pytestmark = [pytest.mark.torch_api, pytest.mark.reliability, pytest.mark.distributed]
 
 CASES = {  # name: (RelModule keywords, extra Trainer keywords)
     # (shuffle=False: with shuffle=True torch's own RandomSampler already refuses 0 samples in the

@@ -21,7 +21,7 @@ import pytest
 from .conftest import DISK_FAULT_STRATEGIES
 from .helpers import Done, figure, pick
 
-pytestmark = [pytest.mark.reliability, pytest.mark.distributed]
+pytestmark = [pytest.mark.torch_api, pytest.mark.reliability, pytest.mark.distributed]
 
 CAUSE = {"enospc": "No space left on device (ENOSPC): it needs about ",
          "efbig": "File too large (EFBIG): it needs about "}

@@ -18,7 +18,7 @@ from distributed import DistributedRunError, run_distributed
 
 from .helpers import figure, quiet, rel_module
 
-pytestmark = [pytest.mark.reliability, pytest.mark.distributed]
+pytestmark = [pytest.mark.torch_api, pytest.mark.reliability, pytest.mark.distributed]
 
 TIMEOUT = 8.0
 

@@ -16,7 +16,7 @@ import pytest
 from .conftest import KILL_STEP
 from .helpers import Done, bitwise_equal, events, figure, final_state, pick
 
-pytestmark = [pytest.mark.reliability, pytest.mark.distributed]
+pytestmark = [pytest.mark.torch_api, pytest.mark.reliability, pytest.mark.distributed]
 
 
 def _check_trial(done: Done, reference: dict[str, Any]) -> str | None:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from .helpers import _kill_tree, figure, free_port, job_env, polytrain_cli, rel_module, write_config
 
-pytestmark = [pytest.mark.reliability, pytest.mark.distributed]
+pytestmark = [pytest.mark.torch_api, pytest.mark.reliability, pytest.mark.distributed]
 
 N, BATCH, EPOCHS = 32, 4, 3  # world size 2: 4 steps an epoch; world size 1: 8
 KILL_AT = 7  # newest checkpoint then: step 6 (every 2 steps), 16 samples into epoch 2

@@ -15,7 +15,7 @@ import pytest
 from .conftest import FAIL_STEP, STUCK_TIMEOUT
 from .helpers import Done, events, figure, pick, snapshot
 
-pytestmark = [pytest.mark.reliability, pytest.mark.distributed]
+pytestmark = [pytest.mark.torch_api, pytest.mark.reliability, pytest.mark.distributed]
 
 PROMPT_S = 60.0  # "seconds, not the collective timeout" (300 s here), with slack for a loaded machine
 MESSAGE = f"deliberate failure on rank 1 at step {FAIL_STEP}"

@@ -18,7 +18,7 @@ from polytrain.core import heartbeat
 
 from .helpers import figure, free_port
 
-pytestmark = [pytest.mark.reliability, pytest.mark.distributed]
+pytestmark = [pytest.mark.torch_api, pytest.mark.reliability, pytest.mark.distributed]
 
 
 @pytest.fixture

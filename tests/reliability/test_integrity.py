@@ -36,7 +36,7 @@ from polytrain.core.errors import CheckpointError, ConfigError
 
 from .helpers import bitwise_equal, figure, rel_module
 
-pytestmark = [pytest.mark.reliability, pytest.mark.distributed]
+pytestmark = [pytest.mark.torch_api, pytest.mark.reliability, pytest.mark.distributed]
 
 MAX_STEPS = 8
 

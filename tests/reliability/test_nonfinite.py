@@ -27,7 +27,7 @@ from distributed import run_distributed
 
 from .helpers import figure, quiet, rel_module
 
-pytestmark = [pytest.mark.reliability, pytest.mark.distributed]
+pytestmark = [pytest.mark.torch_api, pytest.mark.reliability, pytest.mark.distributed]
 
 SCENARIOS = {  # name: (fault, nan_policy, gradient_clip_val)
     "error_loss": ("nan_loss:1:3", "error", None),

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from .helpers import figure, rel_module, samples
 
-pytestmark = [pytest.mark.reliability, pytest.mark.distributed]
+pytestmark = [pytest.mark.torch_api, pytest.mark.reliability, pytest.mark.distributed]
 
 N, BATCH = 27, 2
 

@@ -27,7 +27,7 @@ from polytrain.core.errors import CheckpointError
 
 from .helpers import REPO, figure, rel_module
 
-pytestmark = [pytest.mark.reliability, pytest.mark.distributed]
+pytestmark = [pytest.mark.torch_api, pytest.mark.reliability, pytest.mark.distributed]
 
 
 class Payload:
