@@ -163,7 +163,7 @@ def test_cifar10_cli_download_path_offline(tmp_path: Any) -> None:
 @pytest.mark.timeout(300)
 def test_cifar10_documented_offline_command_runs_on_cpu(tmp_path: Any) -> None:
     """The offline command of examples/cifar10/README.md as printed (run from the repository root; only the
-    run directory moved to a temporary one): 2 epochs of 512 FakeData pictures on 2 CPU processes."""
+    run directory moved to a temporary one): 1 epoch of 256 FakeData pictures on 2 CPU processes."""
     args = documented_command(os.path.join(CIFAR_DIR, "README.md"), "module.fake=true")
     run_dir = tmp_path / "run"
     proc = _polytrain(*args, f"trainer.run_dir={run_dir}", cwd=ROOT, timeout=280)
