@@ -33,12 +33,32 @@ MADE_FOLDER = pytest.StashKey[str]()  # the controller's: the folder it made, re
 DURATIONS_KEY = "polytrain/durations"  # pytest's cache: each test's seconds (setup, call, teardown) last run
 
 
-def shared_fixture_group(item: Any) -> str | None:
-    """The unit of tests ``item`` must run with (None: it may run alone)."""
+def modules_with_own_wide_fixtures(items: list[Any]) -> set[str]:
+    """The test files that define a module-scoped fixture of their own. All of such a file's tests are one
+    unit, whether they name the fixture or ask for it while running (``request.getfixturevalue``): pytest
+    tears a module's fixtures down as soon as a test of another file runs, so a file's tests split between
+    workers, or with another file's tests between them, would build the fixture (a spawn of gloo ranks)
+    again and again."""
+    from _pytest.fixtures import getfixturemarker
+
+    files: dict[str, Any] = {}
+    for item in items:
+        if getattr(item, "module", None) is not None:
+            files.setdefault(item.nodeid.split("::")[0], item.module)
+    return {path for path, module in files.items()
+            if any(getattr(getfixturemarker(value), "scope", None) == "module"
+                   for value in vars(module).values())}
+
+
+def shared_fixture_group(item: Any, modules: set[str] = frozenset()) -> str | None:
+    """The unit of tests ``item`` must run with (None: it may run alone); ``modules``: the files whose
+    tests are one unit whatever they name (``modules_with_own_wide_fixtures``)."""
     info = getattr(item, "_fixtureinfo", None)
     if info is None:  # not a test function (no fixtures to share)
         return None
     folder, module = None, None
+    if item.nodeid.split("::")[0] in modules:
+        module = item.nodeid.split("::")[0]
     for name in info.names_closure:
         for fixturedef in info.name2fixturedefs.get(name, ()):
             if not fixturedef.baseid:  # pytest's or a plugin's
@@ -53,7 +73,8 @@ def shared_fixture_group(item: Any) -> str | None:
 
 def units_of(items: list[Any]) -> dict[str, str]:
     """Every test's unit: its shared fixtures' group, or its own node id."""
-    return {item.nodeid: shared_fixture_group(item) or item.nodeid for item in items}
+    modules = modules_with_own_wide_fixtures(items)
+    return {item.nodeid: shared_fixture_group(item, modules) or item.nodeid for item in items}
 
 
 def order_longest_first(config: pytest.Config, items: list[Any]) -> None:

@@ -51,3 +51,75 @@ def test_a_run_with_a_file_in_no_tier_stops_naming_it() -> None:
         check_tiers([*classified, _Item("tests/test_c.py::test_z", "slow")])
     with pytest.raises(pytest.UsageError, match="tests/test_d.py"):
         check_tiers([_Item("tests/test_d.py::test_w", "torch_api", "own_logic")])
+
+
+# --------------------------------------------------------------------- parallel runs (tests/parallel_runs.py)
+
+_WIRING = '''
+import sys
+sys.path.insert(0, {tests!r})
+import parallel_runs
+
+def pytest_collection_modifyitems(config, items):
+    if parallel_runs.in_worker(config):
+        parallel_runs.order_longest_first(config, items)
+
+def pytest_collection_finish(session):
+    parallel_runs.write_units(session.config, session.items)
+
+def pytest_configure(config):
+    parallel_runs.announce_groups_folder(config)
+
+def pytest_sessionfinish(session):
+    parallel_runs.remove_groups_folder(session.config)
+
+def pytest_xdist_make_scheduler(config, log):
+    return parallel_runs.make_scheduler(config, log)
+'''
+
+_SHARED = '''
+import os, time
+import pytest
+
+@pytest.fixture(scope="module")
+def spawn():
+    with open("builds.txt", "a") as fh:
+        fh.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+    return "ranks"
+
+@pytest.mark.parametrize("case", range(6))
+def test_asks_while_running(request, case):
+    time.sleep(0.2)
+    with open("shared_ran.txt", "a") as fh:
+        fh.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+    assert request.getfixturevalue("spawn") == "ranks"
+'''
+
+_ALONE = '''
+import time
+import pytest
+
+@pytest.mark.parametrize("case", range(6))
+def test_alone(case):
+    time.sleep(0.2)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_files_tests_share_its_module_fixture_on_one_worker(tmp_path: Path) -> None:
+    """Under ``-n 2 --dist load`` a file whose tests ask for its module-scoped fixture only while running
+    goes to one worker whole, so the fixture (in the suite, a spawn of gloo ranks) is built once; xdist's
+    own scheduling would split the file over both workers and build it twice."""
+    import subprocess
+    import sys
+
+    (tmp_path / "conftest.py").write_text(_WIRING.format(tests=str(TESTS)))
+    (tmp_path / "test_shared.py").write_text(_SHARED)
+    (tmp_path / "test_alone.py").write_text(_ALONE)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "load",
+                           "-p", "no:cacheprovider", "-p", "no:randomly", "test_shared.py", "test_alone.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "12 passed" in proc.stdout, proc.stdout
+    assert len((tmp_path / "builds.txt").read_text().split()) == 1, proc.stdout
+    assert len(set((tmp_path / "shared_ran.txt").read_text().split())) == 1, proc.stdout
