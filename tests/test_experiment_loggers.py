@@ -192,6 +192,11 @@ def wandb_run(save_dir: str) -> tuple[set[tuple[int, str, float]], dict[str, Any
 @wandb_needed
 @pytest.mark.parametrize("how", ["name", "object"])
 def test_wandb_offline_writes_what_the_csv_logger_writes(tmp_path: Any, monkeypatch: Any, how: str) -> None:
+    import wandb
+
+    # wandb reads WANDB_* once per process, at its first setup, and keeps what it read; a test that ran
+    # earlier in this process set it up without WANDB_MODE. Start as a fresh process would.
+    wandb.teardown()
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = str(tmp_path / "run")
     if how == "name":
