@@ -213,11 +213,12 @@ def _logged_learning_rates(run_dir: Any) -> list[tuple[int, float]]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_readme_resume_commands_finish_the_schedule_without_the_lr_climbing(tmp_path: Any) -> None:
+@pytest.mark.timeout(600)
+def test_readme_resume_test_and_validate_commands_run_as_printed(tmp_path: Any) -> None:
     """README.md's two resume commands as printed (run directory moved to a temporary one): a run cut short,
     then ``trainer.resume=last``. The learning rate logged over both never rises, and the job reaches the
-    config's last epoch (12) and the cosine's floor."""
+    config's last epoch (12) and the cosine's floor. Then README's test (best checkpoint) and validate
+    (newest checkpoint) commands on that run print their results and write beside it."""
     readme = os.path.join(ROOT, "README.md")
     run_dir = tmp_path / "run"
     quiet = [f"trainer.run_dir={run_dir}", "trainer.enable_progress_bar=false"]
@@ -229,6 +230,13 @@ def test_readme_resume_commands_finish_the_schedule_without_the_lr_climbing(tmp_
     assert rates[-1][0] > 200, rates  # the resumed run logged its own steps
     assert all(later <= earlier for (_, earlier), (_, later) in zip(rates, rates[1:])), rates
     assert rates[-1][1] < 0.001 * 1.01, rates  # epoch 11 of cosine(T_max=12) from lr 0.05: 0.00085
+    # README's test and validate commands as printed, on the checkpoints of that run
+    fitted = sorted(os.listdir(run_dir))
+    for marker, folder in (("--ckpt best", "test_0"), ("--ckpt last", "validate_0")):
+        proc = _polytrain(*documented_command(readme, marker), *quiet, cwd=ROOT, timeout=240)
+        assert "metric" in proc.stdout and "val/acc" in proc.stdout, proc.stdout  # the results table
+        assert (run_dir / folder / "metrics.csv").exists()
+    assert sorted(os.listdir(run_dir)) == sorted([*fitted, "test_0", "validate_0"])
 
 
 # --------------------------------------------------------------------------- toy_spawn
@@ -315,17 +323,3 @@ def test_readme_module_runs_as_printed_and_validates(tmp_path: Any) -> None:
     assert [r["epoch"] for r in rows if r.get("val/acc")] == ["0", "1", "2"]
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_readme_test_and_validate_commands_run_as_printed(tmp_path: Any) -> None:
-    readme = os.path.join(ROOT, "README.md")
-    run_dir = tmp_path / "run"
-    quiet = [f"trainer.run_dir={run_dir}", "trainer.enable_progress_bar=false"]
-    _polytrain("fit", "-c", "examples/digits/config.yaml", "trainer.max_epochs=2", *quiet, cwd=ROOT,
-               timeout=240)
-    for marker, folder in (("--ckpt best", "test_0"), ("--ckpt last", "validate_0")):
-        proc = _polytrain(*documented_command(readme, marker), *quiet, cwd=ROOT, timeout=240)
-        assert "metric" in proc.stdout and "val/acc" in proc.stdout, proc.stdout  # the results table
-        assert (run_dir / folder / "metrics.csv").exists()
-    assert sorted(os.listdir(run_dir)) == ["test_0", "validate_0", "version_0"]
