@@ -5,7 +5,8 @@ those go together, as one unit, to one worker, so the fixture is built once (a m
 ranks, the reliability battery's background jobs, which must start in one process only). A module-scoped
 fixture makes one unit of its module's tests; a package- or session-scoped one makes one unit of every
 test under the folder whose conftest defines it; pytest's and plugins' own wide fixtures
-(``tmp_path_factory``) group nothing.
+(``tmp_path_factory``) group nothing. A file marked ``pytest.mark.one_worker`` is one unit too: its tests
+share work the module caches (``functools.cache``), which each worker would otherwise do again.
 
 Fixtures are known where the tests are collected, in the workers; the scheduler runs in the controller,
 which collects nothing. So each worker writes every test's unit to a file in a folder the controller
@@ -57,7 +58,7 @@ def shared_fixture_group(item: Any, modules: set[str] = frozenset()) -> str | No
     if info is None:  # not a test function (no fixtures to share)
         return None
     folder, module = None, None
-    if item.nodeid.split("::")[0] in modules:
+    if item.nodeid.split("::")[0] in modules or item.get_closest_marker("one_worker") is not None:
         module = item.nodeid.split("::")[0]
     for name in info.names_closure:
         for fixturedef in info.name2fixturedefs.get(name, ()):

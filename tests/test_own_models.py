@@ -40,7 +40,7 @@ from polytrain.parallel.planner.estimate import stages
 from polytrain.parallel.tensor_parallel import module_plan
 from polytrain.trainer.launch.planned import chosen_layout
 
-pytestmark = pytest.mark.torch_api
+pytestmark = [pytest.mark.torch_api, pytest.mark.one_worker]  # reference() is shared by every strategy's test
 
 GLOBAL_BATCH, SAMPLES, STEPS, STOP_AT = 4, 8, 4, 2  # two steps an epoch, two epochs
 VOCAB, TOKENS, CLASSES = 64, 9, 10

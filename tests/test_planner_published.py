@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from planner_llama import LLAMA3, PUBLISHED, PublishedRun, build  # noqa: E402
 
-pytestmark = pytest.mark.torch_api
+pytestmark = [pytest.mark.torch_api, pytest.mark.one_worker]  # the plans are cached and shared
 
 
 def _rank_of(plan, degrees: tuple[int, int, int, int]) -> int | None:
