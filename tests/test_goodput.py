@@ -23,8 +23,10 @@ pytestmark = pytest.mark.own_logic
 
 # A step's sleep stands for its work. The by-hand split times each batch from on_train_batch_start to the end
 # of its update (training_step, backward and the optimizer inside); the loop also counts its logging and
-# bookkeeping between batches, a millisecond or two on a slow machine: long steps keep that small.
-STEP_SLEEP, FETCH_SLEEP, VAL_SLEEP = 0.15, 0.004, 0.01
+# bookkeeping between batches, a millisecond or two on a slow machine: long steps keep that small. Saves
+# take SAVE_SLEEP more (a loaded machine's slow write); the epoch's save runs inside its validation, and is
+# counted once, as checkpoint time.
+STEP_SLEEP, FETCH_SLEEP, VAL_SLEEP, SAVE_SLEEP = 0.15, 0.004, 0.01, 0.08
 
 
 class SlowData(Dataset):
@@ -71,6 +73,9 @@ class Timed(TinyModule):
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
         time.sleep(VAL_SLEEP)
         return super().validation_step(batch, batch_idx)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        time.sleep(SAVE_SLEEP)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(SlowData(16), batch_size=2)

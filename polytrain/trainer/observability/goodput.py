@@ -89,6 +89,10 @@ class Goodput:
             self.totals["checkpoint"] += spent
             if "epoch" in self._running:
                 self.totals["checkpoint_in_epoch"] += spent
+            if "validation" in self._running:
+                # The epoch's save runs inside its validation (a callback's on_validation_end): that time is
+                # the checkpoint's, and counting it in both would take it from training twice.
+                self.totals["validation"] -= spent
         self._write("checkpoint", step)
 
     def mark(self, step: int) -> None:
