@@ -185,6 +185,17 @@ def _elastic_method(cfg: LaunchRequest, per_node: int, low: int, high: int) -> s
     return "elastic"
 
 
+# A function's workers are forked from a server that has imported torch, what every worker imports next
+# (torch.optim pulls in torch._dynamo) and the function's own module once, where a fresh interpreter per
+# worker would repeat those imports: seconds of CPU each (docs/performance.md). The server is a fresh
+# interpreter itself, started when the first worker is, with this process's environment (OMP_NUM_THREADS
+# set by _launch_config is what its OpenMP runtime reads); none of these imports touches CUDA, so each
+# worker initialises its own device as a spawned one would. "__main__" first, as spawn imports it too.
+WORKER_START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+WORKER_PRELOAD = ("__main__", "torch", "torch.distributed", "torch.optim", "torch._dynamo",
+                  "polytrain.trainer.trainer")
+
+
 def _launch_config(plan: LaunchPlan, max_restarts: int) -> Any:
     # Without this, the first restart after rank 0 dies cannot rendezvous on gloo (the store
     # lived in the dead worker).
@@ -208,7 +219,7 @@ def _launch_config(plan: LaunchPlan, max_restarts: int) -> Any:
     return LaunchConfig(
         min_nodes=plan.num_nodes, max_nodes=plan.num_nodes, nproc_per_node=plan.processes_per_node,
         run_id=f"polytrain-{uuid.uuid4().hex[:8]}", max_restarts=max_restarts, monitor_interval=0.1,
-        start_method="spawn", **rdzv,
+        start_method=WORKER_START_METHOD, **rdzv,
     )
 
 
@@ -241,8 +252,8 @@ def _elastic_range_config(plan: LaunchPlan, max_restarts: int) -> Any:
     run_id = os.environ.get(RUN_ID_ENV) or os.environ.get("SLURM_JOB_ID") or f"polytrain-{port}"
     return LaunchConfig(
         min_nodes=low, max_nodes=high, nproc_per_node=plan.processes_per_node, run_id=run_id,
-        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn", rdzv_backend="c10d",
-        rdzv_endpoint=f"{addr}:{port}", rdzv_configs=configs,
+        max_restarts=max_restarts, monitor_interval=0.1, start_method=WORKER_START_METHOD,
+        rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}", rdzv_configs=configs,
     )
 
 
@@ -252,7 +263,10 @@ def launch_elastic(plan: LaunchPlan, entrypoint: Callable | str, args: tuple, ma
     Raises ``ChildFailedError`` naming the first failing rank and its traceback when a worker fails
     and restarts are exhausted; survivors are stopped by the agent.
     """
-    return elastic_launch(_launch_config(plan, max_restarts), entrypoint)(*args)
+    config = _launch_config(plan, max_restarts)
+    if callable(entrypoint) and WORKER_START_METHOD == "forkserver":
+        mp.get_context("forkserver").set_forkserver_preload([*WORKER_PRELOAD, entrypoint.__module__])
+    return elastic_launch(config, entrypoint)(*args)
 
 
 def relaunch_script(plan: LaunchPlan, max_restarts: int) -> None:

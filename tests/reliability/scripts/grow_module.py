@@ -2,7 +2,7 @@
 and a node that joins, driven from the environment of each launcher.
 
 - ``POLYTRAIN_GROW_KILL_AT=S``: on the first attempt, at world size 2, once ``global_step >= S``,
-  SIGKILL this worker's launcher (the elastic agent: the whole "node") and then this worker.
+  SIGKILL this worker's launcher's process group (the elastic agent, its workers: the whole "node").
 - ``POLYTRAIN_GROW_HOLD_AFTER=K``: at world size 1, after K steps trained in this process, wait in
   ``training_step`` (at most ``POLYTRAIN_GROW_HOLD_MAX`` seconds, default 240) until the agent
   restarts the group because a node is waiting to join. The test starts that node once it sees the
@@ -45,9 +45,10 @@ class GrowModule(RelModule):
         world, step = self.trainer.world_size, self.trainer.global_step
         kill_at = int(os.environ.get("POLYTRAIN_GROW_KILL_AT", "-1"))
         if world == 2 and 0 <= kill_at <= step and self._attempt() == 0:
-            self._write("events", {"event": "node_kill", "step": step, "agent_pid": os.getppid()})
-            os.kill(os.getppid(), signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGKILL)
+            # The launcher leads its own process group (the test starts it in a new session): its agent, the
+            # server its workers are forked from and this worker all go at once, as a node's power does.
+            self._write("events", {"event": "node_kill", "step": step, "launcher_pid": os.getpgid(0)})
+            os.killpg(os.getpgid(0), signal.SIGKILL)
         hold_after = int(os.environ.get("POLYTRAIN_GROW_HOLD_AFTER", "-1"))
         if world == 1 and 0 <= hold_after <= self.steps_here:
             self._write("events", {"event": "holding", "step": step})
