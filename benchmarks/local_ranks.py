@@ -22,11 +22,23 @@ def export_rank(rank: int, world: int, port: int) -> None:
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
 
 
+def worker_context() -> Any:
+    """Workers forked from a server that has imported torch and polytrain once, as ``polytrain fit`` starts
+    its own (polytrain/strategies/launcher.py): a benchmark that starts ranks for every mode pays the imports
+    once, not in every rank. Nothing timed includes them either way."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed", "torch.optim", "torch._dynamo",
+                                "polytrain.trainer.trainer"])
+    return ctx
+
+
 def first_result(target: Callable[..., None], world: int, extra: tuple[Any, ...], timeout: float,
                  join_timeout: float = 30.0) -> Any:
-    """``target(rank, world, port, *extra, results)`` in ``world`` spawned processes; the first
+    """``target(rank, world, port, *extra, results)`` in ``world`` worker processes; the first
     ``(status, payload)`` one puts on ``results`` is the answer (a failure raises with its traceback)."""
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=target, args=(rank, world, port, *extra, results)) for rank in range(world)]
     for proc in procs:

@@ -2,7 +2,7 @@
 callbacks, a hand-written PyTorch loop doing identical work (see ``overhead.py``'s docstring for
 what "identical" covers), and with ``--lightning`` the same module under Lightning's ``Trainer``.
 torch, polytrain and lightning are imported inside the functions so that ``overhead.py --help`` starts
-instantly and each spawned DDP worker imports them itself."""
+instantly (the DDP workers' server imports torch and polytrain once: ``local_ranks.worker_context``)."""
 
 from __future__ import annotations
 

@@ -33,7 +33,6 @@ Absolute times are noise on a shared machine; the fractions are what to read.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -42,7 +41,7 @@ import traceback
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from local_ranks import export_rank, free_port  # noqa: E402 - beside this script
+from local_ranks import export_rank, free_port, worker_context  # noqa: E402 - beside this script
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2), ("zbv", 2)]
 
@@ -66,7 +65,7 @@ def _child(fn: Any, rank: int, world: int, port: int, args: Any, results: Any) -
 def spawn(fn: Any, world: int, args: Any, timeout: float) -> list[Any]:
     """``fn(rank, args)`` on ``world`` gloo-ready processes; results by rank
     (shared with pipeline_step_time)."""
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, results), daemon=True)
