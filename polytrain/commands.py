@@ -9,13 +9,17 @@ import argparse
 import logging
 import os
 import re
+import shlex
+import signal
 import sys
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.multiprocessing import ProcessRaisedException
 
 from polytrain.checkpoint.consolidate import consolidate
+from polytrain.checkpoint.layout import newest_resumable
 from polytrain.core.errors import ConfigError, RankFailedError
 from polytrain.core.rng import seed_all
 from polytrain.plan_cli import run_plan
@@ -47,6 +51,7 @@ def run_worker(config: dict[str, Any], command: str, ckpt: str | None) -> Any:
             result = getattr(trainer, command)(module, datamodule=datamodule, ckpt_path=ckpt)
         if trainer.is_logging_rank and command == "fit":  # validate and test print their table themselves
             _print_metrics(trainer)
+            print(f"run directory: {trainer.log_dir}", flush=True)
         return result
     finally:
         if trainer.strategy is not None:
@@ -136,7 +141,19 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"polytrain {args.command}: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    try:
+        return _start(args, config, trainer_cfg, plan, ckpt)
+    except KeyboardInterrupt:  # Ctrl-C here or while spawned workers ran (they had it too)
+        return _stopped(args, trainer_cfg, signal.SIGINT)
+    except SignalException as err:  # the elastic agent's: it has ended its workers with the same signal
+        return _stopped(args, trainer_cfg, err.sigval)
+
+
+def _start(args: argparse.Namespace, config: dict[str, Any], trainer_cfg: TrainerConfig, plan: Any,
+           ckpt: str | None) -> int:
     if plan.method == "here":
+        # A scheduler's SIGTERM ends the job as Ctrl-C does (the elastic agent does the same for its workers).
+        signal.signal(signal.SIGTERM, _raise_stopped)
         run_worker(config, args.command, ckpt)
         return 0
     if plan.method in ("spawn", "fork"):
@@ -156,3 +173,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"polytrain: {args.command} failed on {root_cause(err)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise SignalException(f"received {signal.Signals(signum).name}", signal.Signals(signum))
+
+
+def _stopped(args: argparse.Namespace, trainer_cfg: TrainerConfig, signum: int) -> int:
+    """A job stopped by SIGINT (Ctrl-C) or SIGTERM (a scheduler): no traceback, the newest complete checkpoint
+    and, for a fit, the command that continues it; the shell's code for the signal (130, 143)."""
+    name = signal.Signals(signum).name
+    newest = newest_resumable(trainer_cfg.run_dir, trainer_cfg.version)
+    saved = f"the newest complete checkpoint is {newest[1]}" if newest else "no checkpoint had been written"
+    print(f"polytrain: {args.command} stopped by {name}; its processes have ended and {saved}",
+          file=sys.stderr)
+    if args.command == "fit" and newest is not None:
+        print(f"polytrain: to continue it: {_continue_command(args)}", file=sys.stderr)
+    return 128 + int(signum)
+
+
+def _continue_command(args: argparse.Namespace) -> str:
+    """This fit's command line with ``trainer.resume=last`` in place of any resume or ``--ckpt`` it had."""
+    kept = [item for item in args.overrides if not item.startswith("trainer.resume=")]
+    # The console script as it was typed (.venv/bin/polytrain), else the interpreter running the module.
+    program = [sys.argv[0]]
+    if os.path.basename(sys.argv[0]) != "polytrain":
+        program = [sys.executable, "-m", "polytrain"]
+    return shlex.join([*program, "fit", "-c", args.config, *kept, "trainer.resume=last"])

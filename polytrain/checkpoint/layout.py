@@ -201,31 +201,45 @@ def verb_for(stage: str) -> str:
     return _VERBS.get(stage, stage)
 
 
+def newest_resumable(root: str, version: int | str | None,
+                     rejected: list[str] | None = None) -> tuple[str, str] | None:
+    """(run directory, checkpoint) that ``resume: last`` takes: in run ``version`` when given, else in the run
+    under ``root`` written most recently that holds a complete checkpoint; None when there is none.
+    ``rejected`` collects why the checkpoints passed over cannot be loaded."""
+    runs = [os.path.join(root, version_name(version))] if version is not None else runs_newest_first(root)
+    for run in runs:
+        path = find_resumable(checkpoint_dir(run), rejected if rejected is not None else [])
+        if path is not None:
+            return run, path
+    return None
+
+
 def resolve_resume(resume: str | None, root: str, version: int | str | None = None,
-                   last_may_start_fresh: bool = False, stage: str = "fit") -> str | None:
+                   last_may_start_fresh: bool = False, stage: str = "fit", say: bool = True) -> str | None:
     """``None`` | ``"last"`` | ``"auto"`` | a path -> the checkpoint to load (or None). ``last``/``auto``
     look in one run: ``version`` when given, else the run under ``root`` written most recently that
     holds a complete checkpoint; the log says which run and which file. ``last`` with nothing to load
     raises, unless ``last_may_start_fresh`` and there is no checkpoint at all (Lightning's
-    ``ckpt_path="last"``). ``stage``: what the checkpoint is for (the words of the log and errors)."""
+    ``ckpt_path="last"``). ``stage``: what the checkpoint is for (the words of the log and errors); ``say``:
+    whether the log names the file (not in the launcher's check of a fit: its workers name what they take)."""
     if resume is None:
         return None
     verb = verb_for(stage)
     if resume in ("last", "auto"):
-        runs = [os.path.join(root, version_name(version))] if version is not None else runs_newest_first(root)
         rejected: list[str] = []
-        for run in runs:
-            path = find_resumable(checkpoint_dir(run), rejected)
-            if path is not None:
-                if stage == "fit":
-                    log.info("resume=%r: continuing the run in %s, %s", resume, run, os.path.basename(path))
-                else:
-                    log.info("ckpt_path=%r: %s: the newest checkpoint of the run in %s, %s", resume, stage,
-                             run, os.path.basename(path))
-                return path
-        where = runs[0] if version is not None else root
+        newest = newest_resumable(root, version, rejected)
+        if newest is not None:
+            run, path = newest
+            if say and stage == "fit":
+                log.info("resume=%r: continuing the run in %s, %s", resume, run, os.path.basename(path))
+            elif say:
+                log.info("ckpt_path=%r: %s: the newest checkpoint of the run in %s, %s", resume, stage,
+                         run, os.path.basename(path))
+            return path
+        where = os.path.join(root, version_name(version)) if version is not None else root
         if resume == "last" and last_may_start_fresh and stage == "fit" and not rejected:
-            log.warning("ckpt_path='last' but %s holds no checkpoint; starting from scratch", where)
+            if say:
+                log.warning("ckpt_path='last' but %s holds no checkpoint; starting from scratch", where)
             return None
         if resume == "last" or stage != "fit":
             found = "it holds no checkpoint"

@@ -47,8 +47,9 @@ class TinyRegressor(TrainModule):
 
     def __init__(self, n: int = 64, batch_size: int = 8, lr: float = 0.05, shuffle: bool = False,
                  fail_rank: int = -1, fail_step: int = 1, record_dir: str | None = None,
-                 record_tag: str = "fit") -> None:
+                 record_tag: str = "fit", step_sleep: float = 0.0) -> None:
         super().__init__()
+        self.step_sleep = step_sleep  # seconds a step takes at least: a job still running when signalled
         self.n = n
         self.batch_size = batch_size
         self.lr = lr
@@ -70,6 +71,7 @@ class TinyRegressor(TrainModule):
                 write_json(os.path.join(self.record_dir, f"failed-rank{self.fail_rank}.json"),
                            {"time": time.time()})
             raise RuntimeError(f"tiny-module deliberate failure on rank {self.fail_rank}")
+        time.sleep(self.step_sleep)
         x, y = batch
         loss = F.mse_loss(self(x), y)
         self.log("train/loss", loss)
