@@ -76,8 +76,11 @@ def test_best_on_the_command_line_is_the_best_the_run_recorded(fitted: Path) -> 
     best = _polytrain("validate", fitted, "--ckpt", "best")
     assert best.returncode == 0, best.describe()
     # Without a monitor the best is the newest checkpoint kept (Lightning's meaning): the same table.
-    named = _polytrain("validate", fitted, "--ckpt",
-                       str(fitted / "version_0" / "checkpoints" / "epoch=1-step=16.ckpt"))
+    newest = fitted / "version_0" / "checkpoints" / "epoch=1-step=16.ckpt"
+    # the file it took, said once
+    said = f"ckpt_path='best': validate: the best checkpoint ModelCheckpoint recorded, {newest}"
+    assert best.stderr.count(said) == 1, best.describe()
+    named = _polytrain("validate", fitted, "--ckpt", str(newest))
     assert named.returncode == 0, named.describe()
     table = [line for line in best.stdout.splitlines() if "val/loss" in line]
     assert table and table == [line for line in named.stdout.splitlines() if "val/loss" in line]

@@ -91,6 +91,7 @@ def test_fit_with_two_devices_through_elastic_then_resume(tmp_path):
     assert first.returncode == 0, first.describe()
     assert first.stdout.count("final metrics:") == 1, first.describe()  # rank 0 only
     assert "train/loss=" in first.stdout and "val/loss=" in first.stdout
+    assert f"run directory: {run_dir / 'version_0'}" in first.stdout.splitlines(), first.describe()
     records = read_records(tmp_path / "first")
     assert sorted(records) == [0, 1]
     for rec in records.values():
@@ -116,6 +117,7 @@ def test_fit_with_two_devices_through_elastic_then_resume(tmp_path):
     assert second.returncode == 0, second.describe()
     assert second.stdout.count("final metrics:") == 1, second.describe()
     assert "restoring from" in second.stderr, second.describe()
+    assert second.stderr.count("continuing the run in") == 1, second.describe()  # the launcher checks quietly
     records = read_records(tmp_path / "second")
     assert sorted(records) == [0, 1]
     for rec in records.values():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -639,7 +640,13 @@ class SkipOdd(TinyModule):
 def test_training_step_none_skips_the_step(make_trainer: MakeTrainer, precision: str) -> None:
     module = SkipOdd(n=16, batch_size=4, val_n=None, lr=0.05)
     start = params_of(module)
-    make_trainer(max_epochs=1, precision=precision).fit(module)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(max_epochs=1, precision=precision).fit(module)
+    said = [str(w.message) for w in caught if "training_step returned None" in str(w.message)]
+    assert said == ["training_step returned None for batch 1: that batch is skipped (no backward, no "
+                    "optimizer step), as Lightning does; said once. Return the loss (or a dict with 'loss') "
+                    "from training_step to train on it"]  # batch 3 skipped too, unsaid: once is enough
     assert module.backwards == 2
     snaps = [start, *module.snapshots]
     changed = [not same(snaps[i], snaps[i + 1]) for i in range(4)]

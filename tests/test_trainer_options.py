@@ -437,6 +437,14 @@ def test_a_device_list_on_cuda_plans_one_process_per_listed_gpu() -> None:
         validate_trainer_config({"devices": [-1]})
 
 
+def test_cuda_without_a_gpu_says_there_is_none_and_how_to_train_on_the_cpu() -> None:
+    with mock.patch.object(torch.cuda, "device_count", return_value=0):
+        for devices in (1, 2, "auto"):
+            with pytest.raises(ConfigError, match=r"trainer.accelerator=cuda but torch sees no GPU here .*; "
+                                                  r"set trainer.accelerator=cpu \(or auto\)"):
+                plan_launch(validate_trainer_config(dict(devices=devices, accelerator="cuda")))
+
+
 # --------------------------------------------------------------------------- ckpt_path
 
 

@@ -27,6 +27,7 @@ from polytrain.core.environment import ClusterEnvironment
 from polytrain.core.precision import Precision
 from polytrain.core.process_group import destroy_process_group
 from polytrain.core.protocol import extract_loss
+from polytrain.core.rank_zero import rank_zero_warn
 from polytrain.data.loaders import distribute_dataloader
 from polytrain.strategies.collective_verbs import CollectiveVerbs
 from polytrain.strategies.router import StepResult, StepRouter, user_step
@@ -61,6 +62,7 @@ class Strategy(CollectiveVerbs, ABC):
         self.devices = devices
         self.num_nodes = num_nodes
         self.timeout = timeout
+        self.said_batch_skipped = False  # a training_step returned None: said once, then the batches skip
         self.env = env
         self.precision = precision
         self.dims = dims if dims is not None else self.parallel_dims(options, env, num_nodes)
@@ -289,7 +291,10 @@ class Strategy(CollectiveVerbs, ABC):
         if zero_grad is not None:
             zero_grad()
         if loss is None:
-            return StepResult(None, output)  # the user chose to skip this batch
+            if not self.said_batch_skipped:  # the user chose to skip this batch: said once, not ignored
+                self.said_batch_skipped = True
+                say_batch_skipped(batch_idx)
+            return StepResult(None, output)
         if accumulate != 1:
             loss = loss / accumulate  # a division, as a hand loop writes it (bitwise the same)
         for hook in self._before_backward:
@@ -412,3 +417,11 @@ class Strategy(CollectiveVerbs, ABC):
     def teardown(self) -> None:
         heartbeat.stop()  # before the store it writes to goes away
         destroy_process_group()
+
+
+def say_batch_skipped(batch_idx: int) -> None:
+    """The first ``training_step`` that returns None, said on rank 0: Lightning skips such a batch (no
+    backward, no update), and a step that always returns None would otherwise train nothing unsaid."""
+    rank_zero_warn(f"training_step returned None for batch {batch_idx}: that batch is skipped (no backward, "
+                   f"no optimizer step), as Lightning does; said once. Return the loss (or a dict with "
+                   f"'loss') from training_step to train on it")

@@ -89,6 +89,10 @@ def _resolve_devices(devices: Any, accelerator: str, env: ClusterEnvironment) ->
     if isinstance(devices, (list, tuple)):
         return _resolve_device_list(list(devices), accelerator)
     available = torch.cuda.device_count() if accelerator == "cuda" else (os.cpu_count() or 1)
+    if accelerator == "cuda" and available == 0:
+        raise ConfigError(f"trainer.accelerator=cuda but torch sees no GPU here (torch {torch.__version__}, "
+                          f"torch.cuda.device_count() is 0); set trainer.accelerator=cpu (or auto), or run "
+                          f"where a GPU and a CUDA build of torch are")
     if devices == "auto":
         if env.is_distributed:
             return env.local_world_size

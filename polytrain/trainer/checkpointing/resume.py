@@ -36,14 +36,18 @@ log = logging.getLogger("polytrain")
 
 
 def choose_checkpoint(choice: str | None, root: str, version: int | str | None, kept_best: str | None = None,
-                      from_argument: bool = False, stage: str = "fit") -> str | None:
+                      from_argument: bool = False, stage: str = "fit", say: bool = True) -> str | None:
     """The checkpoint ``choice`` names under the run ``root``/``version``, or None (a fresh start).
     ``kept_best``: the best path this process's ModelCheckpoint kept; ``from_argument``: the choice came
     as ``ckpt_path`` (Lightning's argument, whose ``"last"`` starts fresh when there is no checkpoint at
-    all), not as the config's ``resume``; ``stage``: what the checkpoint is for (its messages say so)."""
+    all), not as the config's ``resume``; ``stage``: what the checkpoint is for (its messages say so);
+    ``say``: whether the log names the file taken."""
     if choice == "best":
-        return best_checkpoint(kept_best, root, version)
-    return resolve_resume(choice, root, version, last_may_start_fresh=from_argument, stage=stage)
+        path = best_checkpoint(kept_best, root, version)
+        if say:
+            log.info("ckpt_path='best': %s: the best checkpoint ModelCheckpoint recorded, %s", stage, path)
+        return path
+    return resolve_resume(choice, root, version, last_may_start_fresh=from_argument, stage=stage, say=say)
 
 
 def best_checkpoint(kept: str | None, root: str, version: int | str | None) -> str:

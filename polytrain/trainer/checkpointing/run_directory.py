@@ -176,7 +176,9 @@ def checkpoint_for_launch(stage: str, ckpt: str | None, config: TrainerConfig) -
     root, version = config.run_dir, config.version
     if choice in ("last", "auto", "best") and _loggers_choose_the_root(config):
         return ckpt
-    path = choose_checkpoint(choice, root, version, from_argument=ckpt is not None, stage=stage)
+    # A fit's workers resolve the choice again and name the file they take: said here, it would be said twice.
+    path = choose_checkpoint(choice, root, version, from_argument=ckpt is not None, stage=stage,
+                             say=stage != "fit")
     why = damage(path) if path is not None and choice not in ("last", "auto") else None  # last/auto: verified
     if why is not None:
         raise ConfigError(f"the checkpoint to {verb_for(stage)} cannot be used: {why}")
