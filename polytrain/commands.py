@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import shlex
 import signal
 import sys
@@ -20,13 +19,14 @@ from torch.multiprocessing import ProcessRaisedException
 
 from polytrain.checkpoint.consolidate import consolidate
 from polytrain.checkpoint.layout import newest_resumable
-from polytrain.core.errors import ConfigError, RankFailedError
+from polytrain.core.errors import ConfigError
 from polytrain.core.rng import seed_all
 from polytrain.plan_cli import run_plan
 from polytrain.strategies.launcher import launch_elastic, launch_spawn, plan_launch
 from polytrain.trainer.checkpointing.run_directory import checkpoint_for_launch
 from polytrain.trainer.configuration.config import TrainerConfig, elastic_warning, instantiate, load_config
 from polytrain.trainer.trainer import Trainer
+from polytrain.worker_failure import failure_report, root_cause
 
 
 def _setup_logging(rank: int) -> None:
@@ -76,41 +76,6 @@ def _consolidate(source: str, output: str) -> int:
     consolidate(source, output)
     print(f"wrote {output}")
     return 0
-
-
-def root_cause(err: ChildFailedError) -> str:
-    """``rank R: Type: message`` of the worker whose own error ended the job (its error file's first line).
-
-    A rank that stops because another raised says so with a ``RankFailedError`` holding the other's
-    traceback. It may record its error in the same second as the rank that raised (error files carry
-    whole seconds) or before it, and the agent may stop the raising rank before it records anything (a
-    signal). So: the first rank's own error, else the error an echo carries (its last line). Ties go to
-    the lowest rank."""
-    def text_of(failure: Any) -> str:
-        message = failure.message
-        return str(message.get("message", "") if isinstance(message, dict) else message).strip()
-
-    def first_line(failure: Any) -> str:
-        text = text_of(failure)
-        return text.splitlines()[0] if text else f"exit code {failure.exitcode}"
-
-    def is_echo(failure: Any) -> bool:
-        return first_line(failure).startswith(f"{RankFailedError.__name__}:")
-
-    in_order = sorted(err.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
-    # exitcode < 0: stopped by a signal, before it could record an error of its own
-    own = [(rank, f) for rank, f in in_order if not is_echo(f) and f.exitcode >= 0]
-    if own:
-        rank, failure = own[0]
-        return f"rank {rank}: {first_line(failure)}"
-    echoes = [f for _, f in in_order if is_echo(f)]
-    if echoes:
-        text = text_of(echoes[0])
-        raised = re.search(r"raised on rank (\d+)", text)
-        if raised is not None:
-            return f"rank {raised.group(1)}: {text.splitlines()[-1].strip()}"
-    rank, failure = in_order[0]
-    return f"rank {rank}: {first_line(failure)}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,10 +130,15 @@ def _start(args: argparse.Namespace, config: dict[str, Any], trainer_cfg: Traine
             print(f"polytrain: {args.command} failed: {last}", file=sys.stderr)
             return 1
         return 0
+    if trainer_cfg.max_restarts == 0:
+        # The report below shows the failing rank's traceback once: the agent would log it first too, and
+        # a line for each worker it then stops. With restarts its log is the only word on each failure.
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         launch_elastic(plan, _elastic_entry, (config, args.command, ckpt), trainer_cfg.max_restarts)
     except ChildFailedError as err:
-        print(err.format_msg(), file=sys.stderr)
+        print(failure_report(err), file=sys.stderr)
         # Last, where it is read first: the root cause in one line.
         print(f"polytrain: {args.command} failed on {root_cause(err)}", file=sys.stderr)
         return 1

@@ -195,3 +195,53 @@ def test_the_root_cause_is_the_rank_that_raised_not_a_rank_that_stopped_for_it(t
             "rank 0: RuntimeError: module.data_root=/x: gone")
     killed = ChildFailedError("fit", {0: failure(0, "", 6)})
     assert root_cause(killed) == "rank 0: exit code 1"
+
+
+def test_the_failure_report_keeps_the_users_frames_of_every_traceback_and_the_full_one_on_request(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real traceback through torch and polytrain into a user's function, chained to a second error: each
+    traceback of the chain keeps the user's frames only (one that has none keeps where it raised);
+    POLYTRAIN_FULL_ERROR=1 prints it whole."""
+    import traceback
+
+    import torch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from polytrain.worker_failure import failure_report
+
+    def users_step(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("a user's bug")
+
+    def users_hook() -> None:
+        try:
+            torch.nn.Module.__call__(Wrapped(), torch.zeros(1))  # through torch's frames
+        except ValueError as err:
+            raise RuntimeError("the hook gave up") from err
+
+    class Wrapped(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return users_step(x)
+
+    try:
+        users_hook()
+    except RuntimeError:
+        stack = traceback.format_exc()
+    failure = ProcessFailure(local_rank=1, pid=101, exitcode=1, error_file=str(tmp_path / "none"))
+    failure.message = {"message": "RuntimeError: the hook gave up", "extraInfo": {"py_callstack": stack}}
+    failure.timestamp = 5
+    err = ChildFailedError("fit", {1: failure})
+
+    short = failure_report(err).splitlines()
+    assert short[0].startswith("polytrain: rank 1 failed (torch's and polytrain's frames left out")
+    functions = [line.rsplit(" in ", 1)[1] for line in short if line.strip().startswith("File ")]
+    assert functions == ["users_hook", "forward", "users_step",  # the first error: torch's frames left out
+                         "test_the_failure_report_keeps_the_users_frames_of_every_traceback_and_the_full_one_on_"
+                         "request", "users_hook"]  # the second
+    assert "torch/nn/modules/module.py" not in "\n".join(short)
+    assert short[-1] == "RuntimeError: the hook gave up"
+    assert "The above exception was the direct cause of the following exception:" in short
+    assert "ValueError: a user's bug" in short
+
+    monkeypatch.setenv("POLYTRAIN_FULL_ERROR", "1")
+    full = failure_report(err)
+    assert full == f"polytrain: rank 1 failed:\n{stack.rstrip()}" and "torch/nn/modules/module.py" in full

@@ -1,0 +1,127 @@
+"""What the launcher says when a worker fails: the failing rank's own traceback once, short, then one line.
+
+torch's elastic agent logs every failed worker's traceback and then prints its ``ChildFailedError`` box
+with the same traceback again: 170 lines for one ``raise`` in a ``training_step``, most of them frames of
+torch and polytrain between the launcher and the user's code. Here the rank whose own error ended the
+job is found (not a rank that stopped because of it), and its traceback is printed with those frames
+left out, the user's file and line kept; ``POLYTRAIN_FULL_ERROR=1`` prints it whole (Hydra's
+``HYDRA_FULL_ERROR`` does the same).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+import polytrain
+from polytrain.core.errors import RankFailedError
+
+FULL_ERROR_ENV = "POLYTRAIN_FULL_ERROR"
+# Frames from these directories are the launcher's, the loop's and torch's, not the user's.
+_LEFT_OUT = tuple(os.path.dirname(package.__file__) + os.sep for package in (torch, polytrain))
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line \d+')
+
+
+def _text_of(failure: Any) -> str:
+    message = failure.message
+    return str(message.get("message", "") if isinstance(message, dict) else message).strip()
+
+
+def _first_line(failure: Any) -> str:
+    text = _text_of(failure)
+    return text.splitlines()[0] if text else f"exit code {failure.exitcode}"
+
+
+def _is_echo(failure: Any) -> bool:
+    return _first_line(failure).startswith(f"{RankFailedError.__name__}:")
+
+
+def _cause(err: ChildFailedError) -> tuple[int, Any, str]:
+    """(rank, its failure, ``Type: message``) of the worker whose own error ended the job.
+
+    A rank that stops because another raised says so with a ``RankFailedError`` holding the other's
+    traceback. It may record its error in the same second as the rank that raised (error files carry
+    whole seconds) or before it, and the agent may stop the raising rank before it records anything (a
+    signal). So: the first rank's own error, else the error an echo carries (its last line). Ties go to
+    the lowest rank."""
+    in_order = sorted(err.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    # exitcode < 0: stopped by a signal, before it could record an error of its own
+    own = [(rank, f) for rank, f in in_order if not _is_echo(f) and f.exitcode >= 0]
+    if own:
+        rank, failure = own[0]
+        return rank, failure, _first_line(failure)
+    echoes = [(rank, f) for rank, f in in_order if _is_echo(f)]
+    if echoes:
+        text = _text_of(echoes[0][1])
+        raised = re.search(r"raised on rank (\d+)", text)
+        if raised is not None:
+            return int(raised.group(1)), echoes[0][1], text.splitlines()[-1].strip()
+    rank, failure = in_order[0]
+    return rank, failure, _first_line(failure)
+
+
+def root_cause(err: ChildFailedError) -> str:
+    """``rank R: Type: message`` of the worker whose own error ended the job."""
+    rank, _, line = _cause(err)
+    return f"rank {rank}: {line}"
+
+
+def _traceback_of(failure: Any) -> str:
+    """The traceback the worker recorded (``@record``'s ``py_callstack``), else its message."""
+    message = failure.message
+    if isinstance(message, dict):
+        stack = message.get("extraInfo", {}).get("py_callstack")
+        if stack:
+            return str(stack).rstrip()
+    return _text_of(failure)
+
+
+def shorten(traceback_text: str) -> str:
+    """``traceback_text`` without torch's and polytrain's frames. A traceback (each of a chain) that would
+    keep no frame keeps its last one: where the error was raised."""
+    lines = traceback_text.splitlines()
+    shown: list[str] = []
+    frames: list[tuple[bool, list[str]]] = []  # (left out?, the frame's lines) of the traceback being read
+
+    def keep_frames() -> None:
+        kept = [frame for left_out, frame in frames if not left_out]
+        if not kept and frames:
+            kept = [frames[-1][1]]
+        shown.extend(line for frame in kept for line in frame)
+        frames.clear()
+
+    i = 0
+    while i < len(lines):
+        match = _FRAME.match(lines[i])
+        if match is None:  # a header, an exception's line, the words between the tracebacks of a chain
+            keep_frames()
+            shown.append(lines[i])
+            i += 1
+            continue
+        frame, indent = [lines[i]], _indent(lines[i])
+        i += 1
+        while (i < len(lines) and lines[i].strip() and _indent(lines[i]) > indent
+               and not _FRAME.match(lines[i])):
+            frame.append(lines[i])  # the frame's source line and its ^^^ markers
+            i += 1
+        frames.append((match["path"].startswith(_LEFT_OUT), frame))
+    keep_frames()
+    return "\n".join(shown)
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def failure_report(err: ChildFailedError) -> str:
+    """The failing rank's traceback, short unless ``POLYTRAIN_FULL_ERROR=1``; the summary line follows it."""
+    rank, failure, _ = _cause(err)
+    text = _traceback_of(failure)
+    if os.environ.get(FULL_ERROR_ENV, "") not in ("", "0"):
+        return f"polytrain: rank {rank} failed:\n{text}"
+    return (f"polytrain: rank {rank} failed (torch's and polytrain's frames left out; {FULL_ERROR_ENV}=1 "
+            f"shows them):\n{shorten(text)}")
