@@ -136,10 +136,9 @@ def test_without_torchao_the_error_names_the_extra(monkeypatch: pytest.MonkeyPat
     # Imports fail as if torchao were not installed, also where an earlier test of this process imported it
     for name in ("torchao.float8", "torchao.float8.float8_tensor_parallel"):
         monkeypatch.setitem(sys.modules, name, None)
-    trainer = Trainer(float8=True, accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False, run_dir=str(tmp_path))
     with pytest.raises(ConfigError, match=r"trainer.float8 needs torchao.*pip install 'polytrain\[float8\]'"):
-        trainer.fit(Float8Net(PER_RANK))
+        Trainer(float8=True, accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                enable_checkpointing=False, run_dir=str(tmp_path))  # with the config's other checks
 
 
 def _plain_float8_loop(world: int, bias: bool | tuple[bool, bool] = True,
@@ -742,3 +741,23 @@ def test_float8_follows_the_bf16_loss_of_the_gpt_example_and_a_wrong_scale_does_
     print(f"\nfloat8 against bf16, {GPT_STEPS} steps of the GPT example: every loss within "
           f"{max(apart):.2%}; with every scale doubled, {wrong_apart:.1%} off")
     assert wrong_apart > GPT_TOLERANCE
+
+
+def test_without_torchao_polytrain_fit_says_so_before_any_worker_starts(tmp_path: Any) -> None:
+    """The launcher's check of the config: one line and exit 2, no worker started (a two-process fit)."""
+    blocker = tmp_path / "no_torchao"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['torchao'] = None  # as if it were not installed\n")
+    config = tmp_path / "cfg.yaml"
+    config.write_text("module: {_target_: torch.nn.Linear, in_features: 2, out_features: 1}\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "polytrain", "fit", "-c", str(config), "trainer.float8=true",
+               "trainer.devices=2", "trainer.accelerator=cpu", f"trainer.run_dir={tmp_path / 'run'}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stderr
+    [said] = done.stderr.strip().splitlines()
+    opening = "polytrain: config error: trainer.float8 needs torchao, which is not installed ("
+    assert said.startswith(opening), said
+    assert said.endswith("): pip install 'polytrain[float8]' (torchao)"), said
+    assert not (tmp_path / "run").exists()

@@ -81,6 +81,8 @@ def resolve_float8(spec: Any, key: str = "trainer.float8") -> dict[str, Any] | N
         raise ConfigError(f"{key}.enable_fsdp_float8_all_gather needs recipe: tensorwise (one scale a "
                           f"weight, which every shard can share); {recipe} scales each row. Use tensorwise, "
                           f"or gather in high precision (enable_fsdp_float8_all_gather: false)")
+    if not auto:
+        _torchao_float8()  # with the config's other errors: before the launcher starts any worker
     return {"recipe": recipe, "filter_fqns": list(fqns), **flags, "auto": auto}
 
 
