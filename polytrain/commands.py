@@ -23,7 +23,7 @@ from polytrain.core.errors import ConfigError
 from polytrain.core.rng import seed_all
 from polytrain.plan_cli import run_plan
 from polytrain.strategies.launcher import launch_elastic, launch_spawn, plan_launch
-from polytrain.trainer.checkpointing.run_directory import checkpoint_for_launch
+from polytrain.trainer.checkpointing.run_directory import check_run_dir_for_launch, checkpoint_for_launch
 from polytrain.trainer.configuration.config import TrainerConfig, elastic_warning, instantiate, load_config
 from polytrain.trainer.trainer import Trainer
 from polytrain.worker_failure import failure_report, root_cause
@@ -102,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"polytrain: warning: {warning}", file=sys.stderr)
     _setup_logging(int(os.environ.get("RANK", "0")))  # the check below says which checkpoint it took
     try:
+        if args.command != "predict":  # the other stages write their logs and checkpoints under run_dir
+            check_run_dir_for_launch(trainer_cfg)
         ckpt = checkpoint_for_launch(args.command, args.ckpt, trainer_cfg)
     except ConfigError as err:
         print(f"polytrain {args.command}: {' '.join(str(err).split())}", file=sys.stderr)

@@ -245,3 +245,18 @@ def test_the_failure_report_keeps_the_users_frames_of_every_traceback_and_the_fu
     monkeypatch.setenv("POLYTRAIN_FULL_ERROR", "1")
     full = failure_report(err)
     assert full == f"polytrain: rank 1 failed:\n{stack.rstrip()}" and "torch/nn/modules/module.py" in full
+
+
+@pytest.mark.parametrize("stage", ["fit", "test"])
+def test_a_run_dir_through_a_file_is_one_line_before_any_worker_starts(tmp_path: Path, stage: str) -> None:
+    in_the_way = tmp_path / "runs"
+    in_the_way.write_text("a file where the run directory would go\n")
+    run_dir = in_the_way / "tiny"
+    args = [*POLYTRAIN, stage, "-c", TINY_CONFIG, "trainer.devices=2", f"trainer.run_dir={run_dir}"]
+    if stage == "test":
+        args += ["--ckpt", str(tmp_path / "some.ckpt")]
+    result = run(args, timeout=60)
+    assert result.returncode == 2 and result.stdout == "", result.describe()  # no worker started
+    assert result.stderr.strip().splitlines() == [
+        f"polytrain {stage}: cannot write trainer.run_dir={run_dir} (this run's directory: {run_dir}): "
+        f"{in_the_way} is a file. Point trainer.run_dir at a writable directory"], result.describe()

@@ -185,6 +185,25 @@ def checkpoint_for_launch(stage: str, ckpt: str | None, config: TrainerConfig) -
     return ckpt if stage == "fit" else path
 
 
+def check_run_dir_for_launch(config: TrainerConfig) -> None:
+    """The launching process's look at ``trainer.run_dir`` before any worker starts: a path through a file, or
+    under a directory it cannot write, is one line and exit 2, not the same error from every worker. It
+    creates nothing (rank 0 does, once the ranks agree on the run's directory)."""
+    if config.fast_dev_run or _loggers_choose_the_root(config):
+        return
+    path = os.path.abspath(config.run_dir)
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    problem: OSError | None = None
+    if not os.path.isdir(existing):
+        problem = NotADirectoryError(20, f"{existing} is a file")
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = PermissionError(13, f"{existing} is not writable")
+    if problem is not None:
+        raise ConfigError(_unwritable(config.run_dir, path, problem))
+
+
 def _loggers_choose_the_root(config: TrainerConfig) -> bool:
     loggers = config.logger if isinstance(config.logger, (list, tuple)) else [config.logger]
     return any(not isinstance(lg, (str, bool, type(None))) for lg in loggers)
