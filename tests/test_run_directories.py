@@ -280,3 +280,26 @@ trainer:
     assert _rows(str(run_dir / "test_0" / "metrics.csv"))[-1]["test/loss"]
     assert ("test: the newest checkpoint of the run in" in test.stderr
             and "version_0" in test.stderr)  # which it read
+
+
+def test_only_rank_zero_looks_at_a_failed_stages_directory(tmp_path: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failed stage rank 0 removes the directory it claimed if it is empty. Another rank listing it at
+    that moment found it gone and raised FileNotFoundError, which replaced the stage's own error: the other
+    ranks do not look, and rank 0 takes a directory already gone in its stride."""
+    from polytrain.trainer.checkpointing.run_directory import RunDirectory, discard_if_unused
+
+    claimed = tmp_path / "version_1"
+    claimed.mkdir()
+    run = RunDirectory(str(claimed), claimed=True)
+
+    def removed_meanwhile(path: Any) -> list[str]:
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+
+    monkeypatch.setattr(os, "listdir", removed_meanwhile)
+    discard_if_unused(run, is_global_zero=False)  # the race: rank 0 removed it between isdir and listdir
+    discard_if_unused(run, is_global_zero=True)  # gone already: nothing to do
+    monkeypatch.undo()
+    assert claimed.is_dir()  # not rank 1's to remove
+    discard_if_unused(run, is_global_zero=True)
+    assert not claimed.exists()  # empty: removed by rank 0

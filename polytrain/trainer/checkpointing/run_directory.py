@@ -63,10 +63,12 @@ class RunDirectory:
 def discard_if_unused(run: RunDirectory | None, is_global_zero: bool) -> None:
     """After a stage failed: the directory it claimed goes again if nothing was written into it, so failed
     attempts leave no empty ``version_<n>`` behind. Global rank 0, which created it; no collective (the
-    other ranks may be gone)."""
-    unused = run is not None and run.claimed and os.path.isdir(run.path) and not os.listdir(run.path)
-    if unused and is_global_zero:
-        with contextlib.suppress(OSError):  # a file arrived after all: the run is kept
+    other ranks may be gone). The other ranks do not look: rank 0 may be removing it as they list it, and
+    their error would hide the stage's own."""
+    if run is None or not run.claimed or not is_global_zero:
+        return
+    with contextlib.suppress(OSError):  # gone already, or a file arrived after all: the run is kept
+        if not os.listdir(run.path):
             os.rmdir(run.path)
 
 
