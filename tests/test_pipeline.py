@@ -315,3 +315,31 @@ def test_pp2_dp2_matches_single_device(tmp_path: Any) -> None:
         assert replica["losses"] == first["losses"] and replica["metrics"] == first["metrics"]
         for key, value in first["state"].items():
             assert torch.equal(replica["state"][key], value)  # dp replicas stay bit-identical
+
+
+def _summary_on_two_stages(rank: int, world_size: int, root: str) -> str:
+    import contextlib
+    import io
+
+    trainer = Trainer(accelerator="cpu", devices=world_size, max_steps=1, logger=False, run_dir=root,
+                      strategy={"name": "pipeline", "schedule": "1f1b", "n_microbatches": 2},
+                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=True)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer.fit(Regressor())
+    return printed.getvalue()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_the_model_summary_counts_the_layers_of_every_stage(tmp_path: Any) -> None:
+    """Each stage holds its own layers only; the table, printed once, counts the whole model."""
+    printed = run_distributed(_summary_on_two_stages, 2, str(tmp_path), timeout=150)
+    whole = Regressor()
+    whole.configure_model()
+    total = sum(p.numel() for p in whole.parameters())
+    tables = [text for text in printed if "total parameters" in text]
+    assert len(tables) == 1, printed
+    assert f"{total} trainable / {total} total parameters" in tables[0], tables[0]
+    assert [line.split() for line in tables[0].splitlines() if line.startswith("net ")] == [
+        ["net", "Sequential", str(total)]], tables[0]

@@ -272,6 +272,11 @@ class Strategy(CollectiveVerbs, ABC):
         """Every rank, before an evaluation pass's first batch (whatever number of batches it has): what a
         wrapper would do in its first evaluation forward (DDP broadcasts rank 0's buffers)."""
 
+    def counts_over_stages(self, counts: dict[str, Any]) -> dict[str, Any]:
+        """Parameter counts of this rank's part of the model (``callbacks.summary.parameter_counts``) as the
+        whole model's: every rank holds every layer here, so they are."""
+        return counts
+
     def eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
         # Evaluation runs on the unwrapped module: no gradient hooks, no buffer broadcasts, so a
         # rank with fewer evaluation batches cannot leave the others waiting in a collective.

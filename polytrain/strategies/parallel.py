@@ -164,6 +164,25 @@ class ParallelStrategy(Strategy):
         """The rank holding the loss (a pipeline's last stage, its first replica)."""
         return self.executor.is_logging_rank()
 
+    def counts_over_stages(self, counts: dict[str, Any]) -> dict[str, Any]:
+        """Every rank (a collective over the pipeline's stages): each stage's counts added, a child split
+        over stages (a ModuleList's blocks) counted on each, in the order of the stages."""
+        if self.pp_size == 1:
+            return counts
+        merged: dict[str, Any] = {"children": [], "total": 0, "trainable": 0}
+        by_name: dict[str, int] = {}
+        for stage in self.all_gather_object(counts, group=self.pp_group):
+            merged["total"] += stage["total"]
+            merged["trainable"] += stage["trainable"]
+            for name, kind, n in stage["children"]:
+                if name in by_name:
+                    row = merged["children"][by_name[name]]
+                    merged["children"][by_name[name]] = (name, kind, row[2] + n)
+                else:
+                    by_name[name] = len(merged["children"])
+                    merged["children"].append((name, kind, n))
+        return merged
+
     @property
     def fsdp_mesh(self) -> Any:
         """1-D (shard) mesh, or 2-D (replicate, shard) for HSDP, as ``fully_shard`` expects."""
