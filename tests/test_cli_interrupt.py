@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ def _group(pgid: int) -> list[int]:
 def _signalled_after_a_checkpoint(cmd: list[str], run_dir: Path, signum: int, whole_group: bool) -> tuple:
     """Start ``cmd``, wait for its first complete checkpoint, send ``signum`` to the launcher (or, as a
     terminal's Ctrl-C does, to every process of the job), and wait for it to end."""
-    started = start(cmd)
+    started = start(cmd, interruptible=True)
     proc = started[0]
     deadline = time.time() + RUN_TIMEOUT
     while newest_resumable(str(run_dir), None) is None:
@@ -55,7 +56,10 @@ def _signalled_after_a_checkpoint(cmd: list[str], run_dir: Path, signum: int, wh
         os.killpg(proc.pid, signum)
     else:
         proc.send_signal(signum)
-    proc.wait(timeout=60)
+    try:
+        proc.wait(timeout=60)  # the job writes a few lines: its pipes cannot fill meanwhile
+    except subprocess.TimeoutExpired:
+        finish(started, time.time())  # ends the job and fails the test with its output
     left = time.time() + 10  # the forkserver sees its launcher gone, the workers have been stopped
     while _group(proc.pid) and time.time() < left:
         time.sleep(0.1)
@@ -63,11 +67,16 @@ def _signalled_after_a_checkpoint(cmd: list[str], run_dir: Path, signum: int, wh
     return finish(started, time.time() + 5), remaining
 
 
+def _long_fit(run_dir: Path, devices: int) -> list[str]:
+    """A fit far from its end when signalled (200 epochs of steps of at least 50 ms)."""
+    return [*POLYTRAIN, "fit", "-c", str(TINY_CONFIG), f"trainer.devices={devices}",
+            f"trainer.run_dir={run_dir}", "trainer.max_epochs=200", "module.step_sleep=0.05"]
+
+
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
 def test_ctrl_c_on_two_processes_exits_130_and_prints_the_command_that_continues_it(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cmd = [*POLYTRAIN, "fit", "-c", str(TINY_CONFIG), "trainer.devices=2", f"trainer.run_dir={run_dir}",
-           "trainer.max_epochs=200", "module.step_sleep=0.05"]
+    cmd = _long_fit(run_dir, devices=2)
     done, remaining = _signalled_after_a_checkpoint(cmd, run_dir, signal.SIGINT, whole_group=True)
     assert done.returncode == 130, done.describe()
     assert remaining == [], f"processes of the job still running: {remaining}\n{done.describe()}"
@@ -93,9 +102,8 @@ def test_ctrl_c_on_two_processes_exits_130_and_prints_the_command_that_continues
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 def test_sigterm_to_the_launcher_ends_its_workers_and_exits_143(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cmd = [*POLYTRAIN, "fit", "-c", str(TINY_CONFIG), "trainer.devices=2", f"trainer.run_dir={run_dir}",
-           "trainer.max_epochs=200", "module.step_sleep=0.05"]
-    done, remaining = _signalled_after_a_checkpoint(cmd, run_dir, signal.SIGTERM, whole_group=False)
+    done, remaining = _signalled_after_a_checkpoint(_long_fit(run_dir, devices=2), run_dir, signal.SIGTERM,
+                                                    whole_group=False)
     assert done.returncode == 143, done.describe()
     assert remaining == [], f"processes of the job still running: {remaining}\n{done.describe()}"
     assert done.stderr.strip().splitlines()[-2].startswith(STOPPED.format("SIGTERM")), done.describe()
@@ -106,9 +114,8 @@ def test_sigterm_to_the_launcher_ends_its_workers_and_exits_143(tmp_path: Path) 
 def test_a_one_process_fit_stopped_by_a_signal_says_so_and_exits_with_its_code(tmp_path: Path,
                                                                               signum: int) -> None:
     run_dir = tmp_path / "run"
-    cmd = [*POLYTRAIN, "fit", "-c", str(TINY_CONFIG), f"trainer.run_dir={run_dir}", "trainer.max_epochs=200",
-           "module.step_sleep=0.05"]
-    done, remaining = _signalled_after_a_checkpoint(cmd, run_dir, signum, whole_group=False)
+    done, remaining = _signalled_after_a_checkpoint(_long_fit(run_dir, devices=1), run_dir, signum,
+                                                    whole_group=False)
     assert done.returncode == 128 + signum, done.describe()
     assert remaining == [] and "Traceback" not in done.stderr, done.describe()
     name = signal.Signals(signum).name

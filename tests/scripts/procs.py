@@ -74,9 +74,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def start(cmd: list[str], env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None) -> tuple:
+def start(cmd: list[str], env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
+          interruptible: bool = False) -> tuple:
+    """``interruptible``: SIGINT does what it does in a terminal (KeyboardInterrupt), also where this test
+    run ignores it, as a shell's background jobs do and their children inherit."""
+    restore = (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if interruptible else None
     proc = subprocess.Popen([str(c) for c in cmd], env=env if env is not None else child_env(), cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=restore)
     return proc, time.time()
 
 
