@@ -12,13 +12,22 @@ from typing import Any
 
 import torch
 
+from polytrain.core.batch import batch_size_of
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.float8 import resolve_float8
-from polytrain.parallel.planner import PRESETS, Training, format_table, hardware, parse_bytes, plan_module
+from polytrain.parallel.planner import PRESETS, Training, format_table, hardware, parse_bytes, rank_layouts
 from polytrain.parallel.planner.model_profile import ATTENTION_KERNELS
 from polytrain.parallel.planner.search import describe_time
+from polytrain.trainer.api.datamodule import DataModule
+from polytrain.trainer.api.hooks import is_overridden
 from polytrain.trainer.configuration.config import instantiate, load_config
-from polytrain.trainer.launch.planned import as_built, first_batch, optimizer_kind, schedule_settings
+from polytrain.trainer.launch.planned import (
+    as_built,
+    first_batch,
+    optimizer_kind,
+    schedule_settings,
+    step_profiler,
+)
 from polytrain.trainer.trainer import Trainer
 
 
@@ -52,6 +61,18 @@ def float8_note(asked: bool, costed: bool, preset: str) -> str:
     return f", float8 not costed ({preset} has no fp8 peak)" if asked else ""
 
 
+def _train_loader(source: Any) -> Any:
+    """The train loader a fit would read (a DataModule's built by its ``setup("fit")``, as in a fit)."""
+    try:
+        if isinstance(source, DataModule) and is_overridden(source, "setup", DataModule):
+            source.setup("fit")
+        return source.train_dataloader()
+    except Exception as err:  # noqa: BLE001 - re-raised with what the planner needed it for
+        raise ConfigError(f"polytrain plan reads one batch of the train loader, and "
+                          f"{type(source).__name__}.train_dataloader() raised {type(err).__name__}: {err}"
+                          ) from err
+
+
 def _config_dp(trainer: dict[str, Any], world: int) -> int:
     spec = trainer.get("strategy")
     options = spec if isinstance(spec, dict) else {}
@@ -71,7 +92,7 @@ def run_plan(args: argparse.Namespace) -> int:
     module = as_built(module)  # the layers configure_model builds (on meta), as a fit would build them
     optimizer, assumed = optimizer_kind(module)
     data = instantiate(config["data"], "data", config.get("config_dir")) if config.get("data") else None
-    x, y = first_batch((data if data is not None else module).train_dataloader())
+    batch = first_batch(_train_loader(data if data is not None else module))
     gbps = {k: getattr(args, f"{k}_node_gbps") for k in ("intra", "inter")}
     hw = hardware(preset, args.nodes, args.devices_per_node,
                   memory_bytes=parse_bytes(args.device_memory) if args.device_memory else None,
@@ -81,7 +102,7 @@ def run_plan(args: argparse.Namespace) -> int:
                   inter_bw=gbps["inter"] * 1e9 if gbps["inter"] else None)
     devices = trainer.get("devices", 1)
     world = (devices if isinstance(devices, int) else 1) * int(trainer.get("num_nodes", 1) or 1)
-    global_batch = args.global_batch or x.shape[0] * _config_dp(trainer, world)
+    global_batch = args.global_batch or batch_size_of(batch) * _config_dp(trainer, world)
     precision = str(trainer.get("precision", "32"))
     options = trainer.get("strategy") if isinstance(trainer.get("strategy"), dict) else {}
     # float8 is costed when the config turns it on and the hardware has an fp8 peak (on CPU it is emulated)
@@ -94,8 +115,9 @@ def run_plan(args: argparse.Namespace) -> int:
                      **schedule_settings(options))
     attention = args.attention or ("cpu" if preset == "cpu" else "flash")
     # Traced in the run's precision, under the autocast of the device it runs on
-    plan = plan_module(module, x[:1], hw, train, target=None if y is None else y[:1], attention=attention,
-                       device="cpu" if preset == "cpu" else "cuda")
+    profile_at = step_profiler(module, batch, attention, options.get("sequential"), precision,
+                               "cpu" if preset == "cpu" else "cuda")
+    plan = rank_layouts(hw, train, profile_at)
     optimizer_said = f"{train.optimizer} (assumed: {assumed})" if assumed else train.optimizer
     print(f"plan for {type(module).__name__} ({sum(p.numel() for p in module.parameters()):,} parameters) on "
           f"{hw.nodes} x {hw.devices_per_node} {preset}{chosen} ({hw.memory_bytes / 1024**3:.0f} GiB each); "

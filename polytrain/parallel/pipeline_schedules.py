@@ -15,6 +15,12 @@ import torch.distributed as dist
 from polytrain.core import lazy
 from polytrain.parallel.choices import SCHEDULES
 
+# The pipeline strategy refuses a module whose training_step drives its optimizers; the planner does not
+# rank a pipeline for one, in the same words.
+MANUAL_OPTIMISATION_REFUSED = ("manual optimisation (training_step driving the optimizers) is not supported "
+                               "under pipeline parallelism: the schedule owns forward and backward; use "
+                               "automatic optimisation")
+
 
 def schedule_class(name: str) -> type | None:
     """The torch class for ``name``, or None where this torch build lacks it."""

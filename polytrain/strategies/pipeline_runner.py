@@ -44,6 +44,7 @@ from polytrain.parallel.apply import PipelineSettings, local_plan
 from polytrain.parallel.choices import SCHEDULES
 from polytrain.parallel.dims import ParallelDims
 from polytrain.parallel.pipeline_schedules import (
+    MANUAL_OPTIMISATION_REFUSED,
     recv_tensor,
     schedule_class,
     send_tensor,
@@ -230,9 +231,7 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ step
     def check_manual_optimisation(self) -> None:
-        raise ConfigError("manual optimisation (training_step driving the optimizers) is not supported under "
-                          "pipeline parallelism: the schedule owns forward and backward; use automatic "
-                          "optimisation")
+        raise ConfigError(MANUAL_OPTIMISATION_REFUSED)
 
     def new_optimizers(self) -> None:
         """A fit configured its optimizers: check anew that they line up over the stages."""

@@ -370,6 +370,7 @@ class Trainer:
             self.metrics.callback = out["callback_metrics"]
             self._run_directory = RunDirectory(out["log_dir"], out["ckpt_path"])
             return out["result"]
+        model._attach(self)  # before planning: the planner traces training_step, which may read self.trainer
         planned = self.strategy is None and plan_layout(
             self.run_sources(), self._run_config, plan, model, loaders.get("train"),
             datamodule or self.datamodule, stage, ckpt_path)
@@ -381,7 +382,6 @@ class Trainer:
         self.stage, self.module = stage, model
         self.datamodule = datamodule if datamodule is not None else self.datamodule
         self.given_loaders = {k: v for k, v in loaders.items() if v is not None}
-        model._attach(self)
         if self.datamodule is not None:
             self.datamodule.trainer = self
         self.hooks = Hooks(self, model, self.callbacks, self.datamodule, self.profiler.instrument)

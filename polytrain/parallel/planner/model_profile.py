@@ -40,7 +40,7 @@ import copy
 import functools
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,9 +49,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 from polytrain.core import lazy
+from polytrain.core.batch import map_tensors, tensors_in
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.activation_checkpointing import OpSelection
 from polytrain.parallel.fsdp import blocks_to_wrap
@@ -114,6 +115,8 @@ class ModelProfile:
     # Set when the model has no Sequential to cut: it is profiled whole, through its training_step, as
     # one child, and this says why (the pipeline strategy's own words, for the layouts it rules out).
     whole: str | None = None
+    # Why no pipeline runs this model, however it is cut (a step driving its own optimizers), or None
+    pipeline_refused: str | None = None
     # A model profiled block by block (``profile_blocks``: no Sequential, repeated blocks): the child
     # ranges a pipeline cannot cut inside (the glue before the first block goes with it, the glue after
     # the last likewise), and its ties span stages (each stage keeps a copy; gradients summed).
@@ -217,7 +220,8 @@ class _AsRun:
             return FakeTensor(self.mode, t.detach().to("meta"), self.device)
 
     def value(self, value: Any) -> Any:
-        return tree_map(self.lift, value)
+        """``value`` (a batch of any structure ``map_tensors`` walks) with each tensor lifted."""
+        return map_tensors(value, self.lift)
 
     def module(self, module: nn.Module) -> nn.Module:
         """A copy of ``module`` with fake parameters and buffers (a parameter two modules share stays
@@ -695,9 +699,9 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
                         precision=precision, device=device)
 
 
-def profile_whole(module: nn.Module, batch: list[torch.Tensor], why: str, tp: int = 1,
+def profile_whole(module: nn.Module, batch: Any, why: str, tp: int = 1,
                   plan: dict[str, str] | None = None, attention: str = "flash", precision: str = "32",
-                  device: str = "cuda") -> ModelProfile:
+                  device: str = "cuda", step: TrainingStep | None = None) -> ModelProfile:
     """Profile ``module`` (on meta) as one child: its ``training_step`` on ``batch`` (one sample of each
     tensor, meta), the loss included, at tensor-parallel degree ``tp`` (the plan's keys are relative to
     ``module``). For a model with no ``nn.Sequential`` to cut (a Hugging Face model held as one
@@ -714,16 +718,17 @@ def profile_whole(module: nn.Module, batch: list[torch.Tensor], why: str, tp: in
         root = sum(p.numel() for p in module.parameters()) - sum(blocks)  # local sizes: shrunk above
         run = _AsRun(precision, device, module)
         traced = run.module(module)
-        step = _TrainingStep(traced, run.value(batch))
+        traced_step = _TrainingStep(traced, run.value(batch), step or training_step_loss)
         with run:
-            t = _trace_child(step, None, {f"module.{k}": v for k, v in planned.items()}, tp,
+            t = _trace_child(traced_step, None, {f"module.{k}": v for k, v in planned.items()}, tp,
                              _storages(traced.parameters()), run.casts)
             # Nothing flows back to a batch: the backward runs to the parameters, their gradients left out
             peak, _ = _backward_peak(run, t.out, list(traced.parameters()), parameters=True)
             t.backward = t.largest if peak is None else peak
     linear_params = sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
     child = ChildProfile(name=type(module).__name__, kind=type(module).__name__, params=n_split + n_whole,
-                         tp_params=n_split, saved_bytes=t.saved, input_bytes=_nbytes(batch), output_bytes=0,
+                         tp_params=n_split, saved_bytes=t.saved, input_bytes=_nbytes(tensors_in(batch)),
+                         output_bytes=0,
                          flops=t.flops, tp_allreduce_bytes=t.reduced, linear_flops=t.linear_flops,
                          linear_inputs=t.linear_inputs, linear_outputs=t.linear_outputs,
                          tp_linear_flops=t.tp_linear_flops, linear_params=linear_params,
@@ -731,17 +736,16 @@ def profile_whole(module: nn.Module, batch: list[torch.Tensor], why: str, tp: in
                          op_recompute_matmul_flops=t.op_recompute_matmul,
                          fsdp_unit_params=max([root, *blocks]), backward_bytes=t.backward,
                          largest_param=_largest_param(module), cast_bytes=t.casts)
-    example = batch[0]
-    seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
+    seq_len = _seq_len(batch)
     first = next(traced.parameters(), None)  # as trained: bf16-true converts the model
     return ModelProfile(tp=tp, children=(child,), seq_len=seq_len,
                         param_bytes=first.element_size() if first is not None else 4, whole=why,
                         precision=precision, device=device)
 
 
-def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1,
+def profile_blocks(module: nn.Module, batch: Any, tp: int = 1,
                    plan: dict[str, str] | None = None, attention: str = "flash", precision: str = "32",
-                   device: str = "cuda") -> ModelProfile:
+                   device: str = "cuda", step: TrainingStep | None = None) -> ModelProfile:
     """Profile ``module`` (on meta) through its ``training_step`` on ``batch`` (one sample of each tensor,
     meta, the loss included) as its repeated blocks (``blocks_to_wrap``: FSDP's units, where the pipeline
     cuts a model that is not one Sequential) with the glue before the first and after the last as children
@@ -782,20 +786,22 @@ def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1,
         root = sum(p.numel() for p in module.parameters()) - sum(local_blocks)
         run = _AsRun(precision, device, module)
         twin = run.module(module)
-        step = _TrainingStep(twin, run.value(batch))
+        traced_step = _TrainingStep(twin, run.value(batch), step or training_step_loss)
         with run:
-            traced, inputs = _trace_segments(run, step, [twin.get_submodule(names[id(b)]) for b in blocks],
+            traced, inputs = _trace_segments(run, traced_step,
+                                             [twin.get_submodule(names[id(b)]) for b in blocks],
                                              {f"module.{k}": v for k, v in planned.items()}, tp,
                                              _storages(twin.parameters()), run.casts)
     label = ["before " + names[id(blocks[0])], *(names[id(b)] for b in blocks),
              "after " + names[id(blocks[-1])]]
     children = []
+    batch_bytes = _nbytes(tensors_in(batch))
     for index, t in enumerate(traced):
         glue = index in (0, len(traced) - 1)
         children.append(ChildProfile(
             name=label[index], kind=type(module).__name__ if glue else type(blocks[index - 1]).__name__,
             params=n_split[index] + n_whole[index], tp_params=n_split[index], saved_bytes=t.saved,
-            input_bytes=_nbytes(batch) if index == 0 else inputs[index - 1] if not glue or index == 1 else 0,
+            input_bytes=batch_bytes if index == 0 else inputs[index - 1] if not glue or index == 1 else 0,
             output_bytes=inputs[index] if index < len(blocks) else 0, flops=t.flops,
             tp_allreduce_bytes=t.reduced, linear_flops=t.linear_flops, tp_linear_flops=t.tp_linear_flops,
             linear_inputs=t.linear_inputs, linear_outputs=t.linear_outputs,
@@ -803,8 +809,7 @@ def profile_blocks(module: nn.Module, batch: list[torch.Tensor], tp: int = 1,
             op_recompute_matmul_flops=t.op_recompute_matmul, fsdp_unit_params=root if glue else 0,
             backward_bytes=t.backward, largest_param=largest[index], cast_bytes=t.casts))
     last = len(children) - 1
-    example = batch[0]
-    seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
+    seq_len = _seq_len(batch)
     first = next(twin.parameters(), None)  # as trained: bf16-true converts the model
     return ModelProfile(tp=tp, children=tuple(children), seq_len=seq_len,
                         param_bytes=first.element_size() if first is not None else 4, ties=tuple(tied),
@@ -911,16 +916,33 @@ def _trace_segments(run: _AsRun, step: nn.Module, blocks: list[nn.Module], plann
     return segments, inputs
 
 
-class _TrainingStep(nn.Module):
-    """The module's ``training_step`` as a forward, for the trace: a dict's ``loss`` or the tensor."""
+# How the trace runs the module's step on its batch: ``(module, batch) -> loss``. The trainer passes its own
+# (trainer/launch/planned.py: logs muted, manual optimisation's backward calls collected into the loss).
+TrainingStep = Callable[[nn.Module, Any], torch.Tensor]
 
-    def __init__(self, module: nn.Module, batch: list[torch.Tensor]) -> None:
+
+def training_step_loss(module: nn.Module, batch: Any) -> torch.Tensor:
+    """``module.training_step(batch, 0)``'s loss: the tensor, or a dict's ``loss``."""
+    out = module.training_step(batch, 0)
+    return out["loss"] if isinstance(out, Mapping) else out
+
+
+def _seq_len(batch: Any) -> int:
+    """The sequence length of a batch of token ids (its first tensor: integers, at least 2-D), else 1."""
+    tensors = tensors_in(batch)
+    first = tensors[0] if tensors else None
+    return first.shape[1] if first is not None and first.dim() >= 2 and not first.is_floating_point() else 1
+
+
+class _TrainingStep(nn.Module):
+    """The module's training step on one batch as a forward, for the trace."""
+
+    def __init__(self, module: nn.Module, batch: Any, step: TrainingStep) -> None:
         super().__init__()
-        self.module, self.batch = module, batch
+        self.module, self.batch, self.step = module, batch, step
 
     def forward(self, _: Any) -> torch.Tensor:
-        out = self.module.training_step(self.batch, 0)
-        return out["loss"] if isinstance(out, dict) else out
+        return self.step(self.module, self.batch)
 
 
 class _Fn(nn.Module):

@@ -132,10 +132,13 @@ def rank_layouts(hw: Hardware, train: Training, profile_at: Callable[[int], Mode
     units = profiles[1].units  # type: ignore[union-attr]
     pieces = "repeated blocks of the model" if units else "layers of the Sequential"
     whole = profiles[1].whole  # type: ignore[union-attr]
+    pipeline_refused = profiles[1].pipeline_refused  # type: ignore[union-attr]
     usable = int(hw.memory_bytes * hw.usable_memory)
     for lay in candidates(hw, train, pinned):
         prof = profiles.get(lay.tp)
         reason = _rejection(lay, hw, train, n_children, whole, pieces)
+        if reason is None and lay.pp > 1 and pipeline_refused:
+            reason = pipeline_refused
         if reason is None and prof is None:
             try:
                 prof = profiles[lay.tp] = profile_at(lay.tp)

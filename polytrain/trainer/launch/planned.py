@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from polytrain.checkpoint.reading import read_meta
+from polytrain.core.batch import batch_size_of, map_tensors
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.activation_checkpointing import resolve_checkpointing
 from polytrain.parallel.float8 import resolve_float8
@@ -33,6 +34,7 @@ from polytrain.strategies.plan_spec import CHOSEN_REQUIRED, DEGREES, is_planned,
 from polytrain.trainer.api.hooks import is_overridden
 from polytrain.trainer.api.module import TrainModule
 from polytrain.trainer.checkpointing.run_directory import RunSources, resolve_path
+from polytrain.trainer.launch.traced_step import traced_step
 
 if TYPE_CHECKING:
     from polytrain.trainer.configuration.config import TrainerConfig
@@ -74,17 +76,46 @@ def as_built(module: Any) -> Any:
     return built
 
 
-def first_batch(loader: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(inputs, targets or None) of the loader's first batch; the global RNG is left as it was."""
+def first_batch(loader: Any) -> Any:
+    """The loader's first batch, as the loop would get it; the global RNG is left as it was."""
     with torch.random.fork_rng(devices=[]):
-        batch = next(iter(loader))
-    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
-        return batch[0], batch[1] if len(batch) > 1 and isinstance(batch[1], torch.Tensor) else None
-    if isinstance(batch, torch.Tensor):
-        return batch, None
-    raise ConfigError(f"the planner profiles the model on the train batch's inputs: a tensor or "
-                      f"(inputs, targets), not a {type(batch).__name__}; pin the degrees instead of "
-                      f"plan: true")
+        try:
+            return next(iter(loader))
+        except StopIteration:
+            raise ConfigError(f"the planner reads one batch of the train loader, and it yields none (its "
+                              f"sampler holds {_length(loader)} samples, batch_size "
+                              f"{getattr(loader, 'batch_size', '?')}, drop_last "
+                              f"{getattr(loader, 'drop_last', '?')}): give it data") from None
+
+
+def _length(loader: Any) -> str:
+    try:
+        return str(len(loader.sampler))
+    except (AttributeError, TypeError):
+        return "an unknown number of"
+
+
+def one_sample(batch: Any) -> Any:
+    """``batch`` cut to its first sample: every tensor whose leading dimension is the batch's, to one row;
+    the structure (tuple, dict, dataclass, ``BatchEncoding``...) and everything else kept."""
+    size = batch_size_of(batch)
+    return map_tensors(batch, lambda t: t[:1] if t.dim() and t.shape[0] == size else t)
+
+
+def step_profiler(module: Any, batch: Any, attention: str, sequential: str | None, precision: str,
+                  device: str) -> Any:
+    """The planner's ``tp -> ModelProfile`` for ``module`` on one sample of ``batch`` (any structure the loop
+    takes). A model cut as one ``nn.Sequential`` is fed the batch's leading tensor (its pipeline's input,
+    the next one the targets of ``pipeline_loss``); any other is traced through its own ``training_step``
+    (``traced_step``: logs dropped, manual optimisation's backward calls summed into the loss)."""
+    sample = one_sample(batch)
+    inputs = sample if isinstance(sample, torch.Tensor) else None
+    target = None
+    if isinstance(sample, (tuple, list)) and sample and isinstance(sample[0], torch.Tensor):
+        inputs = sample[0]
+        target = sample[1] if len(sample) > 1 and isinstance(sample[1], torch.Tensor) else None
+    return profiler(module, inputs, target, attention, sequential, precision=precision, device=device,
+                    batch=sample, step=traced_step(module.__dict__.get("_trainer")))
 
 
 def _train_loader(given: Any, datamodule: Any, module: Any) -> Any:
@@ -121,7 +152,7 @@ def _plan(config: TrainerConfig, launch: LaunchPlan, module: Any, train: Any,
           datamodule: Any) -> dict[str, Any]:
     """Rank every layout of this job for ``module`` and return the best as a ``chosen`` mapping."""
     spec, world = config.strategy, launch.world_size
-    x, y = first_batch(_train_loader(train, datamodule, module))
+    batch = first_batch(_train_loader(train, datamodule, module))
     pinned = pinned_degrees(spec)
     checkpointing = resolve_checkpointing(config.activation_checkpointing)
     if checkpointing is not None:  # the config's mode is kept: full (True) or per-op ("op")
@@ -133,7 +164,7 @@ def _plan(config: TrainerConfig, launch: LaunchPlan, module: Any, train: Any,
     hw = hardware(preset, launch.num_nodes, max(world // launch.num_nodes, 1))
     world_check(hw, {k: v for k, v in pinned.items() if k in DEGREES})
     other = math.prod(pinned.get(k, 1) for k in ("tp", "pp", "cp"))
-    global_batch = spec.get("global_batch") or x.shape[0] * max(world // other, 1)
+    global_batch = spec.get("global_batch") or batch_size_of(batch) * max(world // other, 1)
     precision = PRECISIONS.get(str(config.precision), str(config.precision))
     built = as_built(module)
     # float8 is costed when the config turns it on and the hardware has an fp8 peak (on CPU it is emulated)
@@ -149,8 +180,8 @@ def _plan(config: TrainerConfig, launch: LaunchPlan, module: Any, train: Any,
     # matrices) under dropout
     attention = "flash" if on_cuda else "cpu"
     # Traced in the run's precision, under the autocast of the device it runs on
-    profile_at = profiler(built, x[:1], None if y is None else y[:1], attention, spec.get("sequential"),
-                          precision=precision, device="cuda" if on_cuda else "cpu")
+    profile_at = step_profiler(built, batch, attention, spec.get("sequential"), precision,
+                               "cuda" if on_cuda else "cpu")
     plan = rank_layouts(hw, training, profile_at, pinned)
     chosen = chosen_layout(plan.best, world, preset)  # raises, with the first rejections, when nothing fits
     chosen["summary"] = (f"best of {len(plan.ranked)} layouts that fit ({len(plan.rejected)} rejected), "
