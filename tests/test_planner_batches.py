@@ -184,3 +184,21 @@ def test_the_fit_attaches_the_module_before_it_plans(monkeypatch: pytest.MonkeyP
     module = BatchKindsLM(batch_kind="dataclass", batch_size=4)
     trainer.fit(module)
     assert trainer.global_step == 2 and trainer.config.strategy["chosen"]
+
+
+class _FailsOnMeta(BatchKindsLM):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch[0], labels=batch[1]).loss * batch[0].sum().item()
+
+
+def test_a_step_that_cannot_run_on_meta_names_the_planner() -> None:
+    """The failure says the planner ran the step, on meta, and what to do: the user's own error inside it
+    (``.item()`` on a meta tensor) would otherwise read as a training failure."""
+    from polytrain.trainer.launch.planned import first_batch, step_profiler
+
+    with torch.device("meta"):
+        module = _FailsOnMeta()
+    with pytest.raises(ConfigError, match=r"the planner runs _FailsOnMeta's step once on one sample of the "
+                                          r"first train batch, on the meta device .* raised "
+                                          r"(RuntimeError|NotImpl).*pin the degrees"):
+        step_profiler(module, first_batch(module.train_dataloader()), "cpu", None, "32", "cpu")(1)

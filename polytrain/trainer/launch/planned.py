@@ -114,8 +114,23 @@ def step_profiler(module: Any, batch: Any, attention: str, sequential: str | Non
     if isinstance(sample, (tuple, list)) and sample and isinstance(sample[0], torch.Tensor):
         inputs = sample[0]
         target = sample[1] if len(sample) > 1 and isinstance(sample[1], torch.Tensor) else None
-    return profiler(module, inputs, target, attention, sequential, precision=precision, device=device,
-                    batch=sample, step=traced_step(module.__dict__.get("_trainer")))
+    profile_at = profiler(module, inputs, target, attention, sequential, precision=precision, device=device,
+                          batch=sample, step=traced_step(module.__dict__.get("_trainer")))
+
+    def named(tp: int) -> Any:
+        try:
+            return profile_at(tp)
+        except ConfigError:
+            raise
+        except Exception as err:
+            if tp > 1:  # the ranking lists it as a degree that does not split the model
+                raise
+            raise ConfigError(f"the planner runs {type(module).__name__}'s step once on one sample of the "
+                              f"first train batch, on the meta device (no weights), and it raised "
+                              f"{type(err).__name__}: {err}. Make the step run on meta tensors, or pin "
+                              f"the degrees instead of planning") from err
+
+    return named
 
 
 def _train_loader(given: Any, datamodule: Any, module: Any) -> Any:
