@@ -417,3 +417,68 @@ def test_fsdp_resume_mid_epoch_is_bitwise_equal_to_an_uninterrupted_run(tmp_path
                                         "meta.pt"]
     meta = torch.load(ckpt / "meta.pt", weights_only=True)
     assert meta["loop"]["global_step"] == 18 and meta["loop"]["batch_in_epoch"] == 6 and "model" not in meta
+
+
+class _ViewHead(TrainModule):
+    """Sequences through a Linear with a bias: on 3-D input its output is a view (``addmm`` then ``view``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self.head(self.body(x)).square().mean()  # out of place: what FSDP supports on a view
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(8, 5, 4)), batch_size=4)
+
+
+def test_a_unit_returning_a_view_is_said_once_in_polytrain_words(tmp_path: Any,
+                                                                  caplog: pytest.LogCaptureFixture,
+                                                                  recwarn: pytest.WarningsRecorder) -> None:
+    """torch (2.14 on) warns from every rank, at every unit returning a view, that an in-place op on it
+    would skip the unit's all-gather; polytrain says it once, naming the units and what is safe, and torch's
+    text is not shown (torch 2.11 says nothing of it: polytrain's line is the only word there)."""
+    import logging
+
+    trainer = Trainer(strategy={"name": "fsdp", "wrap_modules": ["Linear"]}, devices=1,
+                      **quiet(str(tmp_path), max_steps=2))
+    try:
+        with caplog.at_level(logging.INFO, logger="polytrain"):
+            trainer.fit(_ViewHead())
+    finally:
+        trainer.strategy.teardown()  # fsdp joins a process group even on one process: leave none behind
+    said = [r.getMessage() for r in caplog.records if "return a view" in r.getMessage()]
+    assert said == ["fsdp: 3 unit(s) return a view: body.0 (Linear), body.1 (Linear), head (Linear); "
+                    "computing from it out of place (a loss, `out = out + y`) is what FSDP supports: an "
+                    "in-place op on it (`out += y`) would skip the unit's all-gather in backward "
+                    "(torch's warning of this is left out)"], said
+    assert not [w for w in recwarn if "returned a view tensor" in str(w.message)]
+
+
+def test_one_process_fsdp_takes_no_port(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsdp on one process that no launcher started meets in memory: with torch's default port held by
+    another program (and no MASTER_PORT given), it trains; a TCP store there would fail on the port."""
+    import socket
+
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", 29500))
+        holder.listen()
+    except OSError:
+        pass  # held already by another program: the same situation
+    trainer = Trainer(strategy="fsdp", devices=1, **quiet(str(tmp_path), max_steps=2))
+    try:
+        trainer.fit(_ViewHead())
+        assert trainer.global_step == 2 and torch.distributed.get_world_size() == 1
+        assert "MASTER_PORT" not in os.environ
+    finally:
+        trainer.strategy.teardown()
+        holder.close()

@@ -59,9 +59,16 @@ def init_process_group(env: ClusterEnvironment, backend: str, timeout_s: float) 
                 f"says WORLD_SIZE={env.world_size}"
             )
         return
-    export_for_torch(env)
     # Bounded waits: a dead peer surfaces as an error after `timeout_s`, not as a hang.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if env.world_size == 1 and "MASTER_PORT" not in os.environ:
+        # One process that no launcher started (fsdp or tp on one device, in a script or a notebook): its
+        # group meets in memory. A TCP store would take port 29500, and a second such job on the machine
+        # would fail on it.
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        return
+    export_for_torch(env)
     dist.init_process_group(
         backend=backend,
         rank=env.global_rank,

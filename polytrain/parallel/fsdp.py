@@ -6,16 +6,20 @@ accumulation. Used by the fsdp strategy and by tensor parallel's data-parallel d
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from polytrain.core import collectives as C
 from polytrain.core import lazy
 from polytrain.core.errors import ConfigError, first_few
+from polytrain.core.rank_zero import rank_zero_info
 
 # --------------------------------------------------------------------------- wrapping
 
@@ -36,11 +40,59 @@ def apply_fsdp(module: nn.Module, root: nn.Module | list[nn.Module], mesh: Any,
     mp_policy = fsdp.MixedPrecisionPolicy() if autocast_dtype is None else fsdp.MixedPrecisionPolicy(
         param_dtype=autocast_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
+    names = {id(m): n for n, m in module.named_modules()}
+    views = _ViewOutputs()
     for block in blocks_to_wrap(module, wrap_modules):
         fsdp.fully_shard(block, reshard_after_forward=reshard_after_forward, **common)
+        views.watch(block, names.get(id(block), type(block).__name__))
     # The root stays gathered after forward by default: backward needs it first.
     for each in root if isinstance(root, list) else [root]:
         fsdp.fully_shard(each, reshard_after_forward=None if reshard_after_forward else False, **common)
+        views.watch(each, names.get(id(each)) or type(each).__name__)
+    # torch (2.14 on) warns, from every rank, for each unit that returns a view: _ViewOutputs says it once
+    warnings.filterwarnings("ignore", message=_TORCH_VIEW_WARNING, category=UserWarning)
+
+
+_TORCH_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
+
+
+class _ViewOutputs:
+    """Says once, on rank 0, which units returned a view in the first training step, and when that matters.
+
+    FSDP runs a unit's all-gather for backward from a hook on the unit's output; an in-place op on an output
+    that is a view (``logits += bias``) replaces the tensor's autograd node and the hook with it, so the
+    backward runs without the gathered weights. A Linear with a bias on 3-D input returns such a view
+    (``addmm`` then ``view``), and nothing computed from it out of place (a loss) is affected. Whether the
+    user's code modifies it in place is not visible here: the line says what to avoid. The units are
+    gathered during the first training forward and said when its backward starts; the hooks then go."""
+
+    def __init__(self) -> None:
+        self.units: list[str] = []
+        self.handles: list[Any] = []
+
+    def watch(self, unit: nn.Module, name: str) -> None:
+        label = f"{name} ({type(unit).__name__.removeprefix('FSDP')})"
+        self.handles.append(unit.register_forward_hook(functools.partial(self._forward, label)))
+
+    def _forward(self, label: str, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return  # an evaluation pass: no backward, no hook on the output
+        views = [t for t in tree_leaves(output)
+                 if isinstance(t, torch.Tensor) and t.requires_grad and t._base is not None]
+        if views and label not in self.units:
+            self.units.append(label)
+            views[0].register_hook(self._say)
+
+    def _say(self, grad: torch.Tensor) -> None:
+        if not self.handles:
+            return
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        rank_zero_info(f"fsdp: {len(self.units)} unit(s) return a view: {first_few(self.units, 5)}; "
+                       f"computing from it out of place (a loss, `out = out + y`) is what FSDP supports: an "
+                       f"in-place op on it (`out += y`) would skip the unit's all-gather in backward "
+                       f"(torch's warning of this is left out)")
 
 
 def blocks_to_wrap(module: nn.Module, names: list[str] | None) -> list[nn.Module]:
