@@ -19,11 +19,20 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
+# TORCH_INDEX: a wheel index to take torch and torchvision from first (PyTorch's CPU-only index, say: the
+# registry's default on Linux is the CUDA build, whose libraries make .venv about 6 GB). Empty: the registry.
+TORCH_INDEX ?=
+# pyproject.toml's ranges, so that the index's newest is taken only inside them
+TORCH_PINS := "$(shell grep -o 'torch>=[^"]*' pyproject.toml | head -1)" \
+	"$(shell grep -o 'torchvision>=[^"]*' pyproject.toml | head -1)"
+
 $(STAMP): pyproject.toml | $(PY)
+	$(if $(TORCH_INDEX),$(PY) -m pip install -q $(TORCH_PINS) --index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[vision,examples]"
 	touch $@
 
 $(DEV_STAMP): pyproject.toml | $(PY)
+	$(if $(TORCH_INDEX),$(PY) -m pip install -q $(TORCH_PINS) --index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[vision,examples,dev,data]"
 	touch $(STAMP) $@
 
