@@ -21,12 +21,18 @@ from polytrain.checkpoint.consolidate import consolidate
 from polytrain.checkpoint.layout import newest_resumable
 from polytrain.core.errors import ConfigError
 from polytrain.core.rng import seed_all
+from polytrain.core.worker_failure import (
+    failure_report,
+    quiet_agent_logs,
+    root_cause,
+    spawned_failure_report,
+    spawned_root_cause,
+)
 from polytrain.plan_cli import run_plan
 from polytrain.strategies.launcher import launch_elastic, launch_spawn, plan_launch
 from polytrain.trainer.checkpointing.run_directory import check_run_dir_for_launch, checkpoint_for_launch
 from polytrain.trainer.configuration.config import TrainerConfig, elastic_warning, instantiate, load_config
 from polytrain.trainer.trainer import Trainer
-from polytrain.worker_failure import failure_report, root_cause
 
 
 def _setup_logging(rank: int) -> None:
@@ -124,19 +130,16 @@ def _start(args: argparse.Namespace, config: dict[str, Any], trainer_cfg: Traine
         run_worker(config, args.command, ckpt)
         return 0
     if plan.method in ("spawn", "fork"):
+        quiet_agent_logs()  # torch's line for each worker it stops after the first failed
         try:
             launch_spawn(plan, run_worker, (config, args.command, ckpt))
         except ProcessRaisedException as err:  # the first failing worker's traceback; the others were stopped
-            print(f"polytrain: a worker failed and the job was ended.{str(err).rstrip()}", file=sys.stderr)
-            last = str(err).rstrip().splitlines()[-1].strip()
-            print(f"polytrain: {args.command} failed: {last}", file=sys.stderr)
+            print(spawned_failure_report(err), file=sys.stderr)
+            print(f"polytrain: {args.command} failed on {spawned_root_cause(err)}", file=sys.stderr)
             return 1
         return 0
     if trainer_cfg.max_restarts == 0:
-        # The report below shows the failing rank's traceback once: the agent would log it first too, and
-        # a line for each worker it then stops. With restarts its log is the only word on each failure.
-        logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+        quiet_agent_logs()  # the report below shows the failing rank's traceback once
     try:
         launch_elastic(plan, _elastic_entry, (config, args.command, ckpt), trainer_cfg.max_restarts)
     except ChildFailedError as err:

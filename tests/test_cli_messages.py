@@ -207,7 +207,7 @@ def test_the_failure_report_keeps_the_users_frames_of_every_traceback_and_the_fu
     import torch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from polytrain.worker_failure import failure_report
+    from polytrain.core.worker_failure import failure_report
 
     def users_step(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("a user's bug")

@@ -113,3 +113,10 @@ def test_cli_shows_the_preparing_ranks_exception_and_where_it_was_raised(tmp_pat
     assert f"ConnectionError: cannot reach {URL}" in result.stderr, result.describe()
     assert "in fetch_archive" in result.stderr, result.describe()  # the raising function, from the traceback
     assert "traceback is in" not in result.stderr, result.describe()
+    # Under either launcher: the preparing rank's traceback once, short, then the line naming it
+    said = result.stderr.strip().splitlines()
+    header = [n for n, line in enumerate(said) if line.startswith("polytrain: rank 0 failed (torch's and "
+                                                                   "polytrain's frames left out")]
+    assert len(header) == 1 and len(said) - header[0] <= 30, result.describe()
+    assert said[-1].startswith("polytrain: fit failed on rank 0: ConnectionError: cannot reach"), (
+        result.describe())

@@ -10,19 +10,26 @@ left out, the user's file and line kept; ``POLYTRAIN_FULL_ERROR=1`` prints it wh
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
+import sys
+import time
+import traceback
 from typing import Any
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-import polytrain
 from polytrain.core.errors import RankFailedError
 
 FULL_ERROR_ENV = "POLYTRAIN_FULL_ERROR"
+# Set by the launcher in the workers that run the user's script again (``relaunch_script``)
+SCRIPT_WORKER_ENV = "POLYTRAIN_SCRIPT_WORKER"
 # Frames from these directories are the launcher's, the loop's and torch's, not the user's.
-_LEFT_OUT = tuple(os.path.dirname(package.__file__) + os.sep for package in (torch, polytrain))
+_POLYTRAIN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LEFT_OUT = tuple(path + os.sep for path in (os.path.dirname(torch.__file__), _POLYTRAIN_DIR))
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line \d+')
 
 
@@ -125,3 +132,63 @@ def failure_report(err: ChildFailedError) -> str:
         return f"polytrain: rank {rank} failed:\n{text}"
     return (f"polytrain: rank {rank} failed (torch's and polytrain's frames left out; {FULL_ERROR_ENV}=1 "
             f"shows them):\n{shorten(text)}")
+
+
+def _spawned(err: Exception) -> tuple[str, str]:
+    """(``rank R``, its traceback) of ``torch.multiprocessing``'s ``ProcessRaisedException``."""
+    text = str(err).strip()
+    rank = re.search(r"-- Process (\d+) terminated", text)
+    stack = text[text.index("Traceback"):] if "Traceback" in text else text
+    return (f"rank {rank.group(1)}" if rank else "a worker"), stack
+
+
+def spawned_root_cause(err: Exception) -> str:
+    """``rank R: Type: message`` of a spawned worker's error, as ``root_cause`` says an elastic worker's."""
+    who, stack = _spawned(err)
+    return f"{who}: {stack.splitlines()[-1].strip()}"
+
+
+def spawned_failure_report(err: Exception) -> str:
+    """A spawned worker's error (``torch.multiprocessing``'s ``ProcessRaisedException``: its rank, then its
+    traceback) as ``failure_report`` says an elastic worker's."""
+    who, stack = _spawned(err)
+    if os.environ.get(FULL_ERROR_ENV, "") not in ("", "0"):
+        return f"polytrain: {who} failed:\n{stack}"
+    return (f"polytrain: {who} failed (torch's and polytrain's frames left out; {FULL_ERROR_ENV}=1 shows "
+            f"them):\n{shorten(stack)}")
+
+
+def quiet_agent_logs() -> None:
+    """Leave out the elastic agent's log of a failed worker (its traceback, and a line for each worker it then
+    stops): ``failure_report`` prints the failing rank's traceback once. Only where a failure ends the job:
+    with restarts the agent's log is the only word on each failure."""
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+
+
+def report_uncaught_to_launcher() -> None:
+    """In a worker running the user's script again (the launcher set ``SCRIPT_WORKER_ENV``): an exception
+    nothing catches is written to the elastic agent's error file for the launcher to print once, short,
+    instead of to this worker's stderr (where every rank's would be followed by the agent's copy). A
+    worker without an error file to write prints it as Python would."""
+    if os.environ.get(SCRIPT_WORKER_ENV) != "1" or getattr(sys.excepthook, "reports_to_launcher", False):
+        return
+    previous = sys.excepthook
+
+    def to_launcher(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if not path or isinstance(value, KeyboardInterrupt):
+            previous(kind, value, tb)
+            return
+        # torch's ErrorHandler.record_exception's format (its traceback, from sys.exc_info(), is empty here)
+        stack = "".join(traceback.format_exception(kind, value, tb))
+        record = {"message": {"message": f"{kind.__name__}: {value}",
+                              "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))}}}
+        try:
+            with open(path, "w") as out:
+                json.dump(record, out)
+        except OSError:
+            previous(kind, value, tb)
+
+    to_launcher.reports_to_launcher = True  # type: ignore[attr-defined]
+    sys.excepthook = to_launcher

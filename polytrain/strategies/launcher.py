@@ -26,6 +26,7 @@ from polytrain.core.environment import ClusterEnvironment, detect_environment
 from polytrain.core.errors import ConfigError
 from polytrain.core.nodes import is_elastic_range, node_range
 from polytrain.core.process_group import select_cuda_devices
+from polytrain.core.worker_failure import SCRIPT_WORKER_ENV, failure_report, quiet_agent_logs, root_cause
 from polytrain.strategies.registry import resolve_strategy_name, strategy_class
 
 log = logging.getLogger("polytrain")
@@ -273,14 +274,20 @@ def launch_elastic(plan: LaunchPlan, entrypoint: Callable | str, args: tuple, ma
     return elastic_launch(config, entrypoint)(*args)
 
 
-def relaunch_script(plan: LaunchPlan, max_restarts: int) -> None:
+def relaunch_script(plan: LaunchPlan, max_restarts: int, stage: str) -> None:
     """Python API outside torchrun: run this same script again in each worker, like torchrun would,
-    and leave with the job's status. The launching process itself does not train."""
+    and leave with the job's status. The launching process itself does not train. A worker's error nothing
+    catches goes to the agent's error file (``report_uncaught_to_launcher``), and is printed here once: the
+    failing rank's traceback, short, then the one line that names it."""
     script = os.path.abspath(sys.argv[0])
+    os.environ[SCRIPT_WORKER_ENV] = "1"  # the workers inherit it: this process only launches them
+    if max_restarts == 0:
+        quiet_agent_logs()
     try:
         launch_elastic(plan, sys.executable, ("-u", script, *sys.argv[1:]), max_restarts)
     except ChildFailedError as err:
-        print(err.format_msg(), file=sys.stderr)
+        print(failure_report(err), file=sys.stderr)
+        print(f"polytrain: {stage} failed on {root_cause(err)}", file=sys.stderr)
         raise SystemExit(1) from None
     raise SystemExit(0)
 

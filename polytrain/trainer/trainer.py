@@ -22,6 +22,7 @@ from polytrain.core import heartbeat
 from polytrain.core.errors import ConfigError
 from polytrain.core.nodes import node_range
 from polytrain.core.rank_zero import rank_zero_only
+from polytrain.core.worker_failure import report_uncaught_to_launcher
 from polytrain.data.loaders import stop_workers
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.launcher import LaunchPlan, plan_launch
@@ -370,6 +371,7 @@ class Trainer:
             self.metrics.callback = out["callback_metrics"]
             self._run_directory = RunDirectory(out["log_dir"], out["ckpt_path"])
             return out["result"]
+        report_uncaught_to_launcher()  # where a launcher ran this script again: see core/worker_failure.py
         model._attach(self)  # before planning: the planner traces training_step, which may read self.trainer
         planned = self.strategy is None and plan_layout(
             self.run_sources(), self._run_config, plan, model, loaders.get("train"),

@@ -31,7 +31,7 @@ def launch_workers(plan: LaunchPlan, worker: Callable[..., None], args: tuple[An
     launching process shows afterwards into ``result_path``: ``result``, ``callback_metrics``, ``log_dir``,
     ``ckpt_path`` and, after a fit, the trained weights, which are loaded into ``module``."""
     if plan.method == "elastic":
-        relaunch_script(plan, max_restarts)  # exits with the job's status
+        relaunch_script(plan, max_restarts, stage)  # exits with the job's status
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.pt")
         launch_spawn(plan, worker, (*args, result_path))

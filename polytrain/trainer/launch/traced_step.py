@@ -83,16 +83,16 @@ class _StandInStrategy:
     world_size = 1
     is_global_zero = True
 
-    def __init__(self, trainer: _TracedTrainer) -> None:
-        self._trainer = trainer
+    def __init__(self, standing_in: _TracedTrainer) -> None:
+        self._standing_in = standing_in
 
     @property
     def root_device(self) -> torch.device:
-        return self._trainer.device
+        return self._standing_in.device
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [o.optimizer for o in self._trainer.optimizers]
+        return [o.optimizer for o in self._standing_in.optimizers]
 
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(f"self.trainer.strategy.{name} is not there while the planner traces "
