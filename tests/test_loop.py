@@ -656,6 +656,36 @@ def test_training_step_none_skips_the_step(make_trainer: MakeTrainer, precision:
         assert changed[0] and changed[2]
 
 
+class TrainsOnly(TrainModule):
+    """A val loader and no validation_step: nothing will read the loader."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+
+    def val_dataloader(self) -> Any:
+        raise AssertionError("a loader nothing reads is never built")
+
+
+def test_a_val_loader_without_validation_step_is_said_and_skipped(make_trainer: MakeTrainer) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(max_epochs=2)
+        trainer.fit(TrainsOnly())
+    said = [str(w.message) for w in caught if "validation_step" in str(w.message)]
+    assert said == ["You passed in a `val_dataloader` but have no `validation_step`. Skipping val loop."]
+    assert trainer.global_step == 4
+
+
 def test_training_step_returning_dict(make_trainer: MakeTrainer) -> None:
     class DictStep(TinyModule):
         def training_step(self, batch: Any, batch_idx: int) -> Any:

@@ -273,3 +273,39 @@ def test_world_size_one_is_exactly_plain_batchnorm(with_group: bool, tmp_path) -
 def test_single_value_per_channel_raises_like_torch_without_group() -> None:
     with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
         CrossProcessBatchNorm(C)(torch.randn(1, C))
+
+
+def test_sync_batchnorm_on_a_model_without_batchnorm_says_so(tmp_path, caplog, monkeypatch) -> None:
+    """Asked for, and nothing to convert: one line on rank 0 instead of silence."""
+    import logging
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from polytrain import Trainer, TrainModule
+
+    class NoNorm(TrainModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
+
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy={"name": "ddp", "sync_batchnorm": True},
+                      max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                      run_dir=str(tmp_path))
+    try:
+        with caplog.at_level(logging.INFO, logger="polytrain"):
+            trainer.fit(NoNorm())
+    finally:
+        trainer.strategy.teardown()
+    assert [r.getMessage() for r in caplog.records if "sync_batchnorm" in r.getMessage()] == [
+        "sync_batchnorm: NoNorm has no BatchNorm layer: nothing to synchronise across processes"]

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 from polytrain.checkpoint.checkpoint_io import CheckpointIO, ReplicatedCheckpointIO, ShardedCheckpointIO
 from polytrain.core.environment import ClusterEnvironment
 from polytrain.core.process_group import default_backend, init_process_group, resolve_device
+from polytrain.core.rank_zero import rank_zero_info
 from polytrain.data.padding import EvalBatches
 from polytrain.layers.sync_batchnorm import convert_sync_batchnorm
 from polytrain.parallel import tensor_parallel as tp_fn
@@ -243,6 +244,9 @@ class ParallelStrategy(Strategy):
         self.join_process_group()
         module = self.precision.convert_module(module)
         if self.layout.sync_batchnorm:
+            if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
+                rank_zero_info(f"sync_batchnorm: {type(module).__name__} has no BatchNorm layer: nothing to "
+                               f"synchronise across processes")
             module = convert_sync_batchnorm(module, self.dp_group if backend.shards else None)
         on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
         if backend.broadcasts_weights and self.world_size > 1:

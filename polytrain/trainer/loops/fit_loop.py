@@ -25,6 +25,7 @@ import torch
 
 from polytrain.core import heartbeat
 from polytrain.core.errors import ConfigError
+from polytrain.core.rank_zero import rank_zero_warn
 from polytrain.core.rng import isolate_rng, training_streams, user_seed
 from polytrain.data.loaders import stop_workers
 from polytrain.parallel.float8 import precompute_scales_after_each_step, resolve_float8
@@ -150,9 +151,13 @@ class FitLoop:
         record_dir = self.log_dir if strategy.is_logging_rank and os.path.isdir(self.log_dir) else None
         self.goodput.begin(self.progress.global_step, staging_waited, record_dir)
         hooks("on_fit_start")
+        validates = is_overridden(self.module, "validation_step", TrainModule)
+        if not validates and self.loaders.source("val") is not None and not self.loaders.disabled("val"):
+            # Lightning's words for a loader that nothing will read
+            rank_zero_warn("You passed in a `val_dataloader` but have no `validation_step`. "
+                           "Skipping val loop.")
         sanity = (cfg.num_sanity_val_steps != 0 and not cfg.fast_dev_run
-                  and self.loaders.source("val") is not None
-                  and is_overridden(self.module, "validation_step", TrainModule)
+                  and self.loaders.source("val") is not None and validates
                   and not self.loaders.disabled("val"))
         if sanity:
             self._sanity_check()
@@ -353,7 +358,9 @@ class FitLoop:
     def _request_val(self) -> None:
         data, loaders = self.data, self.loaders
         stop_workers(None, data.val_loader, keep_persistent=False)  # the loader being replaced, if any
-        val_loader = None if loaders.disabled("val") else loaders.request("val")
+        # As Lightning: without a validation_step nothing reads the loader, and it is never asked for
+        skipped = loaders.disabled("val") or not is_overridden(self.module, "validation_step", TrainModule)
+        val_loader = None if skipped else loaders.request("val")
         data.use_val(val_loader, loaders.batch_limit("val", val_loader) if val_loader is not None else 0)
 
     def _sanity_check(self) -> None:
