@@ -246,6 +246,7 @@ class _AsRun:
         return module
 
     def __enter__(self) -> _AsRun:
+        self._stack.enter_context(_one_sample_batch_norm())
         if self.dtype is not None:
             self._stack.enter_context(self.mode)
             self._stack.enter_context(_Lifted(self))
@@ -254,6 +255,29 @@ class _AsRun:
 
     def __exit__(self, *exc: Any) -> None:
         self._stack.close()
+
+
+@contextlib.contextmanager
+def _one_sample_batch_norm() -> Iterator[None]:
+    """The trace runs one sample, and a BatchNorm whose input then holds one value per channel (a ResNet's
+    last stage on 32x32 pictures is 1x1) has no batch variance to normalise by: torch refuses it. There it
+    normalises by its running statistics for the trace, which saves the same tensors for backward as
+    training's batch statistics (its input; per-channel vectors apart). ``nn.BatchNorm*`` look up
+    ``F.batch_norm`` at each call."""
+    batch_norm = F.batch_norm
+
+    def per_sample(input: torch.Tensor, running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                   weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                   training: bool = False, momentum: float = 0.1, eps: float = 1e-5) -> torch.Tensor:
+        if training and running_mean is not None and input.dim() > 1 and input.numel() == input.shape[1]:
+            training = False
+        return batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+    F.batch_norm = per_sample
+    try:
+        yield
+    finally:
+        F.batch_norm = batch_norm
 
 
 class _Lifted(TorchDispatchMode):
