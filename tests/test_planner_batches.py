@@ -202,3 +202,37 @@ def test_a_step_that_cannot_run_on_meta_names_the_planner() -> None:
                                           r"first train batch, on the meta device .* raised "
                                           r"(RuntimeError|NotImpl).*pin the degrees"):
         step_profiler(module, first_batch(module.train_dataloader()), "cpu", None, "32", "cpu")(1)
+
+
+LIBRARY_MODELS = ["gpt2", "llama", "qwen2", "bert", "resnet50", "vit_b_16", "convnext_tiny", "swin_t"]
+
+
+@pytest.mark.parametrize("kind", LIBRARY_MODELS)
+def test_every_library_model_the_suite_trains_plans_from_a_dict_batch(kind: str) -> None:
+    """tests/test_own_models.py's models (each trained there under every strategy), their loader yielding
+    dicts: profiled as from (inputs, targets) tuples, block for block."""
+    import test_own_models as own
+    from torch.utils.data import DataLoader, default_collate
+
+    from polytrain.trainer.launch.planned import first_batch, step_profiler
+
+    names = ("tokens",) if kind in own.LANGUAGE_MODELS else ("images", "labels")
+
+    class DictBatches(own.HeldModel):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return own.loss_of(self.model, self.kind, [batch[n] for n in names])
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(own.dataset(self.kind), batch_size=self.batch_size,
+                              collate_fn=lambda rows: dict(zip(names, default_collate(rows), strict=True)))
+
+    profiles = []
+    for cls in (own.HeldModel, DictBatches):
+        with torch.device("meta"):
+            module = cls(kind, own.GLOBAL_BATCH)
+        profiles.append(step_profiler(module, first_batch(module.train_dataloader()), "cpu", None, "32",
+                                      "cpu")(1))
+    tuples, dicts = profiles
+    assert len(dicts.children) == len(tuples.children) >= 3
+    assert [(c.name, c.params, c.saved_bytes, c.flops, c.backward_bytes) for c in dicts.children] == [
+        (c.name, c.params, c.saved_bytes, c.flops, c.backward_bytes) for c in tuples.children]
