@@ -134,20 +134,39 @@ def _start(args: argparse.Namespace, config: dict[str, Any], trainer_cfg: Traine
         try:
             launch_spawn(plan, run_worker, (config, args.command, ckpt))
         except ProcessRaisedException as err:  # the first failing worker's traceback; the others were stopped
-            print(spawned_failure_report(err), file=sys.stderr)
-            print(f"polytrain: {args.command} failed on {spawned_root_cause(err)}", file=sys.stderr)
-            return 1
+            return _worker_failed(args.command, spawned_root_cause(err), spawned_failure_report(err))
         return 0
     if trainer_cfg.max_restarts == 0:
         quiet_agent_logs()  # the report below shows the failing rank's traceback once
     try:
         launch_elastic(plan, _elastic_entry, (config, args.command, ckpt), trainer_cfg.max_restarts)
     except ChildFailedError as err:
-        print(failure_report(err), file=sys.stderr)
-        # Last, where it is read first: the root cause in one line.
-        print(f"polytrain: {args.command} failed on {root_cause(err)}", file=sys.stderr)
-        return 1
+        return _worker_failed(args.command, root_cause(err), failure_report(err))
     return 0
+
+
+def _worker_failed(command: str, cause: str, report: str) -> int:
+    """A worker's failure: its traceback, then the root cause in one line, last, where it is read first. A
+    config error a worker found (one the launcher cannot see: a class named in the config, looked for in
+    the module) is said as the launcher says its own, in one line with exit code 2."""
+    rank, _, error = cause.partition(": ")
+    kind, _, message = error.partition(": ")
+    if kind.rpartition(".")[2] in _config_error_names():  # a spawned worker's names its module too
+        print(f"polytrain {command}: {' '.join(message.split())} (found on {rank})",
+              file=sys.stderr)
+        return 2
+    print(report, file=sys.stderr)
+    print(f"polytrain: {command} failed on {cause}", file=sys.stderr)
+    return 1
+
+
+def _config_error_names() -> set[str]:
+    names, pending = set(), [ConfigError]
+    while pending:
+        kind = pending.pop()
+        names.add(kind.__name__)
+        pending.extend(kind.__subclasses__())
+    return names
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:

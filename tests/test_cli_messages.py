@@ -260,3 +260,22 @@ def test_a_run_dir_through_a_file_is_one_line_before_any_worker_starts(tmp_path:
     assert result.stderr.strip().splitlines() == [
         f"polytrain {stage}: cannot write trainer.run_dir={run_dir} (this run's directory: {run_dir}): "
         f"{in_the_way} is a file. Point trainer.run_dir at a writable directory"], result.describe()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", ["elastic", "spawn"])
+def test_a_config_error_a_worker_finds_is_one_line_as_the_launchers_own(tmp_path: Path,
+                                                                          launcher: str) -> None:
+    """A class named in the config that only the built module can be checked against (fsdp's wrap_modules):
+    the worker finds it; the launcher says it as it says its own config errors, one line and exit code 2,
+    with the rank that found it (it was a traceback and a summary, exit code 1)."""
+    run_dir = tmp_path / "run"
+    result = run([*POLYTRAIN, "fit", "-c", TINY_CONFIG, "trainer.devices=2", f"trainer.launcher={launcher}",
+                  "trainer.strategy.name=fsdp", "trainer.strategy.wrap_modules=[Lineer]",
+                  f"trainer.run_dir={run_dir}"], timeout=100)
+    assert result.returncode == 2, result.describe()
+    said = result.stderr.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith(
+        "polytrain fit: fsdp wrap_modules names ['Lineer'], but TinyRegressor has no submodule of that "
+        "class; classes present: Linear, TinyRegressor (found on rank "), result.describe()  # both find it
