@@ -22,6 +22,7 @@ from polytrain.checkpoint.layout import newest_resumable
 from polytrain.core.errors import ConfigError
 from polytrain.core.rng import seed_all
 from polytrain.core.worker_failure import (
+    config_error_said,
     failure_report,
     quiet_agent_logs,
     root_cause,
@@ -149,24 +150,13 @@ def _worker_failed(command: str, cause: str, report: str) -> int:
     """A worker's failure: its traceback, then the root cause in one line, last, where it is read first. A
     config error a worker found (one the launcher cannot see: a class named in the config, looked for in
     the module) is said as the launcher says its own, in one line with exit code 2."""
-    rank, _, error = cause.partition(": ")
-    kind, _, message = error.partition(": ")
-    if kind.rpartition(".")[2] in _config_error_names():  # a spawned worker's names its module too
-        print(f"polytrain {command}: {' '.join(message.split())} (found on {rank})",
-              file=sys.stderr)
+    said = config_error_said(cause)
+    if said is not None:
+        print(f"polytrain {command}: {said}", file=sys.stderr)
         return 2
     print(report, file=sys.stderr)
     print(f"polytrain: {command} failed on {cause}", file=sys.stderr)
     return 1
-
-
-def _config_error_names() -> set[str]:
-    names, pending = set(), [ConfigError]
-    while pending:
-        kind = pending.pop()
-        names.add(kind.__name__)
-        pending.extend(kind.__subclasses__())
-    return names
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:

@@ -405,6 +405,23 @@ def test_the_library_plan_is_translated_and_a_model_without_one_is_refused_in_wo
         module_plan(HeldModel("gpt2", GLOBAL_BATCH))
 
 
+def test_a_plan_giving_torch_styles_to_layers_they_cannot_split_is_refused_by_entry_and_layer() -> None:
+    """GPT-2's attention is transformers' Conv1D: torch's ColwiseParallel raised a bare NotImplementedError on
+    every rank once the process group was up; the plan check names the entry, the layers and their kind."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class Planned(HeldModel):
+        def tensor_parallel_plan(self) -> dict[str, Any]:
+            return {"model.transformer.h.*.attn.c_attn": ColwiseParallel()}
+
+    refused = (r"^tensor-parallel plan entry 'model.transformer.h.\*.attn.c_attn' gives ColwiseParallel to 2 "
+               r"layer\(s\) it cannot split: model.transformer.h.0.attn.c_attn \(Conv1D\), "
+               r"model.transformer.h.1.attn.c_attn \(Conv1D\); torch's ColwiseParallel splits nn.Linear and "
+               r"nn.Embedding only. Leave Conv1D out of the plan")
+    with pytest.raises(ConfigError, match=refused):
+        module_plan(Planned("gpt2", GLOBAL_BATCH))
+
+
 def test_a_tie_stays_whole_rather_than_split_on_one_side() -> None:
     tied = HeldModel("llama", GLOBAL_BATCH)
     tied.model.lm_head.weight = tied.model.model.embed_tokens.weight  # as tie_word_embeddings does

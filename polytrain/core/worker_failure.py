@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from polytrain.core.errors import RankFailedError
+from polytrain.core.errors import ConfigError, RankFailedError
 
 FULL_ERROR_ENV = "POLYTRAIN_FULL_ERROR"
 # Set by the launcher in the workers that run the user's script again (``relaunch_script``)
@@ -156,6 +156,26 @@ def spawned_failure_report(err: Exception) -> str:
         return f"polytrain: {who} failed:\n{stack}"
     return (f"polytrain: {who} failed (torch's and polytrain's frames left out; {FULL_ERROR_ENV}=1 shows "
             f"them):\n{shorten(stack)}")
+
+
+def config_error_said(cause: str) -> str | None:
+    """``message (found on rank R)`` where ``cause`` (``rank R: Type: message``, as ``root_cause`` says it) is
+    a config error (``ConfigError`` or a kind of it: a class named in the config that only the built module
+    can be checked against), for the launcher to say as it says its own; else None."""
+    rank, _, error = cause.partition(": ")
+    kind, _, message = error.partition(": ")
+    if kind.rpartition(".")[2] not in _config_error_names():  # a spawned worker's names its module too
+        return None
+    return f"{' '.join(message.split())} (found on {rank})"
+
+
+def _config_error_names() -> set[str]:
+    names, pending = set(), [ConfigError]
+    while pending:
+        kind = pending.pop()
+        names.add(kind.__name__)
+        pending.extend(kind.__subclasses__())
+    return names
 
 
 def quiet_agent_logs() -> None:

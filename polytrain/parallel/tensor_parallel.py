@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from polytrain.core import collectives as C
 from polytrain.core import lazy
-from polytrain.core.errors import ConfigError
+from polytrain.core.errors import ConfigError, first_few
 from polytrain.parallel.library_plans import library_models, library_plan
 
 
@@ -107,6 +107,26 @@ def check_plan(module: nn.Module, plan: Any) -> None:
                 f"of that name ({len(known)} submodules; names are relative to the TrainModule, as in "
                 f"named_modules(), e.g. {known[:4]}).{hint} Fix the key in tensor_parallel_plan()"
             )
+        _check_splittable(module, key, style)
+
+
+def _check_splittable(module: nn.Module, key: str, style: Any) -> None:
+    """torch's own ColwiseParallel and RowwiseParallel split ``nn.Linear`` and ``nn.Embedding`` and raise a
+    bare ``NotImplementedError`` on anything else (Hugging Face GPT-2's ``Conv1D``), from every rank, once
+    the process group is up. Said here, by entry and layer. A style of one's own (a subclass) may split
+    other layers: it is not checked."""
+    parallel = lazy.dtensor().parallel
+    if type(style) not in (parallel.ColwiseParallel, parallel.RowwiseParallel):
+        return
+    other = [(name, type(module.get_submodule(name)).__name__) for name in resolve_key(module, key)
+             if not isinstance(module.get_submodule(name), (nn.Linear, nn.Embedding))]
+    if other:
+        kinds = sorted({kind for _, kind in other})
+        raise TensorParallelPlanError(
+            f"tensor-parallel plan entry '{key}' gives {type(style).__name__} to {len(other)} layer(s) it "
+            f"cannot split: {first_few([f'{name} ({kind})' for name, kind in other])}; torch's "
+            f"{type(style).__name__} splits nn.Linear and nn.Embedding only. Leave {', '.join(kinds)} out of "
+            f"the plan, replace those layers with nn.Linear, or give them a ParallelStyle of your own")
 
 
 def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, plan: dict[str, Any] | None) -> None:

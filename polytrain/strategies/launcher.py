@@ -26,7 +26,13 @@ from polytrain.core.environment import ClusterEnvironment, detect_environment
 from polytrain.core.errors import ConfigError
 from polytrain.core.nodes import is_elastic_range, node_range
 from polytrain.core.process_group import select_cuda_devices
-from polytrain.core.worker_failure import SCRIPT_WORKER_ENV, failure_report, quiet_agent_logs, root_cause
+from polytrain.core.worker_failure import (
+    SCRIPT_WORKER_ENV,
+    config_error_said,
+    failure_report,
+    quiet_agent_logs,
+    root_cause,
+)
 from polytrain.strategies.registry import resolve_strategy_name, strategy_class
 
 log = logging.getLogger("polytrain")
@@ -286,6 +292,10 @@ def relaunch_script(plan: LaunchPlan, max_restarts: int, stage: str) -> None:
     try:
         launch_elastic(plan, sys.executable, ("-u", script, *sys.argv[1:]), max_restarts)
     except ChildFailedError as err:
+        said = config_error_said(root_cause(err))
+        if said is not None:  # said as the launcher says its own
+            print(f"polytrain {stage}: {said}", file=sys.stderr)
+            raise SystemExit(2) from None
         print(failure_report(err), file=sys.stderr)
         print(f"polytrain: {stage} failed on {root_cause(err)}", file=sys.stderr)
         raise SystemExit(1) from None
