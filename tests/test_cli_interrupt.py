@@ -120,3 +120,24 @@ def test_a_one_process_fit_stopped_by_a_signal_says_so_and_exits_with_its_code(t
     assert remaining == [] and "Traceback" not in done.stderr, done.describe()
     name = signal.Signals(signum).name
     assert done.stderr.strip().splitlines()[-2].startswith(STOPPED.format(name)), done.describe()
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 60)
+def test_ctrl_c_on_a_script_that_starts_two_processes_says_so_and_exits_130(tmp_path: Path) -> None:
+    """A script calling Trainer.fit with devices=2 (run again under the elastic agent): Ctrl-C reaches every
+    process; no worker prints a traceback, the launching process says what was stopped, names the newest
+    complete checkpoint and how a script continues from it (it was 59 lines of tracebacks, exit code 1)."""
+    from procs import TRAIN_SCRIPT
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(TRAIN_SCRIPT), str(tmp_path), "--devices", "2", "--max-epochs", "200",
+           "--step-sleep", "0.05"]
+    done, remaining = _signalled_after_a_checkpoint(cmd, run_dir, signal.SIGINT, whole_group=True)
+    assert done.returncode == 130, done.describe()
+    assert remaining == [], f"processes of the job still running: {remaining}\n{done.describe()}"
+    assert "Traceback" not in done.stderr and "[rank" not in done.stderr, done.describe()
+    stopped, newest, follow = done.stderr.strip().splitlines()[-3:]
+    assert stopped == "polytrain: fit stopped by SIGINT; its processes have ended", done.describe()
+    assert newest == f"polytrain: the newest complete checkpoint is {newest_resumable(str(run_dir), None)[1]}"
+    assert follow == ("polytrain: to continue it: run the script again with Trainer(..., resume=\"last\") or "
+                      "trainer.fit(..., ckpt_path=\"last\")"), done.describe()

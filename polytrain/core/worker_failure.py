@@ -196,8 +196,10 @@ def report_uncaught_to_launcher() -> None:
     previous = sys.excepthook
 
     def to_launcher(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if isinstance(value, KeyboardInterrupt):
+            return  # Ctrl-C reached every worker: the launcher says the job was stopped, once
         path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-        if not path or isinstance(value, KeyboardInterrupt):
+        if not path:
             previous(kind, value, tb)
             return
         # torch's ErrorHandler.record_exception's format (its traceback, from sys.exc_info(), is empty here)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import uuid
@@ -19,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -280,17 +282,27 @@ def launch_elastic(plan: LaunchPlan, entrypoint: Callable | str, args: tuple, ma
     return elastic_launch(config, entrypoint)(*args)
 
 
-def relaunch_script(plan: LaunchPlan, max_restarts: int, stage: str) -> None:
+def relaunch_script(plan: LaunchPlan, max_restarts: int, stage: str,
+                    when_stopped: Callable[[], list[str]] | None = None) -> None:
     """Python API outside torchrun: run this same script again in each worker, like torchrun would,
     and leave with the job's status. The launching process itself does not train. A worker's error nothing
     catches goes to the agent's error file (``report_uncaught_to_launcher``), and is printed here once: the
-    failing rank's traceback, short, then the one line that names it."""
+    failing rank's traceback, short, then the one line that names it. Stopped by Ctrl-C or SIGTERM (the
+    agent ends the workers): one line, ``when_stopped()``'s lines after it, and the shell's code for the
+    signal (130, 143)."""
     script = os.path.abspath(sys.argv[0])
     os.environ[SCRIPT_WORKER_ENV] = "1"  # the workers inherit it: this process only launches them
     if max_restarts == 0:
         quiet_agent_logs()
     try:
         launch_elastic(plan, sys.executable, ("-u", script, *sys.argv[1:]), max_restarts)
+    except (KeyboardInterrupt, SignalException) as err:
+        signum = int(getattr(err, "sigval", signal.SIGINT))
+        print(f"polytrain: {stage} stopped by {signal.Signals(signum).name}; its processes have ended",
+              file=sys.stderr)
+        for line in when_stopped() if when_stopped is not None else []:
+            print(f"polytrain: {line}", file=sys.stderr)
+        raise SystemExit(128 + signum) from None
     except ChildFailedError as err:
         said = config_error_said(root_cause(err))
         if said is not None:  # said as the launcher says its own

@@ -367,7 +367,8 @@ class Trainer:
             user_callbacks = [cb for cb in self.callbacks if getattr(cb, "_user_given", False)]
             args = (type(self), trainer_to_dict(self.config), user_callbacks, stage, model,
                     dict(given, datamodule=datamodule, ckpt_path=ckpt_path))
-            out = launch_workers(plan, _stage_in_worker, args, self.config.max_restarts, stage, model)
+            out = launch_workers(plan, _stage_in_worker, args, self.config.max_restarts, stage, model,
+                                 self.config.run_dir, self.config.version)
             self.metrics.callback = out["callback_metrics"]
             self._run_directory = RunDirectory(out["log_dir"], out["ckpt_path"])
             return out["result"]

@@ -1,7 +1,7 @@
 """Train TinyRegressor with ``Trainer(...).fit`` as a user script would.
 
     python train_script.py OUT_DIR [--devices N|auto] [--num-nodes N] [--launcher auto|spawn|fork|elastic]
-                                   [--fail-rank R] [--max-epochs E] [--timeout S]
+                                   [--fail-rank R] [--max-epochs E] [--timeout S] [--step-sleep S]
 
 Runs unchanged under torchrun, under SLURM's variables, or plainly (then ``devices>1`` makes the
 Trainer start its own workers). Every process that trains writes ``OUT_DIR/fit-rank<R>.json`` (see
@@ -32,10 +32,11 @@ def main() -> None:
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--max-epochs", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each training step sleeps")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    module = TinyRegressor(fail_rank=args.fail_rank, record_dir=args.out_dir)
+    module = TinyRegressor(fail_rank=args.fail_rank, record_dir=args.out_dir, step_sleep=args.step_sleep)
     initial = weights(module)
     trainer = Trainer(accelerator="cpu",
                       devices=args.devices if args.devices == "auto" else int(args.devices),

@@ -3,6 +3,7 @@ called outside any launcher (the Trainer hands them the function each worker run
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from polytrain.checkpoint.layout import newest_resumable
 from polytrain.core import divergence
 from polytrain.core.rng import enable_deterministic
 from polytrain.parallel.activation_checkpointing import resolve_checkpointing
@@ -25,13 +27,16 @@ if TYPE_CHECKING:
 
 
 def launch_workers(plan: LaunchPlan, worker: Callable[..., None], args: tuple[Any, ...], max_restarts: int,
-                   stage: str, module: TrainModule) -> dict[str, Any]:
+                   stage: str, module: TrainModule, run_dir: str,
+                   version: int | str | None) -> dict[str, Any]:
     """Run ``worker(*args, result_path)`` in worker processes (a script under an elastic launch is started
     again by it: this process then exits with the job's status). Global rank 0's worker saves what the
     launching process shows afterwards into ``result_path``: ``result``, ``callback_metrics``, ``log_dir``,
-    ``ckpt_path`` and, after a fit, the trained weights, which are loaded into ``module``."""
+    ``ckpt_path`` and, after a fit, the trained weights, which are loaded into ``module``. ``run_dir`` and
+    ``version``: where a script stopped by Ctrl-C finds the checkpoint it can continue from."""
     if plan.method == "elastic":
-        relaunch_script(plan, max_restarts, stage)  # exits with the job's status
+        # exits with the job's status
+        relaunch_script(plan, max_restarts, stage, functools.partial(_stopped_lines, stage, run_dir, version))
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.pt")
         launch_spawn(plan, worker, (*args, result_path))
@@ -40,6 +45,18 @@ def launch_workers(plan: LaunchPlan, worker: Callable[..., None], args: tuple[An
         module.load_state_dict(out.pop("state_dict"))
     out["callback_metrics"] = {k: torch.tensor(v) for k, v in out["callback_metrics"].items()}
     return out
+
+
+def _stopped_lines(stage: str, run_dir: str, version: int | str | None) -> list[str]:
+    """What a script's stopped job leaves: its newest complete checkpoint, and how to continue from it."""
+    newest = newest_resumable(run_dir, version)
+    if newest is None:
+        return ["no checkpoint had been written"]
+    lines = [f"the newest complete checkpoint is {newest[1]}"]
+    if stage == "fit":
+        lines.append("to continue it: run the script again with Trainer(..., resume=\"last\") or "
+                     "trainer.fit(..., ckpt_path=\"last\")")
+    return lines
 
 
 def strategy_for(config: TrainerConfig, plan: LaunchPlan) -> Strategy:
