@@ -457,3 +457,20 @@ def test_csv_logger_writes_only_what_changed_and_drops_rows_past_a_resume(tmp_pa
     logger.flush()
     with open(path, newline="", encoding="utf-8") as fh:
         assert [int(r["step"]) for r in csv.DictReader(fh)] == [1, 2, 3, 4]
+
+
+def test_a_model_checkpoint_given_with_checkpointing_disabled_is_said_and_kept(make_trainer: MakeTrainer,
+                                                                            run_dir: str) -> None:
+    """Both asked for: the callback (the more particular) saves, and the contradiction is said once
+    (Lightning refuses the pair; polytrain was silent)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(max_epochs=1, enable_checkpointing=False,
+                               callbacks=[ModelCheckpoint(monitor="val/loss")])
+    said = [str(w.message) for w in caught if "enable_checkpointing" in str(w.message)]
+    assert said == ["enable_checkpointing=False, but the callbacks hold 1 ModelCheckpoint: it saves "
+                    "checkpoints as configured. Remove it from the callbacks to save none"]
+    trainer.fit(TinyModule(n=8, batch_size=4, val_n=4))
+    assert os.listdir(os.path.join(run_dir, "version_0", "checkpoints"))

@@ -14,6 +14,7 @@ from polytrain.callbacks.progress_bar import ProgressBar
 from polytrain.callbacks.summary import ModelSummary
 from polytrain.callbacks.tensorboard_logger import TensorBoardLogger
 from polytrain.core.errors import ConfigError
+from polytrain.core.rank_zero import rank_zero_warn
 from polytrain.parallel.compile import resolve_compile
 from polytrain.trainer.configuration.config import TrainerConfig, instantiate
 
@@ -95,9 +96,13 @@ def build_callbacks(cfg: TrainerConfig, objects: list[Callback], logger_objects:
         callbacks.append(CompileTime())  # one log line: how long compiling took
     if cfg.enable_progress_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(ProgressBar())
-    if (cfg.enable_checkpointing and not cfg.fast_dev_run
-            and not any(isinstance(c, ModelCheckpoint) for c in callbacks)):
+    given = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
+    if cfg.enable_checkpointing and not cfg.fast_dev_run and not given:
         callbacks.append(ModelCheckpoint())
+    if not cfg.enable_checkpointing and given:
+        # Both were asked for: the callback, the more particular, is kept (Lightning refuses the pair)
+        rank_zero_warn(f"enable_checkpointing=False, but the callbacks hold {len(given)} ModelCheckpoint: it "
+                       f"saves checkpoints as configured. Remove it from the callbacks to save none")
     # Checkpointing runs last so a saved state includes what the other callbacks updated this step.
     callbacks.sort(key=lambda c: isinstance(c, ModelCheckpoint))
     return callbacks
