@@ -1,5 +1,5 @@
-"""``CSVLogger``: a row per logged step in ``<save_dir>/<name>/version_<n>/metrics.csv`` (columns grow
-as new names appear), the hyperparameters in ``hparams.yaml`` beside it."""
+"""``CSVLogger``: one row per ``log_metrics`` call in ``<save_dir>/<name>/version_<n>/metrics.csv``
+(columns grow as new names appear), the hyperparameters in ``hparams.yaml`` beside it."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ from polytrain.core.files import replace_text
 
 class CSVExperiment:
     """What ``CSVLogger.experiment`` returns (Lightning's ``ExperimentWriter``): the rows, and the file
-    they go to. A step is one row: a ``log_metrics`` call at the step of the row before fills it (a
-    LearningRateMonitor's rate beside the loop's loss), unless it holds a different value for a column that
-    row has already (a second evaluation at one step, another ``epoch``): then it starts a row of its own.
-    ``save`` writes the file whole."""
+    they go to. Each ``log_metrics`` call is a row of its own, as in Lightning: values logged at one step
+    by different callers (the loop, a LearningRateMonitor, an evaluation after the fit) keep their own
+    ``epoch``; ``save`` writes the file whole."""
 
     NAME_METRICS_FILE = "metrics.csv"
     NAME_HPARAMS_FILE = "hparams.yaml"
@@ -49,12 +48,7 @@ class CSVExperiment:
 
     def log_metrics(self, metrics_dict: dict[str, Any], step: int | None = None) -> None:
         step = len(self.metrics) if step is None else step
-        last = self.metrics[-1] if self.metrics else None
-        if (last is not None and last["step"] == step
-                and all(last.get(k, v) == v for k, v in metrics_dict.items())):
-            last.update(metrics_dict)
-        else:
-            self.metrics.append({"step": step, **metrics_dict})
+        self.metrics.append({"step": step, **metrics_dict})
         self.metrics_keys.extend(k for k in metrics_dict if k not in self.metrics_keys)
         self._unwritten = True
 
