@@ -86,7 +86,8 @@ def test_one_process_writes_every_prediction_with_its_index(tmp_path: Any, run_d
     for kind in {"batch": ["batch"], "epoch": ["epoch"], "batch_and_epoch": ["batch", "epoch"]}[interval]:
         rows = {i: row for (k, i), row in found.items() if k == kind}
         assert sorted(rows) == list(range(10))
-        assert all(torch.equal(rows[i], expected[i]) for i in rows)
+        # batches of 3 against one of 10: the CPU's matmul kernel may differ by batch size, in the last bit
+        assert all(torch.allclose(rows[i], expected[i], rtol=0, atol=1e-6) for i in rows)
     assert writer.batches == (0 if interval == "epoch" else 4)
 
 
