@@ -284,12 +284,14 @@ def test_csv_logger_rows(make_trainer: MakeTrainer, run_dir: str) -> None:
     trainer.fit(TinyModule(n=8, batch_size=4, val_n=4, lr=0.05))
     assert any(isinstance(cb, CSVLogger) for cb in trainer.callbacks)
     rows = read_csv(os.path.join(run_dir, "version_0", "metrics.csv"))
-    # A row per log_metrics call, as Lightning: the training step's, then each validation's of its own, at
-    # the step it was computed at and with its epoch.
+    # logger="csv" writes a row per step: each validation's values on the row of the training step it
+    # followed (the same step and epoch); a CSVLogger built by hand writes Lightning's row per call.
     assert [(int(r["step"]), r["epoch"]) for r in rows if r["train/loss"]] == [(1, "0"), (2, "0"), (3, "1"),
                                                                                (4, "1")]
     validation = [r for r in rows if r["val/loss"]]
-    assert [(int(r["step"]), r["epoch"], r["train/loss"]) for r in validation] == [(2, "0", ""), (4, "1", "")]
+    assert [(int(r["step"]), r["epoch"], bool(r["train/loss"])) for r in validation] == [(2, "0", True),
+                                                                                      (4, "1", True)]
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]  # the fit's goodput, at its end, on the last
     assert float(validation[-1]["val/loss"]) == pytest.approx(float(trainer.callback_metrics["val/loss"]))
 
 
@@ -472,3 +474,8 @@ def test_a_model_checkpoint_given_with_checkpointing_disabled_is_said_and_kept(m
                     "checkpoints as configured. Remove it from the callbacks to save none"]
     trainer.fit(TinyModule(n=8, batch_size=4, val_n=4))
     assert os.listdir(os.path.join(run_dir, "version_0", "checkpoints"))
+
+
+def test_csv_logger_rows_names_its_layouts() -> None:
+    with pytest.raises(ValueError, match=r"CSVLogger rows='per_step'; valid: call, step"):
+        CSVLogger("runs", rows="per_step")

@@ -20,7 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 
 def read_series(path: str) -> dict[str, list[tuple[int, float]]]:
-    """``{column: [(step, value), ...]}`` for every numeric column of a metrics.csv (a row per call)."""
+    """``{column: [(step, value), ...]}`` for every numeric column of a metrics.csv (a row per step or per
+    call, its empty cells skipped)."""
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
     with open(path, newline="", encoding="utf-8") as fh:
         for row in csv.DictReader(fh):

@@ -1,5 +1,6 @@
-"""``CSVLogger``: one row per ``log_metrics`` call in ``<save_dir>/<name>/version_<n>/metrics.csv``
-(columns grow as new names appear), the hyperparameters in ``hparams.yaml`` beside it."""
+"""``CSVLogger``: a row per ``log_metrics`` call (or per step) in
+``<save_dir>/<name>/version_<n>/metrics.csv`` (columns grow as new names appear), the hyperparameters in
+``hparams.yaml`` beside it."""
 
 from __future__ import annotations
 
@@ -11,18 +12,23 @@ from typing import Any
 from polytrain.callbacks.loggers import DirectoryLogger, DummyExperiment, prefixed, write_hparams_yaml
 from polytrain.core.files import replace_text
 
+ROWS = ("call", "step")  # a row per log_metrics call (Lightning's), or per step
+
 
 class CSVExperiment:
     """What ``CSVLogger.experiment`` returns (Lightning's ``ExperimentWriter``): the rows, and the file
-    they go to. Each ``log_metrics`` call is a row of its own, as in Lightning: values logged at one step
-    by different callers (the loop, a LearningRateMonitor, an evaluation after the fit) keep their own
-    ``epoch``; ``save`` writes the file whole."""
+    they go to. ``rows="call"``: each ``log_metrics`` call is a row of its own, as in Lightning (values
+    logged at one step by different callers, the loop, a LearningRateMonitor, an evaluation after the fit,
+    keep their own ``epoch``). ``rows="step"``: a call at the step of the row before fills that row (the
+    loss and the learning rate of a step on one row), unless it holds another value for a column the row
+    has (another ``epoch``): then it starts a row. ``save`` writes the file whole."""
 
     NAME_METRICS_FILE = "metrics.csv"
     NAME_HPARAMS_FILE = "hparams.yaml"
 
-    def __init__(self, log_dir: str) -> None:
+    def __init__(self, log_dir: str, rows: str = "call") -> None:
         self.log_dir = log_dir
+        self.rows = rows
         self.metrics_file_path = os.path.join(log_dir, self.NAME_METRICS_FILE)
         self.metrics: list[dict[str, Any]] = []
         self.metrics_keys: list[str] = ["step"]
@@ -48,7 +54,12 @@ class CSVExperiment:
 
     def log_metrics(self, metrics_dict: dict[str, Any], step: int | None = None) -> None:
         step = len(self.metrics) if step is None else step
-        self.metrics.append({"step": step, **metrics_dict})
+        last = self.metrics[-1] if self.metrics and self.rows == "step" else None
+        if (last is not None and last["step"] == step
+                and all(last.get(k, v) == v for k, v in metrics_dict.items())):
+            last.update(metrics_dict)
+        else:
+            self.metrics.append({"step": step, **metrics_dict})
         self.metrics_keys.extend(k for k in metrics_dict if k not in self.metrics_keys)
         self._unwritten = True
 
@@ -75,7 +86,9 @@ class CSVExperiment:
 class CSVLogger(DirectoryLogger):
     """Lightning's ``CSVLogger(save_dir, name="lightning_logs", version=None, prefix="",
     flush_logs_every_n_steps=100)``: the file is written every ``flush_logs_every_n_steps`` logged
-    steps, at each epoch's end and when a stage ends.
+    steps, at each epoch's end and when a stage ends. ``rows``: ``"call"`` (Lightning's file: a row per
+    ``log_metrics`` call) or ``"step"`` (a row per step: what ``trainer.logger: csv`` or ``true`` writes;
+    see ``CSVExperiment``).
 
     A run resumed from a checkpoint continues its own file: the rows up to the checkpoint's step are
     kept, rows the interrupted run wrote after it are dropped. A file this logger did not start is never
@@ -85,8 +98,11 @@ class CSVLogger(DirectoryLogger):
 
     def __init__(self, save_dir: str | os.PathLike, name: str | None = "lightning_logs",
                  version: int | str | None = None, prefix: str = "",
-                 flush_logs_every_n_steps: int = 100) -> None:
+                 flush_logs_every_n_steps: int = 100, rows: str = "call") -> None:
+        if rows not in ROWS:
+            raise ValueError(f"CSVLogger rows={rows!r}; valid: {', '.join(ROWS)}")
         super().__init__(save_dir, name, version, None, prefix)
+        self._rows = rows
         self._flush_every = max(1, int(flush_logs_every_n_steps))
         self._experiment: CSVExperiment | None = None
         self._logged_steps = 0
@@ -97,7 +113,7 @@ class CSVLogger(DirectoryLogger):
         if not self.writes_here:
             return DummyExperiment()
         if self._experiment is None or self._experiment.log_dir != self.log_dir:
-            self._experiment = CSVExperiment(self.log_dir)
+            self._experiment = CSVExperiment(self.log_dir, self._rows)
         return self._experiment
 
     @property

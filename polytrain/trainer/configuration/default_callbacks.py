@@ -60,7 +60,9 @@ def _loggers(spec: Any, run_dir: str, version: int | str | None) -> list[Callbac
         if name == "tensorboard":
             out.append(TensorBoardLogger(run_dir, name="", version=version))
         elif name == "csv":
-            out.append(CSVLogger(run_dir, name="", version=version))
+            # a row per step (the loss and the learning rate of a step together); a CSVLogger built by hand
+            # writes Lightning's row per call unless asked
+            out.append(CSVLogger(run_dir, name="", version=version, rows="step"))
         elif name == "mlflow":
             # by name: a file store in the run directory, unless MLFLOW_TRACKING_URI is set
             out.append(MLFlowLogger(save_dir=os.path.join(run_dir, "mlruns")))
