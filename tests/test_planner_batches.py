@@ -182,8 +182,12 @@ def test_the_fit_attaches_the_module_before_it_plans(monkeypatch: pytest.MonkeyP
                       max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
                       default_root_dir=str(tmp_path))
     module = BatchKindsLM(batch_kind="dataclass", batch_size=4)
-    trainer.fit(module)
+    try:
+        trainer.fit(module)
+    finally:
+        trainer.strategy.teardown()  # the parallel strategy joins a process group even on one process
     assert trainer.global_step == 2 and trainer.config.strategy["chosen"]
+    assert not torch.distributed.is_initialized()
 
 
 class _FailsOnMeta(BatchKindsLM):
