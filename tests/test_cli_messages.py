@@ -279,3 +279,26 @@ def test_a_config_error_a_worker_finds_is_one_line_as_the_launchers_own(tmp_path
     assert len(said) == 1 and said[0].startswith(
         "polytrain fit: fsdp wrap_modules names ['Lineer'], but TinyRegressor has no submodule of that "
         "class; classes present: Linear, TinyRegressor (found on rank "), result.describe()  # both find it
+
+
+def test_a_spawned_rank_stopping_for_another_names_the_one_that_raised() -> None:
+    """Under launcher: spawn, torch reports the first process to end with an error; where that is a rank
+    stopping because another raised in prepare_data (its RankFailedError carries the other's traceback),
+    the report and its last line name the rank that raised, with its own traceback alone."""
+    from polytrain.core.worker_failure import spawned_failure_report, spawned_root_cause
+
+    echo = ("\n\n-- Process 1 terminated with the following error:\nTraceback (most recent call last):\n"
+            '  File "/site/polytrain/trainer/loops/lifecycle.py", line 174, in _raise_first_failure\n'
+            '    raise RankFailedError(f"{step} raised on rank {rank}")\n'
+            "polytrain.core.errors.RankFailedError: prepare_data raised on rank 0, so every rank stops (this "
+            "is rank 1). Rank 0's error:\nTraceback (most recent call last):\n"
+            '  File "/data/download.py", line 8, in fetch_archive\n'
+            '    raise ConnectionError("cannot reach")\n'
+            "ConnectionError: cannot reach the mirror\n")
+    err = RuntimeError(echo)
+    assert spawned_root_cause(err) == "rank 0: ConnectionError: cannot reach the mirror"
+    assert spawned_failure_report(err).splitlines() == [
+        "polytrain: rank 0 failed (torch's and polytrain's frames left out; POLYTRAIN_FULL_ERROR=1 shows "
+        "them):",
+        "Traceback (most recent call last):", '  File "/data/download.py", line 8, in fetch_archive',
+        '    raise ConnectionError("cannot reach")', "ConnectionError: cannot reach the mirror"]

@@ -135,10 +135,16 @@ def failure_report(err: ChildFailedError) -> str:
 
 
 def _spawned(err: Exception) -> tuple[str, str]:
-    """(``rank R``, its traceback) of ``torch.multiprocessing``'s ``ProcessRaisedException``."""
+    """(``rank R``, its traceback) of ``torch.multiprocessing``'s ``ProcessRaisedException``: the first
+    process to end with an error. Where that is a rank stopping for another's (a ``RankFailedError``, which
+    carries the other's traceback), the other rank and its own traceback."""
     text = str(err).strip()
     rank = re.search(r"-- Process (\d+) terminated", text)
     stack = text[text.index("Traceback"):] if "Traceback" in text else text
+    echo = re.search(rf"{RankFailedError.__name__}: .* raised on rank (\d+), .*?Rank \1's error:\n", stack,
+                     re.DOTALL)
+    if echo is not None:
+        return f"rank {echo.group(1)}", stack[echo.end():]
     return (f"rank {rank.group(1)}" if rank else "a worker"), stack
 
 
