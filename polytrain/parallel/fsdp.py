@@ -64,31 +64,35 @@ class _ViewOutputs:
     backward runs without the gathered weights. A Linear with a bias on 3-D input returns such a view
     (``addmm`` then ``view``), and nothing computed from it out of place (a loss) is affected. Whether the
     user's code modifies it in place is not visible here: the line says what to avoid. The units are
-    gathered during the first training forward and said when its backward starts; the hooks then go."""
+    gathered during the first training forward and said when its backward starts. Each unit's hook goes
+    after that unit's first training forward: later steps pay nothing."""
 
     def __init__(self) -> None:
         self.units: list[str] = []
-        self.handles: list[Any] = []
+        self.handles: dict[str, Any] = {}
+        self.said = False
 
     def watch(self, unit: nn.Module, name: str) -> None:
         label = f"{name} ({type(unit).__name__.removeprefix('FSDP')})"
-        self.handles.append(unit.register_forward_hook(functools.partial(self._forward, label)))
+        self.handles[label] = unit.register_forward_hook(functools.partial(self._forward, label))
 
     def _forward(self, label: str, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return  # an evaluation pass: no backward, no hook on the output
+        handle = self.handles.pop(label, None)
+        if handle is None:
+            return  # a unit called twice in its first step: seen already
+        handle.remove()
         views = [t for t in tree_leaves(output)
                  if isinstance(t, torch.Tensor) and t.requires_grad and t._base is not None]
-        if views and label not in self.units:
+        if views:
             self.units.append(label)
             views[0].register_hook(self._say)
 
     def _say(self, grad: torch.Tensor) -> None:
-        if not self.handles:
+        if self.said:
             return
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
+        self.said = True
         rank_zero_info(f"fsdp: {len(self.units)} unit(s) return a view: {first_few(self.units, 5)}; "
                        f"computing from it out of place (a loss, `out = out + y`) is what FSDP supports: an "
                        f"in-place op on it (`out += y`) would skip the unit's all-gather in backward "
