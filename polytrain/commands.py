@@ -19,7 +19,7 @@ from torch.multiprocessing import ProcessRaisedException
 
 from polytrain.checkpoint.consolidate import consolidate
 from polytrain.checkpoint.layout import newest_resumable
-from polytrain.core.errors import ConfigError
+from polytrain.core.errors import ConfigError, StageInterrupted
 from polytrain.core.rng import seed_all
 from polytrain.core.worker_failure import (
     config_error_said,
@@ -117,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         return _start(args, config, trainer_cfg, plan, ckpt)
-    except KeyboardInterrupt:  # Ctrl-C here or while spawned workers ran (they had it too)
+    # Ctrl-C here or while spawned workers ran (they had it too); StageInterrupted: a Trainer here saw it
+    except (KeyboardInterrupt, StageInterrupted):
         return _stopped(args, trainer_cfg, signal.SIGINT)
     except SignalException as err:  # the elastic agent's: it has ended its workers with the same signal
         return _stopped(args, trainer_cfg, err.sigval)

@@ -228,7 +228,7 @@ def test_a_failed_background_write_raises_at_the_next_save(tmp_path: Path) -> No
     assert t.global_step == 4  # raised by the save at step 4, not at the end
     assert find_resumable(os.path.join(str(tmp_path), "version_0", "checkpoints")) is None
     saver = t.checkpoint_callback  # the failed file is not remembered as kept, best or last
-    assert saver.kept == [] and saver.best_model_path is None and saver.last_model_path is None, saver.kept
+    assert saver.kept == [] and saver.best_model_path == "" and saver.last_model_path == "", saver.kept
 
 
 _KILLED = """

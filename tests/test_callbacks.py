@@ -253,7 +253,7 @@ def test_early_stopping_keeps_training_while_improving(make_trainer: MakeTrainer
     es = EarlyStopping(monitor="val/score", patience=1, verbose=False)
     trainer = make_trainer(max_epochs=4, callbacks=[es])
     trainer.fit(ScoredModule([4.0, 3.0, 2.0, 1.0]))
-    assert es.stopped_epoch == -1 and trainer.current_epoch == 4
+    assert es.stopped_epoch == 0 and trainer.current_epoch == 4
 
 
 def test_early_stopping_stopping_threshold(make_trainer: MakeTrainer) -> None:

@@ -94,7 +94,7 @@ def test_choices(key: str, good: str, bad: str, choices: tuple[str, ...]) -> Non
     ({"devices": 0}, "trainer.devices"),
     ({"devices": True}, "trainer.devices"),
     ({"accumulate_grad_batches": 0}, "trainer.accumulate_grad_batches"),
-    ({"max_epochs": 0}, "trainer.max_epochs"),
+    ({"max_epochs": -2}, "trainer.max_epochs"),
     ({"gradient_clip_val": -1.0}, "trainer.gradient_clip_val"),
     ({"timeout": 0}, "trainer.timeout"),
 ])

@@ -266,7 +266,7 @@ def test_tensor_parallel_two_ranks_matches_single(single: dict[str, Any], tp2: A
     for rank, run in enumerate(runs):
         assert run["fc_is_dtensor"] and run["fc_local_shape"] == (32, 16)  # 64 output rows, half each
         assert run["dp"] == (0, 1)  # one data-parallel replica: both ranks see every batch
-        assert run["val_batches"] == 3
+        assert run["val_batches"] == [3]
         _check(run, single["clip"], f"tp=2 rank {rank}")  # with DTensor-aware gradient clipping
     assert runs[0]["batch_sums"] == runs[1]["batch_sums"]
 
@@ -311,7 +311,7 @@ def test_tensor_2d_tp2_x_fsdp2_on_four_ranks_matches_single(single: dict[str, An
         # Evaluation splits over dp only: 5 samples (2 batches) and 4 samples (1 batch). FSDP gathers in
         # every forward, so the short data rank repeats a padding batch whose logs are discarded:
         # both run 2, and the metric still equals the single-device mean over 9 samples.
-        assert run["val_batches"] == 2
+        assert run["val_batches"] == [2]
         assert (run["state"] is None) == (rank > 0)  # the gathered model lands on rank 0 only
         _check(run, single["plain"], f"2D rank {rank}")
 

@@ -15,6 +15,7 @@ _EXPORTS = {
     "MLFlowLogger": "polytrain.callbacks.experiment_loggers",
     "WandbLogger": "polytrain.callbacks.experiment_loggers",
     "ModelCheckpoint": "polytrain.callbacks.model_checkpoint",
+    "OnExceptionCheckpoint": "polytrain.callbacks.on_exception_checkpoint",
     "EarlyStopping": "polytrain.callbacks.early_stopping",
     "LearningRateMonitor": "polytrain.callbacks.monitors",
     "ThroughputMonitor": "polytrain.callbacks.monitors",

@@ -23,8 +23,13 @@ class Callback:
 
     @property
     def state_key(self) -> str:
-        """Key of this callback's state in a checkpoint; unique per class by default."""
+        """Key of this callback's state in a checkpoint: the class's name by default. A callback used twice
+        with other settings names them (``_generate_state_key``), so each keeps its own state."""
         return type(self).__qualname__
+
+    def _generate_state_key(self, **kwargs: Any) -> str:
+        """``ClassName{'monitor': 'val_loss', ...}``: Lightning's form of a state key with its settings."""
+        return f"{type(self).__qualname__}{kwargs!r}"
 
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None: ...
     def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None: ...

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 from datetime import timedelta
 from typing import Any
 
+import yaml
+
 from polytrain.callbacks.base import Callback
+from polytrain.callbacks.on_exception_checkpoint import save_after_exception
 from polytrain.callbacks.time_trigger import TimeTrigger
 from polytrain.checkpoint.layout import checkpoint_dir, write_latest_pointer
+from polytrain.core.errors import ConfigError
 from polytrain.core.files import temporary_sibling
+from polytrain.core.states import TrainerFn
 
 log = logging.getLogger("polytrain")
 
@@ -42,19 +48,32 @@ class ModelCheckpoint(Callback):
 
     watches_metrics = True
 
+    CHECKPOINT_JOIN_CHAR = "-"
+    CHECKPOINT_EQUALS_CHAR = "="
+    CHECKPOINT_NAME_LAST = "last"
+    FILE_EXTENSION = ".ckpt"
+
     def __init__(self, dirpath: str | None = None, filename: str = "epoch={epoch}-step={step}",
                  monitor: str | None = None, mode: str = "min", save_top_k: int = 1, save_last: bool = True,
                  every_n_train_steps: int | None = None, every_n_epochs: int | None = 1,
                  save_on_fit_end: bool = True, train_time_interval: timedelta | None = None,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, save_on_exception: bool = False,
+                 save_on_train_epoch_end: bool | None = None, verbose: bool = False) -> None:
         if mode not in ("min", "max"):
-            raise ValueError(f"ModelCheckpoint mode={mode!r}; valid: min, max")
+            raise ConfigError(f"ModelCheckpoint `mode` can be min, max but got {mode}")
         if save_top_k < -1:
-            raise ValueError(f"ModelCheckpoint save_top_k={save_top_k}; use -1 (all), 0 (only last) or k > 0")
+            raise ConfigError(f"ModelCheckpoint: invalid value for save_top_k={save_top_k}. Must be >= -1 "
+                              f"(-1 keeps all, 0 only last, k > 0 the best k)")
+        for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+            if value is not None and value < 0:
+                raise ConfigError(f"ModelCheckpoint: invalid value for {name}={value}. Must be >= 0 "
+                                  f"(0 or None: never by this trigger)")
         if train_time_interval is not None and every_n_train_steps:
-            raise ValueError(f"ModelCheckpoint every_n_train_steps={every_n_train_steps} and "
-                             f"train_time_interval={train_time_interval} are mutually exclusive "
-                             "(as in Lightning); pass one of them")
+            raise ConfigError(f"ModelCheckpoint every_n_train_steps={every_n_train_steps} and "
+                              f"train_time_interval={train_time_interval} should be mutually exclusive "
+                              "(as in Lightning); pass one of them")
+        if dirpath is not None:
+            dirpath = os.path.realpath(os.path.expanduser(os.fspath(dirpath)))  # `~/ckpts`, as Lightning
         self.dirpath = dirpath
         self._dirpath_given = dirpath is not None
         self._written: set[str] = set()  # files this callback wrote (in this process or before a resume)
@@ -66,18 +85,61 @@ class ModelCheckpoint(Callback):
         self.every_n_train_steps = every_n_train_steps
         self.every_n_epochs = every_n_epochs
         self.save_on_fit_end = save_on_fit_end
+        self.save_on_exception = save_on_exception
+        # None: at a training epoch's end unless validation runs within epochs or skips some (then after
+        # the validation that ends the epoch, so the epoch's checkpoint holds its validation metrics)
+        self.save_on_train_epoch_end = save_on_train_epoch_end
+        self.verbose = verbose
         self.train_time_interval = train_time_interval
         self._timer = TimeTrigger(train_time_interval) if train_time_interval is not None else None
         self.async_save = async_save
         self._unannounced = False  # an async save the loggers have not been told about (it is still writing)
         self._before_async: tuple[Any, ...] | None = None  # the bookkeeping to return to if that save fails
         self.kept: list[tuple[float, str]] = []  # (score or -step, path), best first
-        self.best_model_path: str | None = None
+        self.best_model_path = ""
         self.best_model_score: float | None = None
-        self.last_model_path: str | None = None
+        self.current_score: float | None = None  # the monitored value at the newest save
+        self.last_model_path = ""
         self._last_saved_step = -1
         self._step_at_last_batch = 0
         self._after_validation_step: int | None = None  # a step save waiting for the validation at its step
+
+    @property
+    def state_key(self) -> str:
+        # Two ModelCheckpoints with other settings keep their own state in a checkpoint (Lightning's key).
+        return self._generate_state_key(monitor=self.monitor, mode=self.mode,
+                                        every_n_train_steps=self.every_n_train_steps or 0,
+                                        every_n_epochs=self.every_n_epochs or 0,
+                                        train_time_interval=self.train_time_interval)
+
+    # ------------------------------------------------------------------ Lightning's read-only views of `kept`
+    @property
+    def best_k_models(self) -> dict[str, float]:
+        """Kept file -> its monitored score (without a monitor: minus the step it was saved at)."""
+        return {path: (-key if self.mode == "max" else key) for key, path in self.kept}
+
+    @property
+    def kth_best_model_path(self) -> str:
+        """The kept file that goes first when a better one comes (the worst of the top k)."""
+        return self.kept[-1][1] if self.kept else ""
+
+    @property
+    def kth_value(self) -> float:
+        """The score a new file must beat to be kept (infinite while fewer than ``save_top_k`` are kept)."""
+        if not self.kept or (self.save_top_k == -1 or len(self.kept) < self.save_top_k):
+            return math.inf if self.mode == "min" else -math.inf
+        key = self.kept[-1][0]
+        return -key if self.mode == "max" else key
+
+    def to_yaml(self, filepath: str | None = None) -> None:
+        """Write ``best_k_models`` to ``filepath`` (default ``<dirpath>/best_k_models.yaml``)."""
+        if filepath is None:
+            if self.dirpath is None:
+                raise ValueError("ModelCheckpoint.to_yaml() needs a filepath until the callback has a "
+                                 "dirpath (set when a stage starts)")
+            filepath = os.path.join(self.dirpath, "best_k_models.yaml")
+        with open(filepath, "w") as out:
+            yaml.safe_dump({path: float(score) for path, score in self.best_k_models.items()}, out)
 
     def setup(self, trainer: Any, module: Any, stage: str) -> None:
         if not self._dirpath_given:  # the run's own directory (trainer.log_dir: <run_dir>/version_<n>)
@@ -126,11 +188,42 @@ class ModelCheckpoint(Callback):
         if self._after_validation_step is not None and self._after_validation_step == trainer.global_step:
             self._after_validation_step = None
             self._save(trainer)
+        elif (self._epoch_due(trainer) and not self._saves_on_train_epoch_end(trainer)
+              and trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+              and trainer.global_step != self._last_saved_step):
+            self._save(trainer)
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
-        n = self.every_n_epochs
-        if n and _progress(trainer, "at_epoch_end", True) and (trainer.current_epoch + 1) % n == 0:
+        if (self._epoch_due(trainer) and self._saves_on_train_epoch_end(trainer)
+                and _progress(trainer, "at_epoch_end", True)):
             self._save(trainer)
+
+    def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
+        """``save_on_exception``: the state when the fit raised, under the callback's file name."""
+        if (not self.save_on_exception or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking
+                or getattr(trainer, "fast_dev_run", False) or trainer.global_step == self._last_saved_step
+                or self.dirpath is None):
+            return
+        ext = "" if not trainer.strategy.replicated else self.FILE_EXTENSION
+        path = self._unclaimed(trainer, self._format_name(trainer), ext)
+        if save_after_exception(trainer, path, exception):
+            self._written.add(path)
+            self.last_model_path = path
+
+    def _epoch_due(self, trainer: Any) -> bool:
+        n = self.every_n_epochs
+        return bool(n) and (trainer.current_epoch + 1) % n == 0
+
+    def _saves_on_train_epoch_end(self, trainer: Any) -> bool:
+        """Whether an epoch's checkpoint is written when the training epoch ends (else after the epoch's
+        validations, each of them when several run in an epoch), by Lightning's rule."""
+        if self.save_on_train_epoch_end is not None:
+            return self.save_on_train_epoch_end
+        if trainer.config.check_val_every_n_epoch != 1:
+            return False  # epochs without validation: save after the ones that validate
+        if all(n == 0 for n in trainer.num_val_batches):
+            return True  # no validation at all
+        return trainer.config.val_check_interval in (None, 1.0)  # unset: once, at the epoch's end
 
     def on_fit_end(self, trainer: Any, module: Any) -> None:
         if self.save_on_fit_end and trainer.global_step != self._last_saved_step:
@@ -152,12 +245,17 @@ class ModelCheckpoint(Callback):
     def _score(self, trainer: Any) -> float | None:
         if self.monitor is None:
             return None
+        if self.monitor in ("epoch", "step") and self.monitor not in trainer.callback_metrics:
+            return float(trainer.current_epoch if self.monitor == "epoch" else trainer.global_step)
         if self.monitor not in trainer.callback_metrics and not self._validated(trainer):
             return None  # nothing to rank by yet (no validation so far): saved as `last` only
         if self.monitor not in trainer.callback_metrics:
             raise KeyError(f"ModelCheckpoint monitors '{self.monitor}' but it was not logged; logged: "
                            f"{', '.join(sorted(trainer.callback_metrics)) or '(nothing)'}")
-        return float(trainer.callback_metrics[self.monitor])
+        score = float(trainer.callback_metrics[self.monitor])
+        if math.isnan(score):  # as Lightning: a NaN ranks below every number
+            score = math.inf if self.mode == "min" else -math.inf
+        return score
 
     @staticmethod
     def _validated(trainer: Any) -> bool:
@@ -171,6 +269,7 @@ class ModelCheckpoint(Callback):
             # a quick check of every loop writes nothing, as Lightning (even this callback given explicitly)
             return
         score = self._score(trainer)
+        self.current_score = score
         unranked = self.monitor is not None and score is None
         keep = self.save_top_k != 0 and not unranked and (
             self.save_top_k == -1 or len(self.kept) < self.save_top_k or self.monitor is None
@@ -199,6 +298,11 @@ class ModelCheckpoint(Callback):
         self._before_async = previous if self.async_save else None
         self._last_saved_step = trainer.global_step
         self.last_model_path = path
+        if self.verbose and trainer.is_global_zero:
+            reached = f"{self.monitor!r} reached {score:.5g} (best {self.best_model_score:.5g}), " if (
+                keep and score is not None) else ""
+            log.info("Epoch %d, global step %d: %ssaving model to %r", trainer.current_epoch,
+                     trainer.global_step, reached, path)
         self._written.add(path)
         if self._timer is not None:
             self._timer.saved()
@@ -294,13 +398,15 @@ class ModelCheckpoint(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {"kept": [[k, p] for k, p in self.kept], "best_model_path": self.best_model_path,
-                "best_model_score": self.best_model_score, "last_model_path": self.last_model_path}
+                "best_model_score": self.best_model_score, "last_model_path": self.last_model_path,
+                "current_score": self.current_score, "monitor": self.monitor, "dirpath": self.dirpath}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.kept = [(float(k), p) for k, p in state.get("kept", [])]
-        self.best_model_path = state.get("best_model_path")
+        self.best_model_path = state.get("best_model_path") or ""
         self.best_model_score = state.get("best_model_score")
-        self.last_model_path = state.get("last_model_path")
+        self.last_model_path = state.get("last_model_path") or ""
+        self.current_score = state.get("current_score")
         self.__dict__["_resumed"] = True
         self._forget_foreign_files()  # restored after setup: filter again
 

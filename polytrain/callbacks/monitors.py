@@ -46,17 +46,40 @@ class LearningRateMonitor(Callback):
         self.logging_interval = logging_interval
         self.log_momentum = log_momentum
         self.log_weight_decay = log_weight_decay
+        # What was logged, as Lightning keeps it: every rate per name, the newest momentum and weight decay
+        self.lrs: dict[str, list[float]] = {}
+        self.last_momentum_values: dict[str, float | None] = {}
+        self.last_weight_decay_values: dict[str, float | None] = {}
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        names = [name for _, _, group_names in _named_optimizers(trainer) for name in group_names]
+        self.lrs = {name: [] for name in names}
+        if self.log_momentum:
+            self.last_momentum_values = {f"{name}-momentum": None for name in names}
+        if self.log_weight_decay:
+            self.last_weight_decay_values = {f"{name}-weight_decay": None for name in names}
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
         every = trainer.config.log_every_n_steps
         upcoming = trainer.global_step + 1  # the step this batch belongs to (its rate is set by now)
         if self.logging_interval != "epoch" and every and (upcoming % every == 0 or trainer.should_stop):
-            _log(trainer, self.rates(trainer, "step" if self.logging_interval is None else "any"), upcoming)
+            interval = "step" if self.logging_interval is None else "any"
+            self._log(trainer, self.rates(trainer, interval), upcoming)
 
     def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
         if self.logging_interval != "step":
-            _log(trainer, self.rates(trainer, "epoch" if self.logging_interval is None else "any"),
-                 trainer.global_step + 1)
+            self._log(trainer, self.rates(trainer, "epoch" if self.logging_interval is None else "any"),
+                      trainer.global_step + 1)
+
+    def _log(self, trainer: Any, values: dict[str, float], step: int) -> None:
+        for name, value in values.items():
+            if name.endswith("-momentum"):
+                self.last_momentum_values[name] = value
+            elif name.endswith("-weight_decay"):
+                self.last_weight_decay_values[name] = value
+            else:
+                self.lrs.setdefault(name, []).append(value)
+        _log(trainer, values, step)
 
     def rates(self, trainer: Any, interval: str) -> dict[str, float]:
         """The values to log: optimizers whose scheduler steps per ``interval`` (``any``: all), and every

@@ -51,13 +51,14 @@ class ProgressBar(Callback):
                 for k, v in trainer.progress_bar_metrics.items()}
 
     def on_validation_start(self, trainer: Any, module: Any) -> None:
-        if trainer.is_logging_rank and trainer.num_val_batches and self.refresh_rate:
-            self._eval = self._tqdm(total=trainer.num_val_batches, desc="Validation",
+        total = None if None in trainer.num_val_batches else sum(trainer.num_val_batches)
+        if trainer.is_logging_rank and total != 0 and self.refresh_rate:
+            self._eval = self._tqdm(total=total, desc="Validation",
                                     leave=self.leave_validation,
                                     position=1 if self._train is not None else 0, unit="batch")
 
     def on_validation_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
-                                batch_idx: int) -> None:
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
         if self._eval is not None:
             self._eval.update(1)
 

@@ -49,7 +49,7 @@ from polytrain.checkpoint.failures import (
     payload_bytes,
 )
 from polytrain.checkpoint.reading import quiet_single_process
-from polytrain.checkpoint.replicated import atomic_save
+from polytrain.checkpoint.replicated import atomic_save, with_weights_under_state_dict
 from polytrain.checkpoint.sharded import complete_directory, dcp_failure, temporary_dir_for
 from polytrain.checkpoint.state import TENSOR_KEYS
 from polytrain.core import collectives as C
@@ -294,7 +294,7 @@ class AsyncCheckpointWriter:
             def write(local_error: BaseException | None) -> None:
                 if local_error is not None:
                     raise local_error
-                atomic_save(staged, path)
+                atomic_save(with_weights_under_state_dict(staged), path)
 
             self._start(path, write, deferred, FILE, payload_bytes(staged))
         else:

@@ -56,12 +56,21 @@ def _checksummed() -> Iterator[None]:
         torch.serialization.set_crc32_options(False)
 
 
+def with_weights_under_state_dict(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with its weights also under ``state_dict``, where Lightning code reading a checkpoint with
+    ``torch.load`` looks for them. The same dict object under both keys: pickle writes it, and every tensor
+    in it, once."""
+    if "model" not in state or "state_dict" in state:
+        return state
+    return {**state, "state_dict": state["model"]}
+
+
 def save_file(state: dict[str, Any], path: str) -> None:
     """Global rank 0 writes ``state`` (whole on that rank) to ``path`` atomically; every rank calls."""
     error = None
     if C.rank() == 0:
         try:
-            atomic_save(state, path)
+            atomic_save(with_weights_under_state_dict(state), path)
         except Exception as err:  # noqa: BLE001 - a full disk reaches here as a RuntimeError: agreed on below
             error = describe_write_failure(err, path, FILE, payload_bytes(state))
     agree_on_error(error)

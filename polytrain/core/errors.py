@@ -7,8 +7,18 @@ usually does (a strategy raising ``ConfigError`` must not depend on the config l
 from __future__ import annotations
 
 
-class ConfigError(ValueError):
+class MisconfigurationException(Exception):
+    """Lightning's name for a wrong setting (``polytrain.utilities.exceptions``); every ``ConfigError`` is
+    one, so code written for Lightning catches polytrain's."""
+
+
+class ConfigError(MisconfigurationException, ValueError):
     """A configuration value is unknown, mistyped or missing; the message names the fix."""
+
+
+class StageInterrupted(SystemExit):
+    """Ctrl-C during ``fit``/``validate``/``test``/``predict``: the callbacks have seen it (``on_exception``)
+    and the program ends with exit status 130 and no traceback, as Lightning ends its (with 1)."""
 
 
 class CheckpointError(RuntimeError):

@@ -23,6 +23,7 @@ from torch.utils.data import (
 
 from polytrain.core.errors import SamplerError
 from polytrain.core.rng import np
+from polytrain.data.combined_loader import CombinedIterator, component_loaders
 from polytrain.data.samplers import EvenlySplitSampler, ResumableDistributedSampler
 from polytrain.data.stateful import has_state
 from polytrain.data.user_samplers import SplitSampler
@@ -217,13 +218,15 @@ def _split_user_sampling(loader: DataLoader, num_replicas: int, rank: int, seed:
 
 def set_epoch(loader: Any, epoch: int) -> None:
     """``set_epoch(epoch)`` on the loader's sampler, batch sampler and the batch sampler's sampler, each
-    that has one (once each): polytrain's samplers and the user's own (Lightning's rule)."""
-    batch_sampler = getattr(loader, "batch_sampler", None)
+    that has one (once each): polytrain's samplers and the user's own (Lightning's rule); on each loader
+    of a ``CombinedLoader``."""
     seen: set[int] = set()
-    for obj in (getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
-        if obj is not None and id(obj) not in seen and callable(getattr(obj, "set_epoch", None)):
-            seen.add(id(obj))
-            obj.set_epoch(epoch)
+    for one in component_loaders(loader):
+        batch_sampler = getattr(one, "batch_sampler", None)
+        for obj in (getattr(one, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
+            if obj is not None and id(obj) not in seen and callable(getattr(obj, "set_epoch", None)):
+                seen.add(id(obj))
+                obj.set_epoch(epoch)
 
 
 def skip_batches(loader: Any, num_batches: int) -> int:
@@ -350,6 +353,12 @@ def stop_workers(iterator: Any, loader: Any, keep_persistent: bool) -> None:
     whatever code triggered the collection (the next fit, a training step) stalls. ``keep_persistent``:
     between epochs of a fit, a ``persistent_workers`` loader keeps its workers, as it asks; when the fit or
     the evaluation ends they stop too (Lightning's data fetcher tears them down likewise)."""
+    if isinstance(iterator, CombinedIterator) or (iterator is None and len(component_loaders(loader)) > 1):
+        # a CombinedLoader's pass: each loader's own iterator (or persistent workers)
+        iterators = iterator.iterators if iterator is not None else [None] * len(component_loaders(loader))
+        for one_iterator, one in zip(iterators, component_loaders(loader)):
+            stop_workers(one_iterator, one, keep_persistent)
+        return
     target = loader if isinstance(loader, DataLoader) else getattr(loader, "loader", None)  # EvalBatches
     persistent = None
     if isinstance(target, DataLoader) and target.persistent_workers:

@@ -30,7 +30,7 @@ from polytrain.core.protocol import extract_loss
 from polytrain.core.rank_zero import rank_zero_warn
 from polytrain.data.loaders import distribute_dataloader
 from polytrain.strategies.collective_verbs import CollectiveVerbs
-from polytrain.strategies.router import StepResult, StepRouter, user_step
+from polytrain.strategies.router import StepResult, StepRouter, step_args, user_step
 
 
 def _no_phase(row: str) -> contextlib.AbstractContextManager:
@@ -277,11 +277,11 @@ class Strategy(CollectiveVerbs, ABC):
         whole model's: every rank holds every layer here, so they are."""
         return counts
 
-    def eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
+    def eval_step(self, stage: str, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
         # Evaluation runs on the unwrapped module: no gradient hooks, no buffer broadcasts, so a
         # rank with fewer evaluation batches cannot leave the others waiting in a collective.
         with self.precision.forward_context():
-            return user_step(self.module, f"{stage}_step")(batch, batch_idx)
+            return user_step(self.module, f"{stage}_step")(*step_args(batch, batch_idx, dataloader_idx))
 
     def forward_backward(self, batch: Any, batch_idx: int, accumulate: int = 1,
                          zero_grad: Callable[[], None] | None = None) -> StepResult:

@@ -298,8 +298,8 @@ class ParallelStrategy(Strategy):
     def prepare_manual_backward(self, loss: torch.Tensor) -> None:
         self.backend.prepare_manual_backward(self.model, loss)
 
-    def eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
-        return self.executor.eval_step(stage, batch, batch_idx)
+    def eval_step(self, stage: str, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
+        return self.executor.eval_step(stage, batch, batch_idx, dataloader_idx)
 
     def prepare_evaluation(self) -> None:
         self.executor.prepare_evaluation()

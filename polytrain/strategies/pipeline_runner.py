@@ -54,7 +54,7 @@ from polytrain.parallel.pipeline_schedules import (
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.pipeline_batches import batch_rows, leading_size, signature, split_batch
 from polytrain.strategies.pipeline_stand_in import Captured, StandIn
-from polytrain.strategies.router import PADDING_BATCH, StepResult, user_step
+from polytrain.strategies.router import PADDING_BATCH, StepResult, step_args, user_step
 
 log = logging.getLogger("polytrain")
 
@@ -87,7 +87,8 @@ class PipelineRunner:
         self.by_paths = False  # cut at module paths (check_module), not one Sequential's children
         self.ties: list[nn.Parameter | None] = []
         self.counted_elsewhere: set[int] = set()
-        self._whole: tuple[Any, str] | None = None  # evaluation: (the whole batch, the step's name)
+        # evaluation: (the whole batch, the step's name, the arguments after batch_idx)
+        self._whole: tuple[Any, str, tuple[Any, ...]] | None = None
         self._counts: list[int] = []  # micro-batches each stage ran in this step
 
     @property
@@ -306,7 +307,8 @@ class PipelineRunner:
                                "a batch must give a loss (all stages run the batch's schedule together)")
         return loss * self._loss_factor
 
-    def _stage_input(self, step: str, batch: Any, batch_idx: int) -> torch.Tensor:
+    def _stage_input(self, step: str, batch: Any, batch_idx: int,
+                     dataloader_idx: int | None = None) -> torch.Tensor:
         """What the user's ``step`` feeds the Sequential: the step runs until it calls it (logs muted).
         Cut at module paths, the first stage runs the step itself: it gets the batch's row indices."""
         if self.by_paths:
@@ -314,7 +316,7 @@ class PipelineRunner:
         stand_in = StandIn(None, self.seq_name)
         with muted_logs(self.module), self._sequential_as(stand_in), torch.no_grad():
             with contextlib.suppress(Captured), self.strategy.precision.forward_context():
-                user_step(self.module, step)(batch, batch_idx)
+                user_step(self.module, step)(*step_args(batch, batch_idx, dataloader_idx))
         if stand_in.input is None:
             raise RuntimeError(f"{type(self.module).__name__}.{step} returned without calling "
                                f"self.{self.seq_name}: under pipeline parallelism the first stage needs the "
@@ -330,8 +332,9 @@ class PipelineRunner:
             # gradient to send ("has gradients None"); and FSDP warns of a view (an in-place op on it would
             # drop its pre-backward hook).
             return x.clone()
+        extra: tuple[Any, ...] = ()
         if self._whole is not None:
-            batch, step = self._whole
+            batch, step, extra = self._whole
         else:
             # torch's shape probe asks for the first micro-batch's shapes
             micro = 0 if probing else self._counts[index]
@@ -343,7 +346,7 @@ class PipelineRunner:
         stage_pass = P.StagePass(index, x if index > 0 else None, self.strategy.root_device)
         with P.running_as(stage_pass), muted_logs(self.module):
             try:
-                user_step(self.module, step)(batch, self._batch_idx)
+                user_step(self.module, step)(batch, self._batch_idx, *extra)
             except P.ReachedSplit as reached:
                 return reached.activation
         raise RuntimeError(f"{type(self.module).__name__}.{step} returned on pipeline stage {index} without "
@@ -455,14 +458,17 @@ class PipelineRunner:
         return gathered_stage_state(self.module, self.strategy.is_global_zero)
 
     # ------------------------------------------------------------------ evaluation
-    def eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
+    def eval_step(self, stage: str, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
         """Every rank of the pipeline runs this with the same batch; the last stage runs the user's step."""
         s, step = self.strategy, f"{stage}_step"
         if self.settings.step == "training_step":
-            inputs = self._stage_input(step, batch, batch_idx) if 0 in self.local_stages else None
+            first = 0 in self.local_stages
+            inputs = self._stage_input(step, batch, batch_idx, dataloader_idx) if first else None
         else:
             inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
-        self._whole, self._batch_idx = (batch, step), batch_idx
+        # an evaluation runs every stage on the whole batch, with its loader's index when there are several
+        extra = step_args(batch, batch_idx, dataloader_idx)[2:]
+        self._whole, self._batch_idx = (batch, step, extra), batch_idx
         try:
             with s.precision.forward_context():
                 output = self._forward_stages(inputs)
@@ -474,7 +480,7 @@ class PipelineRunner:
         if self.is_last_stage:
             logs = muted_logs(self.module) if padding else captured_logs(self.module, records)
             with logs, self._as_last_stage(output), s.precision.forward_context():
-                result = user_step(self.module, step)(batch, batch_idx)
+                result = user_step(self.module, step)(*step_args(batch, batch_idx, dataloader_idx))
         if padding:
             return PADDING_BATCH
         if stage != "predict":

@@ -47,6 +47,12 @@ def _takes_batch_idx(fn: Callable[..., Any], bound: bool) -> bool:
     return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
 
 
+def step_args(batch: Any, batch_idx: int, dataloader_idx: int | None) -> tuple[Any, ...]:
+    """An evaluation step's arguments, as Lightning passes them: ``dataloader_idx`` only where a stage reads
+    several loaders."""
+    return (batch, batch_idx) if dataloader_idx is None else (batch, batch_idx, dataloader_idx)
+
+
 def user_step(module: Any, name: str) -> Callable[..., Any]:
     """``module.<name>`` to be called as ``(batch, batch_idx, ...)``: the method itself, or, for a step
     declared without ``batch_idx``, a call that leaves it out."""

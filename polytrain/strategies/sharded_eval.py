@@ -8,17 +8,18 @@ from typing import Any
 from polytrain.core.protocol import muted_logs
 from polytrain.data.padding import PaddingState
 from polytrain.strategies.base import Strategy
-from polytrain.strategies.router import PADDING_BATCH
+from polytrain.strategies.router import PADDING_BATCH, step_args
 
 
 def padded_eval_step(strategy: Strategy, padding: PaddingState, stage: str, batch: Any,
-                     batch_idx: int) -> Any:
+                     batch_idx: int, dataloader_idx: int | None = None) -> Any:
     """An evaluation step through the sharded root (its forward gathers parameters, so every rank
     must run it); on a padding batch the step still runs, its logs are dropped and the loops are
     told with ``PADDING_BATCH``."""
     with strategy.precision.forward_context():
+        args = step_args(batch, batch_idx, dataloader_idx)
         if not padding.active:
-            return strategy.model(f"{stage}_step", batch, batch_idx)
+            return strategy.model(f"{stage}_step", *args)
         with muted_logs(strategy.module):
-            strategy.model(f"{stage}_step", batch, batch_idx)
+            strategy.model(f"{stage}_step", *args)
         return PADDING_BATCH

@@ -20,7 +20,7 @@ from torch import nn
 from polytrain.checkpoint.state import full_model_state
 from polytrain.parallel import tensor_parallel as tp_fn
 from polytrain.strategies.base import Strategy
-from polytrain.strategies.router import StepResult
+from polytrain.strategies.router import StepResult, step_args
 from polytrain.strategies.sharded_eval import padded_eval_step
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ class WholeModel:
     def __init__(self, strategy: ParallelStrategy) -> None:
         self.strategy = strategy
         self.clip_norm: Callable[[torch.optim.Optimizer, float], torch.Tensor | None] | None = None
-        self.eval_step: Callable[[str, Any, int], Any] = functools.partial(Strategy.eval_step, strategy)
+        self.eval_step: Callable[..., Any] = functools.partial(Strategy.eval_step, strategy)
         self.no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self.prepare_evaluation: Callable[[], None] = _nothing
 
@@ -89,12 +89,13 @@ class WholeModel:
                          zero_grad: Callable[[], None] | None) -> StepResult:
         return Strategy.forward_backward(self.strategy, batch, batch_idx, accumulate, zero_grad)
 
-    def _routed_eval_step(self, stage: str, batch: Any, batch_idx: int) -> Any:
+    def _routed_eval_step(self, stage: str, batch: Any, batch_idx: int,
+                          dataloader_idx: int | None = None) -> Any:
         # Tensor parallel: through the router (no collectives of its own): its hook makes the replicated
         # parameters local views for the whole step, as in training.
         s = self.strategy
         with s.precision.forward_context():
-            return s.model(f"{stage}_step", batch, batch_idx)
+            return s.model(f"{stage}_step", *step_args(batch, batch_idx, dataloader_idx))
 
     def _clip_norm_over_tp(self, optimizer: torch.optim.Optimizer, value: float) -> torch.Tensor:
         params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -19,9 +19,10 @@ from polytrain.callbacks.loggers import Logger
 from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 from polytrain.callbacks.progress_bar import ProgressBar
 from polytrain.core import heartbeat
-from polytrain.core.errors import ConfigError
+from polytrain.core.errors import ConfigError, StageInterrupted
 from polytrain.core.nodes import node_range
-from polytrain.core.rank_zero import rank_zero_only
+from polytrain.core.rank_zero import rank_zero_info, rank_zero_only
+from polytrain.core.states import FIRST_STAGE, RunningStage, TrainerFn, TrainerState, TrainerStatus
 from polytrain.core.worker_failure import report_uncaught_to_launcher
 from polytrain.data.loaders import stop_workers
 from polytrain.strategies.base import Strategy
@@ -68,6 +69,9 @@ class Trainer:
     names); ``callbacks``, ``logger`` and ``strategy`` also accept objects."""
 
     def __init__(self, **kwargs: Any) -> None:
+        if kwargs.get("callbacks", []) is None or isinstance(kwargs.get("callbacks"), Callback):
+            # Lightning's other forms: None (no callbacks of the user's) and a single callback
+            kwargs["callbacks"] = [kwargs["callbacks"]] if kwargs["callbacks"] is not None else []
         kwargs, callback_objects, objects = split_objects(kwargs)
         self.config: TrainerConfig = validate_trainer_config(kwargs)
         if "strategy" in objects:
@@ -81,7 +85,8 @@ class Trainer:
         # by default
         self.hooks: Hooks | None = None  # the running stage's hook funnel
         self.transfer_batch: Any = None  # the running stage's batch mover (the batch-transfer hooks, if any)
-        self.fit_loop = FitLoop(self.config)  # loop state: trainer/loops/progress.py
+        self.state = TrainerState()  # trainer.state: fn, stage, status (core/states.py)
+        self.fit_loop = FitLoop(self.config, self.state)  # loop state: trainer/loops/progress.py
         self.eval_progress = EvalProgress()
         self.predict_loop = PredictionRecord()  # what prediction writers read (Lightning's name)
         self.given_loaders: dict[str, Any] = {}
@@ -193,7 +198,7 @@ class Trainer:
 
     @property
     def evaluating(self) -> bool:
-        return self.stage in ("validate", "test") or self.sanity_checking
+        return self.state.stage is not None and self.state.stage.evaluating
 
     @property
     def estimated_stepping_batches(self) -> int | float:  # e.g. OneCycleLR(total_steps=...): fit_loop.py
@@ -203,21 +208,26 @@ class Trainer:
     def progress_bar_callback(self) -> ProgressBar | None:
         return next((cb for cb in self.callbacks if isinstance(cb, ProgressBar)), None)
 
+    # What runs now (trainer.state.stage): a fit's validation is `validating`, not `training`, as Lightning.
     @property
     def training(self) -> bool:
-        return self.stage == "fit" and not self.sanity_checking
+        return self.state.stage == RunningStage.TRAINING
 
     @property
     def validating(self) -> bool:
-        return self.stage == "validate" or self.sanity_checking
+        return self.state.stage == RunningStage.VALIDATING
 
     @property
     def testing(self) -> bool:
-        return self.stage == "test"
+        return self.state.stage == RunningStage.TESTING
 
     @property
     def predicting(self) -> bool:
-        return self.stage == "predict"
+        return self.state.stage == RunningStage.PREDICTING
+
+    @property
+    def interrupted(self) -> bool:
+        return self.state.status == TrainerStatus.INTERRUPTED
 
     # ------------------------------------------------------------------ loop state (read-only; FitLoop
     # writes it)
@@ -248,15 +258,16 @@ class Trainer:
 
     @property
     def sanity_checking(self) -> bool:
-        return self.fit_loop.sanity_checking
+        return self.state.stage == RunningStage.SANITY_CHECKING
 
     @property
     def num_training_batches(self) -> int | None:
         return self.fit_loop.data.num_training_batches
 
     @property
-    def num_val_batches(self) -> int | None:
-        return self.fit_loop.data.num_val_batches
+    def num_val_batches(self) -> list[int | None]:
+        """Batches a validation runs of each validation loader (Lightning's list; None: no length)."""
+        return list(self.fit_loop.data.val_batches)
 
     @property
     def train_loader(self) -> Any:
@@ -264,7 +275,9 @@ class Trainer:
 
     @property
     def val_loader(self) -> Any:
-        return self.fit_loop.data.val_loader
+        """The validation loader, or the list of them where there are several (None: none)."""
+        loaders = self.fit_loop.data.val_loaders
+        return loaders[0] if len(loaders) == 1 else (loaders or None)
 
     train_dataloader = train_loader
     val_dataloaders = val_loader
@@ -388,10 +401,15 @@ class Trainer:
         if self.datamodule is not None:
             self.datamodule.trainer = self
         self.hooks = Hooks(self, model, self.callbacks, self.datamodule, self.profiler.instrument)
+        fn = TrainerFn(stage)
+        self.state.fn, self.state.stage, self.state.status = fn, FIRST_STAGE[fn], TrainerStatus.RUNNING
         try:
             self._begin_stage(ckpt_path)
-            return self._run_stage(stage, ckpt_path, model_given, verbose)
+            result = self._run_stage(stage, ckpt_path, model_given, verbose)
         except BaseException as exc:
+            self.state.status = TrainerStatus.INTERRUPTED
+            if stage == "fit":  # what on_exception saves resumes at the batch that raised
+                self.fit_loop.progress.rewind_to_last_step()
             heartbeat.failed(exc, self.global_step)  # peers waiting on this rank learn why, and where
             self.hooks.callbacks("on_exception", exc)
             self.hooks.datamodule("on_exception", exc)
@@ -399,7 +417,14 @@ class Trainer:
             explained = heartbeat.explain(exc)  # a collective timeout -> which rank stopped, and where
             if explained is not None:
                 raise explained from exc
+            if isinstance(exc, KeyboardInterrupt):
+                # Lightning's graceful shutdown: the callbacks saw the interrupt (on_exception); the program
+                # ends with Ctrl-C's exit status and no traceback.
+                rank_zero_info(f"polytrain: {stage} interrupted (Ctrl-C) at step {self.global_step}")
+                raise StageInterrupted(130) from exc
             raise
+        self.state.status, self.state.stage = TrainerStatus.FINISHED, None
+        return result
 
     def _begin_stage(self, ckpt_path: str | None) -> None:
         """The stage's callbacks (the module's ``configure_callbacks`` merged in), its seeding (after them,
@@ -418,7 +443,8 @@ class Trainer:
                         float8_option=self.config.float8, phase=self.profiler.phase)
         self.transfer_batch = lifecycle.batch_transfer(self.strategy, self.hooks, self.metrics)
         self.evaluation = EvaluationLoop(self.strategy, self.hooks, self.metrics, self.module, self.callbacks,
-                                         self.transfer_batch, self.predict_loop, self.eval_progress)
+                                         self.transfer_batch, self.predict_loop, self.eval_progress,
+                                         self.state)
 
     def _run_stage(self, stage: str, ckpt_path: str | None, model_given: bool, verbose: bool) -> Any:
         """The stage's loop, once ``_begin_stage`` set it up, then its tear-down."""
@@ -440,8 +466,8 @@ class Trainer:
             result = None
         else:
             result = self._evaluate(stage, ckpt_path, model_given)
-            if verbose and stage != "predict" and self.is_global_zero:
-                print(results_table(stage, result[0]), flush=True)
+            if verbose and stage != "predict" and self.is_global_zero and result:
+                print(results_table(stage, result), flush=True)
         lifecycle.end(self.hooks, stage)
         return result
 
@@ -460,23 +486,28 @@ class Trainer:
             path = agree_on_checkpoint(self.strategy, lambda: resolve_path(sources, ckpt_path, stage=stage),
                                        ckpt_path, self.run_dir)
             restore_weights(path, self.strategy, self.hooks)
+        connector = self.data_connector
+        if connector.disabled(loader_stage):
+            # limit_<stage>_batches=0: as Lightning, the loop does not run and no loader is asked for
+            return None if stage == "predict" else []
         with torch.no_grad():  # as Lightning: the loader is asked for inside the (gradient-free) evaluation
-            loader = self.data_connector.request(loader_stage)
-        if loader is None:
-            raise ValueError(f"no {loader_stage} data: pass dataloaders to {stage}() or define "
-                             f"{loader_stage}_dataloader() on {type(self.module).__name__} "
-                             f"(or its DataModule)")
-        limit = self.data_connector.batch_limit(loader_stage, loader)
+            loaders = connector.request_eval(loader_stage)
+        if not loaders:
+            raise ConfigError(f"no {loader_stage} data: pass dataloaders to {stage}() or define "
+                              f"{loader_stage}_dataloader() on {type(self.module).__name__} "
+                              f"(or its DataModule)")
+        limits = [connector.batch_limit(loader_stage, loader) for loader in loaders]
         if loader_stage == "val":  # trainer.val_dataloaders / num_val_batches show this validation's
-            self.fit_loop.data.use_val(loader, limit)
+            self.fit_loop.data.use_val(loaders, limits)
         try:
-            result = self.evaluation.run(loader, loader_stage, limit, entry=stage, epoch=self.current_epoch,
+            result = self.evaluation.run(loaders, loader_stage, limits, entry=stage, epoch=self.current_epoch,
                                          global_step=self.global_step)
         finally:  # the stage is over: a persistent_workers loader's workers stop with it
-            stop_workers(None, loader, keep_persistent=False)
+            for loader in loaders:
+                stop_workers(None, loader, keep_persistent=False)
         if stage == "predict":
             return result if self.predict_loop.return_predictions else None
-        return [result]
+        return result
 
     def run_sources(self) -> RunSources:
         """What decides where this Trainer's runs write and which checkpoint they resume."""

@@ -58,7 +58,13 @@ def _collect_init_args(frame: types.FrameType, owner: Any) -> dict[str, Any]:
 
 
 class HyperparametersMixin:
-    """``save_hyperparameters``, ``hparams``, ``hparams_initial`` for modules and DataModules."""
+    """``save_hyperparameters``, ``hparams``, ``hparams_initial`` for modules and DataModules. Also usable
+    on any class (Lightning's composition: a plain object or an ``nn.Module`` that saves its own)."""
+
+    # Lightning's names for the checkpoint keys that hold the hyperparameters
+    CHECKPOINT_HYPER_PARAMS_KEY = "hyper_parameters"
+    CHECKPOINT_HYPER_PARAMS_NAME = "hparams_name"
+    CHECKPOINT_HYPER_PARAMS_TYPE = "hparams_type"
 
     def save_hyperparameters(self, *args: Any, ignore: Sequence[str] | str | None = None,
                              frame: types.FrameType | None = None, logger: bool = True) -> None:
@@ -82,8 +88,9 @@ class HyperparametersMixin:
             values = {k: v for k, v in init_args.items() if k not in ignore}
         modules = [k for k, v in values.items() if isinstance(v, nn.Module)]
         if modules:
-            warnings.warn(f"{type(self).__name__}.save_hyperparameters(): {modules} are nn.Modules, already "
-                          f"saved with the weights; pass ignore={modules} to leave them out", stacklevel=2)
+            warnings.warn(f"{type(self).__name__}.save_hyperparameters(): {modules} each is an instance "
+                          f"of `nn.Module` and is already saved with the weights; pass ignore={modules} to "
+                          f"leave them out", stacklevel=2)
         hparams = self.__dict__.setdefault("_hparams", AttributeDict())
         hparams.update(values)
         self.__dict__["_hparams_initial"] = copy.deepcopy(AttributeDict(hparams))

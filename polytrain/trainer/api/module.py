@@ -43,9 +43,13 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
     def trainer(self) -> Trainer:
         trainer = self.__dict__.get("_trainer")
         if trainer is None:
-            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer; "
+            raise RuntimeError(f"{type(self).__name__} is not attached to a `Trainer`; "
                                f"call trainer.fit(module) first")
         return trainer
+
+    @trainer.setter
+    def trainer(self, trainer: Trainer | None) -> None:  # Lightning code sets it to attach a module by hand
+        self._attach(trainer)
 
     def _attach(self, trainer: Trainer | None) -> None:
         self.__dict__["_trainer"] = trainer
@@ -119,13 +123,16 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
         trainer = self.__dict__.get("_trainer")
         if trainer is None:
             return
+        if add_dataloader_idx and trainer.metrics.dataloader_idx is not None:
+            name = f"{name}/dataloader_idx_{trainer.metrics.dataloader_idx}"  # several evaluation loaders
         tap = self.__dict__.get(LOG_TAP)  # set by a strategy around a padding batch or a pipeline stage
         if tap is not None:
             if tap is MUTED:
                 return
             tap.append((name, torch.as_tensor(value).detach().reshape(()).float(),
                         dict(prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
-                             reduce_fx=reduce_fx, sync_dist=sync_dist, batch_size=batch_size)))
+                             reduce_fx=reduce_fx, sync_dist=sync_dist, batch_size=batch_size,
+                             add_dataloader_idx=False)))  # the name is final: logged again as it is
             if getattr(tap, "silent", False):
                 return  # recorded only (protocol.recorded_logs: a pipeline stage logs the mean later)
         trainer.metrics.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist,

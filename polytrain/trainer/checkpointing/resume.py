@@ -92,8 +92,10 @@ def restore_fit(path: str, *, strategy: Any, hooks: Hooks, module: Any, datamodu
     hooks.callbacks("on_load_checkpoint", payload)  # 4
     states = payload.get("callbacks", {})
     for callback in callbacks:
-        if callback.state_key in states:
-            callback.load_state_dict(states[callback.state_key])
+        # A checkpoint written before the callback's key named its settings holds it under the class's name.
+        key = callback.state_key if callback.state_key in states else type(callback).__qualname__
+        if key in states:
+            callback.load_state_dict(states[key])
     for config, state in zip(schedulers, payload.get("schedulers", [])):  # 5
         config.scheduler.load_state_dict(state)
     if payload.get("precision"):

@@ -150,10 +150,13 @@ def _check_counts(cfg: TrainerConfig) -> None:
     for name in ("accumulate_grad_batches", "log_every_n_steps"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"trainer.{name}={getattr(cfg, name)} must be at least 1")
-    for name in ("max_epochs", "check_val_every_n_epoch"):
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"trainer.{name}={value} must be at least 1 (or null)")
+    if cfg.max_epochs is not None and cfg.max_epochs < -1:
+        raise ConfigError(f"trainer.max_epochs={cfg.max_epochs} is not valid; give a number of epochs "
+                          f"(0 trains none), -1 (no limit: until max_steps, max_time or a stop) or null "
+                          f"(1000)")
+    if cfg.check_val_every_n_epoch is not None and cfg.check_val_every_n_epoch < 1:
+        raise ConfigError(f"trainer.check_val_every_n_epoch={cfg.check_val_every_n_epoch} must be at least 1 "
+                          f"(or null)")
     for name in ("min_epochs", "min_steps", "reload_dataloaders_every_n_epochs"):
         value = getattr(cfg, name)
         if value is not None and value < 0:

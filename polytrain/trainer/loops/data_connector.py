@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
 from polytrain.core.errors import ConfigError
 from polytrain.core.rng import restore_rng_state, user_seed
+from polytrain.data.combined_loader import CombinedLoader, map_loaders
 from polytrain.data.loaders import (
     iterator_rng_state,
     loader_length,
@@ -68,23 +69,47 @@ class DataConnector:
             return functools.partial(self.hooks.module, name)
         return None
 
-    def request(self, stage: str, resumed_dp: int | None = None) -> Any:
-        """The processed loader for ``stage`` (``train``/``val``/``test``/``predict``), or None.
-        ``resumed_dp``: the data-parallel size of the checkpoint a fit resumes mid-epoch from."""
-        name = LOADER_METHOD[stage]
+    def _from_source(self, stage: str) -> Any:
         source = self.source(stage)
         if callable(source) and not isinstance(source, DataLoader):
             with record_pin_memory_choice():  # an explicit pin_memory=False is kept on CUDA
-                loader = source()
-        else:
-            loader = source
+                return source()
+        return source
+
+    def request(self, stage: str, resumed_dp: int | None = None) -> Any:
+        """The processed training loader, or None. A list or dict of loaders is read as Lightning reads it,
+        through a ``CombinedLoader`` in ``max_size_cycle`` mode (a batch is then a list or dict of batches);
+        a ``CombinedLoader`` given keeps its mode. Each loader is processed on its own (its own distributed
+        sampler). ``resumed_dp``: the data-parallel size of the checkpoint a fit resumes mid-epoch from."""
+        loader = self._from_source(stage)
         if loader is None:
             return None
-        if isinstance(loader, (list, tuple)):
-            if len(loader) != 1:
-                raise ConfigError(f"{name}() returned {len(loader)} DataLoaders; polytrain runs one per "
-                                  f"stage: concatenate the datasets or evaluate them in separate calls")
-            loader = loader[0]
+        if isinstance(loader, (list, tuple, Mapping)) and not isinstance(loader, DataLoader):
+            loader = CombinedLoader(loader, "max_size_cycle")
+        if isinstance(loader, CombinedLoader):
+            if loader.mode == "sequential":
+                raise ConfigError(f"{LOADER_METHOD[stage]}(): training does not support "
+                                  f"CombinedLoader(mode='sequential'); the available modes are min_size, "
+                                  f"max_size_cycle and max_size")
+            return map_loaders(loader, lambda one: self._process(stage, one, resumed_dp)).batches()
+        return self._process(stage, loader, resumed_dp)
+
+    def request_eval(self, stage: str) -> list[Any]:
+        """Every loader of an evaluation stage (``val``/``test``/``predict``), processed: one, or several
+        where the source gives a list, a tuple (in order), a dict (in its keys' order) or a
+        ``CombinedLoader`` in ``sequential`` mode; none when nothing defines the stage's loader. A
+        ``CombinedLoader`` in another mode is one loader whose batches combine its loaders'."""
+        loader = self._from_source(stage)
+        if loader is None:
+            return []
+        if isinstance(loader, CombinedLoader):
+            if loader.mode == "sequential":
+                return [self._process(stage, one) for one in loader.flattened]
+            return [map_loaders(loader, lambda one: self._process(stage, one)).batches()]
+        return [self._process(stage, one) for one in several_loaders(loader)]
+
+    def _process(self, stage: str, loader: Any, resumed_dp: int | None = None) -> Any:
+        """``loader`` as this stage reads it: overfit_batches' order, the strategy's sampler."""
         cfg, strategy = self.config, self.strategy
         if (cfg.overfit_batches and isinstance(loader, DataLoader) and stage == "train"
                 and not isinstance(loader.dataset, IterableDataset)
@@ -137,6 +162,16 @@ class DataConnector:
             raise ConfigError(f"trainer.{option}={limit}: give a fraction in [0, 1] or a whole number of "
                               f"batches")
         return int(limit) if length is None else min(length, int(limit))
+
+
+def several_loaders(loaders: Any) -> list[Any]:
+    """A stage's loaders as a list: a list or tuple in order, a dict's values in its keys' order, or one
+    loader alone."""
+    if isinstance(loaders, (list, tuple)):
+        return list(loaders)
+    if isinstance(loaders, Mapping) and not isinstance(loaders, DataLoader):
+        return list(loaders.values())
+    return [loaders]
 
 
 def epoch_iterator(loader: Any, epoch: int, start: int, num_batches: int | None, dp_size: int,

@@ -21,9 +21,10 @@ import torch
 
 from polytrain.callbacks.prediction_writer import BasePredictionWriter
 from polytrain.core import heartbeat
+from polytrain.core.states import RunningStage, TrainerState
 from polytrain.data.index_recording import recorded_indices, with_index_recording
 from polytrain.data.loaders import set_epoch, stop_workers
-from polytrain.strategies.router import PADDING_BATCH
+from polytrain.strategies.router import PADDING_BATCH, step_args
 from polytrain.trainer.api.hooks import is_overridden
 from polytrain.trainer.api.module import TrainModule
 from polytrain.trainer.observability.metrics import publish
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
     from polytrain.trainer.loops.progress import EvalProgress
     from polytrain.trainer.observability.metrics import MetricCollector
 
+RUNNING_STAGE = {"val": RunningStage.VALIDATING, "test": RunningStage.TESTING,
+                 "predict": RunningStage.PREDICTING}
+
 # metric stage -> (hook word, step method)
 STAGES = {"val": ("validation", "validation_step"), "test": ("test", "test_step"),
           "predict": ("predict", "predict_step")}
@@ -41,29 +45,38 @@ STAGES = {"val": ("validation", "validation_step"), "test": ("test", "test_step"
 @dataclass
 class PredictionRecord:
     """Lightning's ``trainer.predict_loop`` as prediction writers read it: this pass's predictions (kept
-    when returned or written per epoch), the dataset indices of every batch, and of the current one."""
+    when returned or written per epoch; one list per loader where there are several), the dataset indices
+    of every batch, and of the current one."""
 
     return_predictions: bool = True
-    predictions: list[Any] = field(default_factory=list)
+    per_loader: list[list[Any]] = field(default_factory=list)
     epoch_batch_indices: list[list[list[int]]] = field(default_factory=list)  # per loader, per batch
     current_batch_indices: list[int] = field(default_factory=list)
 
-    def start(self, callbacks: list[Any], loader: Any) -> Any:
-        """A predict pass begins: the loader to iterate (recording batch indices when a writer wants them)."""
-        writers = [cb for cb in callbacks if isinstance(cb, BasePredictionWriter)]
-        self.predictions, self.epoch_batch_indices, self.current_batch_indices = [], [[]], []
-        self._keep = self.return_predictions or any(w.on_epoch for w in writers)
-        return with_index_recording(loader) if writers else loader
+    @property
+    def predictions(self) -> list[Any]:
+        """The predictions of the pass: a list, or a list of lists where several loaders ran (as
+        Lightning's)."""
+        return self.per_loader[0] if len(self.per_loader) == 1 else self.per_loader
 
-    def batch_started(self, loader: Any, batch_idx: int) -> None:
+    def start(self, callbacks: list[Any], loaders: list[Any]) -> list[Any]:
+        """A predict pass begins: the loaders to iterate (recording batch indices where a writer wants
+        them)."""
+        writers = [cb for cb in callbacks if isinstance(cb, BasePredictionWriter)]
+        self.per_loader = [[] for _ in loaders]
+        self.epoch_batch_indices, self.current_batch_indices = [[] for _ in loaders], []
+        self._keep = self.return_predictions or any(w.on_epoch for w in writers)
+        return [with_index_recording(loader) for loader in loaders] if writers else loaders
+
+    def batch_started(self, loader: Any, batch_idx: int, loader_idx: int) -> None:
         seen = recorded_indices(loader)
         self.current_batch_indices = seen[batch_idx] if seen is not None and batch_idx < len(seen) else []
         if seen is not None:
-            self.epoch_batch_indices[0].append(self.current_batch_indices)
+            self.epoch_batch_indices[loader_idx].append(self.current_batch_indices)
 
-    def batch_predicted(self, output: Any) -> None:
+    def batch_predicted(self, output: Any, loader_idx: int) -> None:
         if self._keep:
-            self.predictions.append(output)
+            self.per_loader[loader_idx].append(output)
 
 
 class EvaluationLoop:
@@ -73,8 +86,9 @@ class EvaluationLoop:
 
     def __init__(self, strategy: Any, hooks: Hooks, metrics: MetricCollector, module: Any,
                  callbacks: list[Any], transfer_batch: Callable[[Any], Any], predictions: PredictionRecord,
-                 progress: EvalProgress) -> None:
+                 progress: EvalProgress, state: TrainerState) -> None:
         self.strategy = strategy
+        self.state = state  # trainer.state: a pass sets its stage (a fit's validation is VALIDATING)
         self.hooks = hooks
         self.metrics = metrics
         self.module = module
@@ -83,24 +97,44 @@ class EvaluationLoop:
         self.predictions = predictions
         self.progress = progress
 
-    def run(self, loader: Any, stage: str, limit: int | None, *, entry: str, epoch: int, global_step: int,
-            sanity: bool = False) -> Any:
-        """One pass over ``loader``: the epoch metrics as floats (val/test) or the predictions. ``entry``:
-        the entry point running it (``fit``, ``validate``, ...: each counts its evaluation steps);
-        ``epoch`` and ``global_step``: where the fit stands (the sampler's epoch, the loggers' step)."""
+    def run(self, loaders: list[Any], stage: str, limits: list[int | None], *, entry: str, epoch: int,
+            global_step: int, sanity: bool = False) -> Any:
+        """One pass over ``loaders``, each up to its limit in ``limits``, one after the other: the epoch
+        metrics as floats, one dict per loader (val/test), or the predictions. ``entry``: the entry point
+        running it (``fit``, ``validate``, ...: each counts its evaluation steps); ``epoch`` and
+        ``global_step``: where the fit stands (the sampler's epoch, the loggers' step).
+
+        Where several loaders run, as in Lightning: each step and batch hook gets ``dataloader_idx``,
+        ``batch_idx`` restarts at 0 for each loader, values logged in a step get the suffix
+        ``/dataloader_idx_N``, and the epoch hooks run once for the whole pass."""
+        outer = self.state.stage  # training, when a fit validates; restored when the pass ends
+        if not sanity:
+            self.state.stage = RUNNING_STAGE[stage]
+        try:
+            return self._run(loaders, stage, limits, entry, epoch, global_step, sanity)
+        finally:
+            self.state.stage = outer
+            self.metrics.dataloader_idx = None
+
+    def _run(self, loaders: list[Any], stage: str, limits: list[int | None], entry: str, epoch: int,
+             global_step: int, sanity: bool) -> Any:
         word, step_name = STAGES[stage]
         module, hooks, metrics = self.module, self.hooks, self.metrics
         heartbeat.at(word)
-        set_epoch(loader, epoch)
+        for loader in loaders:
+            set_epoch(loader, epoch)
         modes = {m: m.training for m in module.modules()}
         metric_stage = "sanity" if sanity else stage
         eval_step = functools.partial(hooks.instrument(step_name, self.strategy.eval_step),
                                       step_name[:-len("_step")])
         record = self.predictions
         if stage == "predict":
-            loader = record.start(self.callbacks, loader)
+            loaders = record.start(self.callbacks, loaders)
+        several = len(loaders) > 1
         with torch.no_grad():
-            iterator = iter(loader)  # before the hooks, as Lightning (the iterator draws from the RNG)
+            # The first loader's iterator before the hooks, as Lightning (it draws from the RNG); the others'
+            # when their turn comes.
+            iterator = iter(loaders[0])
             with metrics.refusing(f"on_{word}_model_eval"):
                 hooks.module(f"on_{word}_model_eval")
             metrics.start_stage(None if stage == "predict" else metric_stage, defaults=(False, True))
@@ -111,24 +145,31 @@ class EvaluationLoop:
             hooks(f"on_{word}_epoch_start")
             metrics.eval_epoch_level = False
             self.strategy.prepare_evaluation()  # every rank: what a wrapper's first evaluation forward does
-            try:
-                for batch_idx, batch in enumerate(iterator):
-                    if limit is not None and batch_idx >= limit:
-                        break
-                    if stage == "predict":
-                        record.batch_started(loader, batch_idx)
-                    output = self._eval_batch(eval_step, stage, word, batch, batch_idx, entry, sanity)
-                    if output is not PADDING_BATCH and stage == "predict":
-                        record.batch_predicted(output)
-            finally:
-                # A pass cut at its limit leaves workers behind. Persistent ones stay for the fit's next
-                # validation (a validate() call stops them when it returns); test and predict are one pass.
-                stop_workers(iterator, loader, keep_persistent=stage == "val")
+            for loader_idx, (loader, limit) in enumerate(zip(loaders, limits)):
+                iterator = iterator if loader_idx == 0 else iter(loader)
+                dataloader_idx = loader_idx if several else None
+                metrics.dataloader_idx = dataloader_idx  # the suffix of what the steps log
+                try:
+                    for batch_idx, batch in enumerate(iterator):
+                        if limit is not None and batch_idx >= limit:
+                            break
+                        if stage == "predict":
+                            record.batch_started(loader, batch_idx, loader_idx)
+                        output = self._eval_batch(eval_step, stage, word, batch, batch_idx, entry, sanity,
+                                                  dataloader_idx)
+                        if output is not PADDING_BATCH and stage == "predict":
+                            record.batch_predicted(output, loader_idx)
+                finally:
+                    # A pass cut at its limit leaves workers behind. Persistent ones stay for the fit's next
+                    # validation (a validate() call stops them when it returns); test and predict are one
+                    # pass.
+                    stop_workers(iterator, loader, keep_persistent=stage == "val")
+            metrics.dataloader_idx = None
             result: Any = record.predictions
             if stage == "predict":
                 hooks(f"on_{word}_epoch_end")
             else:
-                result = self._end_eval_epoch(word, metric_stage, global_step)
+                result = per_loader(self._end_eval_epoch(word, metric_stage, global_step), len(loaders))
             metrics.start_stage(None)
             hooks(f"on_{word}_end")
             if stage != "predict" and is_overridden(module, f"on_{word}_model_train", TrainModule):
@@ -156,15 +197,16 @@ class EvaluationLoop:
         return {name: float(v) for name, (_, v) in values.items()}
 
     def _eval_batch(self, eval_step: Any, stage: str, word: str, batch: Any, batch_idx: int, entry: str,
-                    sanity: bool) -> Any:
+                    sanity: bool, dataloader_idx: int | None) -> Any:
         hooks, metrics = self.hooks, self.metrics
         batch = self.transfer_batch(batch)
         metrics.batch = batch  # its size is read only if a value is logged per epoch
-        hooks(f"on_{word}_batch_start", batch, batch_idx)
-        output = eval_step(batch, batch_idx)
+        hook_args = step_args(batch, batch_idx, dataloader_idx)
+        hooks(f"on_{word}_batch_start", *hook_args)
+        output = eval_step(batch, batch_idx, dataloader_idx)
         if output is PADDING_BATCH:
             return output
-        hooks(f"on_{word}_batch_end", output, batch, batch_idx)
+        hooks(f"on_{word}_batch_end", output, *hook_args)
         if stage != "predict" and metrics.has_fresh_step_values():
             # Per-step evaluation values go to the loggers on their own axis (the evaluation batch count),
             # unreduced: ranks may hold different numbers of evaluation batches, so no collective here.
@@ -176,13 +218,25 @@ class EvaluationLoop:
         return output
 
 
-def results_table(stage: str, metrics: dict[str, float]) -> str:
-    """Lightning's table of an evaluation's epoch metrics: one row per name, sorted, the value in full."""
-    header = (f"{stage.capitalize()} metric", "DataLoader 0")
-    rows = [(name, str(value)) for name, value in sorted(metrics.items())] or [("(nothing was logged)", "")]
-    left = max(len(header[0]), *(len(r[0]) for r in rows)) + 4
-    right = max(len(header[1]), *(len(r[1]) for r in rows)) + 4
-    rule = "─" * (left + right)
-    lines = [rule, header[0].center(left) + header[1].center(right), rule]
-    lines += [name.center(left) + value.center(right) for name, value in rows]
+def per_loader(values: dict[str, float], n_loaders: int) -> list[dict[str, float]]:
+    """An evaluation's epoch values as one dict per loader (Lightning's results): a loader's own values
+    (``.../dataloader_idx_N``) and those logged without a loader's suffix."""
+    if n_loaders <= 1:
+        return [values]
+    return [{name: v for name, v in values.items()
+             if name.endswith(f"/dataloader_idx_{i}") or "/dataloader_idx_" not in name}
+            for i in range(n_loaders)]
+
+
+def results_table(stage: str, results: list[dict[str, float]]) -> str:
+    """Lightning's table of an evaluation's epoch metrics: one row per name, sorted, a column per loader
+    with the value in full (blank where that loader has none)."""
+    header = [f"{stage.capitalize()} metric", *(f"DataLoader {i}" for i in range(len(results)))]
+    names = sorted({name for result in results for name in result})
+    rows = [[name, *(str(r[name]) if name in r else "" for r in results)] for name in names]
+    rows = rows or [["(nothing was logged)", *("" for _ in results)]]
+    widths = [max(len(header[c]), *(len(row[c]) for row in rows)) + 4 for c in range(len(header))]
+    rule = "─" * sum(widths)
+    lines = [rule, "".join(h.center(w) for h, w in zip(header, widths)), rule]
+    lines += ["".join(cell.center(w) for cell, w in zip(row, widths)) for row in rows]
     return "\n".join([*lines, rule])

@@ -27,6 +27,7 @@ from polytrain.core import heartbeat
 from polytrain.core.errors import ConfigError
 from polytrain.core.rank_zero import rank_zero_warn
 from polytrain.core.rng import isolate_rng, training_streams, user_seed
+from polytrain.core.states import RunningStage, TrainerState
 from polytrain.data.loaders import stop_workers
 from polytrain.parallel.float8 import precompute_scales_after_each_step, resolve_float8
 from polytrain.trainer.api.hooks import Hooks, is_overridden
@@ -77,13 +78,13 @@ class FitLoop:
     """A Trainer's fits: their position (``progress``), stop requests, what a resume left, the loaders.
     Built with the Trainer's options; each fit brings its collaborators (``FitCollaborators``)."""
 
-    def __init__(self, config: TrainerConfig) -> None:
+    def __init__(self, config: TrainerConfig, state: TrainerState) -> None:
         self.config = config  # the Trainer's options: max_epochs and min_epochs below read and write them
+        self.state = state  # trainer.state: the sanity check sets its stage
         self.progress = FitProgress()
         self.stopping = Stopping()
         self.resumed = Resumed()
         self.data = EpochData()
-        self.sanity_checking = False
         self.guard: NonFiniteGuard | None = None
         self.optimization: AutomaticOptimization | ManualOptimization | None = None
         self.schedule: ValidationSchedule | None = None
@@ -139,7 +140,8 @@ class FitLoop:
             if self._first is not None:
                 stop_workers(self._first[0], data.train_loader, keep_persistent=False)
             stop_workers(None, data.train_loader, keep_persistent=False)
-            stop_workers(None, data.val_loader, keep_persistent=False)
+            for loader in data.val_loaders:
+                stop_workers(None, loader, keep_persistent=False)
 
     def _fit(self, ckpt_path: str | None) -> None:
         cfg, hooks, data, strategy = self.config, self.hooks, self.data, self.strategy
@@ -191,11 +193,16 @@ class FitLoop:
         hooks("on_train_start")
         self.stopping.reset()
         if cfg.fast_dev_run:
-            self._max_epochs = 1
+            self._max_epochs: float = 1
+        elif cfg.max_epochs == -1:  # no limit: until max_steps, max_time or a stop request
+            self._max_epochs = math.inf
         elif cfg.max_epochs is not None:
             self._max_epochs = cfg.max_epochs
         else:  # as Lightning: 1000 epochs unless max_steps bounds the fit
-            self._max_epochs = 1000 if cfg.max_steps < 0 else 10**9
+            self._max_epochs = 1000 if cfg.max_steps < 0 else math.inf
+            if cfg.max_steps < 0 and cfg.max_time is None:
+                rank_zero_warn("trainer.max_epochs was not set: the fit stops after 1000 epochs (as "
+                               "Lightning's); set max_epochs=-1 to train without an epoch limit")
         self.epoch_loop = TrainingEpochLoop(
             config=cfg, progress=self.progress, stopping=self.stopping, data=data, strategy=strategy,
             hooks=hooks, metrics=self.metrics, profiler=self.profiler, goodput=self.goodput,
@@ -225,6 +232,8 @@ class FitLoop:
         batches = self.loaders.batch_limit("train", data.train_loader) if data.train_loader is not None else 0
         if cfg.fast_dev_run:
             epochs: float = 1
+        elif cfg.max_epochs == -1:
+            epochs = float("inf")
         elif cfg.max_epochs is not None:
             epochs = cfg.max_epochs
         else:
@@ -357,11 +366,12 @@ class FitLoop:
 
     def _request_val(self) -> None:
         data, loaders = self.data, self.loaders
-        stop_workers(None, data.val_loader, keep_persistent=False)  # the loader being replaced, if any
-        # As Lightning: without a validation_step nothing reads the loader, and it is never asked for
+        for loader in data.val_loaders:  # the loaders being replaced, if any
+            stop_workers(None, loader, keep_persistent=False)
+        # As Lightning: without a validation_step nothing reads the loaders, and they are never asked for
         skipped = loaders.disabled("val") or not is_overridden(self.module, "validation_step", TrainModule)
-        val_loader = None if skipped else loaders.request("val")
-        data.use_val(val_loader, loaders.batch_limit("val", val_loader) if val_loader is not None else 0)
+        val_loaders = [] if skipped else loaders.request_eval("val")
+        data.use_val(val_loaders, [loaders.batch_limit("val", loader) for loader in val_loaders])
 
     def _sanity_check(self) -> None:
         """A few validation batches before training, so a bug in ``validation_step`` shows in seconds, not
@@ -369,23 +379,25 @@ class FitLoop:
         hooks, then the val loader is asked for, all without gradients)."""
         steps, hooks, data = self.config.num_sanity_val_steps, self.hooks, self.data
         with isolate_rng():
-            self.sanity_checking = True
-            hooks.callbacks("on_sanity_check_start")
+            # As Lightning: both sanity hooks see trainer.sanity_checking
+            self.state.stage = RunningStage.SANITY_CHECKING
             try:
+                hooks.callbacks("on_sanity_check_start")
                 with torch.no_grad():
                     self._request_val()
-                if data.val_loader is not None:
-                    limit = data.num_val_batches if steps == -1 else min(steps, data.num_val_batches or steps)
-                    if limit:
-                        self._evaluate(data.val_loader, limit, sanity=True)
+                # as Lightning: num_sanity_val_steps batches of each loader
+                limits = [n if steps == -1 else min(steps, n if n is not None else steps)
+                          for n in data.val_batches]
+                if any(limits):
+                    self._evaluate(data.val_loaders, limits, sanity=True)
+                hooks.callbacks("on_sanity_check_end")
             finally:
-                self.sanity_checking = False
-            hooks.callbacks("on_sanity_check_end")
+                self.state.stage = RunningStage.TRAINING
             self.metrics.reset()
 
-    def _evaluate(self, loader: Any, limit: int | None, sanity: bool = False) -> None:
+    def _evaluate(self, loaders: list[Any], limits: list[int | None], sanity: bool = False) -> None:
         p = self.progress
-        self.evaluation.run(loader, "val", limit, entry="fit", epoch=p.epoch, global_step=p.global_step,
+        self.evaluation.run(loaders, "val", limits, entry="fit", epoch=p.epoch, global_step=p.global_step,
                             sanity=sanity)
 
     def _validate(self) -> None:
@@ -397,11 +409,11 @@ class FitLoop:
         self.progress.expect_validation(False)  # from here on, a checkpoint resumes after this validation
         if self._reload_due("val"):  # before the validation, as Lightning
             self._request_val()
-        if data.num_val_batches == 0:  # None: a loader without length, run until it ends
+        if not data.has_val():
             return
         with self.metrics.refusing("on_validation_model_zero_grad"):
             self.hooks.module("on_validation_model_zero_grad")
-        self._evaluate(data.val_loader, data.num_val_batches)
+        self._evaluate(data.val_loaders, data.val_batches)
         self._agree_on_stop()  # e.g. EarlyStopping after a validation inside the epoch
 
     # ------------------------------------------------------------------ the epoch's end

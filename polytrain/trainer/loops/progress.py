@@ -37,6 +37,8 @@ class FitProgress:
     train_batch_size: int | None = None
     sample_base: tuple[int, int] = (0, 0)  # (samples, batches) already consumed when a resume
     # re-split the epoch
+    # batch_in_epoch when the newest optimizer step (manual optimisation: training_step) completed
+    batch_at_last_step: int = 0
 
     # ------------------------------------------------------------------ the loop's moves
     def start_fit(self, world_size: int, dp_size: int) -> None:
@@ -55,6 +57,7 @@ class FitProgress:
     def count_stepped_batch(self, log_every_n_steps: int) -> bool:
         """A batch after which an optimizer stepped; True when it is a logging step."""
         self.batches_stepped += 1
+        self.batch_at_last_step = self.batch_in_epoch
         return self.batches_stepped % log_every_n_steps == 0
 
     def expect_validation(self, due: bool | None) -> None:
@@ -73,7 +76,15 @@ class FitProgress:
 
     def finish_epoch(self) -> None:
         self.epoch += 1
-        self.batch_in_epoch = 0
+        self.batch_in_epoch = self.batch_at_last_step = 0
+
+    def rewind_to_last_step(self) -> None:
+        """The fit raised inside a batch: a checkpoint saved now (``save_on_exception``) resumes with the
+        first batch after the newest optimizer step, the one that raised run again (its partial work, and
+        any micro-batch gradients since that step, are not in the checkpoint)."""
+        if not self.at_epoch_end and self.batch_in_epoch != self.batch_at_last_step:
+            self.batch_in_epoch = self.batch_at_last_step
+            self.validation_due = False  # the validation after the batch that raised had not begun
 
     def sample_offset(self) -> int | None:
         """Global sample positions of this epoch's permutation already consumed (None: unknown batch
@@ -101,7 +112,7 @@ class FitProgress:
     def load_state_dict(self, loop: dict[str, Any]) -> None:
         self.epoch = int(loop["epoch"])
         self.global_step = int(loop["global_step"])
-        self.batch_in_epoch = int(loop["batch_in_epoch"])
+        self.batch_in_epoch = self.batch_at_last_step = int(loop["batch_in_epoch"])
         self.batches_stepped = int(loop.get("batches_stepped", self.global_step))
         # Files from before this entry did not record it: the loop then decides as it always did.
         due = loop.get("validation_due")
@@ -179,9 +190,11 @@ class EpochData:
     a mid-epoch resume recreates the epoch's iterator and replays it through the workers)."""
 
     train_loader: Any = None
-    val_loader: Any = None
+    # the validation loaders (several when val_dataloader returns a list or dict) and the batches a
+    # validation runs of each (None: a loader without length, run until it ends)
+    val_loaders: list[Any] = field(default_factory=list)
+    val_batches: list[int | None] = field(default_factory=list)
     num_training_batches: int | None = None
-    num_val_batches: int | None = None
     loader_rng: torch.Tensor | None = None
     stream: Any = None  # the epoch's AgreedBatches (iterable-style data): its snapshot of stateful data
     # estimated_stepping_batches asked for the train loader before the fit did.
@@ -189,7 +202,7 @@ class EpochData:
 
     def has_val(self) -> bool:
         """A validation loader with batches to run (None: a loader without length, run until it ends)."""
-        return self.val_loader is not None and self.num_val_batches != 0
+        return any(n != 0 for n in self.val_batches)
 
-    def use_val(self, loader: Any, num_batches: int | None) -> None:
-        self.val_loader, self.num_val_batches = loader, num_batches
+    def use_val(self, loaders: list[Any], num_batches: list[int | None]) -> None:
+        self.val_loaders, self.val_batches = list(loaders), list(num_batches)

@@ -129,6 +129,8 @@ class MetricCollector:
         self.defaults = (True, False)  # (on_step, on_epoch) where self.log is being called
         self.refused_in: str | None = None  # a hook where logging is an error
         self.eval_epoch_level = False  # in an evaluation's start/epoch hooks: on_step=True is an error
+        # the loader an evaluation of several reads now: what self.log names get as a suffix
+        self.dataloader_idx: int | None = None
         self.results: dict[str, dict[str, Logged]] = {}
         self._current: dict[str, Logged] = {}
         self._fresh: dict[str, Logged] = {}  # this stage's values logged per step since its last logging step

@@ -1,0 +1,430 @@
+"""Lightning behaviour a project relies on in its first hour, as Lightning's own tests check it:
+``trainer.state``, Ctrl-C, ``MisconfigurationException``, ``max_epochs=-1``/``0``, ``callbacks=None``,
+a settable ``module.trainer``, EarlyStopping's reason and state key, ModelCheckpoint's attributes and
+``save_on_exception``, ``OnExceptionCheckpoint``, LearningRateMonitor's ``lrs``, the checkpoint's
+``state_dict`` key, and several evaluation loaders (single process; tests/test_several_loaders.py runs
+them under every strategy)."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from conftest import TinyModule
+from torch.utils.data import DataLoader
+
+from polytrain import Callback
+from polytrain.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, OnExceptionCheckpoint
+from polytrain.callbacks.early_stopping import EarlyStoppingReason
+from polytrain.trainer.states import RunningStage, TrainerFn, TrainerState, TrainerStatus
+from polytrain.utilities.exceptions import MisconfigurationException
+
+pytestmark = pytest.mark.own_logic
+
+
+# --------------------------------------------------------------------------- trainer.state
+
+
+class _StateRecorder(Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, Any, Any, Any, bool, bool, bool]] = []
+
+    def _note(self, trainer: Any, hook: str) -> None:
+        s = trainer.state
+        self.seen.append((hook, s.fn, s.stage, s.status, trainer.training, trainer.validating,
+                          trainer.sanity_checking))
+
+    def on_sanity_check_start(self, trainer: Any, module: Any) -> None:
+        self._note(trainer, "sanity_start")
+
+    def on_sanity_check_end(self, trainer: Any, module: Any) -> None:
+        self._note(trainer, "sanity_end")
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        self._note(trainer, "train_batch")
+
+    def on_validation_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        self._note(trainer, "val_batch")
+
+    def on_test_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int,
+                            dataloader_idx: int = 0) -> None:
+        self._note(trainer, "test_batch")
+
+
+def test_trainer_state_names_the_entry_point_the_loop_and_the_status(make_trainer: Any) -> None:
+    recorder = _StateRecorder()
+    trainer = make_trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=1, num_sanity_val_steps=1,
+                           callbacks=[recorder])
+    assert trainer.state == TrainerState(status=TrainerStatus.INITIALIZING, fn=None, stage=None)
+    trainer.fit(TinyModule(n=8))
+    assert trainer.state.finished and trainer.state.stage is None and trainer.state.fn == "fit"
+    trainer.test(TinyModule(n=8, val_n=4), dataloaders=DataLoader(TinyModule(n=4).train_ds, batch_size=4))
+    running = TrainerStatus.RUNNING
+    fit, test = TrainerFn.FITTING, TrainerFn.TESTING
+    assert recorder.seen == [
+        ("sanity_start", fit, RunningStage.SANITY_CHECKING, running, False, False, True),
+        ("val_batch", fit, RunningStage.SANITY_CHECKING, running, False, False, True),
+        ("sanity_end", fit, RunningStage.SANITY_CHECKING, running, False, False, True),
+        ("train_batch", fit, RunningStage.TRAINING, running, True, False, False),
+        # a fit's validation is `validating`, not `training`, as in Lightning
+        ("val_batch", fit, RunningStage.VALIDATING, running, False, True, False),
+        ("test_batch", test, RunningStage.TESTING, running, False, False, False),
+    ]
+    assert TrainerFn.FITTING == "FIT" and RunningStage.VALIDATING.dataloader_prefix == "val"
+
+
+def test_an_error_leaves_the_trainer_interrupted(make_trainer: Any) -> None:
+    class Failing(TinyModule):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            raise RuntimeError("boom")
+
+    trainer = make_trainer(max_epochs=1)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(Failing())
+    assert trainer.state.status == TrainerStatus.INTERRUPTED and trainer.interrupted
+
+
+def test_ctrl_c_inside_fit_tells_the_callbacks_then_exits_130_without_a_traceback(make_trainer: Any) -> None:
+    """Lightning's graceful shutdown: ``on_exception`` sees the KeyboardInterrupt, then the program exits
+    (SystemExit; polytrain with Ctrl-C's status, 130)."""
+    seen: list[str] = []
+
+    class Interrupt(Callback):
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            raise KeyboardInterrupt
+
+        def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
+            seen.append(type(exception).__name__)
+
+    trainer = make_trainer(max_epochs=1, callbacks=[Interrupt()])
+    with pytest.raises(SystemExit) as stopped:
+        trainer.fit(TinyModule())
+    assert stopped.value.code == 130 and seen == ["KeyboardInterrupt"] and trainer.interrupted
+
+
+# --------------------------------------------------------------------------- options and names
+
+
+def test_config_errors_are_lightnings_misconfiguration_exception(make_trainer: Any) -> None:
+    with pytest.raises(MisconfigurationException, match="max_epochs=-2"):
+        make_trainer(max_epochs=-2)
+    with pytest.raises(ValueError):  # and still a ValueError, as before
+        make_trainer(max_epochs=-2)
+    with pytest.raises(MisconfigurationException, match="Must be >= -1"):
+        ModelCheckpoint(save_top_k=-3)
+    with pytest.raises(MisconfigurationException, match="`mode` can be min, max"):
+        EarlyStopping("val/loss", mode="maximum")
+
+
+def test_max_epochs_minus_one_trains_until_max_steps_and_zero_trains_nothing(make_trainer: Any) -> None:
+    trainer = make_trainer(max_epochs=-1, max_steps=10)  # 4 batches an epoch: past two epochs
+    trainer.fit(TinyModule(n=16))
+    assert (trainer.global_step, trainer.current_epoch) == (10, 2)
+    assert trainer.estimated_stepping_batches == 10
+
+    module = TinyModule(n=16)
+    before = module.net.weight.detach().clone()
+    trainer = make_trainer(max_epochs=0)
+    trainer.fit(module)
+    assert trainer.global_step == 0 and torch.equal(module.net.weight, before)
+
+
+def test_an_unset_max_epochs_warns_that_the_fit_stops_at_1000(make_trainer: Any) -> None:
+    trainer = make_trainer(limit_train_batches=1, limit_val_batches=0, callbacks=[_StopAfterFirstEpoch()])
+    with pytest.warns(UserWarning, match="max_epochs was not set.*max_epochs=-1"):
+        trainer.fit(TinyModule())
+
+
+class _StopAfterFirstEpoch(Callback):
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        trainer.should_stop = True
+
+
+def test_callbacks_may_be_none_or_a_single_callback(make_trainer: Any) -> None:
+    assert not any(type(cb) is _StopAfterFirstEpoch for cb in make_trainer(callbacks=None).callbacks)
+    single = _StopAfterFirstEpoch()
+    assert single in make_trainer(callbacks=single).callbacks
+
+
+def test_a_module_is_attached_to_a_trainer_by_assignment(make_trainer: Any) -> None:
+    module, trainer = TinyModule(), make_trainer()
+    with pytest.raises(RuntimeError, match="attached to a `Trainer`"):
+        _ = module.trainer
+    module.trainer = trainer
+    assert module.trainer is trainer
+
+
+def test_lightnings_utility_names_are_importable() -> None:
+    from polytrain import LightningModule
+    from polytrain.utilities import AttributeDict, is_overridden
+    from polytrain.utilities.model_helpers import is_overridden as is_overridden_there
+    from polytrain.utilities.parsing import AttributeDict as AttributeDictThere
+
+    assert AttributeDict is AttributeDictThere and is_overridden is is_overridden_there
+    assert is_overridden("training_step", TinyModule()) and not is_overridden("on_fit_start", TinyModule())
+    assert LightningModule.CHECKPOINT_HYPER_PARAMS_KEY == "hyper_parameters"
+
+
+# --------------------------------------------------------------------------- EarlyStopping
+
+
+class _Scored(TinyModule):
+    """Logs ``score`` from a list, one value per validation."""
+
+    def __init__(self, scores: list[float], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.scores = scores
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("score", self.scores[min(self.current_epoch, len(self.scores) - 1)])
+
+
+@pytest.mark.parametrize(("scores", "kwargs", "reason", "message"), [
+    ([1.0, 1.0, 1.0, 1.0], dict(patience=2), EarlyStoppingReason.PATIENCE_EXHAUSTED, "did not improve"),
+    ([1.0, 0.1], dict(stopping_threshold=0.5), EarlyStoppingReason.STOPPING_THRESHOLD, "Stopping threshold"),
+    ([1.0, 9.0], dict(divergence_threshold=5.0), EarlyStoppingReason.DIVERGENCE_THRESHOLD, "Divergence"),
+    ([1.0, math.nan], {}, EarlyStoppingReason.NON_FINITE_METRIC, "is not finite"),
+])
+def test_early_stopping_says_why_it_stopped(make_trainer: Any, scores: list[float], kwargs: dict[str, Any],
+                                            reason: EarlyStoppingReason, message: str) -> None:
+    stopper = EarlyStopping("score", verbose=False, **kwargs)
+    trainer = make_trainer(max_epochs=10, limit_train_batches=1, callbacks=[stopper])
+    assert stopper.stopping_reason == EarlyStoppingReason.NOT_STOPPED
+    trainer.fit(_Scored(scores))
+    assert stopper.stopping_reason == reason and message in stopper.stopping_reason_message
+    assert trainer.current_epoch < 10
+
+
+def test_early_stopping_strict_false_skips_a_missing_metric_with_a_warning(make_trainer: Any) -> None:
+    stopper = EarlyStopping("nowhere", strict=False, verbose=True)
+    with pytest.warns(RuntimeWarning, match="nowhere"):
+        make_trainer(max_epochs=2, limit_train_batches=1, callbacks=[stopper]).fit(TinyModule())
+    with pytest.raises(RuntimeError, match="monitors 'nowhere'"):
+        make_trainer(max_epochs=1, limit_train_batches=1,
+                     callbacks=[EarlyStopping("nowhere", verbose=False)]).fit(TinyModule())
+
+
+def test_two_callbacks_of_one_class_keep_their_own_state_in_a_checkpoint(make_trainer: Any,
+                                                                         tmp_path: Any) -> None:
+    """The state key names the callback's settings, as Lightning's: before, both EarlyStoppings (and both
+    ModelCheckpoints) wrote one entry, and one's state was lost."""
+    first, second = EarlyStopping("score", patience=5, verbose=False), EarlyStopping("score", mode="max",
+                                                                                    patience=5, verbose=False)
+    by_loss = ModelCheckpoint(dirpath=str(tmp_path / "a"), monitor="val/loss")
+    by_step = ModelCheckpoint(dirpath=str(tmp_path / "b"), monitor="step", mode="max")
+    trainer = make_trainer(max_epochs=3, limit_train_batches=1, callbacks=[first, second, by_loss, by_step])
+    trainer.fit(_Scored([3.0, 2.0, 1.0]))
+    path = str(tmp_path / "end.ckpt")
+    trainer.save_checkpoint(path)
+    states = torch.load(path, weights_only=True)["callbacks"]
+    assert first.state_key != second.state_key and by_loss.state_key != by_step.state_key
+    assert states[first.state_key]["best_score"] == 1.0 and states[second.state_key]["best_score"] == 3.0
+    assert states[by_step.state_key]["best_model_path"] != states[by_loss.state_key]["best_model_path"]
+    again_first, again_second = (EarlyStopping("score", patience=5, verbose=False),
+                                 EarlyStopping("score", mode="max", patience=5, verbose=False))
+    make_trainer(max_epochs=3, callbacks=[again_first, again_second]).fit(_Scored([3.0]), ckpt_path=path)
+    assert (again_first.best_score, again_second.best_score) == (1.0, 3.0)
+
+
+# --------------------------------------------------------------------------- ModelCheckpoint
+
+
+def test_model_checkpoint_exposes_lightnings_top_k_attributes(make_trainer: Any, tmp_path: Any) -> None:
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path), monitor="score", save_top_k=2, filename="{epoch}")
+    assert checkpoint.kth_value == math.inf and checkpoint.best_model_path == "" == checkpoint.last_model_path
+    make_trainer(max_epochs=4, limit_train_batches=1, callbacks=[checkpoint],
+                 enable_checkpointing=True).fit(_Scored([4.0, 1.0, 3.0, 2.0]))
+    best = {os.path.basename(p): s for p, s in checkpoint.best_k_models.items()}
+    assert best == {"1.ckpt": 1.0, "3.ckpt": 2.0}
+    assert os.path.basename(checkpoint.kth_best_model_path) == "3.ckpt" and checkpoint.kth_value == 2.0
+    assert checkpoint.current_score == 2.0 and checkpoint.best_model_score == 1.0
+    checkpoint.to_yaml()
+    with open(tmp_path / "best_k_models.yaml") as f:
+        assert {os.path.basename(k): v for k, v in yaml.safe_load(f).items()} == best
+
+
+def test_model_checkpoint_ranks_a_nan_below_every_number(make_trainer: Any, tmp_path: Any) -> None:
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path), monitor="score", save_top_k=1, filename="{epoch}")
+    make_trainer(max_epochs=2, limit_train_batches=1, callbacks=[checkpoint],
+                 enable_checkpointing=True).fit(_Scored([math.nan, 5.0]))
+    assert os.path.basename(checkpoint.best_model_path) == "1.ckpt" and checkpoint.best_model_score == 5.0
+
+
+def test_model_checkpoint_expands_home_and_every_n_epochs_zero_saves_no_epoch(make_trainer: Any,
+                                                                              tmp_path: Any,
+                                                                              monkeypatch: Any) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    checkpoint = ModelCheckpoint(dirpath="~/ckpts", every_n_epochs=0, save_on_fit_end=False, save_last=False)
+    assert checkpoint.dirpath == os.path.realpath(tmp_path / "ckpts")
+    make_trainer(max_epochs=2, limit_train_batches=1, callbacks=[checkpoint], enable_checkpointing=True,
+                 ).fit(TinyModule())
+    assert not os.path.exists(tmp_path / "ckpts") or not os.listdir(tmp_path / "ckpts")
+
+
+class _FailsAtStep(TinyModule):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.global_step == 3:
+            raise RuntimeError("Trouble!")
+        return super().training_step(batch, batch_idx)
+
+
+def test_save_on_exception_writes_the_state_when_the_fit_raises(make_trainer: Any, tmp_path: Any) -> None:
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path), filename="exception", save_on_exception=True,
+                                 every_n_epochs=7)
+    trainer = make_trainer(max_epochs=4, limit_train_batches=2, callbacks=[checkpoint],
+                           enable_checkpointing=True)
+    module = _FailsAtStep()
+    with pytest.raises(RuntimeError, match="Trouble!"):
+        trainer.fit(module)
+    saved = torch.load(tmp_path / "exception.ckpt", weights_only=True)
+    assert saved["loop"]["global_step"] == 3
+    assert torch.equal(saved["state_dict"]["net.weight"], module.net.weight.detach())
+
+
+def test_on_exception_checkpoint_saves_resumes_and_never_replaces_a_foreign_file(make_trainer: Any,
+                                                                                 tmp_path: Any) -> None:
+    (tmp_path / "on_exception.ckpt").write_text("someone else's")
+    saver = OnExceptionCheckpoint(str(tmp_path))
+    with pytest.raises(RuntimeError, match="Trouble!"):
+        make_trainer(max_epochs=4, limit_train_batches=2, callbacks=[saver]).fit(_FailsAtStep())
+    assert (tmp_path / "on_exception.ckpt").read_text() == "someone else's"
+    assert saver.ckpt_path == str(tmp_path / "on_exception-v1.ckpt")
+    resumed = make_trainer(max_epochs=4, limit_train_batches=2, callbacks=[saver])
+    resumed.fit(TinyModule(), ckpt_path=saver.ckpt_path)
+    assert resumed.global_step == 8
+    assert not os.path.exists(tmp_path / "on_exception-v1.ckpt")  # stale once a stage ends without error
+    assert os.path.exists(tmp_path / "on_exception.ckpt")
+
+
+def test_a_checkpoint_file_holds_the_weights_under_state_dict_once(make_trainer: Any, tmp_path: Any) -> None:
+    trainer = make_trainer(max_epochs=1)
+    module = TinyModule()
+    module.net = torch.nn.Linear(4, 4096)  # weights large enough that a second copy would show
+    module.training_step = lambda batch, batch_idx: module.net(batch[0]).pow(2).mean()
+    trainer.fit(module)
+    path = str(tmp_path / "w.ckpt")
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=True)
+    assert saved["state_dict"].keys() == saved["model"].keys()
+    weights = sum(t.numel() * t.element_size() for t in saved["model"].values())
+    optimizer = sum(t.numel() * t.element_size() for s in saved["optimizer"] for t in _tensors(s))
+    assert os.path.getsize(path) < weights + optimizer + 256 * 1024
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in _tensors(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors(v)]
+    return []
+
+
+# --------------------------------------------------------------------------- LearningRateMonitor
+
+
+def test_learning_rate_monitor_keeps_what_it_logged(make_trainer: Any) -> None:
+    class Scheduled(TinyModule):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+    monitor = LearningRateMonitor(logging_interval="epoch", log_momentum=True)
+    make_trainer(max_epochs=3, limit_train_batches=1, callbacks=[monitor]).fit(Scheduled())
+    assert monitor.lrs == {"lr-SGD": [0.1, 0.05, 0.025]}
+    assert monitor.last_momentum_values == {"lr-SGD-momentum": 0.9}
+
+
+# --------------------------------------------------------------------------- several evaluation loaders
+
+
+class _SeveralLoaders(TinyModule):
+    """Two validation/test/predict loaders of different lengths; records each step's arguments."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(n=8, **kwargs)
+        self.calls: list[tuple[str, int, int]] = []
+        self.hook_calls: list[tuple[int, int]] = []
+
+    def _loaders(self) -> list[DataLoader]:
+        return [DataLoader(TinyModule(n=8).train_ds, batch_size=4),
+                DataLoader(TinyModule(n=4).train_ds, batch_size=2)]
+
+    def val_dataloader(self) -> list[DataLoader]:
+        return self._loaders()
+
+    def test_dataloader(self) -> dict[str, DataLoader]:
+        a, b = self._loaders()
+        return {"a": a, "b": b}
+
+    def predict_dataloader(self) -> list[DataLoader]:
+        return self._loaders()
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        self.calls.append(("val", batch_idx, dataloader_idx))
+        loss = torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+        self.log("val/loss", loss)
+        self.log("seen", 1.0, reduce_fx="sum", add_dataloader_idx=False)
+        return loss
+
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        self.calls.append(("test", batch_idx, dataloader_idx))
+        self.log("test/loss", torch.nn.functional.mse_loss(self(batch[0]), batch[1]))
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        return self(batch[0])
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.hook_calls.append((batch_idx, dataloader_idx))
+
+
+def test_several_validation_loaders_run_one_after_the_other_with_their_index(make_trainer: Any) -> None:
+    module = _SeveralLoaders()
+    trainer = make_trainer()
+    results = trainer.validate(module, verbose=False)
+    assert module.calls == [("val", 0, 0), ("val", 1, 0), ("val", 0, 1), ("val", 1, 1)]
+    assert module.hook_calls == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert trainer.num_val_batches == [2, 2] and len(trainer.val_dataloaders) == 2
+    assert [sorted(r) for r in results] == [["seen", "val/loss/dataloader_idx_0"],
+                                           ["seen", "val/loss/dataloader_idx_1"]]
+    assert results[0]["seen"] == results[1]["seen"] == 4.0  # logged without a suffix: the whole pass
+    weight = module.net.weight.detach()
+    for i, loader in enumerate(module._loaders()):
+        x, y = (torch.cat(t) for t in zip(*loader))
+        expected = torch.nn.functional.mse_loss(x @ weight.T + module.net.bias.detach(), y)
+        assert results[i][f"val/loss/dataloader_idx_{i}"] == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_a_dict_of_test_loaders_and_a_list_of_predict_loaders(make_trainer: Any, capsys: Any) -> None:
+    module = _SeveralLoaders()
+    results = make_trainer().test(module)
+    assert [list(r) for r in results] == [["test/loss/dataloader_idx_0"], ["test/loss/dataloader_idx_1"]]
+    assert "DataLoader 1" in capsys.readouterr().out  # the table has a column per loader
+    predictions = make_trainer().predict(module)
+    assert [len(p) for p in predictions] == [2, 2] and predictions[1][0].shape == (2, 1)
+
+
+def test_a_fit_validates_every_loader_and_the_sanity_check_reads_each(make_trainer: Any) -> None:
+    module = _SeveralLoaders()
+    trainer = make_trainer(max_epochs=1, num_sanity_val_steps=1)
+    trainer.fit(module)
+    assert module.calls == [("val", 0, 0), ("val", 0, 1),  # the sanity check: one batch of each
+                            ("val", 0, 0), ("val", 1, 0), ("val", 0, 1), ("val", 1, 1)]
+    assert {"val/loss/dataloader_idx_0", "val/loss/dataloader_idx_1"} <= set(trainer.callback_metrics)
+
+
+def test_limit_val_batches_zero_asks_for_no_loader_and_runs_no_hook(make_trainer: Any) -> None:
+    class Watched(_SeveralLoaders):
+        def val_dataloader(self) -> Any:
+            raise AssertionError("the loader was asked for")
+
+        def on_validation_start(self) -> None:
+            raise AssertionError("a validation hook ran")
+
+    assert make_trainer(limit_val_batches=0).validate(Watched()) == []
