@@ -428,3 +428,77 @@ def test_limit_val_batches_zero_asks_for_no_loader_and_runs_no_hook(make_trainer
             raise AssertionError("a validation hook ran")
 
     assert make_trainer(limit_val_batches=0).validate(Watched()) == []
+
+
+# --------------------------------------------------------------------------- hyperparameters
+
+
+class _FromNamespace(TinyModule):
+    def __init__(self, hparams: Any) -> None:
+        super().__init__()
+        self.received = type(hparams)
+        self.save_hyperparameters(hparams)
+
+
+def test_hyperparameters_held_by_one_argument_come_back_through_it(make_trainer: Any, tmp_path: Any) -> None:
+    """A Namespace or DictConfig saved whole is passed back to that argument by load_from_checkpoint (the file
+    records the argument's name and kind), a DictConfig stays one, and nothing in the file is pickled."""
+    import argparse
+
+    from omegaconf import DictConfig, OmegaConf
+
+    for given, kind in ((argparse.Namespace(width=3, name="a"), argparse.Namespace),
+                        (OmegaConf.create({"width": 3, "inner": {"depth": 2}}), DictConfig)):
+        module = _FromNamespace(given)
+        trainer = make_trainer(max_epochs=1, limit_train_batches=1)
+        trainer.fit(module)
+        path = str(tmp_path / f"{kind.__name__}.ckpt")
+        trainer.save_checkpoint(path)
+        saved = torch.load(path, weights_only=True)  # plain values only
+        assert saved["hparams_name"] == "hparams" and saved["hparams_type"] in ("Namespace", "DictConfig")
+        loaded = _FromNamespace.load_from_checkpoint(path, weights_only=False)
+        assert issubclass(loaded.received, kind) and loaded.hparams.width == 3
+        assert isinstance(loaded.hparams, DictConfig) == (kind is DictConfig)
+
+
+def test_load_from_checkpoint_drops_keywords_init_does_not_take_with_a_warning(make_trainer: Any,
+                                                                             tmp_path: Any) -> None:
+    trainer = make_trainer(max_epochs=1, limit_train_batches=1)
+    trainer.fit(TinyModule())
+    path = str(tmp_path / "m.ckpt")
+    trainer.save_checkpoint(path)
+    with pytest.warns(UserWarning, match=r"\['typo'\] ignored: not arguments of TinyModule.__init__ "
+                                         r"\(batch_size"):
+        loaded = TinyModule.load_from_checkpoint(path, typo=1, lr=0.5)
+    assert loaded.lr == 0.5 and not hasattr(loaded, "typo")
+    with pytest.raises(ValueError, match="Primitives"):
+        _FromNamespace(3.5)
+
+
+# --------------------------------------------------------------------------- Lightning's warnings
+
+
+def test_the_warnings_lightning_users_rely_on(make_trainer: Any, monkeypatch: Any) -> None:
+    import polytrain.trainer.loops.data_connector as connector
+
+    monkeypatch.setattr(connector.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    module = TinyModule(n=8)
+    module.net.eval()
+    from polytrain.callbacks import CSVLogger
+
+    trainer = make_trainer(max_epochs=1, log_every_n_steps=50, logger=CSVLogger(make_trainer().run_dir))
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit(module)
+    said = [str(w.message) for w in caught]
+    assert any("'train_dataloader' does not have many workers" in m and "num_workers=7" in m for m in said)
+    assert any("number of training batches (2) is smaller than the logging interval" in m for m in said)
+    assert any("1 module(s) in eval mode at the start of training (net)" in m for m in said)
+
+
+def test_lightning_worded_config_errors(make_trainer: Any) -> None:
+    with pytest.raises(MisconfigurationException, match="passed invalid value"):
+        make_trainer(limit_val_batches=1.2)
+    with pytest.raises(MisconfigurationException, match="should be >= 0"):
+        make_trainer(fast_dev_run=-1)
+    with pytest.raises(MisconfigurationException, match="should be an int >= 0"):
+        make_trainer(reload_dataloaders_every_n_epochs=-1)

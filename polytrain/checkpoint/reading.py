@@ -31,14 +31,16 @@ def strip_wrapper_prefix(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def read_checkpoint(path: str) -> dict[str, Any]:
+def read_checkpoint(path: str, weights_only: bool = True) -> dict[str, Any]:
     """A whole checkpoint as full CPU tensors: a file, or a sharded (DCP) directory read without
-    any process group. Never unpickles without restriction."""
+    any process group. Never unpickles without restriction unless ``weights_only=False`` is asked for."""
     if os.path.isdir(path):
         return read_sharded(path)
     verify_file(path)
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        # weights_only=False only where the caller asked for it (load_from_checkpoint(weights_only=False),
+        # for a Lightning file holding pickled objects): it runs whatever code the file names
+        data = torch.load(path, map_location="cpu", weights_only=weights_only)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist") from None
     except Exception as err:  # an unpickling refusal or a torn file
@@ -48,7 +50,8 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     if "polytrain" not in data and "pytorch-lightning_version" in data and "state_dict" in data:
         # A Lightning checkpoint: its weights and hyperparameters (load_from_checkpoint), no loop state.
         data = {"model": data["state_dict"], "hyper_parameters": data.get("hyper_parameters", {}),
-                "datamodule_hyper_parameters": data.get("datamodule_hyper_parameters", {})}
+                "datamodule_hyper_parameters": data.get("datamodule_hyper_parameters", {}),
+                **{k: data[k] for k in ("hparams_name", "hparams_type") if k in data}}
     elif "polytrain" not in data:
         # A bare state_dict written by a plain PyTorch loop: weights only, no loop state.
         data = {"model": strip_wrapper_prefix(data)}

@@ -32,8 +32,16 @@ class DataModule(HyperparametersMixin, DataHooks):
     def on_exception(self, exception: BaseException) -> None: ...
 
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: str, **kwargs: Any) -> DataModule:
-        return load_datamodule_from_checkpoint(cls, checkpoint_path, **kwargs)
+    def load_from_checkpoint(cls, checkpoint_path: str, map_location: Any = None,
+                             hparams_file: str | None = None, weights_only: bool | None = None,
+                             **kwargs: Any) -> DataModule:
+        """A new DataModule built from the checkpoint's saved hyperparameters (``**kwargs`` win), with its
+        state. ``map_location`` is accepted for Lightning code and moves nothing (a DataModule holds no
+        weights)."""
+        if hparams_file is not None:
+            raise ValueError("hparams_file is not supported: polytrain checkpoints carry their "
+                             "hyperparameters")
+        return load_datamodule_from_checkpoint(cls, checkpoint_path, weights_only, **kwargs)
 
     @classmethod
     def from_datasets(cls, train_dataset: Dataset | None = None, val_dataset: Dataset | None = None,

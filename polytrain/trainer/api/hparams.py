@@ -8,6 +8,7 @@ passed again to ``load_from_checkpoint``; ``save_hyperparameters(ignore=[...])``
 
 from __future__ import annotations
 
+import argparse
 import copy
 import inspect
 import types
@@ -74,10 +75,17 @@ class HyperparametersMixin:
         if frame is None:
             frame = inspect.currentframe().f_back  # the __init__ that called us
         init_args = _collect_init_args(frame, self)
+        container: tuple[str | None, str] | None = None
         if len(args) == 1 and not isinstance(args[0], str):
             source = args[0]
-            # A dict (or DictConfig), or a namespace (argparse.Namespace, SimpleNamespace).
-            values = dict(source) if isinstance(source, Mapping) else dict(vars(source))
+            if isinstance(source, (bool, int, float)):
+                raise ValueError(f"save_hyperparameters({source!r}): Primitives {(bool, int, float, str)} "
+                                 f"are not allowed; pass argument names, a dict, a Namespace or a DictConfig")
+            # A dict (or DictConfig), or a namespace (argparse.Namespace, SimpleNamespace): remembered with
+            # the __init__ argument that held it, so load_from_checkpoint passes it back the same way.
+            name = next((k for k, v in init_args.items() if v is source), None)
+            container = (name, _container_type(source))
+            values = (_to_plain_container(source) if isinstance(source, Mapping) else dict(vars(source)))
         elif args:
             unknown = [a for a in args if a not in init_args]
             if unknown:
@@ -95,6 +103,16 @@ class HyperparametersMixin:
         hparams.update(values)
         self.__dict__["_hparams_initial"] = copy.deepcopy(AttributeDict(hparams))
         self.__dict__["_log_hyperparams"] = logger
+        if container is not None:
+            self.__dict__["_hparams_name"], self.__dict__["_hparams_type"] = container
+            if container[1] == "DictConfig":  # an OmegaConf config stays one, as in Lightning
+                self.__dict__["_hparams"] = self.__dict__["_hparams_initial"] = copy.deepcopy(source)
+
+    def hparams_container(self) -> dict[str, str]:
+        """What a checkpoint records beside the hyperparameters when one dict, Namespace or DictConfig held
+        them: the ``__init__`` argument it came in (``hparams_name``) and its kind (``hparams_type``)."""
+        name, kind = self.__dict__.get("_hparams_name"), self.__dict__.get("_hparams_type")
+        return {} if kind is None else {"hparams_name": name, "hparams_type": kind}
 
     @property
     def hparams(self) -> AttributeDict:
@@ -105,10 +123,41 @@ class HyperparametersMixin:
         return copy.deepcopy(self.__dict__.get("_hparams_initial", AttributeDict()))
 
 
+def _container_type(source: Any) -> str:
+    if _is_omegaconf(source):
+        return "DictConfig"
+    return "Namespace" if not isinstance(source, Mapping) else "dict"
+
+
+def _is_omegaconf(value: Any) -> bool:
+    return type(value).__module__.startswith("omegaconf")
+
+
+def _to_plain_container(source: Mapping[str, Any]) -> dict[str, Any]:
+    if _is_omegaconf(source):
+        from omegaconf import OmegaConf  # a dependency; imported here only when a config is saved
+
+        return OmegaConf.to_container(source, resolve=True)
+    return dict(source)
+
+
+def _rebuilt_container(values: dict[str, Any], kind: str | None) -> Any:
+    """The hyperparameters as the ``__init__`` argument took them (``_container_type``)."""
+    if kind == "DictConfig":
+        from omegaconf import OmegaConf
+
+        return OmegaConf.create(values)
+    if kind == "Namespace":
+        return argparse.Namespace(**values)
+    return values
+
+
 def plain(value: Any) -> Any:
     """What ``torch.load(weights_only=True)`` can read back: plain values kept, others by ``repr``."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if _is_omegaconf(value):
+        return plain(_to_plain_container(value))
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]
     if isinstance(value, dict):
@@ -116,12 +165,33 @@ def plain(value: Any) -> Any:
     return repr(value)
 
 
+def init_arguments(cls: type, checkpoint: dict[str, Any], prefix: str, overrides: dict[str, Any]
+                   ) -> dict[str, Any]:
+    """The keywords to rebuild ``cls`` from a checkpoint, as Lightning's: the saved hyperparameters (passed
+    back as the one dict, Namespace or DictConfig argument that held them, where one did), ``overrides``
+    winning, and, for an ``__init__`` without ``**kwargs``, only the names it takes."""
+    saved = dict(checkpoint.get(f"{prefix}hyper_parameters", {}))
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]  # [0] is self
+    named = {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    name = checkpoint.get(f"{prefix}hparams_name")
+    if name and name in named:  # (Lightning writes "kwargs" for init arguments: those are spread)
+        saved = {name: _rebuilt_container(saved, checkpoint.get(f"{prefix}hparams_type"))}
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return {**saved, **overrides}
+    unknown = sorted(set(overrides) - named)
+    if unknown:
+        warnings.warn(f"{cls.__name__}.load_from_checkpoint: {unknown} ignored: not arguments of "
+                      f"{cls.__name__}.__init__ ({', '.join(sorted(named)) or 'none'}), as Lightning drops "
+                      f"them", stacklevel=4)
+    return {k: v for k, v in {**saved, **overrides}.items() if k in named}
+
+
 def load_module_from_checkpoint(cls: type, path: str, map_location: Any = None, strict: bool = True,
-                                **kwargs: Any) -> Any:
+                                weights_only: bool | None = None, **kwargs: Any) -> Any:
     """``cls(**saved hyperparameters, **kwargs)`` with the checkpoint's weights (any polytrain checkpoint:
     a file, or a sharded directory read whole in this process)."""
-    checkpoint = read_checkpoint(path)
-    hparams = {**checkpoint.get("hyper_parameters", {}), **kwargs}
+    checkpoint = read_checkpoint(path, weights_only=weights_only is not False)
+    hparams = init_arguments(cls, checkpoint, "", kwargs)
     try:
         module = cls(**hparams)
     except TypeError as err:
@@ -156,9 +226,10 @@ def _mapped_device(map_location: Any) -> torch.device | None:
                     f"a dict such as {{'cuda:0': 'cpu'}} (the weights are read to the CPU first)")
 
 
-def load_datamodule_from_checkpoint(cls: type, path: str, **kwargs: Any) -> Any:
-    checkpoint = read_checkpoint(path)
-    datamodule = cls(**{**checkpoint.get("datamodule_hyper_parameters", {}), **kwargs})
+def load_datamodule_from_checkpoint(cls: type, path: str, weights_only: bool | None = None,
+                                    **kwargs: Any) -> Any:
+    checkpoint = read_checkpoint(path, weights_only=weights_only is not False)
+    datamodule = cls(**init_arguments(cls, checkpoint, "datamodule_", kwargs))
     state = checkpoint.get("datamodule", {}).get(type(datamodule).__qualname__)
     if state is not None:
         datamodule.load_state_dict(state)

@@ -331,14 +331,16 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str, map_location: Any = None,
                              hparams_file: str | None = None,
-                             strict: bool | None = None, **kwargs: Any) -> TrainModule:
+                             strict: bool | None = None, weights_only: bool | None = None,
+                             **kwargs: Any) -> TrainModule:
         """A new module built from the checkpoint's saved hyperparameters (``**kwargs`` win) with its
-        weights, from any polytrain checkpoint: a file or a sharded directory."""
+        weights, from any polytrain checkpoint: a file or a sharded directory. ``weights_only=False``
+        unpickles without restriction (a Lightning file holding pickled objects; trusted files only)."""
         if hparams_file is not None:
             raise ValueError("hparams_file is not supported: polytrain checkpoints carry their "
                              "hyperparameters")
         strict = cls.strict_loading if strict is None else strict
-        return load_module_from_checkpoint(cls, checkpoint_path, map_location, strict, **kwargs)
+        return load_module_from_checkpoint(cls, checkpoint_path, map_location, strict, weights_only, **kwargs)
 
 
 LightningModule = TrainModule  # Lightning's name for it

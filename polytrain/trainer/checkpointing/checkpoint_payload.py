@@ -97,12 +97,14 @@ def build_payload(sources: PayloadSources) -> dict[str, Any]:
         "callbacks": {cb.state_key: cb.state_dict() for cb in sources.callbacks},
         "config": plain(sources.config),
         "hyper_parameters": plain(dict(module.hparams)),
+        **module.hparams_container(),
     }
     if data is not None:
         payload["data"] = data  # per rank: {"dp_rank", "dp_size", "state"}
     if datamodule is not None:
         payload["datamodule"] = {type(datamodule).__qualname__: hooks.datamodule("state_dict")}
         payload["datamodule_hyper_parameters"] = plain(dict(datamodule.hparams))
+        payload.update({f"datamodule_{k}": v for k, v in datamodule.hparams_container().items()})
     with sources.metrics.refusing("on_save_checkpoint"):
         hooks.callbacks("on_save_checkpoint", payload)
         hooks.module("on_save_checkpoint", payload)

@@ -160,7 +160,7 @@ def _check_counts(cfg: TrainerConfig) -> None:
     for name in ("min_epochs", "min_steps", "reload_dataloaders_every_n_epochs"):
         value = getattr(cfg, name)
         if value is not None and value < 0:
-            raise ConfigError(f"trainer.{name}={value} must not be negative")
+            raise ConfigError(f"trainer.{name} should be an int >= 0, got {value}")
     if cfg.num_sanity_val_steps < -1:
         raise ConfigError(f"trainer.num_sanity_val_steps={cfg.num_sanity_val_steps}; use -1 (all), 0 (none) "
                           f"or N")
@@ -174,8 +174,8 @@ def _check_batches_option(name: str, value: Any, allow_none: bool = True) -> Non
         return
     if isinstance(value, float) and (0.0 <= value <= 1.0 or (value > 1 and value.is_integer())):
         return
-    raise ConfigError(f"trainer.{name}={value!r} is not valid; give a number of batches (e.g. 10) or a "
-                      f"fraction of the epoch in [0, 1] (e.g. 0.25)")
+    raise ConfigError(f"trainer.{name} was passed invalid value {value!r}; give a number of batches "
+                      f"(e.g. 10) or a fraction of the epoch in [0, 1] (e.g. 0.25)")
 
 
 def _check_lightning_options(cfg: TrainerConfig) -> None:
@@ -194,11 +194,11 @@ def _check_lightning_options(cfg: TrainerConfig) -> None:
     interval = cfg.val_check_interval
     if interval is not None and not ((_is_int(interval) and interval >= 1) or
                                      (isinstance(interval, float) and 0.0 < interval <= 1.0)):
-        raise ConfigError(f"trainer.val_check_interval={interval!r}; give a number of training batches "
-                          f"(>= 1) or a fraction of the epoch in (0, 1]")
+        raise ConfigError(f"trainer.val_check_interval was passed invalid value {interval!r}; give a "
+                          f"number of training batches (>= 1) or a fraction of the epoch in (0, 1]")
     if not (isinstance(cfg.fast_dev_run, bool) or (_is_int(cfg.fast_dev_run) and cfg.fast_dev_run >= 0)):
-        raise ConfigError(f"trainer.fast_dev_run={cfg.fast_dev_run!r}; use true, false, or a number of "
-                          f"batches")
+        raise ConfigError(f"trainer.fast_dev_run={cfg.fast_dev_run!r} should be >= 0: use true, false, or a "
+                          f"number of batches")
     if cfg.max_time is not None:
         parse_max_time(cfg.max_time)
 

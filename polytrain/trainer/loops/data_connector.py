@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import multiprocessing as mp
+import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -16,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
 from polytrain.core.errors import ConfigError
+from polytrain.core.rank_zero import rank_zero_warn
 from polytrain.core.rng import restore_rng_state, user_seed
 from polytrain.data.combined_loader import CombinedLoader, map_loaders
 from polytrain.data.loaders import (
@@ -88,9 +91,9 @@ class DataConnector:
             loader = CombinedLoader(loader, "max_size_cycle")
         if isinstance(loader, CombinedLoader):
             if loader.mode == "sequential":
-                raise ConfigError(f"{LOADER_METHOD[stage]}(): training does not support "
-                                  f"CombinedLoader(mode='sequential'); the available modes are min_size, "
-                                  f"max_size_cycle and max_size")
+                raise ConfigError(f"{LOADER_METHOD[stage]}(): training (Lightning's `FitLoop`) does not "
+                                  f"support CombinedLoader(mode='sequential'); the available modes are "
+                                  f"min_size, max_size_cycle and max_size")
             return map_loaders(loader, lambda one: self._process(stage, one, resumed_dp)).batches()
         return self._process(stage, loader, resumed_dp)
 
@@ -111,6 +114,8 @@ class DataConnector:
     def _process(self, stage: str, loader: Any, resumed_dp: int | None = None) -> Any:
         """``loader`` as this stage reads it: overfit_batches' order, the strategy's sampler."""
         cfg, strategy = self.config, self.strategy
+        per_node = max(1, strategy.world_size // max(1, strategy.num_nodes))
+        check_workers(loader, f"{stage}_dataloader", per_node)
         if (cfg.overfit_batches and isinstance(loader, DataLoader) and stage == "train"
                 and not isinstance(loader.dataset, IterableDataset)
                 and not isinstance(loader.sampler, SequentialSampler)):
@@ -152,7 +157,8 @@ class DataConnector:
         if isinstance(limit, float) and limit <= 1.0:  # a fraction of the epoch (1.0: all of it)
             if length is None:
                 raise ConfigError(f"trainer.{option}={limit} is a fraction, but the {stage} loader has no "
-                                  f"length (an IterableDataset?); give a number of batches")
+                                  f"length (an `IterableDataset`?): `Trainer({option})` must be `1.0` or an "
+                                  f"int, a number of batches")
             count = int(length * limit)
             if count == 0 and limit > 0:
                 raise ConfigError(f"trainer.{option}={limit} x {length} {stage} batches = 0 batches; use at "
@@ -162,6 +168,25 @@ class DataConnector:
             raise ConfigError(f"trainer.{option}={limit}: give a fraction in [0, 1] or a whole number of "
                               f"batches")
         return int(limit) if length is None else min(length, int(limit))
+
+
+def check_workers(loader: Any, name: str, processes_per_node: int) -> None:
+    """Lightning's warnings about a DataLoader's workers: too few for this machine's cores (loading then
+    starves the step), or spawned workers started again every epoch."""
+    if not isinstance(loader, DataLoader):
+        return
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    upper_bound = max(1, cpus // processes_per_node - 1)  # one core left to the training process
+    context = loader.multiprocessing_context
+    start_method = context.get_start_method() if context is not None else mp.get_start_method()
+    if loader.num_workers > 0 and start_method == "spawn" and not loader.persistent_workers:
+        rank_zero_warn(f"Consider setting `persistent_workers=True` in '{name}' to speed up the dataloader "
+                       f"worker initialization (spawned workers start again for every epoch)")
+    elif loader.num_workers < 2 and upper_bound > 1:
+        rank_zero_warn(f"The '{name}' does not have many workers which may be a bottleneck. Consider "
+                       f"increasing the value of the `num_workers` argument to "
+                       f"`num_workers={upper_bound}` in the `DataLoader` to improve performance "
+                       f"({cpus} cores for {processes_per_node} process(es) on this node)")
 
 
 def several_loaders(loaders: Any) -> list[Any]:

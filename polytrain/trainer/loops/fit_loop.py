@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from polytrain.core import heartbeat
-from polytrain.core.errors import ConfigError
+from polytrain.core.errors import ConfigError, first_few
 from polytrain.core.rank_zero import rank_zero_warn
 from polytrain.core.rng import isolate_rng, training_streams, user_seed
 from polytrain.core.states import RunningStage, TrainerState
@@ -175,6 +175,11 @@ class FitLoop:
         limit = self.loaders.batch_limit("train", data.train_loader)
         data.num_training_batches, self.agreed = check_batches(strategy, data.train_loader, "train",
                                                                limit)
+        batches, every = data.num_training_batches, cfg.log_every_n_steps
+        if self.loggers and batches is not None and batches < every and not cfg.fast_dev_run:
+            rank_zero_warn(f"The number of training batches ({batches}) is smaller than the logging "
+                           f"interval Trainer(log_every_n_steps={every}): set a lower value for "
+                           f"log_every_n_steps to see logs within each training epoch")
         # Training steps get a stream per data-parallel rank (tensor/pipeline peers of a replica share it),
         # and sharded regions (polytrain.layers.sharded_rng) one per global rank.
         lightning_seed = user_seed() if strategy.world_size > 1 else None  # the user's seed_everything
@@ -190,6 +195,12 @@ class FitLoop:
         if not sanity:  # as Lightning: without a sanity check the val loader is asked for here
             self._request_val()
         self.metrics.start_stage("train", EPOCH_ONLY)
+        in_eval = [name or type(self.module).__name__ for name, m in self.module.named_modules()
+                   if not m.training]
+        if in_eval:  # as Lightning: a frozen BatchNorm left in eval mode is fine; a whole model is likely not
+            rank_zero_warn(f"Found {len(in_eval)} module(s) in eval mode at the start of training "
+                           f"({first_few(in_eval)}): they train as they are (dropout off, BatchNorm "
+                           f"statistics frozen). If this is intentional, you can ignore this warning")
         hooks("on_train_start")
         self.stopping.reset()
         if cfg.fast_dev_run:
