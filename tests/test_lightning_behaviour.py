@@ -502,3 +502,118 @@ def test_lightning_worded_config_errors(make_trainer: Any) -> None:
         make_trainer(fast_dev_run=-1)
     with pytest.raises(MisconfigurationException, match="should be an int >= 0"):
         make_trainer(reload_dataloaders_every_n_epochs=-1)
+
+
+# --------------------------------------------------------------------------- the trainer's surface
+
+
+def test_metrics_are_tensors_and_reduce_fx_takes_lightnings_spellings(make_trainer: Any) -> None:
+    class Spelled(TinyModule):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = super().training_step(batch, batch_idx)
+            self.log("top", float(batch_idx), on_epoch=True, on_step=False, reduce_fx=torch.max,
+                     prog_bar=True)
+            self.log("total", 1.0, on_epoch=True, on_step=False, reduce_fx="SUM")
+            self.log("avg", float(batch_idx), on_epoch=True, on_step=False, reduce_fx="avg")
+            return loss
+
+    trainer = make_trainer(max_epochs=1, logger=True)
+    trainer.fit(Spelled(n=16))
+    logged, shown = trainer.logged_metrics, trainer.progress_bar_metrics
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in [*logged.values(), *shown.values()])
+    assert (float(logged["top"]), float(logged["total"]), float(logged["avg"])) == (3.0, 4.0, 1.5)
+    assert trainer.progress_bar_callback is None or "top" in trainer.progress_bar_callback.get_metrics(
+        trainer, trainer.lightning_module)
+    with pytest.raises(MisconfigurationException, match="only reduce_fx"):
+        make_trainer(max_epochs=1).fit(_LogsWith(reduce_fx=torch.median))
+
+
+class _LogsWith(TinyModule):
+    def __init__(self, **log_kwargs: Any) -> None:
+        super().__init__()
+        self.log_kwargs = log_kwargs
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.log("x", 1.0, **self.log_kwargs)
+        return super().training_step(batch, batch_idx)
+
+
+def test_gradients_left_before_a_stage_are_cleared_when_it_starts(make_trainer: Any) -> None:
+    seen: list[bool] = []
+
+    class Leftover(TinyModule):
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 0:
+                seen.append(self.net.weight.grad is None)
+
+    module = Leftover()
+    module.net.weight.grad = torch.ones_like(module.net.weight)  # from the user's own code before fit
+    make_trainer(max_epochs=1, limit_train_batches=1).fit(module)
+    assert seen == [True]
+
+
+def test_a_mid_epoch_resume_does_not_start_that_epoch_again(make_trainer: Any, tmp_path: Any) -> None:
+    """As Lightning: the resumed epoch had begun (its on_train_epoch_start ran before the checkpoint);
+    the fit-end checkpoint is written before on_train_end runs."""
+    starts: list[int] = []
+    order: list[str] = []
+
+    class Epochs(Callback):
+        def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+            starts.append(trainer.current_epoch)
+
+        def on_save_checkpoint(self, trainer: Any, module: Any, checkpoint: Any) -> None:
+            order.append("save")
+
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            order.append("on_train_end")
+
+    saver = ModelCheckpoint(dirpath=str(tmp_path), every_n_epochs=0)
+    first = make_trainer(max_steps=3, callbacks=[saver, Epochs()], enable_checkpointing=True)
+    first.fit(TinyModule(n=16))
+    assert order == ["save", "on_train_end"] and starts == [0]
+    starts.clear()
+    make_trainer(max_epochs=2, callbacks=[Epochs()]).fit(TinyModule(n=16), ckpt_path=saver.last_model_path)
+    assert starts == [1]  # epoch 0 resumed at batch 3 without its start hook; epoch 1 starts
+
+
+def test_a_manual_step_hands_the_closure_and_keywords_to_the_optimizer(make_trainer: Any) -> None:
+    received: list[tuple[bool, dict[str, Any]]] = []
+
+    class Recording(torch.optim.LBFGS):
+        def step(self, closure: Any = None, **kwargs: Any) -> Any:
+            received.append((closure is not None, kwargs))
+            return super().step(closure)
+
+    class Manual(TinyModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def configure_optimizers(self) -> Any:
+            return Recording(self.parameters(), lr=0.1, max_iter=2)
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt = self.optimizers()
+
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+                self.manual_backward(loss)
+                return loss
+
+            opt.step(closure=closure, hint="kept")
+
+    make_trainer(max_epochs=1, limit_train_batches=2).fit(Manual())
+    assert received == [(True, {"hint": "kept"})] * 2
+
+
+def test_the_trainer_names_each_stages_loaders_and_batches(make_trainer: Any) -> None:
+    module, trainer = _SeveralLoaders(), make_trainer(num_sanity_val_steps=1)
+    assert trainer.test_dataloaders is None and trainer.num_test_batches == []
+    trainer.test(module, verbose=False)
+    assert len(trainer.test_dataloaders) == 2 and trainer.num_test_batches == [2, 2]
+    trainer.predict(module)
+    assert len(trainer.predict_dataloaders) == 2 and trainer.num_predict_batches == [2, 2]
+    trainer.validate(module, verbose=False)
+    assert trainer.num_sanity_val_batches == [1, 1]

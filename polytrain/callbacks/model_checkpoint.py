@@ -142,6 +142,7 @@ class ModelCheckpoint(Callback):
             yaml.safe_dump({path: float(score) for path, score in self.best_k_models.items()}, out)
 
     def setup(self, trainer: Any, module: Any, stage: str) -> None:
+        self.__dict__["_max_steps_save"] = self.save_on_fit_end and trainer.config.max_steps >= 0
         if not self._dirpath_given:  # the run's own directory (trainer.log_dir: <run_dir>/version_<n>)
             self.dirpath = checkpoint_dir(trainer.log_dir)
         self._forget_foreign_files()
@@ -167,7 +168,8 @@ class ModelCheckpoint(Callback):
     def idle_batch_hooks(self) -> tuple[str, ...]:
         """Without step-based saving the batch hook has nothing to do; the loop skips it
         (it asks each epoch)."""
-        return () if self.every_n_train_steps or self._timer is not None else ("on_train_batch_end",)
+        by_step = self.every_n_train_steps or self._timer is not None
+        return () if by_step or self.__dict__.get("_max_steps_save") else ("on_train_batch_end",)
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Only right after an optimizer step: under gradient accumulation the other micro-batches end
@@ -178,6 +180,9 @@ class ModelCheckpoint(Callback):
         due = bool(n) and stepped and step % n == 0
         # Every rank reaches the timer at the same steps (it communicates only at agreed check steps).
         due = (stepped and self._timer is not None and self._timer.due(step, trainer.strategy)) or due
+        # The step max_steps ends the fit at: saved now, as Lightning's epoch-end save at that step comes
+        # before on_train_end (which may read last_model_path); a validation at this step comes first.
+        due = due or (self.save_on_fit_end and stepped and 0 <= trainer.config.max_steps <= step)
         if due and step != self._last_saved_step:
             if _progress(trainer, "validation_due", False):
                 self._after_validation_step = trainer.global_step  # saved in on_validation_end
@@ -225,10 +230,13 @@ class ModelCheckpoint(Callback):
             return True  # no validation at all
         return trainer.config.val_check_interval in (None, 1.0)  # unset: once, at the epoch's end
 
-    def on_fit_end(self, trainer: Any, module: Any) -> None:
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        # As Lightning's save at the end of training: before on_train_end's other hooks and on_fit_end.
         if self.save_on_fit_end and trainer.global_step != self._last_saved_step:
             # e.g. max_steps stopped mid-epoch: make `resume: last` continue from exactly here.
             self._save(trainer)
+
+    def on_fit_end(self, trainer: Any, module: Any) -> None:
         self._settle(trainer)
 
     # ------------------------------------------------------------------ saving

@@ -138,6 +138,9 @@ class ThroughputMonitor(Callback):
         self._t0: float | None = None
         self._samples = 0
 
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self._t0, self._samples = time.perf_counter(), 0  # also where a resume continues mid-epoch
+
     def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
         self._t0, self._samples = time.perf_counter(), 0
 

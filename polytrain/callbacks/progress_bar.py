@@ -25,13 +25,17 @@ class ProgressBar(Callback):
     def _tqdm(self, **kwargs: Any) -> Any:
         return tqdm(file=sys.stdout, dynamic_ncols=True, smoothing=0, **kwargs)
 
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        if trainer.batch_in_epoch:  # resumed mid-epoch: that epoch does not start again (no epoch-start hook)
+            self.on_train_epoch_start(trainer, module)
+
     def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
         if not trainer.is_logging_rank or not self.refresh_rate:
             return
         self._close()
         self._train = self._tqdm(total=trainer.num_training_batches, initial=trainer.batch_in_epoch,
                                  desc=f"Epoch {trainer.current_epoch}", unit="batch")
-        if trainer.progress_bar_metrics:
+        if trainer.metrics.progress_bar:
             self._train.set_postfix(self._postfix(trainer), refresh=False)
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -42,13 +46,18 @@ class ProgressBar(Callback):
                 self._pending = 0
 
     def on_log(self, trainer: Any, metrics: dict[str, float], step: int) -> None:
-        if self._train is not None and trainer.progress_bar_metrics:
+        if self._train is not None and trainer.metrics.progress_bar:
             self._train.set_postfix(self._postfix(trainer), refresh=False)
 
-    @staticmethod
-    def _postfix(trainer: Any) -> dict[str, str]:
-        return {k.split("/")[-1] if k.count("/") == 1 and k.startswith("train") else k: f"{v:.4g}"
-                for k, v in trainer.progress_bar_metrics.items()}
+    def get_metrics(self, trainer: Any, pl_module: Any) -> dict[str, int | str | float | dict[str, float]]:
+        """What the bar shows beside its counts, by name (Lightning's hook: override it to show more or
+        less): the values logged with ``prog_bar=True``."""
+        return dict(trainer.metrics.progress_bar)
+
+    def _postfix(self, trainer: Any) -> dict[str, str]:
+        shown = self.get_metrics(trainer, trainer.lightning_module)
+        return {k.split("/")[-1] if k.count("/") == 1 and k.startswith("train") else k:
+                f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in shown.items()}
 
     def on_validation_start(self, trainer: Any, module: Any) -> None:
         total = None if None in trainer.num_val_batches else sum(trainer.num_val_batches)
@@ -66,7 +75,7 @@ class ProgressBar(Callback):
         if self._eval is not None:
             self._eval.close()
             self._eval = None
-        if self._train is not None and trainer.progress_bar_metrics:
+        if self._train is not None and trainer.metrics.progress_bar:
             self._train.set_postfix(self._postfix(trainer))
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:

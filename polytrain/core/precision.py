@@ -129,22 +129,23 @@ class Precision:
         return self.scaler is None and type(self).optimizer_step is Precision.optimizer_step
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,
-                       after_closure: Callable[[], None] | None) -> Any:
+                       after_closure: Callable[[], None] | None, **kwargs: Any) -> Any:
         """Run ``closure`` (forward and backward), then ``after_closure`` (hooks and clipping, on
         unscaled gradients), then the update: the one place the fit loop's ``optimizer.step`` is called.
         Without a GradScaler the closure goes to ``optimizer.step`` itself, which calls it (an
         LBFGS-style optimizer may call it again), unless the optimizer is one of torch's that calls it
         first anyway (``runs_closure_itself``). No closure: a plain fit (``steps_plainly``), whose
-        forward and backward already ran and whose update is ``optimizer.step()`` alone."""
+        forward and backward already ran and whose update is ``optimizer.step()`` alone. ``kwargs``: what
+        a manual ``opt.step(closure, **kwargs)`` passed on, for the optimizer's own ``step``."""
         if closure is None:
-            return optimizer.step()
+            return optimizer.step(**kwargs)
         if self.scaler is None:
             if runs_closure_itself(optimizer):
                 # The same order and arithmetic as optimizer.step(closure), without running forward and
                 # backward inside step(): a frame and a closure call fewer per step (docs/performance.md).
                 result = closure()
                 after_closure()
-                optimizer.step()
+                optimizer.step(**kwargs)
                 return result
 
             def closure_and_hooks() -> Any:
@@ -152,7 +153,7 @@ class Precision:
                 after_closure()
                 return result
 
-            return optimizer.step(closure=closure_and_hooks)
+            return optimizer.step(closure=closure_and_hooks, **kwargs)
         result = closure()
         if not _has_grads(optimizer):
             # Every training_step of the window returned None: no backward ran, and the scaler
@@ -161,7 +162,7 @@ class Precision:
         self.unscale_gradients(optimizer)
         after_closure()
         # GradScaler.step skips the update when unscale_ found inf/NaN; update() then lowers the scale.
-        self.scaler.step(optimizer)
+        self.scaler.step(optimizer, **kwargs)
         self._stepped = True
         return result
 

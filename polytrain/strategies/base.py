@@ -353,11 +353,11 @@ class Strategy(CollectiveVerbs, ABC):
         return torch.nn.utils.clip_grad_norm_(params, value)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,
-                       after_closure: Callable[[], None] | None) -> Any:
+                       after_closure: Callable[[], None] | None, **kwargs: Any) -> Any:
         """Run ``closure`` (forward/backward), ``after_closure`` (hooks, clipping: gradients unscaled),
         then the update, through the precision (see ``Precision.optimizer_step``). Both None: a plain
         fit's update (``steps_plainly``)."""
-        return self.precision.optimizer_step(optimizer, closure, after_closure)
+        return self.precision.optimizer_step(optimizer, closure, after_closure, **kwargs)
 
     @property
     def steps_plainly(self) -> bool:

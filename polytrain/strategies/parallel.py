@@ -320,11 +320,11 @@ class ParallelStrategy(Strategy):
         return not self.tensor_parallel and self.precision.steps_plainly
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,
-                       after_closure: Callable[[], None] | None) -> Any:
+                       after_closure: Callable[[], None] | None, **kwargs: Any) -> Any:
         if self.tensor_parallel:
             # Partial gradients (sequence parallel) summed once, before the hooks and clipping
             after_closure = tp_fn.partial_grads_reduced_first(optimizer, after_closure)
-        return self.precision.optimizer_step(optimizer, closure, after_closure)
+        return self.precision.optimizer_step(optimizer, closure, after_closure, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints and teardown
     @property

@@ -276,11 +276,33 @@ class Trainer:
     @property
     def val_loader(self) -> Any:
         """The validation loader, or the list of them where there are several (None: none)."""
-        loaders = self.fit_loop.data.val_loaders
-        return loaders[0] if len(loaders) == 1 else (loaders or None)
+        return _one_or_list(self.fit_loop.data.val_loaders)
 
     train_dataloader = train_loader
     val_dataloaders = val_loader
+
+    @property
+    def test_dataloaders(self) -> Any:
+        """The newest test's loader, or the list of them where there were several (None: none yet)."""
+        return _one_or_list(self.eval_progress.loaders.get("test"))
+
+    @property
+    def predict_dataloaders(self) -> Any:
+        return _one_or_list(self.eval_progress.loaders.get("predict"))
+
+    @property
+    def num_test_batches(self) -> list[int | None]:
+        return list(self.eval_progress.limits.get("test", []))
+
+    @property
+    def num_predict_batches(self) -> list[int | None]:
+        return list(self.eval_progress.limits.get("predict", []))
+
+    @property
+    def num_sanity_val_batches(self) -> list[int | None]:
+        """Batches the sanity check runs of each validation loader (``num_sanity_val_steps`` at most)."""
+        steps = self.config.num_sanity_val_steps
+        return [n if steps == -1 or n is None else min(steps, n) for n in self.fit_loop.data.val_batches]
 
     @property
     def optimizers(self) -> list[Any]:
@@ -301,13 +323,15 @@ class Trainer:
         """Manual optimisation: this batch is not the last of its accumulation window."""
         return bool(getattr(self.fit_loop.optimization, "accumulating", False))
 
+    # What went to the loggers and the progress bar, as Lightning holds them: 0-dim tensors (made when read:
+    # the loop keeps floats, already on the host).
     @property
-    def logged_metrics(self) -> dict[str, float]:
-        return self.metrics.logged
+    def logged_metrics(self) -> dict[str, torch.Tensor]:
+        return {name: torch.tensor(value) for name, value in self.metrics.logged.items()}
 
     @property
-    def progress_bar_metrics(self) -> dict[str, float]:
-        return self.metrics.progress_bar
+    def progress_bar_metrics(self) -> dict[str, torch.Tensor]:
+        return {name: torch.tensor(value) for name, value in self.metrics.progress_bar.items()}
 
     def __getattr__(self, name: str) -> Any:
         # Lightning code reads options as attributes (trainer.max_epochs, trainer.accumulate_grad_batches).
@@ -449,6 +473,7 @@ class Trainer:
     def _run_stage(self, stage: str, ckpt_path: str | None, model_given: bool, verbose: bool) -> Any:
         """The stage's loop, once ``_begin_stage`` set it up, then its tear-down."""
         self.metrics.reset()
+        self.module.zero_grad()  # as Lightning: gradients left by code before the stage do not leak into it
         if stage == "fit":
             # As Lightning, anomaly detection covers the fit loop only.
             with torch.autograd.set_detect_anomaly(self.config.detect_anomaly):
@@ -499,6 +524,9 @@ class Trainer:
         limits = [connector.batch_limit(loader_stage, loader) for loader in loaders]
         if loader_stage == "val":  # trainer.val_dataloaders / num_val_batches show this validation's
             self.fit_loop.data.use_val(loaders, limits)
+        else:
+            self.eval_progress.loaders[loader_stage] = loaders
+            self.eval_progress.limits[loader_stage] = limits
         try:
             result = self.evaluation.run(loaders, loader_stage, limits, entry=stage, epoch=self.current_epoch,
                                          global_step=self.global_step)
@@ -543,6 +571,13 @@ class Trainer:
             raise RuntimeError("manual_backward is for manual optimisation: set self.automatic_optimization "
                                "= False in __init__, or return the loss from training_step")
         self.strategy.manual_backward(loss, *args, **kwargs)
+
+
+def _one_or_list(loaders: list[Any] | None) -> Any:
+    """A stage's loaders as Lightning's trainer shows them: the loader, a list of several, or None."""
+    if not loaders:
+        return None
+    return loaders[0] if len(loaders) == 1 else list(loaders)
 
 
 def _stage_in_worker(trainer_cls: type[Trainer], trainer_kwargs: dict[str, Any], callbacks: list[Any],

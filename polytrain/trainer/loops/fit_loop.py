@@ -343,7 +343,8 @@ class FitLoop:
             stop_workers(None, self.data.train_loader, keep_persistent=False)  # the loader being replaced
             self.data.train_loader = self.request_train_loader()
         self.metrics.start_stage("train", EPOCH_ONLY)
-        self.hooks("on_train_epoch_start")
+        if first is None or not first[1]:  # as Lightning: an epoch resumed mid-way has already started
+            self.hooks("on_train_epoch_start")
         # The epoch's iterator after the hook, as Lightning.
         iterator, start = first if first is not None else self._epoch_iterator()
         if start and p.validation_due is None:  # a file from before the loop recorded it

@@ -58,8 +58,7 @@ class StepOptimizer:
     precision (unscaling, skipped overflow steps), hooks, step counting. It is also an instance of the
     wrapped optimizer's class and shares its state; ``.optimizer`` is the raw one."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer,
-                 step: Callable[[torch.optim.Optimizer, Any], Any]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> None:
         self.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in ("step", "__del__")})
         self._optimizer = optimizer
         self._step = step
@@ -69,7 +68,9 @@ class StepOptimizer:
         return self._optimizer
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        return self._step(self._optimizer, closure)
+        """The update, through the fit's optimisation; ``closure`` and ``kwargs`` reach the optimizer's own
+        ``step`` (an LBFGS calls the closure again), as Lightning hands them on."""
+        return self._step(self._optimizer, closure, **kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
@@ -78,8 +79,7 @@ class StepOptimizer:
         return f"StepOptimizer({self._optimizer!r})"
 
 
-def wrap_optimizer(optimizer: torch.optim.Optimizer, step: Callable[[torch.optim.Optimizer, Any], Any]
-                   ) -> StepOptimizer:
+def wrap_optimizer(optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> StepOptimizer:
     cls = type(f"Step{type(optimizer).__name__}", (StepOptimizer, type(optimizer)), {})
     wrapped = cls.__new__(cls)
     StepOptimizer.__init__(wrapped, optimizer, step)
@@ -206,10 +206,11 @@ class AutomaticOptimization:
         return closure.result, not self.guard.skip_step
 
     def _step_optimizer(self, optimizer: torch.optim.Optimizer,
-                        closure: Callable[[], Any] | None = None) -> Any:
+                        closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """One optimizer's step through the strategy (precision, the after-closure hooks and clipping)."""
         with self.update_phase:
-            return self.strategy.optimizer_step(optimizer, closure or _no_closure, self._after[id(optimizer)])
+            return self.strategy.optimizer_step(optimizer, closure or _no_closure, self._after[id(optimizer)],
+                                                **kwargs)
 
     def _zero_grad(self) -> None:
         for k, opt in enumerate(self.optimizers):
@@ -275,10 +276,10 @@ class ManualOptimization:
         return output, False  # steps were counted as the module took them
 
     def _step_optimizer(self, optimizer: torch.optim.Optimizer,
-                        closure: Callable[[], Any] | None = None) -> Any:
+                        closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         with self.update_phase:
             result = self.strategy.optimizer_step(optimizer, closure or _no_closure,
-                                                  functools.partial(self._before_update, optimizer))
+                                                  functools.partial(self._before_update, optimizer), **kwargs)
         self.count_step()  # manual optimisation counts every optimizer.step(), as Lightning
         return result
 

@@ -177,6 +177,10 @@ class EvalProgress:
     per-step evaluation values, as each of Lightning's loops counts its own."""
 
     batches: dict[str, int] = field(default_factory=dict)
+    # the loaders the newest test and predict passes read, and the batches each ran of them
+    # (trainer.test_dataloaders, num_test_batches; the fit's validation loaders are in EpochData)
+    loaders: dict[str, list[Any]] = field(default_factory=dict)
+    limits: dict[str, list[int | None]] = field(default_factory=dict)
 
     def next_step(self, stage: str) -> int:
         step = self.batches.get(stage, 0)

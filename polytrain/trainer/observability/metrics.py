@@ -24,11 +24,16 @@ import torch
 
 from polytrain.core import collectives as C
 from polytrain.core.batch import batch_size_of
+from polytrain.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from polytrain.trainer.api.hooks import Hooks
 
 REDUCE_FX = ("mean", "sum", "max", "min")
+# Lightning's other ways of naming them
+_REDUCE_SPELLINGS: dict[Any, str] = {"avg": "mean", "mean": "mean", "sum": "sum", "max": "max", "min": "min",
+                                     torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min",
+                                     sum: "sum", max: "max", min: "min"}
 # The trainer's own files (every room of polytrain/trainer): frames there are not the user's hook.
 _TRAINER = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -178,12 +183,16 @@ class MetricCollector:
         defaults = self.defaults
         on_step = defaults[0] if on_step is None else on_step
         on_epoch = defaults[1] if on_epoch is None else on_epoch
+        if reduce_fx != "mean":  # Lightning's other spellings: "avg", "MAX", torch.max, max, ...
+            reduce_fx = _REDUCE_SPELLINGS.get(reduce_fx.lower() if isinstance(reduce_fx, str) else reduce_fx,
+                                              reduce_fx)
         options = (on_step, on_epoch, prog_bar, logger, reduce_fx, sync_dist)
         entry = self._current.get(name)
         if entry is None or entry.options != options:
             if reduce_fx not in REDUCE_FX:
-                raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}); valid: "
-                                 f"{', '.join(REDUCE_FX)}")
+                raise ConfigError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): only "
+                                  f"reduce_fx={{min,max,mean,sum}} are supported (also as torch.min, ...); "
+                                  f"for a custom reduction log a torchmetrics Metric")
             if not (on_step or on_epoch):
                 raise ValueError(f"self.log({name!r}) with on_step=False and on_epoch=False records nothing")
             entry = self._current[name] = Logged(name, options)
