@@ -136,7 +136,7 @@ def measure(args: argparse.Namespace, mode: str) -> dict[str, Any]:
                           activation_checkpointing=MODES[mode][0])
         trainer.fit(module)
     return {"peak": probe.peak, "held": probe.held, "step": statistics.median(probe.times),
-            "loss": trainer.logged_metrics["train/loss"], "reserve": probe.reserve}
+            "loss": float(trainer.logged_metrics["train/loss"]), "reserve": probe.reserve}
 
 
 def peak_and_held(events: list[dict[str, Any]]) -> tuple[int, int]:

@@ -129,7 +129,7 @@ def run_polytrain(args: argparse.Namespace, ds: Any, strategy: str, compiled: bo
     trainer.fit(module)
     return {"seconds": clock.t1 - clock.t0, "cpu": clock.c1 - clock.c0,
             # the last step's value (Lightning's logged_metrics)
-            "loss": trainer.logged_metrics["train/loss"]}
+            "loss": float(trainer.logged_metrics["train/loss"])}
 
 
 def run_hand(args: argparse.Namespace, ds: Any, strategy: str, compiled: bool,

@@ -40,7 +40,7 @@ def test_the_step_reaches_optimizer_step_within_six_hops_from_the_fit_loop() -> 
     assert numbers[:6] == [1, 2, 3, 4, 5, 6], numbers  # the closure path, in order
     assert hops[[i for i, m in enumerate(hops) if m is not None][0]].group(2).endswith("fit_loop.py")
     last = [m for m in hops if m is not None and int(m.group(1)) == 6][0]
-    assert last.group(2) == "polytrain/core/precision.py" and last.group(4) == "optimizer.step()"
+    assert last.group(2) == "polytrain/core/precision.py" and last.group(4) == "optimizer.step(**kwargs)"
     assert max(numbers) <= 6
 
 

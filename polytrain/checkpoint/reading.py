@@ -38,9 +38,11 @@ def read_checkpoint(path: str, weights_only: bool = True) -> dict[str, Any]:
         return read_sharded(path)
     verify_file(path)
     try:
-        # weights_only=False only where the caller asked for it (load_from_checkpoint(weights_only=False),
-        # for a Lightning file holding pickled objects): it runs whatever code the file names
-        data = torch.load(path, map_location="cpu", weights_only=weights_only)
+        if weights_only:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        else:  # the caller's explicit choice (load_from_checkpoint(weights_only=False), a trusted Lightning
+            # file holding pickled objects): it runs whatever code the file names
+            data = torch.load(path, map_location="cpu", weights_only=False)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist") from None
     except Exception as err:  # an unpickling refusal or a torn file

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from polytrain.checkpoint.reading import read_checkpoint
@@ -135,8 +136,6 @@ def _is_omegaconf(value: Any) -> bool:
 
 def _to_plain_container(source: Mapping[str, Any]) -> dict[str, Any]:
     if _is_omegaconf(source):
-        from omegaconf import OmegaConf  # a dependency; imported here only when a config is saved
-
         return OmegaConf.to_container(source, resolve=True)
     return dict(source)
 
@@ -144,8 +143,6 @@ def _to_plain_container(source: Mapping[str, Any]) -> dict[str, Any]:
 def _rebuilt_container(values: dict[str, Any], kind: str | None) -> Any:
     """The hyperparameters as the ``__init__`` argument took them (``_container_type``)."""
     if kind == "DictConfig":
-        from omegaconf import OmegaConf
-
         return OmegaConf.create(values)
     if kind == "Namespace":
         return argparse.Namespace(**values)
