@@ -617,3 +617,81 @@ def test_the_trainer_names_each_stages_loaders_and_batches(make_trainer: Any) ->
     assert len(trainer.predict_dataloaders) == 2 and trainer.num_predict_batches == [2, 2]
     trainer.validate(module, verbose=False)
     assert trainer.num_sanity_val_batches == [1, 1]
+
+
+# --------------------------------------------------------------------------- options, loggers, DataModules
+
+
+def test_deterministic_warn_turns_errors_into_warnings(make_trainer: Any) -> None:
+    try:
+        make_trainer(max_epochs=1, limit_train_batches=1, deterministic="warn").fit(TinyModule())
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    with pytest.raises(MisconfigurationException, match="use true, false or 'warn'"):
+        make_trainer(deterministic="sometimes")
+
+
+def test_csv_logger_names_and_hyperparameters_yaml_cannot_hold(tmp_path: Any) -> None:
+    from polytrain.loggers import CSVLogger
+    from polytrain.loggers.csv_logs import ExperimentWriter
+
+    assert (ExperimentWriter.NAME_METRICS_FILE, ExperimentWriter.NAME_HPARAMS_FILE) == ("metrics.csv",
+                                                                                         "hparams.yaml")
+    logger = CSVLogger(str(tmp_path), name=None)
+    assert logger.log_dir == os.path.join(str(tmp_path), "version_0")
+    with pytest.warns(UserWarning, match="Skipping 'layer' parameter"):
+        logger.log_hyperparams({"lr": 0.1, "layer": torch.nn.BatchNorm1d(3)})
+    logger.log_hyperparams()
+    with open(os.path.join(logger.log_dir, "hparams.yaml")) as f:
+        assert yaml.safe_load(f) == {"lr": 0.1}
+
+
+def test_from_datasets_builds_the_datamodule_with_its_own_arguments() -> None:
+    from polytrain import LightningDataModule
+
+    class Known(LightningDataModule):
+        def __init__(self, other: int, batch_size: int = 1) -> None:
+            super().__init__()
+            self.other, self.batch_size = other, batch_size
+
+    dataset = TinyModule(n=8).train_ds
+    dm = Known.from_datasets(dataset, batch_size=4, num_workers=0, other=5)
+    assert (dm.other, dm.batch_size) == (5, 4) and dm.train_dataloader().batch_size == 4
+    with pytest.raises(TypeError, match="other"):
+        Known.from_datasets(dataset, batch_size=4)
+
+
+def test_progress_bar_batch_totals(make_trainer: Any) -> None:
+    from polytrain.callbacks import TQDMProgressBar
+
+    totals: list[Any] = []
+
+    class Reader(Callback):
+        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+            bar = trainer.progress_bar_callback
+            totals.append((bar.total_train_batches, bar.total_val_batches))
+
+    bar = TQDMProgressBar(refresh_rate=0)
+    make_trainer(max_epochs=4, limit_val_batches=2, check_val_every_n_epoch=2, enable_progress_bar=True,
+                 callbacks=[bar, Reader()]).fit(TinyModule(n=16))
+    assert totals == [(4, 0), (4, 2), (4, 0), (4, 2)]
+
+
+def test_learning_rate_monitor_checks_names_and_momentum(make_trainer: Any) -> None:
+    class Named(TinyModule):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD([{"params": [self.net.weight], "name": "same"},
+                                    {"params": [self.net.bias], "name": "same"}], lr=0.1)
+
+    with pytest.raises(MisconfigurationException, match="identical `name` values"):
+        make_trainer(max_epochs=1, callbacks=[LearningRateMonitor()]).fit(Named())
+
+    class Adagrad(TinyModule):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adagrad(self.parameters(), lr=0.1)
+
+    with pytest.warns(RuntimeWarning, match="do not have momentum \\(Adagrad\\)"):
+        make_trainer(max_epochs=1, limit_train_batches=1,
+                     callbacks=[LearningRateMonitor(log_momentum=True)]).fit(Adagrad())

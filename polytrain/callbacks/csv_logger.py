@@ -83,6 +83,9 @@ class CSVExperiment:
         replace_text(self.metrics_file_path, text.getvalue())
 
 
+ExperimentWriter = CSVExperiment  # Lightning's name for it (loggers.csv_logs.ExperimentWriter)
+
+
 class CSVLogger(DirectoryLogger):
     """Lightning's ``CSVLogger(save_dir, name="lightning_logs", version=None, prefix="",
     flush_logs_every_n_steps=100)``: the file is written every ``flush_logs_every_n_steps`` logged
@@ -125,8 +128,10 @@ class CSVLogger(DirectoryLogger):
         if trainer.is_logging_rank and trainer.global_step > 0:
             self.experiment.continue_from(trainer.global_step)
 
-    def log_hyperparams(self, params: Any) -> None:
-        self.experiment.log_hparams(dict(params))
+    def log_hyperparams(self, params: Any = None) -> None:
+        """``params`` (a dict or Namespace) into ``hparams.yaml``; none: the file with what was logged."""
+        self.experiment.log_hparams(dict(vars(params) if hasattr(params, "__dict__") and not isinstance(
+            params, dict) else (params or {})))
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         self.experiment.log_metrics(prefixed(metrics, self._prefix), step)

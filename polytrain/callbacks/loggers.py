@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -234,5 +235,16 @@ class DirectoryLogger(Logger):
 
 
 def write_hparams_yaml(path: str, params: dict[str, Any]) -> None:
+    """``params`` as YAML; a value YAML cannot hold safely (a module, a tensor) is left out, with a warning
+    naming it, as Lightning's ``save_hparams_to_yaml`` does."""
+    kept: dict[str, Any] = {}
+    for name, value in params.items():
+        try:
+            yaml.safe_dump(value)
+        except yaml.YAMLError:
+            warnings.warn(f"Skipping {name!r} parameter because it is not possible to safely dump to YAML "
+                          f"({type(value).__name__})", stacklevel=3)
+            continue
+        kept[name] = value
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    replace_text(path, yaml.safe_dump(params, sort_keys=False))
+    replace_text(path, yaml.safe_dump(kept, sort_keys=False))

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from polytrain.callbacks.base import Callback
+from polytrain.core.errors import ConfigError
+from polytrain.core.rank_zero import rank_zero_warn
 
 
 def _log(trainer: Any, metrics: dict[str, float], step: int) -> None:
@@ -52,7 +54,14 @@ class LearningRateMonitor(Callback):
         self.last_weight_decay_values: dict[str, float | None] = {}
 
     def on_train_start(self, trainer: Any, module: Any) -> None:
-        names = [name for _, _, group_names in _named_optimizers(trainer) for name in group_names]
+        named = _named_optimizers(trainer)  # raises for parameter groups that share a name
+        names = [name for _, _, group_names in named for name in group_names]
+        without = [type(opt).__name__ for opt, _, _ in named
+                   if "betas" not in opt.defaults and "momentum" not in opt.defaults]
+        if self.log_momentum and without:
+            rank_zero_warn(f"You have set log_momentum=True, but some optimizers do not have momentum "
+                           f"({', '.join(without)}): a value of 0 is logged for them",
+                           category=RuntimeWarning)
         self.lrs = {name: [] for name in names}
         if self.log_momentum:
             self.last_momentum_values = {f"{name}-momentum": None for name in names}
@@ -113,6 +122,11 @@ def _named_optimizers(trainer: Any) -> list[tuple[Any, str | None, list[str]]]:
         if count.get(kind, 0) > 1:
             name = f"{name}-{count[kind] - 1}"
         groups = optimizer.param_groups
+        given = [group["name"] for group in groups if group.get("name")]
+        if len(set(given)) != len(given):
+            raise ConfigError(f"LearningRateMonitor: a single `Optimizer` cannot have multiple parameter "
+                              f"groups with identical `name` values ({type(optimizer).__name__}: {given}); "
+                              f"name them apart, or leave the names out (pg1, pg2, ...)")
         if len(groups) > 1:
             return [f"{name}/{group.get('name', f'pg{i + 1}')}" for i, group in enumerate(groups)]
         return [f"{name}/{groups[0]['name']}" if groups[0].get("name") else name]

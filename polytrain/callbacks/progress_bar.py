@@ -21,6 +21,7 @@ class ProgressBar(Callback):
         self._train: Any = None
         self._eval: Any = None
         self._pending = 0  # training batches done since the bar was last moved
+        self._trainer: Any = None  # the running stage's (the batch totals read it)
 
     def _tqdm(self, **kwargs: Any) -> Any:
         return tqdm(file=sys.stdout, dynamic_ncols=True, smoothing=0, **kwargs)
@@ -48,6 +49,30 @@ class ProgressBar(Callback):
     def on_log(self, trainer: Any, metrics: dict[str, float], step: int) -> None:
         if self._train is not None and trainer.metrics.progress_bar:
             self._train.set_postfix(self._postfix(trainer), refresh=False)
+
+    # Lightning's names for the batches each loop runs (None: a loader without length)
+    @property
+    def total_train_batches(self) -> int | float | None:
+        return self._trainer.num_training_batches if self._trainer is not None else None
+
+    @property
+    def total_val_batches(self) -> int | float:
+        """The batches of the fit's next validation: 0 in an epoch that does not validate."""
+        trainer = self._trainer
+        if trainer is None or (trainer.state.fn == "fit" and not trainer.fit_loop.validates_this_epoch()):
+            return 0
+        return _total(trainer.num_val_batches)
+
+    @property
+    def total_test_batches(self) -> int | float:
+        return _total(self._trainer.num_test_batches) if self._trainer is not None else 0
+
+    @property
+    def total_predict_batches(self) -> int | float:
+        return _total(self._trainer.num_predict_batches) if self._trainer is not None else 0
+
+    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+        self._trainer = trainer
 
     def get_metrics(self, trainer: Any, pl_module: Any) -> dict[str, int | str | float | dict[str, float]]:
         """What the bar shows beside its counts, by name (Lightning's hook: override it to show more or
@@ -95,6 +120,11 @@ class ProgressBar(Callback):
             if bar is not None:
                 bar.close()
         self._train = self._eval = None
+
+
+def _total(counts: list[int | None]) -> int | float:
+    """A stage's batches over all its loaders (infinite where one has no length), as Lightning sums them."""
+    return float("inf") if None in counts else sum(counts)  # type: ignore[arg-type]
 
 
 class TQDMProgressBar(ProgressBar):

@@ -99,11 +99,11 @@ def restore_rng_state(state: dict[str, Any]) -> None:
                              npst["has_gauss"], npst["cached"]))
 
 
-def enable_deterministic() -> None:
-    """Deterministic kernels only (an error names any op without one); cuBLAS needs a fixed
-    workspace for that, which must be set before the first CUDA matmul."""
+def enable_deterministic(warn_only: bool = False) -> None:
+    """Deterministic kernels only (an error names any op without one; ``warn_only``: a warning); cuBLAS
+    needs a fixed workspace for that, which must be set before the first CUDA matmul."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
     torch.backends.cudnn.benchmark = False
 
 

@@ -8,6 +8,7 @@ is saved in checkpoints under its class name and given back to ``load_state_dict
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -46,8 +47,10 @@ class DataModule(HyperparametersMixin, DataHooks):
     @classmethod
     def from_datasets(cls, train_dataset: Dataset | None = None, val_dataset: Dataset | None = None,
                       test_dataset: Dataset | None = None, predict_dataset: Dataset | None = None,
-                      batch_size: int = 1, num_workers: int = 0, **loader_kwargs: Any) -> DataModule:
-        """A DataModule serving the given datasets (training shuffled)."""
+                      batch_size: int = 1, num_workers: int = 0, **datamodule_kwargs: Any) -> DataModule:
+        """A DataModule of this class serving the given datasets (training shuffled), as Lightning's:
+        ``datamodule_kwargs`` go to its ``__init__``, and ``batch_size`` and ``num_workers`` too where it
+        takes them (they also build the loaders)."""
         datasets = {"train": train_dataset, "val": val_dataset, "test": test_dataset,
                     "predict": predict_dataset}
 
@@ -55,15 +58,18 @@ class DataModule(HyperparametersMixin, DataHooks):
             def make(self: DataModule) -> Any:
                 dataset = datasets[stage]
                 return None if dataset is None else DataLoader(
-                    dataset, batch_size=batch_size, shuffle=stage == "train", num_workers=num_workers,
-                    **loader_kwargs)
+                    dataset, batch_size=batch_size, shuffle=stage == "train", num_workers=num_workers)
 
             make.__name__ = f"{stage}_dataloader"
             return make
 
         # A subclass of its own (not methods set on an instance): the loader methods are the class's.
         served = type(cls.__name__, (cls,), {f"{stage}_dataloader": loader(stage) for stage in datasets})
-        return served()
+        parameters = inspect.signature(cls.__init__).parameters
+        special = {"batch_size": batch_size, "num_workers": num_workers}
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+            special = {k: v for k, v in special.items() if k in parameters}
+        return served(**datamodule_kwargs, **special)
 
 
 LightningDataModule = DataModule  # Lightning's name for it

@@ -67,7 +67,7 @@ class TrainerConfig:
     gradient_clip_algorithm: str | None = None  # "norm" (the default when None) or "value"
     log_every_n_steps: int = 50
     seed: int | None = None  # None: polytrain leaves your RNG alone (docs/reproducibility.md)
-    deterministic: bool = False
+    deterministic: Any = False  # true, false, or "warn" (ops without a deterministic kernel warn)
     benchmark: bool | None = None  # torch.backends.cudnn.benchmark (None: leave it as it is)
     detect_anomaly: bool = False
     sync_batchnorm: bool = False  # cross-process BatchNorm, for strategies that have the option
@@ -188,6 +188,8 @@ def _check_lightning_options(cfg: TrainerConfig) -> None:
     for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
         _check_batches_option(name, getattr(cfg, name))
     _check_batches_option("overfit_batches", cfg.overfit_batches, allow_none=False)
+    if cfg.deterministic not in (True, False, "warn"):
+        raise ConfigError(f"trainer.deterministic={cfg.deterministic!r}; use true, false or 'warn'")
     if cfg.use_distributed_sampler not in (True, False, "always"):
         raise ConfigError(f"trainer.use_distributed_sampler={cfg.use_distributed_sampler!r}; use true, false "
                           f"or 'always'")

@@ -85,7 +85,7 @@ def strategy_for(config: TrainerConfig, plan: LaunchPlan) -> Strategy:
     if config.benchmark is not None:
         torch.backends.cudnn.benchmark = config.benchmark
     if config.deterministic:
-        enable_deterministic()
+        enable_deterministic(warn_only=config.deterministic == "warn")
     if config.detect_divergence:
         divergence.enable(config.timeout)  # before the process group starts
     return strategy

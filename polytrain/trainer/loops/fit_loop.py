@@ -233,6 +233,11 @@ class FitLoop:
         report_goodput(self.goodput, self.progress.global_step, staging_waited, strategy.is_global_zero,
                        self.loggers)
 
+    def validates_this_epoch(self) -> bool:
+        """Whether the current epoch runs a validation (``check_val_every_n_epoch``, a validation loader)."""
+        return self.schedule is not None and self.data.has_val() and self.schedule.epoch_validates(
+            self.progress.epoch)
+
     def estimated_stepping_batches(self) -> int | float:
         """The optimizer steps ``fit`` will take (Lightning's ``trainer.estimated_stepping_batches``). As
         Lightning, asking before training requests the training loader early (this fit then uses that
