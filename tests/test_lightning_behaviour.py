@@ -695,3 +695,38 @@ def test_learning_rate_monitor_checks_names_and_momentum(make_trainer: Any) -> N
     with pytest.warns(RuntimeWarning, match="do not have momentum \\(Adagrad\\)"):
         make_trainer(max_epochs=1, limit_train_batches=1,
                      callbacks=[LearningRateMonitor(log_momentum=True)]).fit(Adagrad())
+
+
+def test_an_iterable_dataset_empty_for_an_epoch_ends_that_epoch(make_trainer: Any) -> None:
+    from torch.utils.data import IterableDataset
+
+    class FirstEpochOnly(TinyModule):
+        def train_dataloader(self) -> DataLoader:
+            module = self
+
+            class Stream(IterableDataset):
+                def __iter__(self) -> Any:
+                    return iter(list(module.train_ds)[:3] if module.current_epoch == 0 else [])
+
+            return DataLoader(Stream(), batch_size=2)
+
+    trainer = make_trainer(max_epochs=2, limit_val_batches=0)
+    with pytest.warns(UserWarning, match="yielded no batch in epoch 1 .* the epoch ends without a step"):
+        trainer.fit(FirstEpochOnly())
+    assert (trainer.global_step, trainer.current_epoch) == (2, 2)
+
+
+def test_without_validation_step_checkpoints_and_early_stopping_work_on_training_metrics(
+        make_trainer: Any, tmp_path: Any) -> None:
+    class NoValidation(TinyModule):
+        validation_step = None
+
+        def on_train_epoch_end(self) -> None:
+            self.log("score", 1.0)  # never improves
+
+    saver = ModelCheckpoint(dirpath=str(tmp_path), monitor="score", filename="{epoch}")
+    stopper = EarlyStopping("score", patience=1, verbose=False)
+    trainer = make_trainer(max_epochs=5, callbacks=[saver, stopper], enable_checkpointing=True)
+    trainer.fit(NoValidation())
+    assert trainer.num_val_batches == [] and stopper.stopping_reason == EarlyStoppingReason.PATIENCE_EXHAUSTED
+    assert os.path.basename(saver.best_model_path) == "0.ckpt" and trainer.current_epoch == 2

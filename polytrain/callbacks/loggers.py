@@ -189,6 +189,30 @@ class Logger(Callback):
             self.finalize("failed")
 
 
+class DummyLogger(Logger):
+    """What ``trainer.logger`` is under ``fast_dev_run`` where loggers were asked for, as Lightning's: it
+    takes every call and writes nothing, so code that logs through ``self.logger.experiment`` runs."""
+
+    @property
+    def experiment(self) -> DummyExperiment:
+        return DummyExperiment()
+
+    @property
+    def name(self) -> str:
+        return ""
+
+    @property
+    def version(self) -> str:
+        return ""
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None: ...
+
+    def __getitem__(self, idx: int) -> DummyLogger:
+        return self  # Lightning code may index trainer.loggers' entries
+
+
 class DirectoryLogger(Logger):
     """A logger that writes files under ``<save_dir>/<name>/<version>`` (``name`` empty or None: straight
     under ``save_dir``). The version is the next free ``version_<n>`` when first needed; in a job the

@@ -60,7 +60,23 @@ def validate_trainer_config(data: dict[str, Any]) -> TrainerConfig:
     resolve_checkpointing(cfg.activation_checkpointing)
     resolve_float8(cfg.float8)
     cfg.strategy = validate_strategy_spec(normalize_strategy(cfg.strategy), cfg.accelerator)
+    if cfg.fast_dev_run:
+        apply_fast_dev_run(cfg)
     return cfg
+
+
+def apply_fast_dev_run(cfg: TrainerConfig) -> None:
+    """``fast_dev_run``'s settings, written into the options as Lightning writes them into its Trainer (so
+    ``trainer.limit_train_batches``, ``trainer.max_epochs``, ... read what runs): n batches of every loop
+    (of validation and test too), one epoch, no sanity check, validation once at the epoch's end."""
+    batches = 1 if cfg.fast_dev_run is True else int(cfg.fast_dev_run)
+    stages = ("test", "predict") if cfg.overfit_batches else ("train", "val", "test", "predict")
+    for stage in stages:
+        setattr(cfg, f"limit_{stage}_batches", batches)
+    cfg.num_sanity_val_steps = 0
+    cfg.max_epochs = 1
+    cfg.val_check_interval = 1.0
+    cfg.check_val_every_n_epoch = 1
 
 
 def elastic_warning(cfg: TrainerConfig) -> str | None:

@@ -9,6 +9,7 @@ from polytrain.callbacks.base import Callback
 from polytrain.callbacks.compile_time import CompileTime
 from polytrain.callbacks.csv_logger import CSVLogger
 from polytrain.callbacks.experiment_loggers import MLFlowLogger, WandbLogger
+from polytrain.callbacks.loggers import DummyLogger
 from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 from polytrain.callbacks.progress_bar import ProgressBar
 from polytrain.callbacks.summary import ModelSummary
@@ -87,7 +88,10 @@ def build_callbacks(cfg: TrainerConfig, objects: list[Callback], logger_objects:
             raise ConfigError(f"trainer.callbacks[{i}]: {spec['_target_']} is not a polytrain Callback")
         callbacks.append(cb)
     if cfg.fast_dev_run:
-        pass  # a quick check of every loop: nothing is logged or written
+        # a quick check of every loop: nothing is logged or written; where loggers were asked for,
+        # trainer.logger is a stand-in that takes every call, as Lightning's
+        if logger_objects or (logger_objects is None and cfg.logger):
+            callbacks.append(DummyLogger())
     elif logger_objects is not None:
         callbacks.extend(logger_objects if isinstance(logger_objects, (list, tuple)) else [logger_objects])
     else:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from polytrain.core import heartbeat
-from polytrain.core.errors import EmptyDataError
+from polytrain.core.rank_zero import rank_zero_warn
 from polytrain.trainer.api.hooks import Hooks
 from polytrain.trainer.api.optimizer_config import step_schedulers
 from polytrain.trainer.loops.data_connector import NO_BATCH, agreed_batches
@@ -154,10 +154,10 @@ class TrainingEpochLoop:
             else:
                 batch, last = self._agreed.take(batch_idx + 1 < self._stop)
         if batch is NO_BATCH:  # every rank learnt together that some stream has ended
-            if batch_idx == 0:
-                raise EmptyDataError(
-                    f"the training DataLoader yielded no batch in epoch {p.epoch} on at least one "
-                    f"data-parallel rank; an iterable dataset must yield a batch on every rank every epoch")
+            if batch_idx == 0:  # as Lightning: the epoch ends without a step, and the fit goes on
+                rank_zero_warn(f"the training DataLoader yielded no batch in epoch {p.epoch} on at least "
+                               f"one data-parallel rank: the epoch ends without a step (an iterable dataset "
+                               f"yields nothing this epoch)")
             return DATA_ENDED
         with self._transfer_phase:
             batch = self._transfer(batch)
