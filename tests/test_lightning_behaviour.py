@@ -730,3 +730,11 @@ def test_without_validation_step_checkpoints_and_early_stopping_work_on_training
     trainer.fit(NoValidation())
     assert trainer.num_val_batches == [] and stopper.stopping_reason == EarlyStoppingReason.PATIENCE_EXHAUSTED
     assert os.path.basename(saver.best_model_path) == "0.ckpt" and trainer.current_epoch == 2
+
+
+def test_logging_nothing_is_refused_and_a_long_interval_without_validation_is_fine(make_trainer: Any) -> None:
+    with pytest.raises(MisconfigurationException, match=r"on_step=False, on_epoch=False\) is not useful"):
+        make_trainer(max_epochs=1).fit(_LogsWith(on_step=False, on_epoch=False))
+    trainer = make_trainer(max_epochs=1, val_check_interval=10, limit_val_batches=0)
+    trainer.fit(TinyModule(n=16))  # 4 batches an epoch: the interval would be refused were there validation
+    assert trainer.global_step == 4

@@ -25,7 +25,9 @@ def val_check_batches(config: Any, num_batches: int | None) -> int:
                           f"batches across epochs, but the training loader has no length "
                           f"(an IterableDataset?); set check_val_every_n_epoch, or "
                           f"trainer.limit_train_batches to fix the epoch's length")
-    if config.check_val_every_n_epoch is not None and num_batches is not None and interval > num_batches:
+    validates = config.limit_val_batches != 0  # as Lightning: no validation, nothing to check against
+    if (validates and config.check_val_every_n_epoch is not None and num_batches is not None
+            and interval > num_batches):
         raise ConfigError(f"trainer.val_check_interval={interval} must be less than or equal to the number "
                           f"of the training batches of an epoch ({num_batches}); lower it, or set "
                           f"check_val_every_n_epoch=null to count across epochs")

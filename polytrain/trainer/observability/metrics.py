@@ -194,7 +194,8 @@ class MetricCollector:
                                   f"reduce_fx={{min,max,mean,sum}} are supported (also as torch.min, ...); "
                                   f"for a custom reduction log a torchmetrics Metric")
             if not (on_step or on_epoch):
-                raise ValueError(f"self.log({name!r}) with on_step=False and on_epoch=False records nothing")
+                raise ConfigError(f"self.log({name!r}, on_step=False, on_epoch=False) is not useful: it "
+                                  f"records nothing; log per step, per epoch or both")
             entry = self._current[name] = Logged(name, options)
         if type(value) is torch.Tensor and value.dtype is _FLOAT32 and not value.dim():
             tensor = value.detach()  # the common case (a loss), without the calls below
