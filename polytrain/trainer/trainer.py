@@ -323,15 +323,15 @@ class Trainer:
         """Manual optimisation: this batch is not the last of its accumulation window."""
         return bool(getattr(self.fit_loop.optimization, "accumulating", False))
 
-    # What went to the loggers and the progress bar, as Lightning holds them: 0-dim tensors (made when read:
-    # the loop keeps floats, already on the host).
+    # What went to the loggers and the progress bar, as Lightning holds them: the loggers' as 0-dim tensors
+    # (made when read: the loop keeps floats, already on the host), the bar's as floats.
     @property
     def logged_metrics(self) -> dict[str, torch.Tensor]:
         return {name: torch.tensor(value) for name, value in self.metrics.logged.items()}
 
     @property
-    def progress_bar_metrics(self) -> dict[str, torch.Tensor]:
-        return {name: torch.tensor(value) for name, value in self.metrics.progress_bar.items()}
+    def progress_bar_metrics(self) -> dict[str, float]:
+        return dict(self.metrics.progress_bar)
 
     def __getattr__(self, name: str) -> Any:
         # Lightning code reads options as attributes (trainer.max_epochs, trainer.accumulate_grad_batches).
