@@ -17,7 +17,7 @@ costs (roughly 1 : 1 : 1) and the zero-bubble schedules can move weight-gradient
 * busy time of a rank: ``time.perf_counter`` around every call of the stage's compute methods
   (``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk`` of torch's
   ``PipelineStage``); waits for activations or gradients happen outside them.
-* wall time of a step: around ``PipelineStrategy.forward_backward`` (the whole schedule step,
+* wall time of a step: around ``PipelineRunner.forward_backward`` (the whole schedule step,
   including the loss broadcast), i.e. not the optimizer step or data loading.
 * idle fraction = 1 - busy / wall, summed over the ``--steps`` steps after ``--warmup`` ones,
   per rank; the table shows the mean over ranks and the worse rank.
@@ -189,12 +189,12 @@ def _worker(rank: int, args: Any) -> list[dict[str, Any]]:
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
     from polytrain import Callback, Trainer
-    from polytrain.strategies.pipeline import PipelineStrategy
+    from polytrain.strategies.pipeline_runner import PipelineRunner
 
     timers = Timers()
     for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
         timers.wrap(_PipelineStageBase, name, "busy")
-    timers.wrap(PipelineStrategy, "forward_backward", "wall")
+    timers.wrap(PipelineRunner, "forward_backward", "wall")
 
     class StartCounting(Callback):
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,

@@ -245,11 +245,11 @@ STRATEGIES = {
 
 
 class NormRecorder(Callback):
-    """Keeps every norm the strategy's ``clip_gradients`` returns (the one clipping by norm used)."""
+    """Keeps every norm the step's ``clip_gradients`` returns (the one clipping by norm used)."""
 
     def on_fit_start(self, trainer: Any, module: Any) -> None:
         self.norms: list[float] = []
-        inner = trainer.strategy.clip_gradients
+        inner = trainer.strategy.executor.clip_gradients
 
         def clip_gradients(optimizer: Any, value: float, algorithm: str) -> Any:
             norm = inner(optimizer, value, algorithm)
@@ -257,7 +257,7 @@ class NormRecorder(Callback):
                 self.norms.append(float(norm))
             return norm
 
-        trainer.strategy.clip_gradients = clip_gradients
+        trainer.strategy.executor.clip_gradients = clip_gradients
 
 
 def _norms(trainer: Any) -> list[float]:

@@ -1,8 +1,8 @@
 """The two ways an automatic-optimisation batch runs give what plain PyTorch gives.
 
-A plain batch (one of torch's optimizers, nothing between backward and the update) runs
-training_step, backward and ``optimizer.step()`` without a closure and releases the gradients before
-the next fetch; anything else hands the closure to ``optimizer.step`` as Lightning does. References are
+With torch's own closure-first optimizers (every one but LBFGS) the step runs training_step, backward and
+``optimizer.step()`` without a closure; an optimizer that needs one (LBFGS, a subclass, one with a step
+pre-hook) or a module's ``optimizer_step`` gets the closure, as Lightning hands it. References are
 hand-written PyTorch loops.
 """
 
@@ -72,10 +72,30 @@ def test_lbfgs_gets_the_closure_and_matches_plain_pytorch(make_trainer: Any) -> 
     torch.testing.assert_close(_weights(module), _hand_weights(lbfgs, closure_style=True), rtol=0, atol=0)
 
 
-def test_a_step_pre_hook_registered_mid_fit_sees_lightnings_order(make_trainer: Any) -> None:
-    """A step pre-hook runs before the closure in Lightning (inside optimizer.step): once one is registered,
-    batches go back to the closure path, so the hook still runs before training_step, and weights stay
+def test_a_step_pre_hook_sees_lightnings_order(make_trainer: Any) -> None:
+    """A step pre-hook runs before the closure in Lightning (inside optimizer.step): an optimizer that has
+    one when the fit starts gets the closure, so the hook runs before training_step, and the weights stay
     those of plain PyTorch."""
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    class Hooked(_Recorded):
+        def configure_optimizers(self) -> Any:
+            optimizer = super().configure_optimizers()
+            optimizer.register_step_pre_hook(lambda *_: self.events.append("pre_hook"))
+            return optimizer
+
+    module = Hooked(sgd)
+    make_trainer(max_epochs=1).fit(module)
+    assert module.events == ["pre_hook", "training_step"] * 4
+    expected = _hand_weights(sgd, closure_style=False)
+    torch.testing.assert_close(_weights(module), expected, rtol=0, atol=0)
+    torch.testing.assert_close(_hand_weights(sgd, closure_style=True), expected, rtol=0, atol=0)
+
+
+def test_a_step_pre_hook_registered_mid_fit_runs_where_a_hand_loop_runs_it(make_trainer: Any) -> None:
+    """Whether the step needs a closure is settled when the fit starts: a step pre-hook registered later
+    runs inside ``optimizer.step()`` after backward, as in a hand-written loop; the weights are the same."""
     def sgd(params: Any) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
@@ -88,10 +108,8 @@ def test_a_step_pre_hook_registered_mid_fit_sees_lightnings_order(make_trainer: 
 
     module = _Recorded(sgd)
     make_trainer(max_epochs=1, callbacks=[RegisterAfterFirstBatch()]).fit(module)
-    assert module.events == ["training_step"] + ["pre_hook", "training_step"] * 3
-    expected = _hand_weights(sgd, closure_style=False)
-    torch.testing.assert_close(_weights(module), expected, rtol=0, atol=0)
-    torch.testing.assert_close(_hand_weights(sgd, closure_style=True), expected, rtol=0, atol=0)
+    assert module.events == ["training_step"] + ["training_step", "pre_hook"] * 3
+    torch.testing.assert_close(_weights(module), _hand_weights(sgd, closure_style=False), rtol=0, atol=0)
 
 
 def test_a_subclassed_optimizer_keeps_the_closure(make_trainer: Any) -> None:
@@ -110,11 +128,9 @@ def test_a_subclassed_optimizer_keeps_the_closure(make_trainer: Any) -> None:
                                rtol=0, atol=0)
 
 
-def test_a_plain_fit_steps_torch_optimizers_without_a_closure(make_trainer: Any,
-                                                              sgd_closures: list[bool]) -> None:
-    """SGD.step gets no closure, in a plain fit and in one with clipping between backward and the update (the
-    general path, whose precision step runs torch's optimizers the same way); both end on plain PyTorch's
-    weights."""
+def test_torch_optimizers_step_without_a_closure(make_trainer: Any, sgd_closures: list[bool]) -> None:
+    """SGD.step gets no closure, without and with clipping between backward and the update; both end on
+    plain PyTorch's weights."""
     closures = sgd_closures
 
     def sgd(params: Any) -> torch.optim.Optimizer:
@@ -149,11 +165,10 @@ def _hand_gradients(batches_per_epoch: int = 4, epochs: int = 2) -> list[torch.T
     return grads
 
 
-def test_a_plain_fit_releases_gradients_before_the_next_fetch_and_nowhere_else(make_trainer: Any) -> None:
-    """A plain batch frees the previous step's gradients just before the next batch is fetched (as a hand
-    loop's zero_grad after the step does).
-    So every hook after the step, the epoch's end and the code after fit see the step's gradients, as in
-    Lightning; training_step of the next batch finds them released (``p.grad is None``)."""
+def test_gradients_are_zeroed_at_lightnings_moment_and_nowhere_else(make_trainer: Any) -> None:
+    """zero_grad runs after the next batch's training_step, before its backward (Lightning's moment). So
+    every hook after the step, the epoch's end and the code after fit see the step's gradients, and the
+    next training_step still sees them too, as in Lightning."""
     seen: dict[str, list[Any]] = {"batch_end": [], "epoch_end": [], "training_step": []}
 
     def grads(module: Any) -> torch.Tensor | None:
@@ -182,12 +197,14 @@ def test_a_plain_fit_releases_gradients_before_the_next_fetch_and_nowhere_else(m
     for got, want in zip(seen["epoch_end"], (expected[3], expected[7])):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(grads(module), expected[-1], rtol=0, atol=0)  # kept after the fit
-    assert seen["training_step"] == [None] * 8
+    assert seen["training_step"][0] is None
+    for got, want in zip(seen["training_step"][1:], expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_a_hooked_zero_grad_keeps_lightnings_moment(make_trainer: Any) -> None:
-    """With a hook around zero_grad the batch is not plain: zero_grad runs inside training_step's closure,
-    after the forward, so training_step still sees the previous step's gradients (Lightning's order)."""
+    """With a hook around zero_grad, zero_grad runs after the forward, so training_step still sees the
+    previous step's gradients (Lightning's order)."""
     seen: list[bool] = []
 
     class Module(_Recorded):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,17 +37,21 @@ def _closure_first_optimizers() -> frozenset[type]:
 
 
 _CLOSURE_FIRST = _closure_first_optimizers()
+
+
 # One dict, filled in place by torch.optim.optimizer.register_optimizer_step_pre_hook. Without it (a
-# torch that renamed it) nothing can tell whether such a hook exists, so the closure goes to step().
+# torch that renamed it) nothing can tell whether such a hook exists, so every optimizer gets the closure.
 _GLOBAL_STEP_PRE_HOOKS = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", {None: None})
 
 
-def runs_closure_itself(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the closure can run before ``optimizer.step()`` with nothing observable changing: a torch
-    optimizer that calls it first anyway, no step pre-hook that would see the order change (the hook
-    tables are checked on every step: they can be registered mid-fit), gradients already enabled."""
+def calls_closure_first(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether running the closure before ``optimizer.step()`` is what ``optimizer.step(closure)`` does: one
+    of torch's own optimizers but LBFGS, with no step pre-hook (its own or global) that would see the
+    order change (Lightning runs such a hook before training_step). The training step then needs no
+    closure for it. Asked when a fit starts: a hook registered during the fit runs after backward, as in a
+    hand-written loop."""
     return (type(optimizer) in _CLOSURE_FIRST and not getattr(optimizer, "_optimizer_step_pre_hooks", True)
-            and not _GLOBAL_STEP_PRE_HOOKS and torch.is_grad_enabled())
+            and not _GLOBAL_STEP_PRE_HOOKS)
 
 
 class Precision:
@@ -123,46 +126,17 @@ class Precision:
             self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
 
-    @property
-    def steps_plainly(self) -> bool:
-        """No GradScaler and no override: ``optimizer_step`` is the closure, the hooks, then ``step()``."""
-        return self.scaler is None and type(self).optimizer_step is Precision.optimizer_step
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,
-                       after_closure: Callable[[], None] | None, **kwargs: Any) -> Any:
-        """Run ``closure`` (forward and backward), then ``after_closure`` (hooks and clipping, on
-        unscaled gradients), then the update: the one place the fit loop's ``optimizer.step`` is called.
-        Without a GradScaler the closure goes to ``optimizer.step`` itself, which calls it (an
-        LBFGS-style optimizer may call it again), unless the optimizer is one of torch's that calls it
-        first anyway (``runs_closure_itself``). No closure: a plain fit (``steps_plainly``), whose
-        forward and backward already ran and whose update is ``optimizer.step()`` alone. ``kwargs``: what
-        a manual ``opt.step(closure, **kwargs)`` passed on, for the optimizer's own ``step``."""
-        if closure is None:
-            return optimizer.step(**kwargs)
+    def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
+        """The update, its gradients final and unscaled: ``optimizer.step()``, or under a GradScaler its
+        ``step``, which skips the update when ``unscale_`` found inf/NaN (``update()`` then lowers the
+        scale). ``kwargs``: what a manual ``opt.step(**kwargs)`` passed on, for the optimizer's own ``step``."""
         if self.scaler is None:
-            if runs_closure_itself(optimizer):
-                # The same order and arithmetic as optimizer.step(closure), without running forward and
-                # backward inside step(): a frame and a closure call fewer per step (docs/performance.md).
-                result = closure()
-                after_closure()
-                optimizer.step(**kwargs)
-                return result
-
-            def closure_and_hooks() -> Any:
-                result = closure()
-                after_closure()
-                return result
-
-            return optimizer.step(closure=closure_and_hooks, **kwargs)
-        result = closure()
+            return optimizer.step(**kwargs)
         if not _has_grads(optimizer):
-            # Every training_step of the window returned None: no backward ran, and the scaler
-            # refuses to step an optimizer it saw no gradients for (as Lightning, skip it).
-            return result
-        self.unscale_gradients(optimizer)
-        after_closure()
-        # GradScaler.step skips the update when unscale_ found inf/NaN; update() then lowers the scale.
-        self.scaler.step(optimizer, **kwargs)
+            # Every training_step of the window returned None: no backward ran, and the scaler refuses to
+            # step an optimizer it saw no gradients for (as Lightning, skip it).
+            return None
+        result = self.scaler.step(optimizer, **kwargs)
         self._stepped = True
         return result
 

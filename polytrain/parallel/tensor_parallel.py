@@ -265,18 +265,6 @@ def reduce_partial_grads(parameters: list[torch.Tensor]) -> None:
             param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
-def partial_grads_reduced_first(optimizer: torch.optim.Optimizer,
-                                then: Callable[[], None]) -> Callable[[], None]:
-    """``then`` (the step's hooks and clipping), preceded by ``reduce_partial_grads`` over ``optimizer``'s
-    parameters: once per step, after backward."""
-
-    def reduce_then() -> None:
-        reduce_partial_grads([p for group in optimizer.param_groups for p in group["params"]])
-        then()
-
-    return reduce_then
-
-
 def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float, group: Any = None,
                    counted_elsewhere: set[int] | frozenset[int] = frozenset()) -> torch.Tensor:
     """``clip_grad_norm_`` over a mix of sharded (``DTensor``) and replicated gradients, and over the

@@ -26,18 +26,11 @@ from polytrain.core.batch import move_to_device
 from polytrain.core.environment import ClusterEnvironment
 from polytrain.core.precision import Precision
 from polytrain.core.process_group import destroy_process_group
-from polytrain.core.protocol import extract_loss
-from polytrain.core.rank_zero import rank_zero_warn
 from polytrain.data.loaders import distribute_dataloader
 from polytrain.strategies.collective_verbs import CollectiveVerbs
-from polytrain.strategies.router import StepResult, StepRouter, step_args, user_step
-
-
-def _no_phase(row: str) -> contextlib.AbstractContextManager:
-    return _NO_PHASE
-
-
-_NO_PHASE = contextlib.nullcontext()
+from polytrain.strategies.router import StepRouter, step_args, user_step
+from polytrain.strategies.train_step import StepPlan
+from polytrain.strategies.whole_model import WholeModel
 
 
 class Strategy(CollectiveVerbs, ABC):
@@ -62,7 +55,6 @@ class Strategy(CollectiveVerbs, ABC):
         self.devices = devices
         self.num_nodes = num_nodes
         self.timeout = timeout
-        self.said_batch_skipped = False  # a training_step returned None: said once, then the batches skip
         self.env = env
         self.precision = precision
         self.dims = dims if dims is not None else self.parallel_dims(options, env, num_nodes)
@@ -74,17 +66,9 @@ class Strategy(CollectiveVerbs, ABC):
         self.model: nn.Module | None = None  # what forward runs through (maybe wrapped)
         self.optimizers: list[torch.optim.Optimizer] = []
         self._device = torch.device("cpu")
-        # Fixed per stage by bind_hooks: what runs on every step (nothing for a hook no one overrides).
-        self._before_backward: list[Callable[..., Any]] = []
-        self._after_backward: list[Callable[..., Any]] = []
-        # the module's own backward, if it overrides it
-        self._module_backward: Callable[..., None] | None = None
-        self._training_step_fn: Callable[[Any, int], Any] | None = None
-        # The profiler's blocks around the user's step and backward (looked up once, entered each step)
-        self._step_phase: contextlib.AbstractContextManager = _NO_PHASE
-        self._backward_phase: contextlib.AbstractContextManager = _NO_PHASE
-        self._mark_position: Callable[[str], None] | None = None
-        self._plain_backward = False
+        # What runs the training step (strategies/train_step.py): the whole model here; the composed strategy
+        # chooses a pipeline's when it has stages.
+        self.executor: Any = self.new_executor()
 
     @property
     def precision_name(self) -> str:
@@ -99,26 +83,16 @@ class Strategy(CollectiveVerbs, ABC):
         if self.checkpointing_options is None:
             self.checkpointing_options = checkpointing_options
 
-    def bind_hooks(self, plan: Callable[[str], list[Callable[..., Any]]] | None = None,
-                   module_backward: Callable[..., None] | None = None,
-                   phase: Callable[[str], contextlib.AbstractContextManager] | None = None) -> None:
-        """The hooks that fire inside the step, from the Trainer's funnel: ``plan(name)`` gives the
-        callables (callbacks', then the module's) that override ``on_before_backward`` /
-        ``on_after_backward``; ``module_backward`` is the module's own ``backward`` when it overrides it;
-        ``phase(row)`` is the profiler's (the user's step and backward are timed in its blocks)."""
-        self._before_backward = plan("on_before_backward") if plan is not None else []
-        self._after_backward = plan("on_after_backward") if plan is not None else []
-        self._module_backward = module_backward
-        phase = phase or _no_phase
-        self._step_phase = phase("training_step")
-        self._backward_phase = phase("backward")
-        self._training_step_fn = None
-        # Fixed for the stage so the common step calls nothing it does not need: the heartbeat's position
-        # marks only when one runs, and ``loss.backward()`` straight when neither a GradScaler nor an
-        # override sits in between.
-        self._mark_position = heartbeat.marker()
-        self._plain_backward = (self.precision.scaler is None and type(self).backward is Strategy.backward
-                                and module_backward is None)
+    def new_executor(self) -> Any:
+        """The executor this strategy starts with: ``WholeModel`` (every rank runs every layer)."""
+        return WholeModel(self)
+
+    def bind_step(self, plan: StepPlan) -> Callable[[Any, int, int, bool], Any]:
+        """The fit's training step, ``train_step(batch, batch_idx, epoch, end_of_window) -> (result,
+        stepped)``: the executor's, bound to ``plan`` (the hooks, clipping, the guard) for this fit. The
+        Trainer calls it once per fit, after ``setup_optimizers``."""
+        self.executor.bind(plan)
+        return self.executor.train_step
 
     @classmethod
     def build(cls, options: Any, **kwargs: Any) -> Strategy:
@@ -238,20 +212,13 @@ class Strategy(CollectiveVerbs, ABC):
     # ------------------------------------------------------------------ step
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         """Manual optimisation's step: the user's ``training_step`` alone (it drives the optimizers)."""
-        with self._step_phase:
-            return (self._training_step_fn or self.bound_training_step())(batch, batch_idx)
+        return self.executor.run_user_step(batch, batch_idx)
 
-    def bound_training_step(self) -> Callable[[Any, int], Any]:
-        """The user's training step as ``forward_backward`` calls it: chosen on first use (the model is
-        wrapped by then), reset by ``bind_hooks``."""
-        if self._training_step_fn is None:
-            self._training_step_fn = self._bind_training_step()
-        return self._training_step_fn
-
-    def _bind_training_step(self) -> Callable[[Any, int], Any]:
-        """The user's step through the wrapper (DDP, DataParallel: see StepRouter), or straight on the
-        module when nothing wraps or hooks the router (an nn.Module call fewer per step); under autocast
-        when the precision asks for it."""
+    def training_step_function(self) -> Callable[[Any, int], Any]:
+        """The user's training step as the executor calls it, asked once per fit (the model is wrapped by
+        then): through the wrapper (DDP, DataParallel: see StepRouter), or straight on the module when
+        nothing wraps or hooks the router (an nn.Module call fewer per step); under autocast when the
+        precision asks for it."""
         model = self.model
         # The router must run when it wraps or carries hooks (tensor parallel swaps replicated DTensor
         # parameters for local views around the step in the router's hooks).
@@ -283,62 +250,20 @@ class Strategy(CollectiveVerbs, ABC):
         with self.precision.forward_context():
             return user_step(self.module, f"{stage}_step")(*step_args(batch, batch_idx, dataloader_idx))
 
-    def forward_backward(self, batch: Any, batch_idx: int, accumulate: int = 1,
-                         zero_grad: Callable[[], None] | None = None) -> StepResult:
-        """One micro-batch, in Lightning's order: ``training_step``, then ``zero_grad`` (given on the
-        first micro-batch of a window), then the backward hooks around ``backward`` of the loss divided
-        by ``accumulate``. A pipeline's schedule owns the step instead (``ParallelStrategy``)."""
-        with self._step_phase:
-            output = (self._training_step_fn or self.bound_training_step())(batch, batch_idx)
-        if self._mark_position is not None:
-            self._mark_position("backward")  # past the user's step: a peer stuck inside it is now behind
-        loss = output if type(output) is torch.Tensor else extract_loss(output)
-        if zero_grad is not None:
-            zero_grad()
-        if loss is None:
-            if not self.said_batch_skipped:  # the user chose to skip this batch: said once, not ignored
-                self.said_batch_skipped = True
-                say_batch_skipped(batch_idx)
-            return StepResult(None, output)
-        if accumulate != 1:
-            loss = loss / accumulate  # a division, as a hand loop writes it (bitwise the same)
-        for hook in self._before_backward:
-            hook(loss)
-        with self._backward_phase:
-            if self._plain_backward:
-                loss.backward()
-            else:
-                self.backward(loss)
-        for hook in self._after_backward:
-            hook()
-        return StepResult(loss.detach(), output)
-
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """The precision's scaling, then the module's ``backward`` (``loss.backward()`` by default)."""
-        self.module_backward(self.precision.scale_loss(loss))
-
-    def module_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        if self._module_backward is not None:
-            self._module_backward(loss, *args, **kwargs)
-        else:
-            loss.backward(*args, **kwargs)
-
-    def before_backward(self, loss: torch.Tensor) -> None:
-        """``on_before_backward`` of the callbacks and the module that override it."""
-        for hook in self._before_backward:
-            hook(loss)
-
-    def after_backward(self) -> None:
-        for hook in self._after_backward:
-            hook()
+        self.executor.scaled_backward(loss, *args, **kwargs)
 
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``self.manual_backward(loss)`` under manual optimisation: hooks, the precision's scaling,
         the module's ``backward``."""
-        self.before_backward(loss)
+        plan = self.executor.plan
+        for hook in plan.before_backward:
+            hook(loss)
         self.prepare_manual_backward(loss)
-        self.module_backward(self.precision.scale_loss(loss), *args, **kwargs)
-        self.after_backward()
+        self.executor.scaled_backward(loss, *args, **kwargs)
+        for hook in plan.after_backward:
+            hook()
 
     def prepare_manual_backward(self, loss: torch.Tensor) -> None:
         """What a wrapper needs before each of several backward passes of one step (DDP's reducer)."""
@@ -346,26 +271,16 @@ class Strategy(CollectiveVerbs, ABC):
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float,
                        algorithm: str) -> torch.Tensor | None:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if algorithm == "value":
-            torch.nn.utils.clip_grad_value_(params, value)
-            return None
-        return torch.nn.utils.clip_grad_norm_(params, value)
+        """Clip ``optimizer``'s gradients (unscaled first) by ``value`` (``norm`` | ``value``): the total norm
+        when by norm, reduced over ranks where the gradients are spread over them."""
+        return self.executor.clip_gradients(optimizer, value, algorithm)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,
-                       after_closure: Callable[[], None] | None, **kwargs: Any) -> Any:
-        """Run ``closure`` (forward/backward), ``after_closure`` (hooks, clipping: gradients unscaled),
-        then the update, through the precision (see ``Precision.optimizer_step``). Both None: a plain
-        fit's update (``steps_plainly``)."""
-        return self.precision.optimizer_step(optimizer, closure, after_closure, **kwargs)
-
-    @property
-    def steps_plainly(self) -> bool:
-        """Whether ``optimizer_step`` adds nothing to ``closure(); after_closure(); optimizer.step()`` for
-        torch's own optimizers (no GradScaler, no precision or strategy override): the fit may then run
-        forward and backward itself and call it without a closure (the plain case of
-        ``AutomaticOptimization.run``)."""
-        return self.precision.steps_plainly and type(self).optimizer_step is Strategy.optimizer_step
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None,
+                       **kwargs: Any) -> Any:
+        """One optimizer's update, as ``opt.step(closure, **kwargs)`` asks it (manual optimisation, a
+        module's ``optimizer_step``): the executor's ``update`` (unscaling, on_before_optimizer_step, the
+        GradScaler)."""
+        return self.executor.update(optimizer, closure, **kwargs)
 
     def no_backward_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient all-reduce on non-final micro-batches of an accumulation window."""
@@ -423,10 +338,3 @@ class Strategy(CollectiveVerbs, ABC):
         heartbeat.stop()  # before the store it writes to goes away
         destroy_process_group()
 
-
-def say_batch_skipped(batch_idx: int) -> None:
-    """The first ``training_step`` that returns None, said on rank 0: Lightning skips such a batch (no
-    backward, no update), and a step that always returns None would otherwise train nothing unsaid."""
-    rank_zero_warn(f"training_step returned None for batch {batch_idx}: that batch is skipped (no backward, "
-                   f"no optimizer step), as Lightning does; said once. Return the loss (or a dict with "
-                   f"'loss') from training_step to train on it")

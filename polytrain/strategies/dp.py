@@ -70,7 +70,7 @@ class DataParallelStrategy(Strategy):
             self.model = router
         return self.model
 
-    def _bind_training_step(self) -> Callable[[Any, int], Any]:
+    def training_step_function(self) -> Callable[[Any, int], Any]:
         model, context = self.model, self.precision.forward_context
 
         def replicated_step(batch: Any, batch_idx: int) -> Any:

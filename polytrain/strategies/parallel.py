@@ -58,8 +58,7 @@ from polytrain.strategies.gradient_sync import backend_for
 from polytrain.strategies.options import ParallelOptions
 from polytrain.strategies.pipeline_runner import PipelineRunner
 from polytrain.strategies.registry import register
-from polytrain.strategies.router import StepResult, StepRouter
-from polytrain.strategies.whole_model import WholeModel
+from polytrain.strategies.router import StepRouter
 
 
 @register
@@ -85,8 +84,8 @@ class ParallelStrategy(Strategy):
         self.dtensor_parameters = self.backend.shards or self.tensor_parallel
         self._gathers = self.dtensor_parameters or dims.pp > 1
         super().__init__(options, dims=dims, checkpoint_io=checkpoint_io, **kwargs)
-        # Chosen in setup_environment (a pipeline's needs the process group); the whole model until then.
-        self.executor: WholeModel | PipelineRunner = WholeModel(self)
+        # The executor (strategies/train_step.py) is the whole model until setup_environment, which needs
+        # the process group to build a pipeline's.
         self._init_rng: torch.Tensor | None = None
 
     @classmethod
@@ -204,11 +203,6 @@ class ParallelStrategy(Strategy):
                                            averages_grads=self.backend.name == "all_reduce",
                                            padding=self.backend.padding)
 
-    def forward_backward(self, batch: Any, batch_idx: int, accumulate: int = 1,
-                         zero_grad: Callable[[], None] | None = None) -> StepResult:
-        """The executor's: the strategy's own (``Strategy.forward_backward``) or a pipeline's schedule."""
-        return self.executor.forward_backward(batch, batch_idx, accumulate, zero_grad)
-
     def join_process_group(self) -> None:
         """Join the job's process group and build the mesh (idempotent). Several processes join in
         ``setup_environment``; one alone joins in ``setup_module``, after the module's plan was read."""
@@ -290,8 +284,8 @@ class ParallelStrategy(Strategy):
         with self.backend.manual_step(self.model):
             return super().training_step(batch, batch_idx)
 
-    def _bind_training_step(self) -> Callable[[Any, int], Any]:
-        step = self.backend.checked_step(super()._bind_training_step(), self.model)
+    def training_step_function(self) -> Callable[[Any, int], Any]:
+        step = self.backend.checked_step(super().training_step_function(), self.model)
         return (step if self.dims.cp <= 1
                 else context_parallel_training_step(step, self.dims.get_mesh("cp"), self.module))
 
@@ -299,32 +293,16 @@ class ParallelStrategy(Strategy):
         self.backend.prepare_manual_backward(self.model, loss)
 
     def eval_step(self, stage: str, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
-        return self.executor.eval_step(stage, batch, batch_idx, dataloader_idx)
+        executor_step = self.executor.eval_step
+        if executor_step is None:  # nothing gathers or routes: the unwrapped module's step
+            return super().eval_step(stage, batch, batch_idx, dataloader_idx)
+        return executor_step(stage, batch, batch_idx, dataloader_idx)
 
     def prepare_evaluation(self) -> None:
         self.executor.prepare_evaluation()
 
     def no_backward_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         return self.executor.no_sync() if enabled else contextlib.nullcontext()
-
-    def clip_gradients(self, optimizer: torch.optim.Optimizer, value: float,
-                       algorithm: str) -> torch.Tensor | None:
-        clip_norm = self.executor.clip_norm
-        if algorithm == "value" or clip_norm is None:
-            return super().clip_gradients(optimizer, value, algorithm)  # elementwise: shards are fine
-        return clip_norm(optimizer, value)
-
-    @property
-    def steps_plainly(self) -> bool:
-        # tensor parallel adds to the step (below)
-        return not self.tensor_parallel and self.precision.steps_plainly
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,
-                       after_closure: Callable[[], None] | None, **kwargs: Any) -> Any:
-        if self.tensor_parallel:
-            # Partial gradients (sequence parallel) summed once, before the hooks and clipping
-            after_closure = tp_fn.partial_grads_reduced_first(optimizer, after_closure)
-        return self.precision.optimizer_step(optimizer, closure, after_closure, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints and teardown
     @property

@@ -51,26 +51,27 @@ from polytrain.parallel.pipeline_schedules import (
     stage_class,
     stage_owners,
 )
-from polytrain.strategies.base import Strategy
 from polytrain.strategies.pipeline_batches import batch_rows, leading_size, signature, split_batch
 from polytrain.strategies.pipeline_stand_in import Captured, StandIn
 from polytrain.strategies.router import PADDING_BATCH, StepResult, step_args, user_step
+from polytrain.strategies.train_step import StepExecutor
 
 log = logging.getLogger("polytrain")
 
 
-class PipelineRunner:
+class PipelineRunner(StepExecutor):
     """The executor of a composed strategy with ``pp > 1``: the cut, the schedules, the step and
     evaluation. It answers what ``strategies/whole_model.py``'s ``WholeModel`` answers without a
-    pipeline."""
+    pipeline; ``train_step`` is ``StepExecutor``'s, around this class's ``forward_backward``."""
 
-    def __init__(self, strategy: Strategy, settings: PipelineSettings, dims: ParallelDims,
+    def __init__(self, strategy: Any, settings: PipelineSettings, dims: ParallelDims,
                  averages_grads: bool, padding: PaddingState | None) -> None:
         if schedule_class(settings.schedule) is None:
             # Checked here, not in the options: importing torch's pipelining costs a second.
             raise ConfigError(f"pipeline schedule={settings.schedule!r} needs torch.distributed.pipelining."
                               f"{SCHEDULES[settings.schedule][0]}, which torch {torch.__version__} lacks")
-        self.strategy, self.settings, self.dims = strategy, settings, dims
+        super().__init__(strategy)
+        self.settings, self.dims = settings, dims
         # No wrapper around the stages (data_parallel all_reduce): this runner averages the gradients over
         # the stage's replicas after each step. With FSDP in the stages, torch's stage reduces them itself.
         self.averages_grads = averages_grads
@@ -246,9 +247,24 @@ class PipelineRunner:
         tp_fn.reduce_partial_grads(params)  # idempotent: clipping by hand under manual optimisation
         return tp_fn.clip_grad_norm(params, value, self.pp_group, self.counted_elsewhere)
 
-    def forward_backward(self, batch: Any, batch_idx: int, accumulate: int,
-                         zero_grad: Callable[[], None] | None) -> StepResult:
-        s = self.strategy
+    def forward_backward(self, batch: Any, batch_idx: int, epoch: int) -> StepResult:
+        """One batch through the schedule, in this order:
+
+        1. the first stage finds what the user's step feeds the model (``_stage_input``: the step runs
+           until it calls the pipelined Sequential; cut at module paths, the batch's row indices);
+        2. zero_grad on a window's first batch (before any backward, which the schedule interleaves);
+        3. torch's schedule runs every micro-batch's forward and backward; on the last stage its loss
+           function runs the user's ``training_step`` on that micro-batch's rows (``_loss_fn``), its loss
+           scaled by ``1 / (n_microbatches x accumulate)``;
+        4. the batch's loss (the mean over micro-batches) is sent from the last stage to every stage;
+           gradients are averaged over the stage's replicas and tied copies summed (window's end only);
+        5. what the step logged is averaged over micro-batches and logged on every stage; then
+           on_before_backward and on_after_backward, on every stage, with the batch's loss. Backward has
+           already run inside the schedule by then: a micro-batch's backward starts before later
+           micro-batches' forwards, so no single "before backward" moment exists (docs/strategies/
+           pipeline.md)."""
+        s, plan = self.strategy, self.plan
+        accumulate = plan.accumulate
         user_step = self.settings.step == "training_step"
         if user_step:
             size, key = leading_size(batch), signature(batch)
@@ -262,8 +278,8 @@ class PipelineRunner:
             size, key = inputs.shape[0], (tuple(inputs.shape), inputs.dtype)
         self.check_batch_size(size, f"batch {batch_idx}")
         schedule = self._schedule(key)
-        if zero_grad is not None:
-            zero_grad()
+        if batch_idx % accumulate == 0:
+            self.zero_grad(epoch, batch_idx)
         self._loss_factor = 1.0 / (accumulate * self.n_microbatches)
         self._batch, self._batch_idx, self._records = batch, batch_idx, SilentRecords()
         self._counts = [0] * self.n_stages
@@ -283,8 +299,10 @@ class PipelineRunner:
             self.sum_tied_grads()
         if user_step:
             self.share_logged(_mean_records(self._records), log_here=True)
-            s.before_backward(loss)  # forward and backward interleave inside the schedule
-        s.after_backward()
+            for hook in plan.before_backward:
+                hook(loss)
+        for hook in plan.after_backward:
+            hook()
         if not user_step and hasattr(s.module, "log"):
             s.module.log("train/loss", loss, prog_bar=True, sync_dist=True)
         return StepResult(loss / accumulate if accumulate != 1 else loss, loss)

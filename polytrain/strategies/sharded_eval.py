@@ -7,11 +7,10 @@ from typing import Any
 
 from polytrain.core.protocol import muted_logs
 from polytrain.data.padding import PaddingState
-from polytrain.strategies.base import Strategy
 from polytrain.strategies.router import PADDING_BATCH, step_args
 
 
-def padded_eval_step(strategy: Strategy, padding: PaddingState, stage: str, batch: Any,
+def padded_eval_step(strategy: Any, padding: PaddingState, stage: str, batch: Any,
                      batch_idx: int, dataloader_idx: int | None = None) -> Any:
     """An evaluation step through the sharded root (its forward gathers parameters, so every rank
     must run it); on a padding batch the step still runs, its logs are dropped and the loops are

@@ -1,44 +1,42 @@
-"""The executor of a composed strategy without a pipeline: every rank runs every layer.
+"""The executor of a strategy without a pipeline: every rank runs every layer.
 
-``ParallelStrategy`` chooses its executor once, when it sets up its environment: this one, or the
-``PipelineRunner`` (``strategies/pipeline_runner.py``) when ``pp > 1``. Both answer the same questions
-(where the model is cut and what is parallelised, which rank logs, how a micro-batch's forward and
-backward, an evaluation step, a micro-batch without gradient sync, clipping by norm and the model's
-state dict run), so the strategy itself keeps options and composition and asks its executor the rest.
+Every strategy starts with this one; the composed strategy (``ParallelStrategy``) swaps in the
+``PipelineRunner`` (``strategies/pipeline_runner.py``) when it sets up its environment with ``pp > 1``.
+Both are ``StepExecutor``s (``strategies/train_step.py``: the one ``train_step``) and answer the same
+questions (where the model is cut and what is parallelised, which rank logs, a micro-batch's forward and
+backward, an evaluation step, a micro-batch without gradient sync, clipping by norm, the model's state
+dict), so the strategy itself keeps options and composition and asks its executor the rest.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from polytrain.checkpoint.state import full_model_state
+from polytrain.core.protocol import extract_loss
 from polytrain.parallel import tensor_parallel as tp_fn
-from polytrain.strategies.base import Strategy
 from polytrain.strategies.router import StepResult, step_args
 from polytrain.strategies.sharded_eval import padded_eval_step
-
-if TYPE_CHECKING:
-    from polytrain.strategies.parallel import ParallelStrategy
+from polytrain.strategies.train_step import StepExecutor, StepPlan
 
 
-class WholeModel:
+class WholeModel(StepExecutor):
     """No pipeline: the model is one piece (the step router is what gets parallelised), its loss is on
-    every rank, and what runs per step is the data-parallel backend's, chosen in ``build``."""
+    every rank. What the data-parallel backend changes (the no-sync context, clipping by norm, the
+    evaluation step) is fixed in ``build`` once the composed strategy has wrapped the model."""
 
     is_last_stage = True
 
-    def __init__(self, strategy: ParallelStrategy) -> None:
-        self.strategy = strategy
-        self.clip_norm: Callable[[torch.optim.Optimizer, float], torch.Tensor | None] | None = None
-        self.eval_step: Callable[..., Any] = functools.partial(Strategy.eval_step, strategy)
-        self.no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        self.built = False
+        self.eval_step: Callable[..., Any] | None = None  # None: the strategy's own
         self.prepare_evaluation: Callable[[], None] = _nothing
+        self.user_step: Callable[[Any, int], Any] | None = None
 
     def is_logging_rank(self) -> bool:
         return self.strategy.is_global_zero
@@ -58,16 +56,18 @@ class WholeModel:
         return [router]
 
     def build(self, module: nn.Module, device: torch.device) -> None:
-        """The step verbs, fixed once the model is wrapped: the backend's no-sync context and evaluation
-        preparation, the evaluation step, and clipping by norm."""
+        """The composed strategy's verbs, fixed once the model is wrapped: the backend's no-sync context
+        and evaluation preparation, the evaluation step, and clipping by norm."""
         s = self.strategy
-        backend = s.backend
-        self.no_sync = functools.partial(backend.no_sync, s.model)
-        self.prepare_evaluation = functools.partial(backend.prepare_evaluation, s.model)
+        backend, model = s.backend, s.model
+        self.built = True
+        self.no_sync = lambda: backend.no_sync(model)
+        self.prepare_evaluation = lambda: backend.prepare_evaluation(model)
         if backend.padding is not None:
             # Through the sharded root (its forward gathers parameters): every rank runs as many
             # evaluation forwards as the others (process_dataloader's EvalBatches).
-            self.eval_step = functools.partial(padded_eval_step, s, backend.padding)
+            padding = backend.padding
+            self.eval_step = lambda *args: padded_eval_step(s, padding, *args)
         elif s.tensor_parallel:
             self.eval_step = self._routed_eval_step
         if s.tensor_parallel:
@@ -85,9 +85,41 @@ class WholeModel:
     def check_manual_optimisation(self) -> None:
         """Manual optimisation runs the user's step as it is."""
 
-    def forward_backward(self, batch: Any, batch_idx: int, accumulate: int,
-                         zero_grad: Callable[[], None] | None) -> StepResult:
-        return Strategy.forward_backward(self.strategy, batch, batch_idx, accumulate, zero_grad)
+    def bind(self, plan: StepPlan) -> None:
+        super().bind(plan)
+        strategy = self.strategy
+        self.user_step = strategy.training_step_function()
+        if not self.built:  # a strategy of its own (dp, layers): its no-sync context
+            self.no_sync = lambda: strategy.no_backward_sync(True)
+
+    def forward_backward(self, batch: Any, batch_idx: int, epoch: int) -> StepResult:
+        """One micro-batch, in Lightning's order: the user's ``training_step``, zero_grad on a window's
+        first micro-batch, on_before_backward, backward of the loss divided by the window's length,
+        on_after_backward."""
+        plan = self.plan
+        with self.step_phase:
+            output = self.user_step(batch, batch_idx)
+        if self.mark_position is not None:
+            self.mark_position("backward")  # past the user's step: a peer stuck inside it is now behind
+        loss = output if type(output) is torch.Tensor else extract_loss(output)
+        if batch_idx % plan.accumulate == 0:
+            self.zero_grad(epoch, batch_idx)
+        if loss is None:
+            return self.batch_skipped(batch_idx, output)
+        if plan.accumulate != 1:
+            loss = loss / plan.accumulate  # a division, as a hand loop writes it (bitwise the same)
+        for hook in plan.before_backward:
+            hook(loss)
+        with self.backward_phase:
+            self.backward(loss)
+        for hook in plan.after_backward:
+            hook()
+        return StepResult(loss.detach(), output)
+
+    def run_user_step(self, batch: Any, batch_idx: int) -> Any:
+        """Manual optimisation's step: the user's ``training_step`` alone."""
+        with self.step_phase:
+            return self.user_step(batch, batch_idx)
 
     def _routed_eval_step(self, stage: str, batch: Any, batch_idx: int,
                           dataloader_idx: int | None = None) -> Any:
@@ -111,3 +143,4 @@ class WholeModel:
 
 def _nothing() -> None:
     return None
+

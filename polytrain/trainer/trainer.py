@@ -464,7 +464,7 @@ class Trainer:
                                                    self._run_directory)
         lifecycle.begin(self.stage, strategy=self.strategy, hooks=self.hooks, module=self.module,
                         datamodule=self.datamodule, callbacks=self.callbacks,
-                        float8_option=self.config.float8, phase=self.profiler.phase)
+                        float8_option=self.config.float8)
         self.transfer_batch = lifecycle.batch_transfer(self.strategy, self.hooks, self.metrics)
         self.evaluation = EvaluationLoop(self.strategy, self.hooks, self.metrics, self.module, self.callbacks,
                                          self.transfer_batch, self.predict_loop, self.eval_progress,

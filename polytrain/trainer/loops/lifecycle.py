@@ -67,10 +67,9 @@ def merge_callbacks(base: list[Callback], extra: Any) -> list[Callback]:
 
 
 def begin(stage: str, *, strategy: Any, hooks: Hooks, module: TrainModule, datamodule: DataModule | None,
-          callbacks: list[Callback], float8_option: Any, phase: Callable[..., Any]) -> None:
+          callbacks: list[Callback], float8_option: Any) -> None:
     """Everything between the stage's funnel and its loop; every rank calls it (it holds collectives).
-    ``float8_option`` is ``trainer.float8`` as configured; ``phase`` the profiler's, for the strategy's
-    step."""
+    ``float8_option`` is ``trainer.float8`` as configured."""
     warn_unknown_hooks(module, MODULE_HOOKS, TrainModule)
     for cb in callbacks:
         warn_unknown_hooks(cb, CALLBACK_HOOKS, Callback)
@@ -103,7 +102,6 @@ def begin(stage: str, *, strategy: Any, hooks: Hooks, module: TrainModule, datam
         convert_to_float8(module, float8)
     if first:
         strategy.setup_module(module)
-    strategy.bind_hooks(hooks.batch_plan, hooks.module_hook("backward"), phase)
 
 
 def _configure_model(strategy: Any, hooks: Hooks, module: TrainModule) -> None:

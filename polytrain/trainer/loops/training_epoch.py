@@ -1,7 +1,8 @@
 """One training epoch's batches, in Lightning's order. Per batch:
 
-    train_step: (a plain fit's zero_grad), fetch, move to the device, on_train_batch_start, forward and
-        backward through the strategy, clipping, the optimizer step and zero_grad, step-wise schedulers;
+    run_batch: fetch, move to the device, on_train_batch_start, the strategy's executor's train_step
+        (forward, zero_grad, backward, clipping, the optimizer step: strategies/train_step.py), step-wise
+        schedulers;
     every log_every_n_steps: the logging step (values published, the non-finite check, the time limit
         and a stop request agreed in one gather);
     the validation due flag, on_train_batch_end, a validation when due;
@@ -30,7 +31,7 @@ from polytrain.trainer.loops.schedule import ValidationSchedule
 from polytrain.trainer.observability.goodput import Goodput
 from polytrain.trainer.observability.metrics import MetricCollector, publish
 
-# What train_step returns instead of a step when the epoch ends before it.
+# What run_batch returns instead of a step when the epoch ends before it.
 DATA_ENDED = "the data ran out"
 EPOCH_SKIPPED = "on_train_batch_start returned -1"
 
@@ -75,7 +76,7 @@ class TrainingEpochLoop:
 
     def run(self, iterator: Any, start: int) -> bool:
         """The epoch's batches from ``start``; True if it ran to its end (no stop mid-epoch). Per batch:
-        ``train_step``, the logging step when due, ``on_train_batch_end``, a validation when due, then
+        ``run_batch``, the logging step when due, ``on_train_batch_end``, a validation when due, then
         whether to stop.
 
         Sized loaders take ``num_batches`` batches. Iterable-style ones go through ``AgreedBatches``: the
@@ -88,7 +89,7 @@ class TrainingEpochLoop:
         stop = self._stop
         has_val = self.data.has_val()
         for batch_idx in range(start, stop):
-            step = self.train_step(batch_idx)
+            step = self.run_batch(batch_idx)
             if step is DATA_ENDED:
                 break
             if step is EPOCH_SKIPPED:
@@ -118,7 +119,7 @@ class TrainingEpochLoop:
         return True
 
     def _start_epoch_steps(self, iterator: Any) -> None:
-        """What ``train_step`` reads on every batch of this epoch, looked up once: the iterator (or the
+        """What ``run_batch`` reads on every batch of this epoch, looked up once: the iterator (or the
         ranks' agreement on an iterable's batches), the hooks that run, the profiler's and the clock's
         blocks."""
         data = self.data
@@ -128,7 +129,7 @@ class TrainingEpochLoop:
         self._num_batches = data.num_training_batches
         self._stop = data.num_training_batches if data.num_training_batches is not None else 2**62
         self._accumulate = self.config.accumulate_grad_batches
-        self._release_gradients = self.optimization.release_gradients
+        self._train_step = self.optimization.run
         self._start_hooks = self.hooks.batch_plan("on_train_batch_start")
         self._beat = heartbeat.beat if self._multi_rank else None
         self._schedulers = bool(self.lr_scheduler_configs)
@@ -138,15 +139,13 @@ class TrainingEpochLoop:
         self._transfer_phase, self._batch_phase = phase("batch to device"), phase("training batch")
         self.metrics.defaults = PER_STEP
 
-    def train_step(self, batch_idx: int) -> tuple[Any, Any, bool, bool] | str:
-        """One training batch, its phases in order: a plain fit's ``zero_grad`` (where a hand loop has it),
-        fetch, transfer, ``on_train_batch_start``, then forward and backward through the strategy, clipping,
-        the optimizer step and zero_grad (``optimization.run``: Lightning's order), then the step-wise
-        schedulers. Returns ``(batch, output, stepped, last)``; ``DATA_ENDED`` when some rank's stream
-        ended, ``EPOCH_SKIPPED`` when ``on_train_batch_start`` returned -1."""
-        p, optimization = self.progress, self.optimization
-        if self._release_gradients is not None:
-            self._release_gradients()
+    def run_batch(self, batch_idx: int) -> tuple[Any, Any, bool, bool] | str:
+        """One training batch, its phases in order: fetch, transfer, ``on_train_batch_start``, then the
+        training step (the executor's ``train_step``, or manual optimisation's ``run``: forward, zero_grad,
+        backward, clipping, the optimizer step, in Lightning's order), then the step-wise schedulers.
+        Returns ``(batch, output, stepped, last)``; ``DATA_ENDED`` when some rank's stream ended,
+        ``EPOCH_SKIPPED`` when ``on_train_batch_start`` returned -1."""
+        p = self.progress
         with self._fetch_phase, self._data_clock:
             if self._agreed is None:
                 batch = next(self._iterator)
@@ -169,7 +168,7 @@ class TrainingEpochLoop:
         if self._start_hooks and any([fn(batch, batch_idx) == -1 for fn in self._start_hooks]):
             return EPOCH_SKIPPED  # the rest of the epoch is skipped
         with self._batch_phase:
-            output, stepped = optimization.run(batch, batch_idx, end_of_window, p.epoch)
+            output, stepped = self._train_step(batch, batch_idx, p.epoch, end_of_window)
         if stepped:
             p.count_optimizer_step()
             if self._schedulers:
