@@ -246,8 +246,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cProfile one polytrain single-device round and exit")
     p.add_argument("--lightning-order", action="store_true",
                    help="the hand loop steps as Lightning does: optimizer.step(closure), the closure "
-                        "running forward, zero_grad, backward (polytrain does so only for batches that "
-                        "are not plain)")
+                        "running forward, zero_grad, backward (polytrain zeroes gradients at the same point "
+                        "but builds a closure only for an optimizer that needs one, such as LBFGS, or "
+                        "a module's optimizer_step override)")
     p.add_argument("--lightning", action="store_true",
                    help="single mode: time Lightning's Trainer on the same module too, as a third variant "
                         "in each round (needs the dev-only lightning package)")

@@ -95,11 +95,10 @@ def _make_classes() -> tuple[type, type]:
 
 
 def _lightning_closure(model: Any, optimizer: Any, x: Any, y: Any) -> Any:
-    """``--lightning-order``: the step as Lightning's automatic optimisation runs it (and polytrain when a
-    batch is not plain: a hook around zero_grad or the step, clipping, a GradScaler, LBFGS):
-    ``optimizer.step(closure)``, the closure running forward, zero_grad, backward. On CPU, stepping through
-    the closure cost 0.6-2.6 % on the default model in four interleaved measurements; polytrain's plain
-    batches keep the order without the closure."""
+    """``--lightning-order``: the step as Lightning's automatic optimisation runs it:
+    ``optimizer.step(closure)``, the closure running forward, zero_grad, backward. polytrain keeps this
+    order (zero_grad after the forward, before backward) and builds the closure only where something calls
+    it: an optimizer such as LBFGS, or a module's ``optimizer_step`` override."""
     import torch.nn.functional as F
 
     def closure() -> Any:

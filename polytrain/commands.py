@@ -31,8 +31,8 @@ from polytrain.core.worker_failure import (
 )
 from polytrain.plan_cli import run_plan
 from polytrain.strategies.launcher import launch_elastic, launch_spawn, plan_launch
-from polytrain.trainer.checkpointing.run_directory import check_run_dir_for_launch, checkpoint_for_launch
 from polytrain.trainer.configuration.config import TrainerConfig, elastic_warning, instantiate, load_config
+from polytrain.trainer.persistence.run_directory import check_run_dir_for_launch, checkpoint_for_launch
 from polytrain.trainer.trainer import Trainer
 
 

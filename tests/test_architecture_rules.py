@@ -23,7 +23,7 @@ def _source(path: str) -> str:
 def test_the_composed_strategy_asks_its_executor_instead_of_branching_on_pipeline() -> None:
     """``parallel.py`` keeps options and composition; what differs with a pipeline is the executor's,
     chosen once. At most three conditions there mention the pipeline."""
-    branches = [line.strip() for line in _source("polytrain/strategies/parallel.py").splitlines()
+    branches = [line.strip() for line in _source("polytrain/strategies/composed.py").splitlines()
                 if re.match(r"\s*(if|elif|while)\b.*(pipeline|\.pp\b|\bpp\b)", line)
                 or re.search(r"\bif\b.*(\.pp\b|pipeline).*\belse\b", line)]
     assert len(branches) <= 3, branches

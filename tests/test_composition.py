@@ -392,7 +392,7 @@ def test_a_new_strategy_is_one_class_that_registers_itself() -> None:
     from dataclasses import dataclass
 
     from polytrain.parallel.apply import ParallelLayout
-    from polytrain.strategies.parallel import ParallelStrategy
+    from polytrain.strategies.composed import ParallelStrategy
     from polytrain.strategies.registry import _CLASSES, register, strategy_class, validate_strategy_spec
 
     @dataclass

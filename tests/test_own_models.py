@@ -33,7 +33,7 @@ from torchvision.models.resnet import Bottleneck
 
 from polytrain import Trainer, TrainModule
 from polytrain.core.errors import ConfigError
-from polytrain.parallel.fsdp import blocks_to_wrap
+from polytrain.parallel.fully_shard import blocks_to_wrap
 from polytrain.parallel.pipeline_path_cut import default_split_paths
 from polytrain.parallel.planner import Training, hardware, plan_module
 from polytrain.parallel.planner.estimate import stages

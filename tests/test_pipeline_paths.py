@@ -134,7 +134,7 @@ def test_bad_split_points_are_refused_in_words() -> None:
 
 def test_split_points_in_a_config_are_child_indices_or_module_paths_not_a_mix() -> None:
     from polytrain.core.errors import ConfigError
-    from polytrain.core.options import validate_dataclass
+    from polytrain.core.option_checks import validate_dataclass
     from polytrain.strategies.options import ParallelOptions
 
     paths = validate_dataclass(ParallelOptions, {"pp": 2, "split_points": ["model.model.layers.4"]},

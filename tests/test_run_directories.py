@@ -289,7 +289,7 @@ def test_only_rank_zero_looks_at_a_failed_stages_directory(tmp_path: Any,
     """After a failed stage rank 0 removes the directory it claimed if it is empty. Another rank listing it at
     that moment found it gone and raised FileNotFoundError, which replaced the stage's own error: the other
     ranks do not look, and rank 0 takes a directory already gone in its stride."""
-    from polytrain.trainer.checkpointing.run_directory import RunDirectory, discard_if_unused
+    from polytrain.trainer.persistence.run_directory import RunDirectory, discard_if_unused
 
     claimed = tmp_path / "version_1"
     claimed.mkdir()

@@ -129,7 +129,8 @@ class Precision:
     def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         """The update, its gradients final and unscaled: ``optimizer.step()``, or under a GradScaler its
         ``step``, which skips the update when ``unscale_`` found inf/NaN (``update()`` then lowers the
-        scale). ``kwargs``: what a manual ``opt.step(**kwargs)`` passed on, for the optimizer's own ``step``."""
+        scale). ``kwargs``: what a manual ``opt.step(**kwargs)`` passed on, for the optimizer's own
+        ``step``."""
         if self.scaler is None:
             return optimizer.step(**kwargs)
         if not _has_grads(optimizer):

@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from polytrain.core.errors import ConfigError
-from polytrain.parallel.fsdp import blocks_to_wrap
+from polytrain.parallel.fully_shard import blocks_to_wrap
 
 log = logging.getLogger("polytrain")
 

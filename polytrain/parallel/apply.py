@@ -36,7 +36,7 @@ from polytrain.parallel.activation_checkpointing import apply_activation_checkpo
 from polytrain.parallel.choices import DATA_PARALLEL
 from polytrain.parallel.compile import apply_compile, compile_targets
 from polytrain.parallel.dims import ParallelDims
-from polytrain.parallel.fsdp import apply_fsdp
+from polytrain.parallel.fully_shard import apply_fsdp
 from polytrain.parallel.pipeline_path_cut import Elsewhere
 
 APPLY_ORDER = ("tensor_parallel", "activation_checkpointing", "compile", "data_parallel")

@@ -45,7 +45,7 @@ from polytrain.parallel.activation_checkpointing import (
     repeated,
     swap_class,
 )
-from polytrain.parallel.fsdp import blocks_to_wrap
+from polytrain.parallel.fully_shard import blocks_to_wrap
 
 log = logging.getLogger("polytrain")
 

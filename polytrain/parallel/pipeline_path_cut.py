@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from polytrain.parallel.fsdp import blocks_to_wrap
+from polytrain.parallel.fully_shard import blocks_to_wrap
 from polytrain.parallel.pipeline_sequential_cut import PipelineSplitError, balance
 
 

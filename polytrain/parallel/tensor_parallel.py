@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Callable
 from fnmatch import fnmatch
 from typing import Any
 

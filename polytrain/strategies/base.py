@@ -49,7 +49,7 @@ class Strategy(CollectiveVerbs, ABC):
                  precision: Precision, timeout: float, env: ClusterEnvironment,
                  dims: Any = None, checkpoint_io: CheckpointIO | None = None,
                  compile_options: dict[str, Any] | None = None,
-                 checkpointing_options: dict[str, Any] | None = None) -> None:
+                 activation_checkpointing_options: dict[str, Any] | None = None) -> None:
         self.options = options
         self.accelerator = accelerator
         self.devices = devices
@@ -61,7 +61,7 @@ class Strategy(CollectiveVerbs, ABC):
         self.checkpoint_io = checkpoint_io if checkpoint_io is not None else self.default_checkpoint_io()
         # trainer.compile / trainer.activation_checkpointing, resolved (None: off); applied in setup_module.
         self.compile_options = compile_options
-        self.checkpointing_options = checkpointing_options
+        self.activation_checkpointing_options = activation_checkpointing_options
         self.module: nn.Module | None = None  # the user's TrainModule, unwrapped
         self.model: nn.Module | None = None  # what forward runs through (maybe wrapped)
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -75,13 +75,13 @@ class Strategy(CollectiveVerbs, ABC):
         return self.precision.name
 
     def adopt_model_transforms(self, compile_options: dict[str, Any] | None,
-                               checkpointing_options: dict[str, Any] | None) -> None:
+                               activation_checkpointing_options: dict[str, Any] | None) -> None:
         """A strategy built by hand and handed to a Trainer: the Trainer's ``compile`` and
         ``activation_checkpointing`` apply unless the strategy was built with its own."""
         if self.compile_options is None:
             self.compile_options = compile_options
-        if self.checkpointing_options is None:
-            self.checkpointing_options = checkpointing_options
+        if self.activation_checkpointing_options is None:
+            self.activation_checkpointing_options = activation_checkpointing_options
 
     def new_executor(self) -> Any:
         """The executor this strategy starts with: ``WholeModel`` (every rank runs every layer)."""

@@ -19,7 +19,7 @@ import torch
 
 from polytrain.core.environment import detect_environment
 from polytrain.core.errors import ConfigError
-from polytrain.core.options import check_choice
+from polytrain.core.option_checks import check_choice
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.registry import (
     build_strategy,

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from polytrain.parallel.apply import ParallelLayout
+from polytrain.strategies.composed import ParallelStrategy
 from polytrain.strategies.options import DDPOptions
-from polytrain.strategies.parallel import ParallelStrategy
 from polytrain.strategies.registry import register
 
 

@@ -57,11 +57,12 @@ class DataParallelStrategy(Strategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         self.module = self.precision.convert_module(module.to(self.root_device))
-        if len(self._device_ids) > 1 and (self.compile_options, self.checkpointing_options) != (None, None):
+        wraps_blocks = (self.compile_options, self.activation_checkpointing_options) != (None, None)
+        if len(self._device_ids) > 1 and wraps_blocks:
             raise ConfigError("strategy 'dp' copies the module to every GPU each step, which drops "
                               "compiled and checkpointed forwards; use strategy 'ddp' with trainer.compile / "
                               "trainer.activation_checkpointing")
-        checkpoint_and_compile(self.module, self.checkpointing_options, self.compile_options)
+        checkpoint_and_compile(self.module, self.activation_checkpointing_options, self.compile_options)
         router = StepRouter(self.module)
         if len(self._device_ids) > 1:
             self.model = nn.DataParallel(router, device_ids=self._device_ids,

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from polytrain.parallel.apply import FSDPSettings, ParallelLayout
+from polytrain.strategies.composed import ParallelStrategy
 from polytrain.strategies.options import FSDPOptions
-from polytrain.strategies.parallel import ParallelStrategy
 from polytrain.strategies.registry import register
 
 

@@ -31,7 +31,7 @@ from polytrain.parallel.ddp_wrapping import (
     prepare_manual_backward,
     sync_buffers_for_evaluation,
 )
-from polytrain.parallel.fsdp import clip_sharded_grad_norm, no_gradient_sync
+from polytrain.parallel.fully_shard import clip_sharded_grad_norm, no_gradient_sync
 
 
 class NoDataParallel:

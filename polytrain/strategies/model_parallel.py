@@ -9,7 +9,7 @@ the data-parallel dimension (2D). Data follows the mesh: ranks of one tensor-par
 the same batch; the sampler splits over the data-parallel dimension only. A preset of ``parallel``.
 
 ``mode: layers`` — the layers of the module's ``nn.Sequential`` spread over the devices one process
-drives (``strategies.layers``: not a mesh degree, so its own class, which this one hands it to).
+drives (``strategies.layer_placement``: not a mesh degree, so its own class, which this one hands it to).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from polytrain.parallel.apply import ParallelLayout
-from polytrain.strategies.layers import LayerPlacementStrategy, find_sequential, processes_for
+from polytrain.strategies.composed import ParallelStrategy
+from polytrain.strategies.layer_placement import LayerPlacementStrategy, find_sequential, processes_for
 from polytrain.strategies.options import ModelParallelOptions
-from polytrain.strategies.parallel import ParallelStrategy
 from polytrain.strategies.registry import register
 
 __all__ = ["ModelParallelOptions", "ModelParallelStrategy", "find_sequential"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from polytrain.core.errors import ConfigError
-from polytrain.core.options import check_choice, suggest, validate_dataclass
+from polytrain.core.option_checks import check_choice, suggest, validate_dataclass
 from polytrain.parallel.choices import DATA_PARALLEL, check_schedule_options
 
 MODES = ("layers", "tensor")  # model_parallel's

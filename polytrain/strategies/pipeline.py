@@ -19,8 +19,8 @@ from typing import Any
 from polytrain.parallel.apply import ParallelLayout, PipelineSettings
 from polytrain.parallel.choices import SCHEDULES
 from polytrain.parallel.pipeline_schedules import schedule_class
+from polytrain.strategies.composed import ParallelStrategy
 from polytrain.strategies.options import PipelineOptions
-from polytrain.strategies.parallel import ParallelStrategy
 from polytrain.strategies.registry import register
 
 __all__ = ["SCHEDULES", "PipelineOptions", "PipelineStrategy", "schedule_class"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -135,7 +135,7 @@ class PipelineRunner(StepExecutor):
         activation-checkpointed blocks)``. The blocks are chosen on the whole model first, so every rank
         chooses alike."""
         s = self.strategy
-        chosen = checkpoint_targets(module, s.checkpointing_options, s.layout.fsdp.wrap_modules)
+        chosen = checkpoint_targets(module, s.activation_checkpointing_options, s.layout.fsdp.wrap_modules)
         self.split(module, is_global_zero)
         return local_plan(module, plan), chosen
 

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from polytrain.core.errors import ConfigError
-from polytrain.core.options import suggest, validate_dataclass
+from polytrain.core.option_checks import suggest, validate_dataclass
 from polytrain.core.precision import Precision
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.options import LIGHTNING_NAMES, check_strategy_spec, spec_mapping, wants_plan

@@ -60,7 +60,8 @@ class StepPlan:
     # what hooks that take an optimizer receive (each optimizer wrapped: its step() comes back to update)
     wrapped: list[Any] = field(default_factory=list)
     before_zero_grad: list[Callable[[Any], None]] = field(default_factory=list)
-    zero_grad_hook: Callable[[int, int, Any], None] | None = None  # optimizer_zero_grad(epoch, batch_idx, opt)
+    # the module's optimizer_zero_grad(epoch, batch_idx, optimizer), if overridden
+    zero_grad_hook: Callable[[int, int, Any], None] | None = None
     before_backward: list[Callable[[torch.Tensor], None]] = field(default_factory=list)
     after_backward: list[Callable[[], None]] = field(default_factory=list)
     module_backward: Callable[..., None] | None = None  # the module's own backward(loss), if overridden
@@ -127,7 +128,8 @@ class StepExecutor:
         self.update_phase = phase("optimizer update", excluding="forward+backward")
 
     # ------------------------------------------------------------------ the step
-    def train_step(self, batch: Any, batch_idx: int, epoch: int, end_of_window: bool) -> tuple[StepResult, bool]:
+    def train_step(self, batch: Any, batch_idx: int, epoch: int,
+                   end_of_window: bool) -> tuple[StepResult, bool]:
         """One training batch: ``(what forward_backward gave, whether the optimizers stepped)``."""
         plan = self.plan
         if not end_of_window:  # inside an accumulation window: gradients accumulate locally, no update
@@ -241,9 +243,11 @@ class StepExecutor:
         for hook in plan.before_optimizer_step:
             hook(optimizer)
         if plan.clip_hook is not None:
-            plan.clip_hook(optimizer, gradient_clip_val=plan.clip_val, gradient_clip_algorithm=plan.clip_algorithm)
+            plan.clip_hook(optimizer, gradient_clip_val=plan.clip_val,
+                           gradient_clip_algorithm=plan.clip_algorithm)
         elif plan.clip_val is not None:
-            plan.guard.check_grad_norm(self.clip_gradients(optimizer, plan.clip_val, plan.clip_algorithm or "norm"))
+            norm = self.clip_gradients(optimizer, plan.clip_val, plan.clip_algorithm or "norm")
+            plan.guard.check_grad_norm(norm)
         if plan.votes_on_skip and optimizer is plan.optimizers[0]:
             plan.guard.vote_on_skip()
         if plan.guard.skip_step:

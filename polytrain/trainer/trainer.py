@@ -30,15 +30,6 @@ from polytrain.strategies.launcher import LaunchPlan, plan_launch
 from polytrain.trainer.api.datamodule import DataModule
 from polytrain.trainer.api.hooks import Hooks, is_overridden
 from polytrain.trainer.api.module import TrainModule
-from polytrain.trainer.checkpointing.checkpoint_payload import PayloadSources, build_payload
-from polytrain.trainer.checkpointing.resume import agree_on_checkpoint, restore_weights
-from polytrain.trainer.checkpointing.run_directory import (
-    RunDirectory,
-    RunSources,
-    discard_if_unused,
-    resolve_path,
-    settle_run_directory,
-)
 from polytrain.trainer.configuration.config import (
     TrainerConfig,
     load_config,
@@ -58,6 +49,15 @@ from polytrain.trainer.loops.optimization import clip_gradients
 from polytrain.trainer.loops.progress import EvalProgress
 from polytrain.trainer.observability.metrics import MetricCollector
 from polytrain.trainer.observability.profiler import build_profiler
+from polytrain.trainer.persistence.checkpoint_payload import PayloadSources, build_payload
+from polytrain.trainer.persistence.resume import agree_on_checkpoint, restore_weights
+from polytrain.trainer.persistence.run_directory import (
+    RunDirectory,
+    RunSources,
+    discard_if_unused,
+    resolve_path,
+    settle_run_directory,
+)
 
 log = logging.getLogger("polytrain")
 

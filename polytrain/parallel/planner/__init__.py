@@ -14,7 +14,7 @@ from torch import nn
 
 from polytrain.core.batch import map_tensors
 from polytrain.core.errors import ConfigError
-from polytrain.parallel.fsdp import blocks_to_wrap
+from polytrain.parallel.fully_shard import blocks_to_wrap
 from polytrain.parallel.hardware import PRESETS, Hardware, hardware, parse_bytes
 from polytrain.parallel.library_plans import library_plan
 from polytrain.parallel.pipeline_path_cut import meta_twin

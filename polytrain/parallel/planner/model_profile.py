@@ -55,7 +55,7 @@ from polytrain.core import lazy
 from polytrain.core.batch import map_tensors, tensors_in
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.activation_checkpointing import OpSelection
-from polytrain.parallel.fsdp import blocks_to_wrap
+from polytrain.parallel.fully_shard import blocks_to_wrap
 from polytrain.parallel.pipeline_path_cut import parameter_segments, segments_of
 from polytrain.parallel.tensor_parallel import resolve_key
 

@@ -5,7 +5,7 @@ has every equation here, its defaults and where it is known to be wrong).
 Two CUDA streams per rank are modelled: compute (with the tensor-parallel collectives on it; async TP
 hides them behind the split matmuls) and communication (FSDP all-gathers and reduce-scatters, replica
 all-reduces). A unit is one child of the Sequential: the strategy ``fully_shard``s each child that holds
-parameters (``parallel/fsdp.py``).
+parameters (``parallel/fully_shard.py``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import yaml
 
 from polytrain.core.errors import ConfigError
 from polytrain.core.nodes import node_range
-from polytrain.core.options import check_choice, check_keys, validate_dataclass
+from polytrain.core.option_checks import check_choice, check_keys, validate_dataclass
 from polytrain.parallel.choices import check_context_parallel_device
 from polytrain.strategies.options import OPTIONS, check_strategy_spec, spec_mapping, wants_plan
 from polytrain.strategies.plan_spec import split_plan

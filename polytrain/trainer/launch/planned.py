@@ -33,8 +33,8 @@ from polytrain.strategies.launcher import LaunchPlan
 from polytrain.strategies.plan_spec import CHOSEN_REQUIRED, DEGREES, is_planned, pinned_degrees
 from polytrain.trainer.api.hooks import is_overridden
 from polytrain.trainer.api.module import TrainModule
-from polytrain.trainer.checkpointing.run_directory import RunSources, resolve_path
 from polytrain.trainer.launch.traced_step import traced_step
+from polytrain.trainer.persistence.run_directory import RunSources, resolve_path
 
 if TYPE_CHECKING:
     from polytrain.trainer.configuration.config import TrainerConfig

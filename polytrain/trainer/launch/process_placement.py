@@ -81,7 +81,8 @@ def strategy_for(config: TrainerConfig, plan: LaunchPlan) -> Strategy:
         strategy = build_strategy(spec, accelerator=plan.accelerator, devices=plan.devices,
                                   num_nodes=plan.num_nodes,
                                   precision=config.precision, timeout=config.timeout, env=plan.env,
-                                  compile_options=compile_options, checkpointing_options=checkpointing)
+                                  compile_options=compile_options,
+                                  activation_checkpointing_options=checkpointing)
     if config.benchmark is not None:
         torch.backends.cudnn.benchmark = config.benchmark
     if config.deterministic:

@@ -33,7 +33,6 @@ from polytrain.parallel.float8 import precompute_scales_after_each_step, resolve
 from polytrain.trainer.api.hooks import Hooks, is_overridden
 from polytrain.trainer.api.module import TrainModule
 from polytrain.trainer.api.optimizer_config import parse_optimizers, step_schedulers
-from polytrain.trainer.checkpointing.resume import restore_fit
 from polytrain.trainer.configuration.config_file import parse_max_time
 from polytrain.trainer.loops.data_connector import DataConnector, epoch_iterator
 from polytrain.trainer.loops.evaluation import EvaluationLoop
@@ -44,6 +43,7 @@ from polytrain.trainer.loops.schedule import ValidationSchedule
 from polytrain.trainer.loops.training_epoch import TrainingEpochLoop
 from polytrain.trainer.observability.goodput import Goodput, report_goodput
 from polytrain.trainer.observability.metrics import MetricCollector, publish
+from polytrain.trainer.persistence.resume import restore_fit
 
 if TYPE_CHECKING:
     from polytrain.trainer.configuration.config import TrainerConfig
@@ -94,20 +94,8 @@ class FitLoop:
         self._take(None)
 
     def _take(self, collaborators: FitCollaborators | None) -> None:
-        """This fit's collaborators, as attributes of their own (None: between fits)."""
-        c = collaborators
-        self.strategy = c.strategy if c else None
-        self.hooks = c.hooks if c else None
-        self.metrics = c.metrics if c else None
-        self.profiler = c.profiler if c else None
-        self.loaders = c.loaders if c else None
-        self.evaluation = c.evaluation if c else None
-        self.transfer_batch = c.transfer_batch if c else None
-        self.module = c.module if c else None
-        self.datamodule = c.datamodule if c else None
-        self.callbacks = c.callbacks if c else []
-        self.loggers = c.loggers if c else []
-        self.log_dir = c.log_dir if c else ""
+        """This fit's collaborators (None: before the first fit), and its time limit."""
+        self.fit = collaborators
         max_time = self.config.max_time
         self._max_time = parse_max_time(max_time) if max_time is not None else None
 
@@ -144,39 +132,40 @@ class FitLoop:
                 stop_workers(None, loader, keep_persistent=False)
 
     def _fit(self, ckpt_path: str | None) -> None:
-        cfg, hooks, data, strategy = self.config, self.hooks, self.data, self.strategy
+        cfg, fit, data = self.config, self.fit, self.data
+        hooks, strategy, loaders = fit.hooks, fit.strategy, fit.loaders
         # This fit's loader (estimated_stepping_batches may ask for it before the fit does).
         data.train_loader, data.requested_early = None, False
         self._setup_optimization()
         self._restore(ckpt_path)
         staging_waited = strategy.checkpoint_io.staging_waited()
-        record_dir = self.log_dir if strategy.is_logging_rank and os.path.isdir(self.log_dir) else None
+        record_dir = fit.log_dir if strategy.is_logging_rank and os.path.isdir(fit.log_dir) else None
         self.goodput.begin(self.progress.global_step, staging_waited, record_dir)
         hooks("on_fit_start")
-        validates = is_overridden(self.module, "validation_step", TrainModule)
-        if not validates and self.loaders.source("val") is not None and not self.loaders.disabled("val"):
+        validates = is_overridden(fit.module, "validation_step", TrainModule)
+        if not validates and loaders.source("val") is not None and not loaders.disabled("val"):
             # Lightning's words for a loader that nothing will read
             rank_zero_warn("You passed in a `val_dataloader` but have no `validation_step`. "
                            "Skipping val loop.")
         sanity = (cfg.num_sanity_val_steps != 0 and not cfg.fast_dev_run
-                  and self.loaders.source("val") is not None and validates
-                  and not self.loaders.disabled("val"))
+                  and loaders.source("val") is not None and validates
+                  and not loaders.disabled("val"))
         if sanity:
             self._sanity_check()
-        if self.loaders.disabled("train"):  # limit_train_batches=0: as Lightning, the fit is its sanity check
+        if loaders.disabled("train"):  # limit_train_batches=0: as Lightning, the fit is its sanity check
             hooks("on_fit_end")
             return
         if not data.requested_early:
             data.train_loader = self.request_train_loader()
         if data.train_loader is None:
             raise ValueError(f"no training data: pass train_dataloaders to fit() or define "
-                             f"train_dataloader() on {type(self.module).__name__} (or its DataModule)")
+                             f"train_dataloader() on {type(fit.module).__name__} (or its DataModule)")
         # Iterable-style data (``agreed``): ranks agree before each batch and end the epoch together.
-        limit = self.loaders.batch_limit("train", data.train_loader)
+        limit = loaders.batch_limit("train", data.train_loader)
         data.num_training_batches, self.agreed = check_batches(strategy, data.train_loader, "train",
                                                                limit)
         batches, every = data.num_training_batches, cfg.log_every_n_steps
-        if self.loggers and batches is not None and batches < every and not cfg.fast_dev_run:
+        if fit.loggers and batches is not None and batches < every and not cfg.fast_dev_run:
             rank_zero_warn(f"The number of training batches ({batches}) is smaller than the logging "
                            f"interval Trainer(log_every_n_steps={every}): set a lower value for "
                            f"log_every_n_steps to see logs within each training epoch")
@@ -194,8 +183,8 @@ class FitLoop:
         self._first = self._epoch_iterator()
         if not sanity:  # as Lightning: without a sanity check the val loader is asked for here
             self._request_val()
-        self.metrics.start_stage("train", EPOCH_ONLY)
-        in_eval = [name or type(self.module).__name__ for name, m in self.module.named_modules()
+        fit.metrics.start_stage("train", EPOCH_ONLY)
+        in_eval = [name or type(fit.module).__name__ for name, m in fit.module.named_modules()
                    if not m.training]
         if in_eval:  # as Lightning: a frozen BatchNorm left in eval mode is fine; a whole model is likely not
             rank_zero_warn(f"Found {len(in_eval)} module(s) in eval mode at the start of training "
@@ -215,23 +204,22 @@ class FitLoop:
                 rank_zero_warn("trainer.max_epochs was not set: the fit stops after 1000 epochs (as "
                                "Lightning's); set max_epochs=-1 to train without an epoch limit")
         self.epoch_loop = TrainingEpochLoop(
-            config=cfg, progress=self.progress, stopping=self.stopping, data=data, strategy=strategy,
-            hooks=hooks, metrics=self.metrics, profiler=self.profiler, goodput=self.goodput,
-            optimization=self.optimization, guard=self.guard, schedule=self.schedule,
-            schedulers=self.lr_scheduler_configs, module=self.module, transfer_batch=self.transfer_batch,
-            agreed=self.agreed, multi_rank=self._multi_rank, validate=self._validate, time_up=self._time_up,
-            min_reached=self._min_reached, scheduler_step=self._scheduler_step)
+            fit, config=cfg, progress=self.progress, stopping=self.stopping, data=data,
+            goodput=self.goodput, optimization=self.optimization, guard=self.guard, schedule=self.schedule,
+            schedulers=self.lr_scheduler_configs, agreed=self.agreed, multi_rank=self._multi_rank,
+            validate=self._validate, time_up=self._time_up, min_reached=self._min_reached,
+            scheduler_step=self._scheduler_step)
         while not self._done():
-            with self.goodput.phase("epoch"), self.profiler.phase("train epoch"):
+            with self.goodput.phase("epoch"), fit.profiler.phase("train epoch"):
                 self._run_epoch()
             self._agree_at_epoch_end()
         self.guard.check()
-        self.metrics.start_stage(None)
+        fit.metrics.start_stage(None)
         hooks("on_train_end")
         hooks("on_fit_end")
         staging_waited = strategy.checkpoint_io.staging_waited()
         report_goodput(self.goodput, self.progress.global_step, staging_waited, strategy.is_global_zero,
-                       self.loggers)
+                       fit.loggers)
 
     def validates_this_epoch(self) -> bool:
         """Whether the current epoch runs a validation (``check_val_every_n_epoch``, a validation loader)."""
@@ -245,7 +233,8 @@ class FitLoop:
         cfg, data = self.config, self.data
         if data.train_loader is None:
             data.train_loader, data.requested_early = self.request_train_loader(), True
-        batches = self.loaders.batch_limit("train", data.train_loader) if data.train_loader is not None else 0
+        loader = data.train_loader
+        batches = self.fit.loaders.batch_limit("train", loader) if loader is not None else 0
         if cfg.fast_dev_run:
             epochs: float = 1
         elif cfg.max_epochs == -1:
@@ -262,13 +251,13 @@ class FitLoop:
 
     def request_train_loader(self) -> Any:
         saved = self.resumed.loop
-        return self.loaders.request("train", saved.get("dp_size") if saved is not None else None)
+        return self.fit.loaders.request("train", saved.get("dp_size") if saved is not None else None)
 
     def _setup_optimization(self) -> None:
         """configure_optimizers, then the fit's batch step. As Lightning, every fit builds its optimizers
         anew: a second fit of the same Trainer (a fine-tuning or SWA phase) starts from fresh optimizer state
         unless it resumes a checkpoint."""
-        strategy, module, hooks, cfg = self.strategy, self.module, self.hooks, self.config
+        strategy, module, hooks, cfg = self.fit.strategy, self.fit.module, self.fit.hooks, self.config
         optimizers, self.lr_scheduler_configs = parse_optimizers(hooks.module("configure_optimizers"))
         strategy.setup_optimizers(optimizers)
         float8 = resolve_float8(cfg.float8)
@@ -282,7 +271,7 @@ class FitLoop:
                               f"drop the option")
         self.progress.start_fit(strategy.world_size, strategy.dp_size)
         self.guard = NonFiniteGuard(cfg.nan_policy, strategy, module, self.progress)
-        phase = self.profiler.phase
+        phase = self.fit.profiler.phase
         if module.automatic_optimization:
             self.optimization = AutomaticOptimization(strategy, module, hooks, self.guard, cfg, phase)
         else:
@@ -294,9 +283,9 @@ class FitLoop:
         """Resume from the checkpoint settled with the run's directory (the same on every rank): every
         step of it is ``resume.restore_fit``'s; the first epoch takes back what it returns."""
         if ckpt_path is not None:
-            self.resumed = restore_fit(ckpt_path, strategy=self.strategy, hooks=self.hooks,
-                                       module=self.module, datamodule=self.datamodule,
-                                       callbacks=self.callbacks, schedulers=self.lr_scheduler_configs,
+            self.resumed = restore_fit(ckpt_path, strategy=self.fit.strategy, hooks=self.fit.hooks,
+                                       module=self.fit.module, datamodule=self.fit.datamodule,
+                                       callbacks=self.fit.callbacks, schedulers=self.lr_scheduler_configs,
                                        progress=self.progress)
         self.guard.resume_at(self.progress.global_step)  # errors name steps from the resumed count
 
@@ -320,7 +309,7 @@ class FitLoop:
         return reached
 
     def _agree_at_epoch_end(self) -> None:
-        s, strategy = self.stopping, self.strategy
+        s, strategy = self.stopping, self.fit.strategy
         if self._max_time is not None and strategy.reduce_boolean_decision(self._time_up()):
             s.time_up()
         s.agree(strategy.reduce_boolean_decision(s.requested))
@@ -328,14 +317,14 @@ class FitLoop:
     def _agree_on_stop(self) -> None:  # at a point every rank reaches together (logging step, validation)
         if self._multi_rank:
             s = self.stopping
-            s.agree(self.strategy.reduce_boolean_decision(s.requested))
+            s.agree(self.fit.strategy.reduce_boolean_decision(s.requested))
 
     # ------------------------------------------------------------------ an epoch
     def _epoch_iterator(self) -> tuple[Any, int]:
         p, data = self.progress, self.data
         iterator, start, sample_base, data.loader_rng = epoch_iterator(
-            data.train_loader, p.epoch, p.batch_in_epoch, data.num_training_batches, self.strategy.dp_size,
-            self.resumed)
+            data.train_loader, p.epoch, p.batch_in_epoch, data.num_training_batches,
+            self.fit.strategy.dp_size, self.resumed)
         p.start_epoch(sample_base, getattr(data.train_loader, "batch_size", None))
         return iterator, start
 
@@ -347,9 +336,9 @@ class FitLoop:
         if first is None and self._reload_due("train"):
             stop_workers(None, self.data.train_loader, keep_persistent=False)  # the loader being replaced
             self.data.train_loader = self.request_train_loader()
-        self.metrics.start_stage("train", EPOCH_ONLY)
+        self.fit.metrics.start_stage("train", EPOCH_ONLY)
         if first is None or not first[1]:  # as Lightning: an epoch resumed mid-way has already started
-            self.hooks("on_train_epoch_start")
+            self.fit.hooks("on_train_epoch_start")
         # The epoch's iterator after the hook, as Lightning.
         iterator, start = first if first is not None else self._epoch_iterator()
         if start and p.validation_due is None:  # a file from before the loop recorded it
@@ -358,19 +347,19 @@ class FitLoop:
             p.expect_validation(at_end and due)
         if start and p.validation_due and start != self.data.num_training_batches:
             self._validate()  # the checkpoint was taken between a batch and its validation
-            self.metrics.start_stage("train", EPOCH_ONLY)
+            self.fit.metrics.start_stage("train", EPOCH_ONLY)
         try:
             complete = self.epoch_loop.run(iterator, start)
         finally:  # before a validation starts workers of its own; persistent ones stay for the next epoch
             stop_workers(iterator, self.data.train_loader, keep_persistent=True)
         if complete and p.validation_due:
             self._validate()
-        with self.profiler.phase("epoch end"):
+        with self.fit.profiler.phase("epoch end"):
             self._finish_epoch(complete)
 
     def _scheduler_step(self, scheduler: Any, metric: Any) -> None:
-        with self.metrics.refusing("lr_scheduler_step"):
-            self.hooks.module("lr_scheduler_step", scheduler, metric)
+        with self.fit.metrics.refusing("lr_scheduler_step"):
+            self.fit.hooks.module("lr_scheduler_step", scheduler, metric)
 
     # ------------------------------------------------------------------ validation
     def _reload_due(self, stage: str) -> bool:
@@ -382,11 +371,12 @@ class FitLoop:
         return True
 
     def _request_val(self) -> None:
-        data, loaders = self.data, self.loaders
+        data, loaders = self.data, self.fit.loaders
         for loader in data.val_loaders:  # the loaders being replaced, if any
             stop_workers(None, loader, keep_persistent=False)
         # As Lightning: without a validation_step nothing reads the loaders, and they are never asked for
-        skipped = loaders.disabled("val") or not is_overridden(self.module, "validation_step", TrainModule)
+        validates = is_overridden(self.fit.module, "validation_step", TrainModule)
+        skipped = loaders.disabled("val") or not validates
         val_loaders = [] if skipped else loaders.request_eval("val")
         data.use_val(val_loaders, [loaders.batch_limit("val", loader) for loader in val_loaders])
 
@@ -394,7 +384,7 @@ class FitLoop:
         """A few validation batches before training, so a bug in ``validation_step`` shows in seconds, not
         after an epoch. Its random draws are undone and its metrics dropped (Lightning's order: the
         hooks, then the val loader is asked for, all without gradients)."""
-        steps, hooks, data = self.config.num_sanity_val_steps, self.hooks, self.data
+        steps, hooks, data = self.config.num_sanity_val_steps, self.fit.hooks, self.data
         with isolate_rng():
             # As Lightning: both sanity hooks see trainer.sanity_checking
             self.state.stage = RunningStage.SANITY_CHECKING
@@ -410,15 +400,15 @@ class FitLoop:
                 hooks.callbacks("on_sanity_check_end")
             finally:
                 self.state.stage = RunningStage.TRAINING
-            self.metrics.reset()
+            self.fit.metrics.reset()
 
     def _evaluate(self, loaders: list[Any], limits: list[int | None], sanity: bool = False) -> None:
         p = self.progress
-        self.evaluation.run(loaders, "val", limits, entry="fit", epoch=p.epoch, global_step=p.global_step,
+        self.fit.evaluation.run(loaders, "val", limits, entry="fit", epoch=p.epoch, global_step=p.global_step,
                             sanity=sanity)
 
     def _validate(self) -> None:
-        with self.goodput.phase("validation"), self.profiler.phase("validation"):
+        with self.goodput.phase("validation"), self.fit.profiler.phase("validation"):
             self._run_validation()
 
     def _run_validation(self) -> None:
@@ -428,8 +418,8 @@ class FitLoop:
             self._request_val()
         if not data.has_val():
             return
-        with self.metrics.refusing("on_validation_model_zero_grad"):
-            self.hooks.module("on_validation_model_zero_grad")
+        with self.fit.metrics.refusing("on_validation_model_zero_grad"):
+            self.fit.hooks.module("on_validation_model_zero_grad")
         self._evaluate(data.val_loaders, data.val_batches)
         self._agree_on_stop()  # e.g. EarlyStopping after a validation inside the epoch
 
@@ -437,7 +427,7 @@ class FitLoop:
     def _finish_epoch(self, complete: bool) -> None:
         """``on_train_epoch_end`` with this epoch's values already reduced (the hooks read them), what the
         module logs there reduced before the callbacks that watch metrics run, then the epoch schedulers."""
-        p, metrics, hooks, group = self.progress, self.metrics, self.hooks, self.strategy.dp_group
+        p, metrics, hooks, group = self.progress, self.fit.metrics, self.fit.hooks, self.fit.strategy.dp_group
         heartbeat.at("train_epoch_end")
         metrics.start_stage("train", EPOCH_ONLY)
         with p.ending_epoch(complete):  # a checkpoint taken now resumes at the next epoch

@@ -24,7 +24,7 @@ from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 from polytrain.core.errors import ConfigError, RankFailedError, first_few
 from polytrain.core.rng import capture_rng_state, restore_rng_state, seed_all, user_seed
 from polytrain.parallel.float8 import convert_to_float8, has_float8_matmuls, resolve_float8
-from polytrain.parallel.fsdp import uninitialisable_on_meta
+from polytrain.parallel.fully_shard import uninitialisable_on_meta
 from polytrain.trainer.api.datamodule import DataModule
 from polytrain.trainer.api.hooks import (
     CALLBACK_HOOKS,

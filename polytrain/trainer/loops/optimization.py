@@ -94,7 +94,8 @@ class AutomaticOptimization:
             after_backward=hooks.batch_plan("on_after_backward"),
             module_backward=hooks.module_hook("backward"),
             before_optimizer_step=hooks.batch_plan("on_before_optimizer_step"),
-            clip_hook=clip_hook, clip_val=config.gradient_clip_val, clip_algorithm=config.gradient_clip_algorithm,
+            clip_hook=clip_hook, clip_val=config.gradient_clip_val,
+            clip_algorithm=config.gradient_clip_algorithm,
             optimizer_step_hook=hooks.module_hook("optimizer_step"), votes_on_skip=guard.policy == "skip",
             wait_staged=strategy.checkpoint_io.wait_staged, phase=phase)
         # run(batch, batch_idx, epoch, end_of_window) -> (the step's result, stepped)
@@ -116,7 +117,8 @@ class ManualOptimization:
         strategy.bind_step(StepPlan(
             self.optimizers, guard, wrapped=self.wrapped,
             before_backward=hooks.batch_plan("on_before_backward"),
-            after_backward=hooks.batch_plan("on_after_backward"), module_backward=hooks.module_hook("backward"),
+            after_backward=hooks.batch_plan("on_after_backward"),
+            module_backward=hooks.module_hook("backward"),
             before_optimizer_step=hooks.batch_plan("on_before_optimizer_step"),
             wait_staged=strategy.checkpoint_io.wait_staged, phase=phase))
         self.accumulating = False  # this batch is not the last of its window (manual_backward skips the sync)

@@ -17,11 +17,10 @@ Per batch the loop adds no host-device sync of its own; what each batch reads is
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from polytrain.core import heartbeat
 from polytrain.core.rank_zero import rank_zero_warn
-from polytrain.trainer.api.hooks import Hooks
 from polytrain.trainer.api.optimizer_config import step_schedulers
 from polytrain.trainer.loops.data_connector import NO_BATCH, agreed_batches
 from polytrain.trainer.loops.guards import NonFiniteGuard
@@ -29,7 +28,10 @@ from polytrain.trainer.loops.optimization import AutomaticOptimization, ManualOp
 from polytrain.trainer.loops.progress import EpochData, FitProgress, Stopping
 from polytrain.trainer.loops.schedule import ValidationSchedule
 from polytrain.trainer.observability.goodput import Goodput
-from polytrain.trainer.observability.metrics import MetricCollector, publish
+from polytrain.trainer.observability.metrics import publish
+
+if TYPE_CHECKING:
+    from polytrain.trainer.loops.fit_loop import FitCollaborators
 
 # What run_batch returns instead of a step when the epoch ends before it.
 DATA_ENDED = "the data ran out"
@@ -43,28 +45,21 @@ class TrainingEpochLoop:
     schedule are known, with each collaborator named. Loop state changes only through ``progress``',
     ``stopping``'s and ``data``'s own methods."""
 
-    def __init__(self, *, config: Any, progress: FitProgress, stopping: Stopping, data: EpochData,
-                 strategy: Any, hooks: Hooks, metrics: MetricCollector, profiler: Any, goodput: Goodput,
-                 optimization: AutomaticOptimization | ManualOptimization, guard: NonFiniteGuard,
-                 schedule: ValidationSchedule, schedulers: list[Any], module: Any,
-                 transfer_batch: Callable[[Any], Any], agreed: bool, multi_rank: bool,
-                 validate: Callable[[], None], time_up: Callable[[], bool], min_reached: Callable[[], bool],
-                 scheduler_step: Callable[[Any, Any], None]) -> None:
+    def __init__(self, fit: FitCollaborators, *, config: Any, progress: FitProgress, stopping: Stopping,
+                 data: EpochData, goodput: Goodput, optimization: AutomaticOptimization | ManualOptimization,
+                 guard: NonFiniteGuard, schedule: ValidationSchedule, schedulers: list[Any], agreed: bool,
+                 multi_rank: bool, validate: Callable[[], None], time_up: Callable[[], bool],
+                 min_reached: Callable[[], bool], scheduler_step: Callable[[Any, Any], None]) -> None:
+        self.fit = fit  # the fit's strategy, hooks, metrics, profiler, module and batch mover
         self.config = config
         self.progress = progress
         self.stopping = stopping
         self.data = data
-        self.strategy = strategy
-        self.hooks = hooks
-        self.metrics = metrics
-        self.profiler = profiler
         self.goodput = goodput
         self.optimization = optimization
         self.guard = guard
         self.schedule = schedule
         self.lr_scheduler_configs = schedulers
-        self.module = module
-        self.transfer_batch = transfer_batch
         self.agreed = agreed  # iterable-style data: the ranks agree before each batch
         self._multi_rank = multi_rank
         # The fit's own: a validation (with its clock and profiler rows), this rank's time limit, whether
@@ -82,8 +77,8 @@ class TrainingEpochLoop:
         Sized loaders take ``num_batches`` batches. Iterable-style ones go through ``AgreedBatches``: the
         epoch ends at the shortest rank's stream (or the limit), and its last batch closes its window."""
         cfg, p, stopping, schedule = self.config, self.progress, self.stopping, self.schedule
-        metrics, end_hooks = self.metrics, self.hooks.batch_plan("on_train_batch_end")
-        automatic, log_every = self.module.automatic_optimization, cfg.log_every_n_steps
+        metrics, end_hooks = self.fit.metrics, self.fit.hooks.batch_plan("on_train_batch_end")
+        automatic, log_every = self.fit.module.automatic_optimization, cfg.log_every_n_steps
         epoch, max_steps = p.epoch, cfg.max_steps
         self._start_epoch_steps(iterator)
         stop = self._stop
@@ -124,20 +119,20 @@ class TrainingEpochLoop:
         blocks."""
         data = self.data
         self._iterator = iterator
-        self._agreed = data.stream = agreed_batches(iterator, self.strategy.reduce_boolean_decision,
+        self._agreed = data.stream = agreed_batches(iterator, self.fit.strategy.reduce_boolean_decision,
                                                     data.train_loader) if self.agreed else None
         self._num_batches = data.num_training_batches
         self._stop = data.num_training_batches if data.num_training_batches is not None else 2**62
         self._accumulate = self.config.accumulate_grad_batches
         self._train_step = self.optimization.run
-        self._start_hooks = self.hooks.batch_plan("on_train_batch_start")
+        self._start_hooks = self.fit.hooks.batch_plan("on_train_batch_start")
         self._beat = heartbeat.beat if self._multi_rank else None
         self._schedulers = bool(self.lr_scheduler_configs)
-        self._transfer = self.transfer_batch
-        phase = self.profiler.phase
+        self._transfer = self.fit.transfer_batch
+        phase = self.fit.profiler.phase
         self._fetch_phase, self._data_clock = phase("get batch"), self.goodput.phase("data")
         self._transfer_phase, self._batch_phase = phase("batch to device"), phase("training batch")
-        self.metrics.defaults = PER_STEP
+        self.fit.metrics.defaults = PER_STEP
 
     def run_batch(self, batch_idx: int) -> tuple[Any, Any, bool, bool] | str:
         """One training batch, its phases in order: fetch, transfer, ``on_train_batch_start``, then the
@@ -160,7 +155,7 @@ class TrainingEpochLoop:
             return DATA_ENDED
         with self._transfer_phase:
             batch = self._transfer(batch)
-        self.metrics.batch = batch  # its size is read only if a value is logged per epoch
+        self.fit.metrics.batch = batch  # its size is read only if a value is logged per epoch
         p.take_batch(batch_idx)
         end_of_window = (batch_idx + 1) % self._accumulate == 0 or last
         if self._beat is not None:
@@ -176,7 +171,7 @@ class TrainingEpochLoop:
         return batch, output, stepped, last
 
     def _log_step(self) -> None:
-        with self.profiler.phase("logging step"):
+        with self.fit.profiler.phase("logging step"):
             self._logging_step()
         self.goodput.mark(self.progress.global_step)
 
@@ -186,9 +181,9 @@ class TrainingEpochLoop:
         Every rank gets here at the same step, so the collectives inside stay matched. The parameters are
         checked before each checkpoint and at the end, not here: one made non-finite by a step makes the
         next loss non-finite."""
-        s, metrics = self.stopping, self.metrics
-        values = metrics.pop_step_values(self.strategy.dp_group)
-        publish(metrics, self.hooks, values, self.progress.global_step)
+        s, metrics = self.stopping, self.fit.metrics
+        values = metrics.pop_step_values(self.fit.strategy.dp_group)
+        publish(metrics, self.fit.hooks, values, self.progress.global_step)
         stop, time_up = self.guard.check((s.requested, self._time_up()), parameters=False)
         if time_up:  # max_time: every rank stops here; the fit-end checkpoint lets a resubmitted job continue
             s.time_up()
@@ -197,7 +192,7 @@ class TrainingEpochLoop:
 
     def _after_optimizer_step(self, last_batch: bool) -> None:
         p = self.progress
-        configs, metrics = self.lr_scheduler_configs, self.metrics.callback
+        configs, metrics = self.lr_scheduler_configs, self.fit.metrics.callback
         step_schedulers(configs, "step", p.global_step, metrics, self._scheduler_step)
         if last_batch:  # Lightning's order: epoch schedulers after the epoch's last update
             step_schedulers(configs, "epoch", p.epoch + 1, metrics, self._scheduler_step, plateau=False)

@@ -1,5 +1,5 @@
 """The checkpoint payload (docs/architecture.md, "Checkpoints"): what the Trainer adds to the model and
-optimizer state. Taking it back is ``trainer/checkpointing/resume.py``'s.
+optimizer state. Taking it back is ``trainer/persistence/resume.py``'s.
 
 A payload holds everything needed to continue exactly: model and optimizer state (added by the
 strategy, which knows whether they are sharded), schedulers, grad scaler, the loop's state (its

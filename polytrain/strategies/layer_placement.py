@@ -107,7 +107,7 @@ class LayerPlacementStrategy(Strategy):
             log.info("model_parallel layers: %s.%s placed as %s", type(module).__name__, name,
                      placed.extra_repr())
         module = self.precision.convert_module(module)
-        checkpoint_and_compile(module, self.checkpointing_options, self.compile_options, "blocks")
+        checkpoint_and_compile(module, self.activation_checkpointing_options, self.compile_options, "blocks")
         router = StepRouter(module)
         if self.world_size > 1:
             # A module spanning several devices: DDP must get device_ids=None.

@@ -34,7 +34,7 @@ from polytrain.checkpoint.layout import (
     version_of,
 )
 from polytrain.core.errors import CheckpointError, ConfigError
-from polytrain.trainer.checkpointing.resume import choose_checkpoint
+from polytrain.trainer.persistence.resume import choose_checkpoint
 
 if TYPE_CHECKING:
     from polytrain.callbacks.loggers import Logger

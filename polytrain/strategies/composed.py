@@ -52,7 +52,7 @@ from polytrain.parallel.context_parallel import check_context_parallel, context_
 from polytrain.parallel.dims import ParallelDims
 from polytrain.parallel.dtensor_optim import support_fused_sgd
 from polytrain.parallel.float8 import with_float8_styles
-from polytrain.parallel.fsdp import broadcast_module, materialize_meta
+from polytrain.parallel.fully_shard import broadcast_module, materialize_meta
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.gradient_sync import backend_for
 from polytrain.strategies.options import ParallelOptions
@@ -252,8 +252,8 @@ class ParallelStrategy(Strategy):
             module.to(self._state_device)  # else fully_shard moves what is not on meta
         router = StepRouter(module)
         parallelize(module, self.executor.roots(router), dims, self.layout, backend.name, plan,
-                    self.precision.autocast_dtype, self.root_device.type, self.checkpointing_options,
-                    self.compile_options, chosen)
+                    self.precision.autocast_dtype, self.root_device.type,
+                    self.activation_checkpointing_options, self.compile_options, chosen)
         if on_meta:
             materialize_meta(module, self._state_device, self._init_rng)
         self.module, self.model = module, backend.wrap(router, self.root_device)
