@@ -12,12 +12,18 @@ default callbacks (model summary off). The figure is the CPU time of the epoch (
 from epoch start to epoch end), so set-up and the epoch-end checkpoint are left out. Rounds alternate
 their order; the median of the rounds after the first is printed. Use it to compare trees, not to
 quote absolute times.
+
+``--calls`` counts instead of timing: the Python function calls of one epoch of each variant (cProfile,
+from epoch start to epoch end), per step, and how many of polytrain's are in its own files. The count
+does not move with the machine's load, so two trees compare on a noisy machine where the times cannot.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -61,21 +67,28 @@ class Probe(TrainModule):
 
 
 class EpochCPUTime(Callback):
+    def __init__(self, profile: cProfile.Profile | None) -> None:
+        self.profile = profile
+
     def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
         self.start = time.process_time()
+        if self.profile is not None:
+            self.profile.enable()
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        if self.profile is not None:
+            self.profile.disable()
         self.seconds = time.process_time() - self.start
 
 
-def polytrain_epoch(data: TensorDataset, run_dir: str) -> float:
-    timer = EpochCPUTime()
+def polytrain_epoch(data: TensorDataset, run_dir: str, profile: cProfile.Profile | None = None) -> float:
+    timer = EpochCPUTime(profile)
     Trainer(strategy="single", accelerator="cpu", max_epochs=1, callbacks=[timer], log_every_n_steps=50,
             run_dir=run_dir, enable_model_summary=False).fit(Probe(data))
     return timer.seconds
 
 
-def hand_epoch(data: TensorDataset, run_dir: str) -> float:
+def hand_epoch(data: TensorDataset, run_dir: str, profile: cProfile.Profile | None = None) -> float:
     from torch.utils.tensorboard import SummaryWriter
     from tqdm.auto import tqdm
 
@@ -84,6 +97,8 @@ def hand_epoch(data: TensorDataset, run_dir: str) -> float:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     writer, step = SummaryWriter(run_dir), 0
     start = time.process_time()
+    if profile is not None:
+        profile.enable()
     bar = tqdm(file=sys.stdout, dynamic_ncols=True, smoothing=0, total=len(loader))
     for x, y in loader:
         loss = F.cross_entropy(model(x), y)
@@ -96,18 +111,51 @@ def hand_epoch(data: TensorDataset, run_dir: str) -> float:
             writer.add_scalar("epoch", 0.0, step)
         bar.update(1)
     bar.close()
+    if profile is not None:
+        profile.disable()
     seconds = time.process_time() - start
     writer.close()
     return seconds
+
+
+def calls_per_step(run: object, data: TensorDataset, steps: int) -> tuple[float, float]:
+    """Python calls a step of one epoch: all of them, and those in polytrain's own files."""
+    import polytrain
+
+    profile = cProfile.Profile()
+    with tempfile.TemporaryDirectory() as run_dir:
+        run(data, run_dir, profile)  # type: ignore[operator]
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    package = os.path.dirname(polytrain.__file__)
+    every = sum(calls for _, calls, *_ in stats.values())
+    own = sum(entry[1] for (filename, *_), entry in stats.items() if filename.startswith(package))
+    return every / steps, own / steps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", action="store_true", help="count Python calls per step instead of timing")
     args = parser.parse_args()
     torch.set_num_threads(1)
     data = make_data(args.steps)
+    if args.calls:
+        stdout, sys.stdout = sys.stdout, open(os.devnull, "w")
+        try:
+            with tempfile.TemporaryDirectory() as run_dir:
+                polytrain_epoch(data, run_dir)  # warm-up: first imports and caches
+            ours, own = calls_per_step(polytrain_epoch, data, args.steps)
+            hand, _ = calls_per_step(hand_epoch, data, args.steps)
+        finally:
+            sys.stdout.close()
+            sys.stdout = stdout
+        import polytrain
+
+        print(f"loop_cost: polytrain {os.path.dirname(polytrain.__file__)}, torch {torch.__version__}")
+        print(f"Python calls/step: polytrain {ours:.1f} ({own:.1f} in polytrain's files), hand {hand:.1f}, "
+              f"added {ours - hand:.1f}")
+        return
     times: dict[str, list[float]] = {"polytrain": [], "hand": []}
     variants = (("polytrain", polytrain_epoch), ("hand", hand_epoch))
     stdout, sys.stdout = sys.stdout, open(os.devnull, "w")  # both bars draw to /dev/null

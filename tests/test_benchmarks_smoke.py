@@ -127,6 +127,17 @@ def test_loop_cost_benchmark_prints_added_time() -> None:
 
 
 @pytest.mark.timeout(300)
+def test_loop_cost_benchmark_counts_calls_per_step() -> None:
+    out = _run([os.path.join(BENCH, "loop_cost.py"), "--steps", "60", "--calls"], timeout=280)
+    match = re.search(r"^Python calls/step: polytrain ([0-9.]+) \(([0-9.]+) in polytrain's files\), "
+                      r"hand ([0-9.]+), added -?[0-9.]+$", out, re.M)
+    assert match, out
+    ours, own, hand = (float(match.group(k)) for k in (1, 2, 3))
+    # The counts are real: polytrain's step runs some of its own code, and more calls than the hand loop's.
+    assert 0 < own < ours and hand > 0 and ours > hand, out
+
+
+@pytest.mark.timeout(300)
 def test_checkpoint_blocking_benchmark_prints_ratios() -> None:
     # --tiny: a 2-layer model, 6 steps, a save every 2; single and fsdp x2 (DCP's async_save).
     out = _run([os.path.join(BENCH, "checkpoint_blocking.py"), "--tiny", "--modes", "single,fsdp"],
