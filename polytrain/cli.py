@@ -32,6 +32,15 @@ def _parser(plan: bool = False) -> argparse.ArgumentParser:
                              help="write a checkpoint's model weights as one plain state_dict file")
     cons.add_argument("source", help="a checkpoint file or sharded checkpoint directory")
     cons.add_argument("output", help="where to write the state_dict (torch.save format)")
+    export = ck_sub.add_parser("export", help="write a checkpoint's Hugging Face model as a directory "
+                                              "from_pretrained reads (config.json, safetensors)")
+    export.add_argument("source", help="a checkpoint file or sharded checkpoint directory")
+    export.add_argument("output", help="the new directory to write (it must not exist)")
+    export.add_argument("--format", choices=["hf"], required=True,
+                        help="hf: Hugging Face's (save_pretrained's layout)")
+    export.add_argument("--max-shard-size", type=float, default=5.0, metavar="GB",
+                        help="split the weights into files of at most this many GB (default 5, as "
+                             "save_pretrained), listed in model.safetensors.index.json")
     if plan:  # the planner's options (hardware presets) load torch: only when planning
         importlib.import_module("polytrain.plan_cli").add_parser(sub)
     else:

@@ -18,8 +18,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.multiprocessing import ProcessRaisedException
 
 from polytrain.checkpoint.consolidate import consolidate
+from polytrain.checkpoint.hugging_face import export_pretrained
 from polytrain.checkpoint.layout import newest_resumable
-from polytrain.core.errors import ConfigError, StageInterrupted
+from polytrain.core.errors import CheckpointError, ConfigError, StageInterrupted
 from polytrain.core.rng import seed_all
 from polytrain.core.worker_failure import (
     config_error_said,
@@ -79,9 +80,20 @@ def _elastic_entry(config: dict[str, Any], command: str, ckpt: str | None) -> No
     record(run_worker)(config, command, ckpt)
 
 
-def _consolidate(source: str, output: str) -> int:
-    consolidate(source, output)
-    print(f"wrote {output}")
+def _checkpoint(args: argparse.Namespace) -> int:
+    """``polytrain checkpoint consolidate|export``: the exit code (2 and one line for a refusal)."""
+    try:
+        if args.action == "consolidate":
+            consolidate(args.source, args.output)
+            print(f"wrote {args.output}")
+            return 0
+        report = export_pretrained(args.source, args.output, int(args.max_shard_size * 1e9))
+    except (CheckpointError, ConfigError) as err:
+        print(f"polytrain: checkpoint {args.action}: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    tied = f"; tied, stored once: {', '.join(report.tied_left_out)}" if report.tied_left_out else ""
+    print(f"wrote {args.output}: {report.architecture} ({report.path or 'the module itself'} in the module), "
+          f"{report.tensors} tensors, {report.total_bytes / 1e6:.1f} MB in {len(report.files)} file(s){tied}")
     return 0
 
 
@@ -89,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     """A parsed command line, run: ``checkpoint``, ``plan``, or a stage (its config and checkpoint checked
     here, then the workers started). The exit code."""
     if args.command == "checkpoint":
-        return _consolidate(args.source, args.output)
+        return _checkpoint(args)
     if args.command == "plan":
         try:
             return run_plan(args)

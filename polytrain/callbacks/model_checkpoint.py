@@ -14,8 +14,9 @@ import yaml
 from polytrain.callbacks.base import Callback
 from polytrain.callbacks.on_exception_checkpoint import save_after_exception
 from polytrain.callbacks.time_trigger import TimeTrigger
+from polytrain.checkpoint.hugging_face import export_pretrained, find_pretrained
 from polytrain.checkpoint.layout import checkpoint_dir, write_latest_pointer
-from polytrain.core.errors import ConfigError
+from polytrain.core.errors import CheckpointError, ConfigError
 from polytrain.core.files import temporary_sibling
 from polytrain.core.states import TrainerFn
 
@@ -44,6 +45,11 @@ class ModelCheckpoint(Callback):
     then); the write, then the ``latest`` pointer, ``last.ckpt`` and pruning happen in the background
     once the file is complete (``polytrain.checkpoint.async_writer``); the next save and the end of fit
     wait for it, and a failed write raises there on every rank.
+
+    ``save_hf`` (polytrain's): when the fit ends, the best checkpoint (the newest without ``monitor``) is
+    also written as a Hugging Face directory beside it, ``<name>.hf`` (``polytrain checkpoint export
+    --format hf``, by global rank 0), for a module holding a transformers ``PreTrainedModel``;
+    ``hf_model_path`` names it.
     """
 
     watches_metrics = True
@@ -58,7 +64,8 @@ class ModelCheckpoint(Callback):
                  every_n_train_steps: int | None = None, every_n_epochs: int | None = 1,
                  save_on_fit_end: bool = True, train_time_interval: timedelta | None = None,
                  async_save: bool = False, save_on_exception: bool = False,
-                 save_on_train_epoch_end: bool | None = None, verbose: bool = False) -> None:
+                 save_on_train_epoch_end: bool | None = None, verbose: bool = False,
+                 save_hf: bool = False) -> None:
         if mode not in ("min", "max"):
             raise ConfigError(f"ModelCheckpoint `mode` can be min, max but got {mode}")
         if save_top_k < -1:
@@ -93,6 +100,8 @@ class ModelCheckpoint(Callback):
         self.train_time_interval = train_time_interval
         self._timer = TimeTrigger(train_time_interval) if train_time_interval is not None else None
         self.async_save = async_save
+        self.save_hf = save_hf
+        self.hf_model_path = ""  # the Hugging Face directory save_hf wrote at the end of the last fit
         self._unannounced = False  # an async save the loggers have not been told about (it is still writing)
         self._before_async: tuple[Any, ...] | None = None  # the bookkeeping to return to if that save fails
         self.kept: list[tuple[float, str]] = []  # (score or -step, path), best first
@@ -156,6 +165,8 @@ class ModelCheckpoint(Callback):
         self.kept = [(k, p) for k, p in self.kept if os.path.dirname(os.path.abspath(p)) == here]
 
     def on_fit_start(self, trainer: Any, module: Any) -> None:
+        if self.save_hf:
+            find_pretrained(module)  # a module holding no Hugging Face model is refused now, not at the end
         # After the resume (if any): the state at this step is the file just loaded, so saving it again
         # (at fit end, say) would rewrite that step's name with another position or other RNG states.
         self._step_at_last_batch = trainer.global_step
@@ -238,6 +249,30 @@ class ModelCheckpoint(Callback):
 
     def on_fit_end(self, trainer: Any, module: Any) -> None:
         self._settle(trainer)
+        if self.save_hf:
+            self._export_hf(trainer)
+
+    def _export_hf(self, trainer: Any) -> None:
+        """The best (or newest) checkpoint as a Hugging Face directory beside it, written by global rank 0
+        from the file on disk; a failure raises on every rank. An existing directory is never written into."""
+        source = self.best_model_path or self.last_model_path
+        if not source:
+            return
+        base = source.rstrip(os.sep) if os.path.isdir(source) else os.path.splitext(source)[0]
+        target = f"{base}.hf"
+        error = None
+        if trainer.is_global_zero:
+            try:
+                if os.path.exists(target):
+                    log.info("ModelCheckpoint(save_hf=True): %s exists already; not written again", target)
+                else:
+                    export_pretrained(source, target)
+            except (CheckpointError, ConfigError, OSError) as err:
+                error = f"ModelCheckpoint(save_hf=True) could not write {target}: {err}"
+        failures = [e for e in trainer.strategy.all_gather_object(error) if e is not None]
+        if failures:
+            raise CheckpointError(failures[0])
+        self.hf_model_path = target
 
     # ------------------------------------------------------------------ saving
     def _format_name(self, trainer: Any) -> str:

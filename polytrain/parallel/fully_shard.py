@@ -9,7 +9,7 @@ import contextlib
 import functools
 import itertools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -178,19 +178,38 @@ def _direct_tensors(module: nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
             if t is not None]
 
 
-def uninitialisable_on_meta(module: nn.Module) -> list[str]:
+def uninitialisable_on_meta(module: nn.Module, filled: Callable[[str], bool] | None = None) -> list[str]:
     """The modules holding meta tensors that no ``reset_parameters()`` can initialise (a library's own
     layers: Hugging Face's ``Conv1D``, ``LlamaRMSNorm``), each as ``Class [names]``; empty when every
-    meta tensor can be materialised (or there is none)."""
+    meta tensor can be materialised (or there is none). ``filled``: module paths whose tensors are filled
+    from elsewhere (``trainer.init_weights``), which need no initialisation."""
     stuck = []
-    for m in module.modules():
+    for path, m in module.named_modules():
         on_meta = [name for _, name, t in _direct_tensors(m) if t.is_meta]
-        if on_meta and not callable(getattr(m, "reset_parameters", None)):
+        if on_meta and not callable(getattr(m, "reset_parameters", None)) and not (filled and filled(path)):
             stuck.append(f"{type(m).__name__} {on_meta}")
     return stuck
 
 
-def materialize_meta(module: nn.Module, device: torch.device, rng_state: torch.Tensor | None) -> None:
+def rebuilt_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The non-persistent buffers of a module whose weights are filled from a Hugging Face directory (a
+    rotary embedding's ``inv_freq``): the directory does not hold them, so the module is built again from
+    its config on the CPU, as transformers computes them when it loads. Raises where it has no config."""
+    derived = [name for name in module._buffers if name in module._non_persistent_buffers_set]
+    if not derived:
+        return {}
+    config = getattr(module, "config", None)
+    if config is None:
+        raise ConfigError(f"{type(module).__name__} holds buffers no Hugging Face directory carries "
+                          f"({derived}) and neither reset_parameters() nor a config to compute them from: "
+                          f"build it outside the meta device")
+    with torch.device("cpu"):
+        fresh = type(module)(config)
+    return {name: fresh._buffers[name] for name in derived}
+
+
+def materialize_meta(module: nn.Module, device: torch.device, rng_state: torch.Tensor | None,
+                     filled: Callable[[str], bool] | None = None) -> None:
     """Allocate the shards of every meta tensor and initialise them as a CPU build would have.
 
     Modules are visited in registration order, the RNG restarts from the state at
@@ -200,23 +219,32 @@ def materialize_meta(module: nn.Module, device: torch.device, rng_state: torch.T
     A tensor shared by several modules (a head tied to its embedding) keeps what the first of them
     drew, as a CPU build that ties after constructing does; the later ones still draw, so the
     modules after them draw what they would have.
+
+    A module whose path ``filled`` names (``trainer.init_weights`` fills it once the strategy is done) is
+    allocated only, its non-persistent buffers computed from its config (``rebuilt_buffers``): no draws.
     """
-    stuck = uninitialisable_on_meta(module)
+    stuck = uninitialisable_on_meta(module, filled)
     if stuck:
         raise ConfigError(f"{first_few(stuck)}: built on the meta device but without reset_parameters() to "
                           f"initialise them; define reset_parameters() or create those tensors in __init__")
-    targets = [m for m in module.modules() if any(t.is_meta for _, _, t in _direct_tensors(m))]
+    targets = [(path, m) for path, m in module.named_modules()
+               if any(t.is_meta for _, _, t in _direct_tensors(m))]
     with torch.random.fork_rng(devices=[]):
         if rng_state is not None:
             torch.set_rng_state(rng_state)
         initialised: set[int] = set()
-        for m in targets:
+        for path, m in targets:
             # to_empty reallocates every direct tensor, a shared one already initialised too: keep its values.
             with torch.no_grad():
                 kept = [(t, _local(t).clone()) for _, _, t in _direct_tensors(m) if id(t) in initialised]
                 m.to_empty(device=device, recurse=False)
                 for t, values in kept:
                     _local(t).copy_(values)
+            if filled is not None and filled(path):
+                with torch.no_grad():
+                    for name, values in rebuilt_buffers(m).items():
+                        _copy_shard(m._buffers[name], values)
+                continue
             _reset_full(m, initialised)
 
 

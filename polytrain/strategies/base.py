@@ -62,6 +62,9 @@ class Strategy(CollectiveVerbs, ABC):
         # trainer.compile / trainer.activation_checkpointing, resolved (None: off); applied in setup_module.
         self.compile_options = compile_options
         self.activation_checkpointing_options = activation_checkpointing_options
+        # Module paths whose weights are filled once setup_module returns (trainer.init_weights): built on
+        # the meta device, they are allocated, not initialised (expect_weights_after_setup).
+        self.filled_after_setup: Callable[[str], bool] | None = None
         self.module: nn.Module | None = None  # the user's TrainModule, unwrapped
         self.model: nn.Module | None = None  # what forward runs through (maybe wrapped)
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -82,6 +85,12 @@ class Strategy(CollectiveVerbs, ABC):
             self.compile_options = compile_options
         if self.activation_checkpointing_options is None:
             self.activation_checkpointing_options = activation_checkpointing_options
+
+    def expect_weights_after_setup(self, filled: Callable[[str], bool] | None) -> None:
+        """The modules (by path) whose persistent tensors are filled after ``setup_module`` (a Hugging Face
+        directory's weights, ``trainer.init_weights``): where they are built on the meta device the strategy
+        allocates their shards and leaves the values to the filling."""
+        self.filled_after_setup = filled
 
     def new_executor(self) -> Any:
         """The executor this strategy starts with: ``WholeModel`` (every rank runs every layer)."""

@@ -255,7 +255,7 @@ class ParallelStrategy(Strategy):
                     self.precision.autocast_dtype, self.root_device.type,
                     self.activation_checkpointing_options, self.compile_options, chosen)
         if on_meta:
-            materialize_meta(module, self._state_device, self._init_rng)
+            materialize_meta(module, self._state_device, self._init_rng, self.filled_after_setup)
         self.module, self.model = module, backend.wrap(router, self.root_device)
         self.executor.build(module, self.root_device)  # the step verbs, fixed now the model is wrapped
         return self.model

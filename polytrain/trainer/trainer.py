@@ -462,9 +462,14 @@ class Trainer:
         lifecycle.seed(self.strategy, self.config.seed)
         self._run_directory = settle_run_directory(self.strategy, self.run_sources(), self.stage, ckpt_path,
                                                    self._run_directory)
+        init_weights = self.config.init_weights
+        if init_weights is not None and self.ckpt_path is not None:
+            rank_zero_info(f"trainer.init_weights={init_weights} is not read: the run resumes from "
+                           f"{self.ckpt_path}, whose weights take precedence")
+            init_weights = None
         lifecycle.begin(self.stage, strategy=self.strategy, hooks=self.hooks, module=self.module,
                         datamodule=self.datamodule, callbacks=self.callbacks,
-                        float8_option=self.config.float8)
+                        float8_option=self.config.float8, init_weights=init_weights)
         self.transfer_batch = lifecycle.batch_transfer(self.strategy, self.hooks, self.metrics)
         self.evaluation = EvaluationLoop(self.strategy, self.hooks, self.metrics, self.module, self.callbacks,
                                          self.transfer_batch, self.predict_loop, self.eval_progress,

@@ -88,6 +88,10 @@ class TrainerConfig:
     # true, or {recipe: tensorwise/rowwise/rowwise_with_gw_hp, filter_fqns: [...], convert_head: false}:
     # torchao's float8 Linear layers (docs/precision.md)
     float8: Any = False
+    # a local Hugging Face model directory (config.json, *.safetensors) whose weights fill the module's
+    # PreTrainedModel once the strategy has placed or sharded it; a resume takes precedence
+    # (docs/hugging-face.md)
+    init_weights: str | None = None
     launcher: str = "auto"
     max_restarts: int = 0
     timeout: float = 1800.0  # seconds a collective may wait before the job is ended
@@ -126,6 +130,8 @@ def check_trainer_section(data: dict[str, Any]) -> TrainerConfig:
     check_choice(cfg.nan_policy, NAN_POLICIES, "trainer.nan_policy")
     _check_logger_and_callbacks(cfg)  # else they would fail only inside the workers
     _check_counts(cfg)
+    if cfg.init_weights is not None:
+        _check_init_weights(str(cfg.init_weights))
     _check_lightning_options(cfg)
     if cfg.gradient_clip_val is not None and cfg.gradient_clip_val <= 0:
         raise ConfigError(f"trainer.gradient_clip_val={cfg.gradient_clip_val} must be positive (or null)")
@@ -134,6 +140,18 @@ def check_trainer_section(data: dict[str, Any]) -> TrainerConfig:
     if cfg.default_root_dir is not None:
         cfg.run_dir = cfg.default_root_dir
     return cfg
+
+
+def _check_init_weights(path: str) -> None:
+    """A Hugging Face directory as save_pretrained writes it, checked before any worker starts (its tensors
+    against the model are checked once the model is built: checkpoint/hugging_face.py)."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"trainer.init_weights={path!r} is not a directory: give a local Hugging Face "
+                          f"model directory (config.json and *.safetensors, as save_pretrained writes it)")
+    weights = ("model.safetensors", "model.safetensors.index.json")
+    if not any(os.path.exists(os.path.join(path, name)) for name in weights):
+        raise ConfigError(f"trainer.init_weights={path!r} holds neither {' nor '.join(weights)}: only "
+                          f"safetensors weights are read (save_pretrained writes them by default)")
 
 
 def _is_int(value: Any) -> bool:

@@ -21,6 +21,13 @@ import torch
 
 from polytrain.callbacks.base import Callback
 from polytrain.callbacks.model_checkpoint import ModelCheckpoint
+from polytrain.checkpoint.hugging_face import (
+    find_pretrained,
+    ignore_patterns,
+    load_pretrained,
+    tied_weights,
+    within,
+)
 from polytrain.core.errors import ConfigError, RankFailedError, first_few
 from polytrain.core.rng import capture_rng_state, restore_rng_state, seed_all, user_seed
 from polytrain.parallel.float8 import convert_to_float8, has_float8_matmuls, resolve_float8
@@ -67,9 +74,10 @@ def merge_callbacks(base: list[Callback], extra: Any) -> list[Callback]:
 
 
 def begin(stage: str, *, strategy: Any, hooks: Hooks, module: TrainModule, datamodule: DataModule | None,
-          callbacks: list[Callback], float8_option: Any) -> None:
+          callbacks: list[Callback], float8_option: Any, init_weights: str | None = None) -> None:
     """Everything between the stage's funnel and its loop; every rank calls it (it holds collectives).
-    ``float8_option`` is ``trainer.float8`` as configured."""
+    ``float8_option`` is ``trainer.float8`` as configured; ``init_weights`` a Hugging Face directory whose
+    weights fill the module's model once the strategy has placed it (None: not asked for, or a resume)."""
     warn_unknown_hooks(module, MODULE_HOOKS, TrainModule)
     for cb in callbacks:
         warn_unknown_hooks(cb, CALLBACK_HOOKS, Callback)
@@ -84,7 +92,7 @@ def begin(stage: str, *, strategy: Any, hooks: Hooks, module: TrainModule, datam
         # As Lightning: when defined, in every stage, so it must be idempotent; on meta the first time.
         before = [id(p) for p in module.parameters()]
         if first:
-            _configure_model(strategy, hooks, module)
+            _configure_model(strategy, hooks, module, init_weights)
         else:
             hooks.module("configure_model")
         if not first and [id(p) for p in module.parameters()] != before:
@@ -100,11 +108,35 @@ def begin(stage: str, *, strategy: Any, hooks: Hooks, module: TrainModule, datam
     if first and float8 is not None:
         # Before the strategy: every parallelism then sees the layers in their final form.
         convert_to_float8(module, float8)
+    pretrained = _pretrained_model(strategy, module, init_weights) if first else None
     if first:
         strategy.setup_module(module)
+    if pretrained is not None:
+        _fill_pretrained(strategy, pretrained, init_weights)
 
 
-def _configure_model(strategy: Any, hooks: Hooks, module: TrainModule) -> None:
+def _pretrained_model(strategy: Any, module: TrainModule, init_weights: str | None) -> Any:
+    """The module's Hugging Face model that ``init_weights`` fills (None without one): found before the
+    strategy changes the module, and announced to it, so a model on the meta device is only allocated."""
+    if init_weights is None:
+        return None
+    path, model = find_pretrained(module)
+    strategy.expect_weights_after_setup(within(path))
+    return path, type(model).__name__, tied_weights(model), ignore_patterns(model)
+
+
+def _fill_pretrained(strategy: Any, pretrained: Any, init_weights: str) -> None:
+    """The directory's weights into the model as the strategy holds it: each rank reads its own slices."""
+    path, architecture, ties, (ignore_missing, ignore_unexpected) = pretrained
+    report = load_pretrained(strategy.state_parts(), path, ties, init_weights, ignore_missing,
+                             ignore_unexpected)
+    if strategy.is_global_zero:
+        log.info("init_weights: %s (%s) filled from %s: %d tensors; this rank read %d elements",
+                 architecture, path or "the module itself", init_weights, report.tensors,
+                 report.elements_read)
+
+
+def _configure_model(strategy: Any, hooks: Hooks, module: TrainModule, init_weights: str | None) -> None:
     """The first ``configure_model``, under the strategy's init context (the meta device when it shards:
     each rank then allocates its shards only). Layers built on meta that no ``reset_parameters()`` can
     initialise (a library's own: Hugging Face's ``Conv1D``, ``LlamaRMSNorm``) are built again, at full size
@@ -118,7 +150,9 @@ def _configure_model(strategy: Any, hooks: Hooks, module: TrainModule) -> None:
         hooks.module("configure_model")
     # Only what the strategy put on meta: a module that builds on meta itself keeps its own choice
     on_meta = isinstance(context, torch.device) and context.type == "meta"
-    stuck = uninitialisable_on_meta(module) if on_meta else []
+    # what init_weights fills needs no initialisation: it stays on meta, and each rank reads its shards
+    filled = within(find_pretrained(module)[0]) if init_weights is not None else None
+    stuck = uninitialisable_on_meta(module, filled) if on_meta else []
     if not stuck:
         return
     if strategy.is_global_zero:
