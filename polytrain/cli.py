@@ -38,6 +38,9 @@ def _parser(plan: bool = False) -> argparse.ArgumentParser:
     export.add_argument("output", help="the new directory to write (it must not exist)")
     export.add_argument("--format", choices=["hf"], required=True,
                         help="hf: Hugging Face's (save_pretrained's layout)")
+    export.add_argument("--model", default=None, metavar="PATH",
+                        help="which of the module's Hugging Face models (its attribute path, e.g. "
+                             "backbone); default: the first")
     export.add_argument("--max-shard-size", type=float, default=5.0, metavar="GB",
                         help="split the weights into files of at most this many GB (default 5, as "
                              "save_pretrained), listed in model.safetensors.index.json")

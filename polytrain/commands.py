@@ -87,7 +87,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
             consolidate(args.source, args.output)
             print(f"wrote {args.output}")
             return 0
-        report = export_pretrained(args.source, args.output, int(args.max_shard_size * 1e9))
+        report = export_pretrained(args.source, args.output, int(args.max_shard_size * 1e9), args.model)
     except (CheckpointError, ConfigError) as err:
         print(f"polytrain: checkpoint {args.action}: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

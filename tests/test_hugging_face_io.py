@@ -341,3 +341,54 @@ def test_export_refuses_a_checkpoint_without_a_model_and_an_existing_directory(t
     with pytest.raises(CheckpointError, match="records no Hugging Face model"):
         hugging_face.export_pretrained(plain, str(tmp_path / "out2"))
     assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
+
+
+class TwoModels(HeldModel):
+    """A module holding two library models: the first is Llama, the one trained is GPT-2 (``second``)."""
+
+    def __init__(self) -> None:
+        TrainModule.__init__(self)
+        self.kind, self.batch_size, self.batches_run = "gpt2", GLOBAL_BATCH, 0
+        self.first = build_model("llama")
+        self.second = build_model("gpt2")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return loss_of(self.second, "gpt2", batch)
+
+
+def test_the_model_named_is_the_one_filled_and_exported(tmp_path: Any) -> None:
+    directory = write_pretrained("gpt2", str(tmp_path / "pretrained"))
+    module = TwoModels()
+    llama_before = {k: v.clone() for k, v in module.first.state_dict().items()}
+    trainer = Trainer(accelerator="cpu", max_steps=STEPS, run_dir=str(tmp_path / "run"), logger=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      init_weights={"path": directory, "model": "second"})
+    trainer.fit(module)
+    for key, value in reference("gpt2", directory).items():
+        torch.testing.assert_close(module.second.state_dict()[key], value, rtol=0, atol=1e-5, msg=key)
+    for key, value in llama_before.items():  # the other model is left as it was built (no gradients reach it)
+        assert torch.equal(module.first.state_dict()[key], value), key
+    checkpoint = trainer.checkpoint_callback.last_model_path
+    assert export(checkpoint, str(tmp_path / "second"), "--model", "second").returncode == 0
+    assert type(from_pretrained(str(tmp_path / "second"))).__name__ == "GPT2LMHeadModel"
+    assert export(checkpoint, str(tmp_path / "first")).returncode == 0  # the first the module holds
+    assert type(from_pretrained(str(tmp_path / "first"))).__name__ == "LlamaForCausalLM"
+    done = export(checkpoint, str(tmp_path / "none"), "--model", "third")
+    assert done.returncode == 2 and "records no Hugging Face model at 'third'; it records 'first', " \
+                                    "'second'" in done.stderr, done.stderr
+    with pytest.raises(ConfigError, match=r"trainer.init_weights has no key 'modle'"):
+        Trainer(accelerator="cpu", init_weights={"path": directory, "modle": "second"})
+
+
+def test_a_float8_run_starts_from_the_directory_and_exports_plain_weights(tmp_path: Any) -> None:
+    pytest.importorskip("torchao")
+    directory = write_pretrained("llama", str(tmp_path / "pretrained"))
+    trainer, module = _single_fit("llama", directory, str(tmp_path / "run"), float8=True)
+    converted = [name for name, m in module.model.named_modules() if type(m).__name__ == "Float8Linear"]
+    assert converted, "float8 converted no layer"
+    output = str(tmp_path / "exported")
+    assert export(trainer.checkpoint_callback.last_model_path, output).returncode == 0
+    exported = from_pretrained(output)
+    assert all(type(p.data) is torch.Tensor for p in exported.parameters())
+    for key, value in module.model.state_dict().items():
+        assert torch.equal(exported.state_dict()[key], torch.as_tensor(value).detach()), key

@@ -48,8 +48,8 @@ class ModelCheckpoint(Callback):
 
     ``save_hf`` (polytrain's): when the fit ends, the best checkpoint (the newest without ``monitor``) is
     also written as a Hugging Face directory beside it, ``<name>.hf`` (``polytrain checkpoint export
-    --format hf``, by global rank 0), for a module holding a transformers ``PreTrainedModel``;
-    ``hf_model_path`` names it.
+    --format hf``, by global rank 0), for a module holding a transformers ``PreTrainedModel``: the first
+    (``True``) or the one at the path given (``save_hf="backbone"``); ``hf_model_path`` names it.
     """
 
     watches_metrics = True
@@ -65,7 +65,7 @@ class ModelCheckpoint(Callback):
                  save_on_fit_end: bool = True, train_time_interval: timedelta | None = None,
                  async_save: bool = False, save_on_exception: bool = False,
                  save_on_train_epoch_end: bool | None = None, verbose: bool = False,
-                 save_hf: bool = False) -> None:
+                 save_hf: bool | str = False) -> None:
         if mode not in ("min", "max"):
             raise ConfigError(f"ModelCheckpoint `mode` can be min, max but got {mode}")
         if save_top_k < -1:
@@ -165,8 +165,8 @@ class ModelCheckpoint(Callback):
         self.kept = [(k, p) for k, p in self.kept if os.path.dirname(os.path.abspath(p)) == here]
 
     def on_fit_start(self, trainer: Any, module: Any) -> None:
-        if self.save_hf:
-            find_pretrained(module)  # a module holding no Hugging Face model is refused now, not at the end
+        if self.save_hf:  # a module holding no such Hugging Face model is refused now, not at the end
+            find_pretrained(module, self.save_hf if isinstance(self.save_hf, str) else None)
         # After the resume (if any): the state at this step is the file just loaded, so saving it again
         # (at fit end, say) would rewrite that step's name with another position or other RNG states.
         self._step_at_last_batch = trainer.global_step
@@ -266,7 +266,8 @@ class ModelCheckpoint(Callback):
                 if os.path.exists(target):
                     log.info("ModelCheckpoint(save_hf=True): %s exists already; not written again", target)
                 else:
-                    export_pretrained(source, target)
+                    export_pretrained(source, target,
+                                      model=self.save_hf if isinstance(self.save_hf, str) else None)
             except (CheckpointError, ConfigError, OSError) as err:
                 error = f"ModelCheckpoint(save_hf=True) could not write {target}: {err}"
         failures = [e for e in trainer.strategy.all_gather_object(error) if e is not None]

@@ -10,7 +10,7 @@ holds: its FSDP shard, its tensor-parallel slice, its pipeline stages' layers. E
 checkpoint one tensor at a time and writes one output file at a time, so it never holds more than one
 output file's worth beyond one tensor.
 
-A checkpoint records what export needs (``pretrained_record``): where the model sits in the module, its
+A checkpoint records what export needs (``pretrained_records``): where each model sits in the module, its
 class, its config as JSON text and its ties. A model defined in a script cannot be rebuilt from its config,
 so the export never builds one: it writes the tensors under the model's names beside the config.
 """
@@ -40,7 +40,7 @@ from polytrain.core.errors import CheckpointError, ConfigError, first_few
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-RECORD_KEY = "hugging_face"  # the checkpoint payload's entry (pretrained_record)
+RECORD_KEY = "hugging_face"  # the checkpoint payload's entry (pretrained_records)
 DEFAULT_SHARD_BYTES = 5 * 1024**3  # save_pretrained's default max_shard_size, 5 GB
 # What wrappers insert into a module path (torch.compile, activation checkpointing, FSDP1, DDP): the names
 # a checkpoint uses leave them out, and so does the record of where the model sits.
@@ -118,17 +118,28 @@ def tied_weights(model: nn.Module) -> dict[str, str]:
     return {str(k): source for k in names} if source is not None else {}
 
 
-def pretrained_record(module: nn.Module) -> dict[str, Any] | None:
-    """What an export needs of the module's first ``PreTrainedModel`` (None when it holds none): its path in
-    the module, its class, its config as ``config.json`` text and its ties. Plain types only."""
-    try:
-        path, model = find_pretrained(module)
-    except ConfigError:
-        return None
-    config = model.config
-    text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else json.dumps({})
-    return {"path": path, "architecture": type(model).__name__.removeprefix("FSDP"), "config": text,
-            "tied": tied_weights(model)}
+def pretrained_records(module: nn.Module) -> dict[str, dict[str, Any]]:
+    """What an export needs of each ``PreTrainedModel`` the module holds (one inside another is part of
+    it), by path in module order: its class, its config as ``config.json`` text and its ties. Plain types
+    only; empty when it holds none."""
+    records: dict[str, dict[str, Any]] = {}
+    for name, model in module.named_modules():
+        path = clean_path(name)
+        if not is_pretrained_model(model) or any(within(outer)(path) for outer in records):
+            continue
+        config = model.config
+        text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else "{}"
+        records[path] = {"path": path, "architecture": type(model).__name__.removeprefix("FSDP"),
+                         "config": text, "tied": tied_weights(model)}
+    return records
+
+
+def pretrained_source(option: Any) -> tuple[str, str | None]:
+    """``trainer.init_weights`` as ``(directory, model path or None: the first)``: a directory, or
+    ``{path: DIR, model: attribute.path}`` naming which of the module's models it fills."""
+    if isinstance(option, str):
+        return option, None
+    return str(option["path"]), (str(option["model"]) if option.get("model") is not None else None)
 
 
 # --------------------------------------------------------------------------- reading a directory
@@ -354,22 +365,28 @@ def _plan_files(names: list[str], sizes: dict[str, int], max_bytes: int) -> list
     return files
 
 
-def export_pretrained(source: str, output: str, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> ExportReport:
-    """Write ``source``'s Hugging Face model (a checkpoint file or sharded directory) to the new directory
-    ``output``: ``config.json`` and safetensors under the model's own names, tied names left out as
-    ``save_pretrained`` leaves them, several files with an index past ``max_shard_bytes``. The directory
-    appears whole or not at all; an existing ``output`` is never written into."""
+def export_pretrained(source: str, output: str, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                      model: str | None = None) -> ExportReport:
+    """Write ``source``'s Hugging Face model (a checkpoint file or sharded directory; the first the module
+    held, or the one at path ``model``) to the new directory ``output``: ``config.json`` and safetensors
+    under the model's own names, tied names left out as ``save_pretrained`` leaves them, several files with
+    an index past ``max_shard_bytes``. The directory appears whole or not at all; an existing ``output``
+    is never written into."""
     _, save_file = _safetensors()
     if os.path.exists(output):
         raise CheckpointError(f"{output} exists: export writes a new directory and never into one that "
                               f"holds files already; choose another path or remove it")
     payload, shapes, read_one = _tensor_entries(source)
-    record = payload.get(RECORD_KEY)
-    if not isinstance(record, dict):
+    records = payload.get(RECORD_KEY)
+    if not isinstance(records, dict) or not records:
         raise CheckpointError(f"{source} records no Hugging Face model: it was written by a module holding "
                               f"none, or by a polytrain before export existed. Export needs the model's "
                               f"config and place in the module, which a checkpoint of a module holding a "
                               f"transformers PreTrainedModel records")
+    if model is not None and model not in records:
+        raise CheckpointError(f"{source} records no Hugging Face model at {model!r}; it records "
+                              f"{', '.join(repr(p) for p in records)}")
+    record = records[model if model is not None else next(iter(records))]
     prefix = f"{record['path']}." if record["path"] else ""
     ties = dict(record.get("tied") or {})
     names = [k[len(prefix):] for k in shapes if k.startswith(prefix)]

@@ -464,7 +464,7 @@ class Trainer:
                                                    self._run_directory)
         init_weights = self.config.init_weights
         if init_weights is not None and self.ckpt_path is not None:
-            rank_zero_info(f"trainer.init_weights={init_weights} is not read: the run resumes from "
+            rank_zero_info(f"trainer.init_weights={init_weights!s} is not read: the run resumes from "
                            f"{self.ckpt_path}, whose weights take precedence")
             init_weights = None
         lifecycle.begin(self.stage, strategy=self.strategy, hooks=self.hooks, module=self.module,

@@ -89,9 +89,9 @@ class TrainerConfig:
     # torchao's float8 Linear layers (docs/precision.md)
     float8: Any = False
     # a local Hugging Face model directory (config.json, *.safetensors) whose weights fill the module's
-    # PreTrainedModel once the strategy has placed or sharded it; a resume takes precedence
-    # (docs/hugging-face.md)
-    init_weights: str | None = None
+    # first PreTrainedModel once the strategy has placed or sharded it, or {path: DIR, model: attribute.path}
+    # naming the model; a resume takes precedence (docs/hugging-face.md)
+    init_weights: Any = None
     launcher: str = "auto"
     max_restarts: int = 0
     timeout: float = 1800.0  # seconds a collective may wait before the job is ended
@@ -131,7 +131,7 @@ def check_trainer_section(data: dict[str, Any]) -> TrainerConfig:
     _check_logger_and_callbacks(cfg)  # else they would fail only inside the workers
     _check_counts(cfg)
     if cfg.init_weights is not None:
-        _check_init_weights(str(cfg.init_weights))
+        _check_init_weights(cfg.init_weights)
     _check_lightning_options(cfg)
     if cfg.gradient_clip_val is not None and cfg.gradient_clip_val <= 0:
         raise ConfigError(f"trainer.gradient_clip_val={cfg.gradient_clip_val} must be positive (or null)")
@@ -142,9 +142,20 @@ def check_trainer_section(data: dict[str, Any]) -> TrainerConfig:
     return cfg
 
 
-def _check_init_weights(path: str) -> None:
-    """A Hugging Face directory as save_pretrained writes it, checked before any worker starts (its tensors
-    against the model are checked once the model is built: checkpoint/hugging_face.py)."""
+def _check_init_weights(option: Any) -> None:
+    """A Hugging Face directory as save_pretrained writes it (or ``{path: DIR, model: NAME}``), checked before
+    any worker starts (its tensors against the model once the model is built: checkpoint/hugging_face.py)."""
+    if isinstance(option, dict) or hasattr(option, "keys"):
+        option = dict(option)
+        check_keys(option, ["path", "model"], "trainer.init_weights")
+        if not isinstance(option.get("path"), str):
+            raise ConfigError(f"trainer.init_weights needs path: the directory (got {option!r})")
+        path = option["path"]
+    elif isinstance(option, str):
+        path = option
+    else:
+        raise ConfigError(f"trainer.init_weights={option!r}: give a directory, or {{path: DIR, model: "
+                          f"attribute.path}}")
     if not os.path.isdir(path):
         raise ConfigError(f"trainer.init_weights={path!r} is not a directory: give a local Hugging Face "
                           f"model directory (config.json and *.safetensors, as save_pretrained writes it)")

@@ -25,6 +25,7 @@ from polytrain.checkpoint.hugging_face import (
     find_pretrained,
     ignore_patterns,
     load_pretrained,
+    pretrained_source,
     tied_weights,
     within,
 )
@@ -74,7 +75,7 @@ def merge_callbacks(base: list[Callback], extra: Any) -> list[Callback]:
 
 
 def begin(stage: str, *, strategy: Any, hooks: Hooks, module: TrainModule, datamodule: DataModule | None,
-          callbacks: list[Callback], float8_option: Any, init_weights: str | None = None) -> None:
+          callbacks: list[Callback], float8_option: Any, init_weights: Any = None) -> None:
     """Everything between the stage's funnel and its loop; every rank calls it (it holds collectives).
     ``float8_option`` is ``trainer.float8`` as configured; ``init_weights`` a Hugging Face directory whose
     weights fill the module's model once the strategy has placed it (None: not asked for, or a resume)."""
@@ -112,31 +113,30 @@ def begin(stage: str, *, strategy: Any, hooks: Hooks, module: TrainModule, datam
     if first:
         strategy.setup_module(module)
     if pretrained is not None:
-        _fill_pretrained(strategy, pretrained, init_weights)
+        _fill_pretrained(strategy, pretrained)
 
 
-def _pretrained_model(strategy: Any, module: TrainModule, init_weights: str | None) -> Any:
+def _pretrained_model(strategy: Any, module: TrainModule, init_weights: Any) -> Any:
     """The module's Hugging Face model that ``init_weights`` fills (None without one): found before the
     strategy changes the module, and announced to it, so a model on the meta device is only allocated."""
     if init_weights is None:
         return None
-    path, model = find_pretrained(module)
+    directory, name = pretrained_source(init_weights)
+    path, model = find_pretrained(module, name)
     strategy.expect_weights_after_setup(within(path))
-    return path, type(model).__name__, tied_weights(model), ignore_patterns(model)
+    return directory, path, type(model).__name__, tied_weights(model), ignore_patterns(model)
 
 
-def _fill_pretrained(strategy: Any, pretrained: Any, init_weights: str) -> None:
+def _fill_pretrained(strategy: Any, pretrained: Any) -> None:
     """The directory's weights into the model as the strategy holds it: each rank reads its own slices."""
-    path, architecture, ties, (ignore_missing, ignore_unexpected) = pretrained
-    report = load_pretrained(strategy.state_parts(), path, ties, init_weights, ignore_missing,
-                             ignore_unexpected)
+    directory, path, architecture, ties, (ignore_missing, ignore_unexpected) = pretrained
+    report = load_pretrained(strategy.state_parts(), path, ties, directory, ignore_missing, ignore_unexpected)
     if strategy.is_global_zero:
         log.info("init_weights: %s (%s) filled from %s: %d tensors; this rank read %d elements",
-                 architecture, path or "the module itself", init_weights, report.tensors,
-                 report.elements_read)
+                 architecture, path or "the module itself", directory, report.tensors, report.elements_read)
 
 
-def _configure_model(strategy: Any, hooks: Hooks, module: TrainModule, init_weights: str | None) -> None:
+def _configure_model(strategy: Any, hooks: Hooks, module: TrainModule, init_weights: Any) -> None:
     """The first ``configure_model``, under the strategy's init context (the meta device when it shards:
     each rank then allocates its shards only). Layers built on meta that no ``reset_parameters()`` can
     initialise (a library's own: Hugging Face's ``Conv1D``, ``LlamaRMSNorm``) are built again, at full size
@@ -151,7 +151,8 @@ def _configure_model(strategy: Any, hooks: Hooks, module: TrainModule, init_weig
     # Only what the strategy put on meta: a module that builds on meta itself keeps its own choice
     on_meta = isinstance(context, torch.device) and context.type == "meta"
     # what init_weights fills needs no initialisation: it stays on meta, and each rank reads its shards
-    filled = within(find_pretrained(module)[0]) if init_weights is not None else None
+    filled = (within(find_pretrained(module, pretrained_source(init_weights)[1])[0])
+              if init_weights is not None else None)
     stuck = uninitialisable_on_meta(module, filled) if on_meta else []
     if not stuck:
         return

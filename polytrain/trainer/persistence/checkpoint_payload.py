@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from polytrain.checkpoint.hugging_face import RECORD_KEY, pretrained_record
+from polytrain.checkpoint.hugging_face import RECORD_KEY, pretrained_records
 from polytrain.core.rng import capture_rng_state
 from polytrain.core.version import __version__
 from polytrain.data.loaders import user_sampler_state
@@ -102,8 +102,8 @@ def build_payload(sources: PayloadSources) -> dict[str, Any]:
     }
     if data is not None:
         payload["data"] = data  # per rank: {"dp_rank", "dp_size", "state"}
-    pretrained = pretrained_record(module)  # what `polytrain checkpoint export --format hf` needs
-    if pretrained is not None:
+    pretrained = pretrained_records(module)  # what `polytrain checkpoint export --format hf` needs
+    if pretrained:
         payload[RECORD_KEY] = pretrained
     if datamodule is not None:
         payload["datamodule"] = {type(datamodule).__qualname__: hooks.datamodule("state_dict")}
