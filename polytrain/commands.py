@@ -81,12 +81,12 @@ def _elastic_entry(config: dict[str, Any], command: str, ckpt: str | None) -> No
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    """``polytrain checkpoint consolidate|export``: the exit code (2 and one line for a refusal)."""
+    """``polytrain checkpoint consolidate|export``: the exit code (an export's refusal: 2 and one line)."""
+    if args.action == "consolidate":
+        consolidate(args.source, args.output)  # a refused checkpoint raises, as it always has
+        print(f"wrote {args.output}")
+        return 0
     try:
-        if args.action == "consolidate":
-            consolidate(args.source, args.output)
-            print(f"wrote {args.output}")
-            return 0
         report = export_pretrained(args.source, args.output, int(args.max_shard_size * 1e9), args.model)
     except (CheckpointError, ConfigError) as err:
         print(f"polytrain: checkpoint {args.action}: {' '.join(str(err).split())}", file=sys.stderr)
