@@ -282,8 +282,10 @@ def load_pretrained(parts: Parts, model_path: str, ties: dict[str, str], directo
                 _fill(value, directory, source)
                 used.add(source)
             count, read = len(fills), directory.elements_read
-    except (ConfigError, CheckpointError, OSError, ValueError, RuntimeError) as err:
-        error = str(err)
+    except Exception as err:  # noqa: BLE001 - any rank's failure (safetensors' own errors too) is agreed on
+        # below, so no rank raises alone while the others wait in the gather
+        said = isinstance(err, (ConfigError, CheckpointError))
+        error = str(err) if said else f"{type(err).__name__}: {err}"
     keys: list[str] = []
     if C.active():
         gathered = C.all_gather_object((error, sorted(used)))
