@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from polytrain.core.version import __version__
+from polytrain.lightning_paths import install as _install_lightning_paths
 
 _EXPORTS = {
     "Trainer": "polytrain.trainer.trainer",
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from polytrain.trainer.configuration.config import load_config
     from polytrain.trainer.trainer import Trainer
 
+
+_install_lightning_paths()  # `from polytrain.core.module import LightningModule`, Lightning's deep paths
 
 # `pl.callbacks.ModelCheckpoint`, as Lightning code writes it
 _SUBPACKAGES = ("callbacks", "loggers", "utilities")

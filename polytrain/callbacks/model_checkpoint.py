@@ -121,6 +121,11 @@ class ModelCheckpoint(Callback):
                                         every_n_epochs=self.every_n_epochs or 0,
                                         train_time_interval=self.train_time_interval)
 
+    @property
+    def writes_into_run_directory(self) -> bool:
+        """No ``dirpath`` was given: the checkpoints go to ``<log_dir>/checkpoints``."""
+        return not self._dirpath_given
+
     # ------------------------------------------------------------------ Lightning's read-only views of `kept`
     @property
     def best_k_models(self) -> dict[str, float]:

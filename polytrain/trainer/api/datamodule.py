@@ -9,7 +9,8 @@ is saved in checkpoints under its class name and given back to ``load_state_dict
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sized
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
@@ -20,6 +21,10 @@ from polytrain.trainer.api.hparams import HyperparametersMixin, load_datamodule_
 
 class DataModule(HyperparametersMixin, DataHooks):
     name: str | None = None
+    # where a checkpoint keeps a DataModule's hyperparameters (beside the module's own), Lightning's keys
+    CHECKPOINT_HYPER_PARAMS_KEY = "datamodule_hyper_parameters"
+    CHECKPOINT_HYPER_PARAMS_NAME = "datamodule_hparams_name"
+    CHECKPOINT_HYPER_PARAMS_TYPE = "datamodule_hparams_type"
 
     def __init__(self) -> None:
         self.trainer: Any = None
@@ -31,6 +36,30 @@ class DataModule(HyperparametersMixin, DataHooks):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
     def on_exception(self, exception: BaseException) -> None: ...
+
+    def __str__(self) -> str:
+        """Each stage's loader and its dataset's size, in Lightning's layout (``{Train dataloader: size=64}``
+        a line per stage; ``None`` where the method is missing, fails or gives nothing; several loaders
+        numbered). The loader methods are called to find out, as Lightning does."""
+        lines = []
+        stages = (("Train dataloader", "train_dataloader"), ("Validation dataloader", "val_dataloader"),
+                  ("Test dataloader", "test_dataloader"), ("Predict dataloader", "predict_dataloader"))
+        for title, method in stages:
+            try:
+                loaders = getattr(self, method)()
+            except Exception:  # noqa: BLE001 - a stage not set up (or not written) shows as None
+                loaders = None
+            if isinstance(loaders, DataLoader):
+                shown = _dataset_size(loaders)
+            elif isinstance(loaders, (list, tuple, dict)):
+                items = loaders.values() if isinstance(loaders, dict) else loaders
+                shown = " ; ".join(
+                    f"{i}. {_dataset_size(loader)}" if isinstance(loader, DataLoader) else "None"
+                    for i, loader in enumerate(items, start=1))
+            else:
+                shown = "None"
+            lines.append(f"{{{title}: {shown}}}")
+        return os.linesep.join(lines)
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str, map_location: Any = None,
@@ -70,6 +99,11 @@ class DataModule(HyperparametersMixin, DataHooks):
         if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
             special = {k: v for k, v in special.items() if k in parameters}
         return served(**datamodule_kwargs, **special)
+
+
+def _dataset_size(loader: DataLoader) -> str:
+    dataset = loader.dataset
+    return f"size={len(dataset)}" if isinstance(dataset, Sized) else "size=NA"
 
 
 LightningDataModule = DataModule  # Lightning's name for it

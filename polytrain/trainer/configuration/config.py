@@ -15,6 +15,7 @@ from typing import Any
 
 from polytrain.core.errors import ConfigError
 from polytrain.core.nodes import is_elastic_range
+from polytrain.core.rank_zero import rank_zero_info
 from polytrain.parallel.activation_checkpointing import resolve_checkpointing
 from polytrain.parallel.compile import resolve_compile
 from polytrain.parallel.float8 import resolve_float8
@@ -62,7 +63,29 @@ def validate_trainer_config(data: dict[str, Any]) -> TrainerConfig:
     cfg.strategy = validate_strategy_spec(normalize_strategy(cfg.strategy), cfg.accelerator)
     if cfg.fast_dev_run:
         apply_fast_dev_run(cfg)
+    else:
+        say_whole_limits(data)
     return cfg
+
+
+_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+           "overfit_batches", "val_check_interval")
+
+
+def say_whole_limits(given: dict[str, Any]) -> None:
+    """A limit set to ``1`` (one batch) reads much like ``1.0`` (every batch): say which one was meant,
+    in Lightning's words, for the options the user set."""
+    for name in _LIMITS:
+        value = given.get(name)
+        if type(value) is int and value == 1:
+            what = "validation will run after every batch" if name == "val_check_interval" else (
+                "1 batch per epoch will be used" if name == "limit_train_batches" else "1 batch will be used")
+            rank_zero_info(f"`Trainer({name}=1)` was configured so {what}.")
+        elif type(value) is float and value == 1.0:
+            what = ("validation will run at the end of the training epoch" if name == "val_check_interval"
+                    else "100% of the batches per epoch will be used" if name == "limit_train_batches"
+                    else "100% of the batches will be used")
+            rank_zero_info(f"`Trainer({name}=1.0)` was configured so {what}.")
 
 
 def apply_fast_dev_run(cfg: TrainerConfig) -> None:

@@ -69,7 +69,7 @@ def is_metric_object(value: Any) -> bool:
         getattr(value, "reset", None))
 
 
-def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
+def _as_tensor(value: Any, device: torch.device, name: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         value = value.detach()
         if value.dtype == torch.float32 and value.dim() == 0:
@@ -79,8 +79,9 @@ def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
         return value.reshape(()).float()
     if isinstance(value, (int, float, bool)):
         return torch.tensor(float(value), device=device)
-    raise TypeError(f"self.log needs a number, a scalar tensor or a torchmetrics Metric, got "
-                    f"{type(value).__name__}")
+    # Lightning's words (and its ValueError), so code that matches them keeps working
+    raise ValueError(f"`self.log({name}, {value})` was called, but `{type(value).__name__}` values cannot be "
+                     f"logged: give a number, a scalar tensor or a torchmetrics Metric")
 
 
 def _agreed_names(local: list[tuple[str, str]], device: torch.device, group: Any) -> list[tuple[str, str]]:
@@ -209,7 +210,7 @@ class MetricCollector:
                     raise ValueError(f"self.log({name!r}, <Metric>, on_step=True): call the metric on the "
                                      f"batch (metric(preds, target)) before logging it, so it has a "
                                      f"per-step value")
-            tensor = _as_tensor(value, self.device)
+            tensor = _as_tensor(value, self.device, name)
         if on_step:
             entry.step_value = tensor
             self._fresh[name] = entry
@@ -309,7 +310,7 @@ class MetricCollector:
                 out[e.epoch_name()] = (e, value)
         for e in results.values():
             if e.metric is not None and e.on_epoch:
-                out[e.epoch_name()] = (e, _as_tensor(e.metric.compute(), self.device))
+                out[e.epoch_name()] = (e, _as_tensor(e.metric.compute(), self.device, e.epoch_name()))
                 e.metric.reset()
         for e, v in out.values():
             self.callback[e.name] = v

@@ -10,6 +10,7 @@ config and the library version. Only plain types and tensors, so ``weights_only=
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -95,7 +96,7 @@ def build_payload(sources: PayloadSources) -> dict[str, Any]:
         "rng": rng,
         "schedulers": [s.scheduler.state_dict() for s in sources.schedulers],
         "precision": strategy.precision.state_dict(),
-        "callbacks": {cb.state_key: cb.state_dict() for cb in sources.callbacks},
+        "callbacks": _callback_states(sources.callbacks),
         "config": plain(sources.config),
         "hyper_parameters": plain(dict(module.hparams)),
         **module.hparams_container(),
@@ -113,3 +114,15 @@ def build_payload(sources: PayloadSources) -> dict[str, Any]:
         hooks.callbacks("on_save_checkpoint", payload)
         hooks.module("on_save_checkpoint", payload)
     return payload
+
+
+def _callback_states(callbacks: list[Any]) -> dict[str, Any]:
+    """Each callback's ``state_dict()`` under its ``state_key``. Only a mapping is a state: a logger or
+    any other object that answers ``state_dict()`` with something else (a stand-in, a live object) is
+    not pickled into the checkpoint, where it would fail the save or load only with its class around."""
+    states = {}
+    for callback in callbacks:
+        state = callback.state_dict()
+        if isinstance(state, Mapping):
+            states[callback.state_key] = state
+    return states

@@ -106,9 +106,14 @@ def _directory_loggers(sources: RunSources) -> list[DirectoryLogger]:
 
 
 def _writes(sources: RunSources, stage: str) -> bool:
+    """Whether the stage writes into the run's directory: its loggers do, or a fit's ModelCheckpoint that
+    was given no ``dirpath`` of its own (with ``logger=False`` and a ``dirpath``, as in Lightning, nothing
+    but the checkpoints is written)."""
     if sources.config.fast_dev_run:
         return False
-    return bool(sources.loggers) or (stage == "fit" and sources.checkpoint_callback is not None)
+    checkpoints = sources.checkpoint_callback
+    return bool(sources.loggers) or (stage == "fit" and checkpoints is not None
+                                     and checkpoints.writes_into_run_directory)
 
 
 def _decide(sources: RunSources, stage: str, ckpt_path: str | None, previous: RunDirectory | None,
