@@ -176,7 +176,7 @@ def test_save_top_k_zero_keeps_only_last(make_trainer: MakeTrainer, run_dir: str
 def test_filename_with_metric(make_trainer: MakeTrainer, run_dir: str) -> None:
     cb = ModelCheckpoint(monitor="val/score", filename="{epoch}-{val_score:.1f}", save_top_k=1)
     make_trainer(max_epochs=2, callbacks=[cb]).fit(ScoredModule([2.0, 1.0]))
-    assert ckpt_files(run_dir) == ["1-1.0.ckpt"]
+    assert ckpt_files(run_dir) == ["epoch=1-val_score=1.0.ckpt"]  # Lightning's automatic `name=`
 
 
 def test_checkpoint_monitor_not_logged(make_trainer: MakeTrainer) -> None:

@@ -240,8 +240,8 @@ def test_model_checkpoint_exposes_lightnings_top_k_attributes(make_trainer: Any,
     make_trainer(max_epochs=4, limit_train_batches=1, callbacks=[checkpoint],
                  enable_checkpointing=True).fit(_Scored([4.0, 1.0, 3.0, 2.0]))
     best = {os.path.basename(p): s for p, s in checkpoint.best_k_models.items()}
-    assert best == {"1.ckpt": 1.0, "3.ckpt": 2.0}
-    assert os.path.basename(checkpoint.kth_best_model_path) == "3.ckpt" and checkpoint.kth_value == 2.0
+    assert best == {"epoch=1.ckpt": 1.0, "epoch=3.ckpt": 2.0}
+    assert os.path.basename(checkpoint.kth_best_model_path) == "epoch=3.ckpt" and checkpoint.kth_value == 2.0
     assert checkpoint.current_score == 2.0 and checkpoint.best_model_score == 1.0
     checkpoint.to_yaml()
     with open(tmp_path / "best_k_models.yaml") as f:
@@ -252,7 +252,8 @@ def test_model_checkpoint_ranks_a_nan_below_every_number(make_trainer: Any, tmp_
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path), monitor="score", save_top_k=1, filename="{epoch}")
     make_trainer(max_epochs=2, limit_train_batches=1, callbacks=[checkpoint],
                  enable_checkpointing=True).fit(_Scored([math.nan, 5.0]))
-    assert os.path.basename(checkpoint.best_model_path) == "1.ckpt" and checkpoint.best_model_score == 5.0
+    assert os.path.basename(checkpoint.best_model_path) == "epoch=1.ckpt"
+    assert checkpoint.best_model_score == 5.0
 
 
 def test_model_checkpoint_expands_home_and_every_n_epochs_zero_saves_no_epoch(make_trainer: Any,
@@ -730,7 +731,7 @@ def test_without_validation_step_checkpoints_and_early_stopping_work_on_training
     trainer = make_trainer(max_epochs=5, callbacks=[saver, stopper], enable_checkpointing=True)
     trainer.fit(NoValidation())
     assert trainer.num_val_batches == [] and stopper.stopping_reason == EarlyStoppingReason.PATIENCE_EXHAUSTED
-    assert os.path.basename(saver.best_model_path) == "0.ckpt" and trainer.current_epoch == 2
+    assert os.path.basename(saver.best_model_path) == "epoch=0.ckpt" and trainer.current_epoch == 2
 
 
 def test_logging_nothing_is_refused_and_a_long_interval_without_validation_is_fine(make_trainer: Any) -> None:

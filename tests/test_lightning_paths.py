@@ -121,11 +121,11 @@ def test_logging_what_cannot_be_logged_is_lightnings_value_error(make_trainer: A
                                   "limit_predict_batches", "overfit_batches", "val_check_interval"])
 @pytest.mark.parametrize("value", [1, 1.0])
 def test_a_limit_of_one_says_whether_one_batch_or_all_were_meant(caplog: Any, name: str, value: Any) -> None:
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="polytrain"):
         Trainer(**{name: value})
     assert f"`Trainer({name}={value})` was configured so" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="polytrain"):
         Trainer()
     assert "was configured so" not in caplog.text
 

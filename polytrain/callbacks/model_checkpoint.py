@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import shutil
 from datetime import timedelta
 from typing import Any
@@ -18,6 +19,7 @@ from polytrain.checkpoint.hugging_face import export_pretrained, find_pretrained
 from polytrain.checkpoint.layout import checkpoint_dir, write_latest_pointer
 from polytrain.core.errors import CheckpointError, ConfigError
 from polytrain.core.files import temporary_sibling
+from polytrain.core.rank_zero import rank_zero_warn
 from polytrain.core.states import TrainerFn
 
 log = logging.getLogger("polytrain")
@@ -59,12 +61,13 @@ class ModelCheckpoint(Callback):
     CHECKPOINT_NAME_LAST = "last"
     FILE_EXTENSION = ".ckpt"
 
-    def __init__(self, dirpath: str | None = None, filename: str = "epoch={epoch}-step={step}",
+    def __init__(self, dirpath: str | None = None, filename: str | None = None,
                  monitor: str | None = None, mode: str = "min", save_top_k: int = 1, save_last: bool = True,
                  every_n_train_steps: int | None = None, every_n_epochs: int | None = 1,
                  save_on_fit_end: bool = True, train_time_interval: timedelta | None = None,
                  async_save: bool = False, save_on_exception: bool = False,
                  save_on_train_epoch_end: bool | None = None, verbose: bool = False,
+                 save_weights_only: bool = False, auto_insert_metric_name: bool = True,
                  save_hf: bool | str = False) -> None:
         if mode not in ("min", "max"):
             raise ConfigError(f"ModelCheckpoint `mode` can be min, max but got {mode}")
@@ -85,6 +88,9 @@ class ModelCheckpoint(Callback):
         self._dirpath_given = dirpath is not None
         self._written: set[str] = set()  # files this callback wrote (in this process or before a resume)
         self.filename = filename
+        self.auto_insert_metric_name = auto_insert_metric_name
+        self.save_weights_only = save_weights_only
+        self._unlogged_warned: set[str] = set()  # filename fields already warned about (written as 0)
         self.monitor = monitor
         self.mode = mode
         self.save_top_k = save_top_k
@@ -282,14 +288,48 @@ class ModelCheckpoint(Callback):
 
     # ------------------------------------------------------------------ saving
     def _format_name(self, trainer: Any) -> str:
-        fields = {"epoch": trainer.current_epoch, "step": trainer.global_step}
-        fields.update({k.replace("/", "_"): float(v) for k, v in trainer.callback_metrics.items()})
+        fields: dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        fields.update({k.replace("/", "_"): v for k, v in list(fields.items())})
+        fields.update(epoch=trainer.current_epoch, step=trainer.global_step)
+        return self.format_name(fields)
+
+    def format_name(self, metrics: dict[str, Any], filename: str | None = None, prefix: str = "") -> str:
+        """The file name (without directory or extension) for ``metrics``, as Lightning forms it: the
+        default ``{epoch}-{step}``; each ``{name}`` becomes ``name=<value>`` unless
+        ``auto_insert_metric_name=False``; names may hold ``/`` or ``.``; a name nothing logged is written
+        as 0 (Lightning's rule), with a warning the first time."""
+        template = filename if filename is not None else self.filename
+        template = original = template or "{epoch}" + self.CHECKPOINT_JOIN_CHAR + "{step}"
+        values = dict(metrics)
+        # longest first, so `{val}` does not rewrite the start of `{val_loss}`
+        for group in sorted(set(re.findall(r"(\{.*?)[:}]", template)), key=len, reverse=True):
+            name = group[1:]
+            shown = name.replace("/", "_") + self.CHECKPOINT_EQUALS_CHAR
+            inserted = shown if self.auto_insert_metric_name else ""
+            template = template.replace(group, inserted + "{0[" + name + "]")
+            if name not in values:
+                values[name] = 0
+                if name not in self._unlogged_warned:
+                    self._unlogged_warned.add(name)
+                    logged = ", ".join(sorted(metrics)) or "nothing"
+                    rank_zero_warn(f"ModelCheckpoint filename {original!r} names {name!r}, which nothing "
+                                   f"logged; it is written as 0 (logged: {logged})")
         try:
-            name = self.filename.format(**fields)
-        except (KeyError, ValueError) as err:
-            raise ValueError(f"ModelCheckpoint filename {self.filename!r} cannot be formatted: {err}; "
-                             f"available: {', '.join(sorted(fields))}") from None
-        return name
+            name = template.format(values)
+        except (KeyError, ValueError, IndexError) as err:
+            raise ValueError(f"ModelCheckpoint filename {template!r} cannot be formatted: {err}; "
+                             f"available: {', '.join(sorted(values))}") from None
+        return self.CHECKPOINT_JOIN_CHAR.join([prefix, name]) if prefix else name
+
+    def format_checkpoint_name(self, metrics: dict[str, Any], filename: str | None = None,
+                               ver: int | None = None, prefix: str = "") -> str:
+        """Lightning's method: the path a checkpoint with ``metrics`` gets in ``dirpath`` (``ver``: the
+        ``-v<ver>`` a name already taken gets)."""
+        name = self.format_name(metrics, filename, prefix)
+        if ver is not None:
+            name += f"{self.CHECKPOINT_JOIN_CHAR}v{ver}"
+        name += self.FILE_EXTENSION
+        return os.path.join(self.dirpath, name) if self.dirpath else name
 
     def _score(self, trainer: Any) -> float | None:
         if self.monitor is None:
@@ -340,7 +380,7 @@ class ModelCheckpoint(Callback):
         previous = self._bookkeeping()
         doomed = self._record(trainer, path, score) if keep else []
         try:
-            trainer.save_checkpoint(path, async_save=self.async_save)
+            trainer.save_checkpoint(path, weights_only=self.save_weights_only, async_save=self.async_save)
         except BaseException:
             self._restore(previous)  # nothing was written: forget it, delete nothing
             raise

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from typing import Any
 
 import torch
 
@@ -143,14 +144,29 @@ def candidates(ckpt_dir: str) -> list[str]:
 _NAMED_STEP = re.compile(r"step=(\d+)")
 
 
+def _payload(path: str) -> Any:
+    """A checkpoint's payload without reading its tensors: a file's pickle with them memory-mapped, or a
+    directory's payload file."""
+    if os.path.isdir(path):
+        return torch.load(os.path.join(path, META_FILE), map_location="cpu", weights_only=True)
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def holds_weights_only(path: str) -> bool:
+    """Whether the checkpoint was written with ``weights_only`` (no optimizer, scheduler or callback state:
+    it can start a fit's weights, not resume one). False for what cannot be read: its loader will say why."""
+    try:
+        data = _payload(path)
+    except Exception:  # noqa: BLE001 - torn, foreign or refused: the load reports it in its own words
+        return False
+    return isinstance(data, dict) and bool(data.get("weights_only"))
+
+
 def recorded_step(path: str) -> int:
     """The global step a checkpoint was written at: its loop state (a file's pickle, read with its tensors
     memory-mapped, or a directory's payload), else the ``step=N`` in its name, else -1."""
     try:
-        if os.path.isdir(path):
-            data = torch.load(os.path.join(path, META_FILE), map_location="cpu", weights_only=True)
-        else:
-            data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        data = _payload(path)
         loop = data.get("loop") if isinstance(data, dict) else None
         step = loop.get("global_step") if isinstance(loop, dict) else data.get("global_step")
         return int(step)

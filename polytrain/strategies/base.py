@@ -310,23 +310,28 @@ class Strategy(CollectiveVerbs, ABC):
         """The whole model's state dict under single-device names (on global rank 0 at least)."""
         return self.module.state_dict()
 
-    def checkpoint_state(self, module_state: dict[str, Any] | None = None) -> dict[str, Any]:
+    def checkpoint_state(self, module_state: dict[str, Any] | None = None,
+                         weights_only: bool = False) -> dict[str, Any]:
         """Model and optimizer state as this strategy's checkpoint I/O writes it: whole (on global rank 0;
         a collective where parameters are sharded) for a file, each rank's own slices for a sharded
-        directory. ``module_state``: the module's ``state_dict()``, reused when it is the whole model."""
-        parts = self.state_parts()
+        directory. ``module_state``: the module's ``state_dict()``, reused when it is the whole model;
+        ``weights_only``: the model alone."""
+        parts = [(module, [] if weights_only else optimizers) for module, optimizers in self.state_parts()]
         if not self.checkpoint_io.replicated:
             return live_state(parts)
         model = (module_state if module_state is not None and not self.gathers_state
                  else self.module_state_dict())
+        if weights_only:
+            return {"model": model}
         return {"model": model, "optimizer": full_optimizer_state(parts)}
 
     def save_checkpoint(self, payload: dict[str, Any], path: str, async_save: bool = False) -> None:
         """Every rank calls it. ``payload``'s ``state_dict`` (the live state hooks read) is not written: the
-        model goes under ``model``, as the checkpoint I/O's format holds it. ``async_save``: returns once the
-        state is staged; the write goes on in the background (``checkpoint_io.finish`` waits for it)."""
+        model goes under ``model``, as the checkpoint I/O's format holds it; a payload marked
+        ``weights_only`` gets no optimizer state. ``async_save``: returns once the state is staged; the write
+        goes on in the background (``checkpoint_io.finish`` waits for it)."""
         state = {k: v for k, v in payload.items() if k != "state_dict"}
-        state.update(self.checkpoint_state(payload.get("state_dict")))
+        state.update(self.checkpoint_state(payload.get("state_dict"), bool(payload.get("weights_only"))))
         if async_save:  # what the optimizers update may be copied in the background, until their next step
             self.checkpoint_io.async_save(state, path,
                                           [opt for _, opts in self.state_parts() for opt in opts])

@@ -373,7 +373,9 @@ class Trainer:
         return self._run("predict", model, dict(predict=dataloaders), datamodule, ckpt_path)
 
     def save_checkpoint(self, filepath: str, weights_only: bool = False, async_save: bool = False) -> None:
-        """Every rank calls this (a collective); ``nan_policy: error`` refuses a model holding NaN/inf."""
+        """Every rank calls this (a collective); ``nan_policy: error`` refuses a model holding NaN/inf.
+        ``weights_only``: the model (with the loop's position and the hyperparameters) but no optimizer,
+        scheduler, precision or callback state; such a file starts a fit or an evaluation, not a resume."""
         if self.guard is not None:
             self.guard.check()
         waited = self.strategy.checkpoint_io.staging_waited()  # by updates, for the last async save's copy
@@ -382,7 +384,7 @@ class Trainer:
                 strategy=self.strategy, hooks=self.hooks, metrics=self.metrics, module=self.module,
                 datamodule=self.datamodule, callbacks=self.callbacks, progress=self.fit_loop.progress,
                 epoch_data=self.fit_loop.data, schedulers=self.fit_loop.lr_scheduler_configs,
-                config=self.config_dict(), seed=self.config.seed)
+                config=self.config_dict(), seed=self.config.seed, weights_only=weights_only)
             self.strategy.save_checkpoint(build_payload(sources), filepath, async_save=async_save)
 
     # ------------------------------------------------------------------ plumbing

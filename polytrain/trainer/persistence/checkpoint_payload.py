@@ -42,6 +42,7 @@ class PayloadSources:
     schedulers: list[Any]  # the fit's LR scheduler configs
     config: dict[str, Any]  # the run's whole config, as ``trainer.config_dict()`` gives it
     seed: int | None
+    weights_only: bool = False  # the model without optimizer, scheduler, precision or callback state
 
 
 def _rank_rng(progress: FitProgress, epoch_data: EpochData) -> dict[str, Any]:
@@ -80,7 +81,9 @@ def _rank_states(sources: PayloadSources) -> tuple[list[Any], list[Any] | None]:
 def build_payload(sources: PayloadSources) -> dict[str, Any]:
     """Called on every rank (it gathers RNG states); the strategy adds model/optimizer state. Hooks in
     Lightning's order: callbacks' and the DataModule's ``state_dict``, then ``on_save_checkpoint`` of
-    the callbacks and of the module (both may add keys)."""
+    the callbacks and of the module (both may add keys). ``weights_only`` (Lightning's): no scheduler,
+    precision or callback state and no callback hooks; the payload says so, and a fit refuses to resume
+    from it."""
     strategy, module, datamodule, hooks = sources.strategy, sources.module, sources.datamodule, sources.hooks
     loop = sources.progress.state_dict()
     rng, data = _rank_states(sources)
@@ -110,8 +113,13 @@ def build_payload(sources: PayloadSources) -> dict[str, Any]:
         payload["datamodule"] = {type(datamodule).__qualname__: hooks.datamodule("state_dict")}
         payload["datamodule_hyper_parameters"] = plain(dict(datamodule.hparams))
         payload.update({f"datamodule_{k}": v for k, v in datamodule.hparams_container().items()})
+    if sources.weights_only:
+        for key in ("schedulers", "precision", "callbacks"):
+            del payload[key]
+        payload["weights_only"] = True
     with sources.metrics.refusing("on_save_checkpoint"):
-        hooks.callbacks("on_save_checkpoint", payload)
+        if not sources.weights_only:
+            hooks.callbacks("on_save_checkpoint", payload)
         hooks.module("on_save_checkpoint", payload)
     return payload
 

@@ -26,7 +26,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from polytrain.checkpoint.layout import existing_checkpoints, recorded_best, resolve_resume
+from polytrain.checkpoint.layout import (
+    existing_checkpoints,
+    holds_weights_only,
+    recorded_best,
+    resolve_resume,
+)
 from polytrain.core.errors import ConfigError
 from polytrain.data.stateful import select_rank_state
 from polytrain.trainer.api.hooks import Hooks
@@ -81,6 +86,12 @@ def restore_fit(path: str, *, strategy: Any, hooks: Hooks, module: Any, datamodu
                 callbacks: list[Any], schedulers: list[Any], progress: FitProgress) -> Resumed:
     """Take a fit back from ``path`` (the same on every rank), steps 1-7 of the module's docstring."""
     log.info("restoring from %s", path)
+    if holds_weights_only(path):  # the same file on every rank: they all raise here, before any collective
+        raise ConfigError(
+            f"{path} holds the model's weights only (written with ModelCheckpoint(save_weights_only=True) or "
+            f"save_checkpoint(weights_only=True)): there is no optimizer, scheduler or callback state to "
+            f"resume a fit from. Start a new fit from its weights (Module.load_from_checkpoint(path), then "
+            f"fit without ckpt_path), or save full checkpoints to resume")
     payload = strategy.load_checkpoint(path)  # 1
     if "state_dict" not in payload:  # what Lightning code reads there: the weights just loaded
         payload["state_dict"] = payload.get("model") or module.state_dict()

@@ -1,0 +1,109 @@
+"""ModelCheckpoint's file names as Lightning forms them (``{epoch}-{step}`` by default, ``name=`` inserted,
+names with ``/``, a field nothing logged written as 0) and ``save_weights_only``: the model without the
+optimizer's state, a file that starts an evaluation or a new fit and refuses to resume one, on one
+process and under fsdp x2 (a sharded directory)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from conftest import TinyModule
+from distributed import run_distributed
+
+from polytrain import Trainer
+from polytrain.callbacks import ModelCheckpoint
+from polytrain.core.errors import ConfigError
+
+pytestmark = pytest.mark.own_logic
+
+
+def test_default_and_templated_names_are_lightnings() -> None:
+    checkpoint = ModelCheckpoint(dirpath="/ckpts")
+    assert checkpoint.format_checkpoint_name({"epoch": 3, "step": 2}) == "/ckpts/epoch=3-step=2.ckpt"
+    named = ModelCheckpoint(filename="{epoch:02d}-{val/loss:.2f}")
+    assert named.format_checkpoint_name({"epoch": 3, "val/loss": 0.1234}) == "epoch=03-val_loss=0.12.ckpt"
+    plain = ModelCheckpoint(filename="{epoch}-{acc:.3f}", auto_insert_metric_name=False)
+    path = plain.format_checkpoint_name({"epoch": 1, "acc": 0.5}, ver=2, prefix="run")
+    assert path == "run-1-0.500-v2.ckpt"
+
+
+def test_a_field_nothing_logged_is_written_as_zero_with_a_warning() -> None:
+    checkpoint = ModelCheckpoint(filename="{epoch}-{val_loss:.2f}")
+    with pytest.warns(UserWarning, match=r"names 'val_loss', which nothing logged; it is written as 0"):
+        assert checkpoint.format_name({"epoch": 0, "step": 1}) == "epoch=0-val_loss=0.00"
+
+
+def test_a_fit_writes_lightnings_names(make_trainer: Any, tmp_path: Any) -> None:
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path), monitor="val/loss", filename="{epoch}-{val/loss:.3f}",
+                                 save_last=False)
+    trainer = make_trainer(max_epochs=1, callbacks=[checkpoint], enable_checkpointing=True)
+    trainer.fit(TinyModule(n=8, val_n=4))
+    score = float(trainer.callback_metrics["val/loss"])
+    assert os.path.basename(checkpoint.best_model_path) == f"epoch=0-val_loss={score:.3f}.ckpt"
+
+
+def _optimizer_moments(path: str) -> bool:
+    return "optimizer" in torch.load(path, weights_only=False)
+
+
+def test_weights_only_checkpoints_hold_the_model_and_refuse_to_resume(make_trainer: Any,
+                                                                      tmp_path: Any) -> None:
+    light = ModelCheckpoint(dirpath=str(tmp_path / "light"), save_weights_only=True, save_last=False)
+    full = ModelCheckpoint(dirpath=str(tmp_path / "full"), every_n_epochs=1, save_last=False)
+    module = TinyModule(n=8, val_n=4)
+    trainer = make_trainer(max_epochs=1, callbacks=[light, full], enable_checkpointing=True)
+    trainer.fit(module)
+    saved = torch.load(light.best_model_path, weights_only=False)
+    assert saved["weights_only"] is True and "optimizer" not in saved and "callbacks" not in saved
+    assert _optimizer_moments(full.best_model_path)
+    assert torch.equal(saved["model"]["net.weight"], module.net.weight.detach())
+    assert saved["loop"]["global_step"] == trainer.global_step
+    # it starts an evaluation (and load_from_checkpoint) with the trained weights
+    loaded = TinyModule.load_from_checkpoint(light.best_model_path)
+    assert torch.equal(loaded.net.weight, module.net.weight.detach())
+    results = make_trainer().validate(TinyModule(n=8, val_n=4), ckpt_path=light.best_model_path,
+                                      verbose=False)
+    assert results[0]["val/loss"] == pytest.approx(float(trainer.callback_metrics["val/loss"]))
+    # and is refused as a resume, in words naming the file and what to do
+    with pytest.raises(ConfigError, match=r"holds the model's weights only .*load_from_checkpoint"):
+        make_trainer(max_epochs=2).fit(TinyModule(n=8, val_n=4), ckpt_path=light.best_model_path)
+
+
+def _fsdp_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    light = ModelCheckpoint(dirpath=os.path.join(root, "light"), save_weights_only=True, save_last=False)
+    common = dict(strategy="fsdp", accelerator="cpu", devices=2, run_dir=root, logger=False,
+                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, timeout=60)
+    module = TinyModule(n=16, val_n=8)
+    trainer = Trainer(**common, max_epochs=1, callbacks=[light])
+    trainer.fit(module)
+    fitted = float(trainer.callback_metrics["val/loss"])
+    results = Trainer(**common, enable_checkpointing=False).validate(
+        TinyModule(n=16, val_n=8), ckpt_path=light.best_model_path, verbose=False)
+    try:
+        Trainer(**common, max_epochs=2, enable_checkpointing=False).fit(
+            TinyModule(n=16, val_n=8), ckpt_path=light.best_model_path)
+        refused = ""
+    except ConfigError as err:
+        refused = str(err)
+    return {"path": light.best_model_path, "fitted": fitted, "validated": results[0]["val/loss"],
+            "refused": refused}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_weights_only_under_fsdp_writes_a_sharded_model_that_evaluates_and_refuses_a_resume(
+        tmp_path: Any) -> None:
+    ranks = run_distributed(_fsdp_worker, 2, str(tmp_path), timeout=240.0)
+    path = ranks[0]["path"]
+    assert os.path.isdir(path), "fsdp writes a sharded directory"
+    for rank in ranks:
+        assert rank["validated"] == pytest.approx(rank["fitted"], rel=1e-6)
+        assert "holds the model's weights only" in rank["refused"]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = list(FileSystemReader(path).read_metadata().state_dict_metadata)
+    assert any(key.startswith("model") for key in stored), stored
+    assert not any("optim" in key for key in stored), stored
