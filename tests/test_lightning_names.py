@@ -95,6 +95,26 @@ def test_tqdm_progress_bar_redraws_every_refresh_rate_batches(make_trainer: Any,
     assert moves == expected
 
 
+@pytest.mark.parametrize("sized", [True, False])
+def test_the_train_bar_counts_the_steps_left_when_max_steps_ends_an_endless_fit(make_trainer: Any,
+                                                                              sized: bool) -> None:
+    """``max_epochs=-1`` with ``max_steps=6`` over 8-batch epochs (or a stream with no length): the bar's
+    total is the 6 steps, not the epoch's 8 (or nothing); ``train_progress_bar`` and ``trainer`` are there
+    as Lightning's bars have them."""
+    bar = TQDMProgressBar()
+    with pytest.raises(TypeError, match="reference has not been set yet"):
+        bar.trainer  # noqa: B018 - the property raises until a stage starts
+    module = TinyModule(n=32)
+    if not sized:
+        stream = [batch for batch in module.train_dataloader()]
+        module.train_dataloader = lambda: (batch for _ in range(2) for batch in stream)  # type: ignore
+    trainer = make_trainer(max_epochs=-1, max_steps=6, enable_progress_bar=True, callbacks=[bar],
+                           limit_val_batches=0)
+    trainer.fit(module)
+    assert bar.trainer is trainer and trainer.global_step == 6
+    assert bar.train_progress_bar.total == 6
+
+
 def test_learning_rates_are_in_callback_metrics(make_trainer: Any) -> None:
     class Adam(TinyModule):
         def configure_optimizers(self) -> Any:

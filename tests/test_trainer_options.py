@@ -405,6 +405,22 @@ def test_reload_dataloaders_every_n_epochs(tmp_path: Any, every: int, sanity_ste
     assert len(module.trained()) == 27 and module.val_batches() == 12
 
 
+@pytest.mark.parametrize(("sanity_steps", "loaders"), [
+    (0, [("train_dataloader", 0), ("val_dataloader", 2), ("train_dataloader", 4)]),
+    (2, [("val_dataloader", 0), ("train_dataloader", 0), ("val_dataloader", 2), ("train_dataloader", 4)]),
+])
+def test_validation_every_few_epochs_asks_for_its_loader_at_its_first_validation(tmp_path: Any,
+                                                                                sanity_steps: int,
+                                                                                loaders: list) -> None:
+    """As Lightning: a fit whose first epoch does not validate asks for the val loader when its first
+    validation starts (epoch 2 here), and counts the reload interval from there, not from the sanity
+    check; 5 - 2 < 4, so epoch 5 validates with the same loader."""
+    _, module = fit(tmp_path, max_epochs=6, reload_dataloaders_every_n_epochs=4, check_val_every_n_epoch=3,
+                    num_sanity_val_steps=sanity_steps)
+    assert module.loaders() == loaders
+    assert module.val_batches() == 8  # two validations of the 4-batch loader
+
+
 # --------------------------------------------------------------------------- devices
 
 

@@ -20,6 +20,7 @@ class ProgressBar(Callback):
         self.refresh_rate = refresh_rate
         self._train: Any = None
         self._eval: Any = None
+        self._last_train: Any = None  # the newest training bar, kept when closed (train_progress_bar)
         self._pending = 0  # training batches done since the bar was last moved
         self._trainer: Any = None  # the running stage's (the batch totals read it)
 
@@ -34,8 +35,9 @@ class ProgressBar(Callback):
         if not trainer.is_logging_rank or not self.refresh_rate:
             return
         self._close()
-        self._train = self._tqdm(total=trainer.num_training_batches, initial=trainer.batch_in_epoch,
+        self._train = self._tqdm(total=self.total_train_batches, initial=trainer.batch_in_epoch,
                                  desc=f"Epoch {trainer.current_epoch}", unit="batch")
+        self._last_train = self._train
         if trainer.metrics.progress_bar:
             self._train.set_postfix(self._postfix(trainer), refresh=False)
 
@@ -50,10 +52,35 @@ class ProgressBar(Callback):
         if self._train is not None and trainer.metrics.progress_bar:
             self._train.set_postfix(self._postfix(trainer), refresh=False)
 
+    @property
+    def trainer(self) -> Any:
+        """The Trainer of the running stage (set when it starts), as Lightning's progress bars have it."""
+        if self._trainer is None:
+            raise TypeError(f"The `{type(self).__name__}.trainer` reference has not been set yet: a stage "
+                            f"sets it when it starts")
+        return self._trainer
+
+    @property
+    def train_progress_bar(self) -> Any:
+        """The epoch's tqdm bar (the last one, closed, once training ended); Lightning's name."""
+        if self._last_train is None:
+            raise TypeError(f"The `{type(self).__name__}.train_progress_bar` has not been drawn: training "
+                            f"has not started, or this rank draws no bars")
+        return self._last_train
+
     # Lightning's names for the batches each loop runs (None: a loader without length)
     @property
     def total_train_batches(self) -> int | float | None:
-        return self._trainer.num_training_batches if self._trainer is not None else None
+        """The epoch's batches; with ``max_epochs=-1`` and ``max_steps``, no more than the steps left (a
+        loader without length: the steps left), as Lightning counts them."""
+        trainer = self._trainer
+        if trainer is None:
+            return None
+        batches = trainer.num_training_batches
+        if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
+            left = trainer.max_steps - trainer.global_step
+            return left if batches is None else min(batches, left)
+        return batches
 
     @property
     def total_val_batches(self) -> int | float:

@@ -150,6 +150,9 @@ class FitLoop:
         sanity = (cfg.num_sanity_val_steps != 0 and not cfg.fast_dev_run
                   and loaders.source("val") is not None and validates
                   and not loaders.disabled("val"))
+        # The epoch each loader was last requested in (reload_dataloaders_every_n_epochs); the val loader
+        # counts from its first request for a validation (the sanity check's counts when epoch 0 validates).
+        self._loaded = {"train": self.progress.epoch, "val": -math.inf}
         if sanity:
             self._sanity_check()
         if loaders.disabled("train"):  # limit_train_batches=0: as Lightning, the fit is its sanity check
@@ -175,14 +178,15 @@ class FitLoop:
         training_streams(cfg.seed, strategy.dp_rank, strategy.global_rank, lightning_seed)
         self.schedule = ValidationSchedule(cfg, data.num_training_batches)
         self._started, self._multi_rank = time.monotonic(), strategy.world_size > 1
-        # The epoch each loader was last requested in (reload_dataloaders_every_n_epochs).
-        self._loaded = {"train": self.progress.epoch, "val": self.progress.epoch}
         # As Lightning, a fit that starts past epoch 0 without a checkpoint (a second fit of this Trainer)
         # asks the loader for a new iterator when its first epoch starts: the one made here is dropped then.
         self._renew_first = self.progress.epoch > 0 and self.resumed.loop is None
         self._first = self._epoch_iterator()
-        if not sanity:  # as Lightning: without a sanity check the val loader is asked for here
-            self._request_val()
+        if not sanity:  # as Lightning: without a sanity check the val loader is asked for here when the
+            if self._epoch_validates() or self._val_skipped():  # first epoch validates, else at the
+                self._request_val()  # first validation
+            else:
+                data.defer_val()
         fit.metrics.start_stage("train", EPOCH_ONLY)
         in_eval = [name or type(fit.module).__name__ for name, m in fit.module.named_modules()
                    if not m.training]
@@ -370,15 +374,23 @@ class FitLoop:
         self._loaded[stage] = epoch
         return True
 
+    def _epoch_validates(self) -> bool:
+        every = self.config.check_val_every_n_epoch
+        return every is None or (self.progress.epoch + 1) % every == 0
+
+    def _val_skipped(self) -> bool:
+        # As Lightning: without a validation_step nothing reads the loaders, and they are never asked for
+        validates = is_overridden(self.fit.module, "validation_step", TrainModule)
+        return self.fit.loaders.disabled("val") or not validates
+
     def _request_val(self) -> None:
         data, loaders = self.data, self.fit.loaders
         for loader in data.val_loaders:  # the loaders being replaced, if any
             stop_workers(None, loader, keep_persistent=False)
-        # As Lightning: without a validation_step nothing reads the loaders, and they are never asked for
-        validates = is_overridden(self.fit.module, "validation_step", TrainModule)
-        skipped = loaders.disabled("val") or not validates
-        val_loaders = [] if skipped else loaders.request_eval("val")
+        val_loaders = [] if self._val_skipped() else loaders.request_eval("val")
         data.use_val(val_loaders, [loaders.batch_limit("val", loader) for loader in val_loaders])
+        if self.state.stage != RunningStage.SANITY_CHECKING or self._epoch_validates():
+            self._loaded["val"] = self.progress.epoch
 
     def _sanity_check(self) -> None:
         """A few validation batches before training, so a bug in ``validation_step`` shows in seconds, not
@@ -414,7 +426,7 @@ class FitLoop:
     def _run_validation(self) -> None:
         data = self.data
         self.progress.expect_validation(False)  # from here on, a checkpoint resumes after this validation
-        if self._reload_due("val"):  # before the validation, as Lightning
+        if data.val_pending or self._reload_due("val"):  # before the validation, as Lightning
             self._request_val()
         if not data.has_val():
             return

@@ -203,10 +203,17 @@ class EpochData:
     stream: Any = None  # the epoch's AgreedBatches (iterable-style data): its snapshot of stateful data
     # estimated_stepping_batches asked for the train loader before the fit did.
     requested_early: bool = False
+    # validation will run, and its loaders are asked for when the first validation starts (as Lightning,
+    # when the fit's first epoch does not validate)
+    val_pending: bool = False
 
     def has_val(self) -> bool:
-        """A validation loader with batches to run (None: a loader without length, run until it ends)."""
-        return any(n != 0 for n in self.val_batches)
+        """A validation loader with batches to run (None: a loader without length, run until it ends), or
+        loaders still to be asked for."""
+        return self.val_pending or any(n != 0 for n in self.val_batches)
 
     def use_val(self, loaders: list[Any], num_batches: list[int | None]) -> None:
-        self.val_loaders, self.val_batches = list(loaders), list(num_batches)
+        self.val_loaders, self.val_batches, self.val_pending = list(loaders), list(num_batches), False
+
+    def defer_val(self) -> None:
+        self.val_loaders, self.val_batches, self.val_pending = [], [], True
