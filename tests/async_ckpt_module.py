@@ -99,7 +99,7 @@ def trainer(root: str, strategy: str = "single", devices: int = 1, max_steps: in
             callbacks: list[Any] | None = None, every_n: int = 2, saver_class: type = ModelCheckpoint,
             trainer_kwargs: dict[str, Any] | None = None, **ckpt: Any) -> Trainer:
     saver = saver_class(every_n_train_steps=every_n, every_n_epochs=None, async_save=True,
-                        **{"save_top_k": -1, **ckpt})
+                        **{"save_top_k": -1, "save_last": True, **ckpt})
     return Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, run_dir=root,
                    seed=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
                    use_distributed_sampler="always", callbacks=[*(callbacks or []), saver],

@@ -63,7 +63,7 @@ class ScoredModule(TinyModule):
 
 def test_every_n_train_steps(make_trainer: MakeTrainer, run_dir: str) -> None:
     trainer = make_trainer(max_epochs=1, callbacks=[
-        ModelCheckpoint(every_n_train_steps=2, every_n_epochs=None, save_top_k=-1)])
+        ModelCheckpoint(save_last=True, every_n_train_steps=2, every_n_epochs=None, save_top_k=-1)])
     trainer.fit(TinyModule(n=32, batch_size=4, lr=0.05, val_n=None))  # 8 steps
     assert ckpt_files(run_dir) == [f"epoch=0-step={s}.ckpt" for s in (2, 4, 6, 8)]
     assert latest(run_dir) == "epoch=0-step=8.ckpt"
@@ -75,7 +75,7 @@ def test_every_n_train_steps(make_trainer: MakeTrainer, run_dir: str) -> None:
 def test_step_saving_switched_on_between_epochs_takes_effect_in_the_next_one(make_trainer: MakeTrainer,
                                                                             run_dir: str) -> None:
     # Without every_n_train_steps the loop skips the callback's batch hook; it asks again each epoch.
-    saver = ModelCheckpoint(every_n_epochs=None, save_top_k=-1, save_on_fit_end=False)
+    saver = ModelCheckpoint(save_last=True, every_n_epochs=None, save_top_k=-1, save_on_fit_end=False)
 
     called: list[list[Any]] = []
 
@@ -91,7 +91,8 @@ def test_step_saving_switched_on_between_epochs_takes_effect_in_the_next_one(mak
 
 
 def test_every_n_epochs(make_trainer: MakeTrainer, run_dir: str) -> None:
-    trainer = make_trainer(max_epochs=4, callbacks=[ModelCheckpoint(every_n_epochs=2, save_top_k=-1)])
+    saver = ModelCheckpoint(save_last=True, every_n_epochs=2, save_top_k=-1)
+    trainer = make_trainer(max_epochs=4, callbacks=[saver])
     trainer.fit(TinyModule(n=8, batch_size=4, lr=0.05, val_n=None))  # 2 steps per epoch
     assert ckpt_files(run_dir) == ["epoch=1-step=4.ckpt", "epoch=3-step=8.ckpt"]
     ckpt = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "epoch=1-step=4.ckpt"),
@@ -126,7 +127,7 @@ def test_checkpoint_contents_load_with_weights_only(make_trainer: MakeTrainer, r
 
 
 def test_last_ckpt_is_the_newest_checkpoint(make_trainer: MakeTrainer, run_dir: str) -> None:
-    trainer = make_trainer(max_epochs=3, callbacks=[ModelCheckpoint(save_top_k=1)])
+    trainer = make_trainer(max_epochs=3, callbacks=[ModelCheckpoint(save_last=True, save_top_k=1)])
     trainer.fit(TinyModule(n=8, lr=0.05, val_n=None))
     d = os.path.join(run_dir, "version_0", "checkpoints")
     # Without a monitor, top-k keeps the newest; last.ckpt and the `latest` pointer name it.
@@ -140,7 +141,7 @@ def test_top_k_with_monitor(make_trainer: MakeTrainer, run_dir: str, mode: str,
                             expected_epochs: list[int]) -> None:
     scores = [5.0, 3.0, 4.0, 1.0, 2.0]
     module = ScoredModule(scores)
-    cb = ModelCheckpoint(monitor="val/score", mode=mode, save_top_k=2)
+    cb = ModelCheckpoint(save_last=True, monitor="val/score", mode=mode, save_top_k=2)
     make_trainer(max_epochs=5, callbacks=[cb]).fit(module)
 
     # On disk: exactly the top-k (plus last.ckpt, the newest state for `resume: last`).
@@ -159,14 +160,15 @@ def test_top_k_with_monitor(make_trainer: MakeTrainer, run_dir: str, mode: str,
 
 
 def test_save_top_k_minus_one_keeps_all(make_trainer: MakeTrainer, run_dir: str) -> None:
-    cb = ModelCheckpoint(monitor="val/score", save_top_k=-1)
+    cb = ModelCheckpoint(save_last=True, monitor="val/score", save_top_k=-1)
     make_trainer(max_epochs=3, callbacks=[cb]).fit(ScoredModule([3.0, 1.0, 2.0]))
     assert ckpt_files(run_dir) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt"]
     assert cb.best_model_score == 1.0 and cb.best_model_path.endswith("epoch=1-step=4.ckpt")
 
 
 def test_save_top_k_zero_keeps_only_last(make_trainer: MakeTrainer, run_dir: str) -> None:
-    make_trainer(max_epochs=2, callbacks=[ModelCheckpoint(save_top_k=0)]).fit(TinyModule(n=8, val_n=None))
+    saver = ModelCheckpoint(save_last=True, save_top_k=0)
+    make_trainer(max_epochs=2, callbacks=[saver]).fit(TinyModule(n=8, val_n=None))
     assert ckpt_files(run_dir) == []
     assert latest(run_dir) == "last.ckpt"
     ckpt = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt"), weights_only=True)
@@ -174,13 +176,14 @@ def test_save_top_k_zero_keeps_only_last(make_trainer: MakeTrainer, run_dir: str
 
 
 def test_filename_with_metric(make_trainer: MakeTrainer, run_dir: str) -> None:
-    cb = ModelCheckpoint(monitor="val/score", filename="{epoch}-{val_score:.1f}", save_top_k=1)
+    cb = ModelCheckpoint(save_last=True, monitor="val/score", filename="{epoch}-{val_score:.1f}",
+                         save_top_k=1)
     make_trainer(max_epochs=2, callbacks=[cb]).fit(ScoredModule([2.0, 1.0]))
     assert ckpt_files(run_dir) == ["epoch=1-val_score=1.0.ckpt"]  # Lightning's automatic `name=`
 
 
 def test_checkpoint_monitor_not_logged(make_trainer: MakeTrainer) -> None:
-    cb = ModelCheckpoint(monitor="val/acc")
+    cb = ModelCheckpoint(save_last=True, monitor="val/acc")
     with pytest.raises(KeyError) as info:
         make_trainer(max_epochs=1, callbacks=[cb]).fit(TinyModule(n=8, val_n=4))
     assert "val/acc" in str(info.value) and "val/loss" in str(info.value)
@@ -189,7 +192,7 @@ def test_checkpoint_monitor_not_logged(make_trainer: MakeTrainer) -> None:
 @pytest.mark.parametrize("kwargs", [{"mode": "best"}, {"save_top_k": -2}])
 def test_checkpoint_bad_arguments(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
-        ModelCheckpoint(**kwargs)
+        ModelCheckpoint(save_last=True, **kwargs)
 
 
 def test_checkpointing_disabled_writes_nothing(make_trainer: MakeTrainer, run_dir: str) -> None:
@@ -399,7 +402,7 @@ def test_monitored_checkpoint_before_any_validation_saves_last_only(make_trainer
                                                                     run_dir: str) -> None:
     # max_steps ends the run before the first validation: nothing to rank by, but `last` must
     # still be written so the run can be resumed, and no KeyError may escape.
-    cb = ModelCheckpoint(monitor="val/score", mode="max", save_top_k=1)
+    cb = ModelCheckpoint(save_last=True, monitor="val/score", mode="max", save_top_k=1)
     trainer = make_trainer(max_epochs=3, max_steps=2, callbacks=[cb])
     trainer.fit(ScoredModule([0.1, 0.2, 0.3], n=32, batch_size=4))  # 8 steps per epoch
     assert ckpt_files(run_dir) == []
@@ -468,7 +471,7 @@ def test_a_model_checkpoint_given_with_checkpointing_disabled_is_said_and_kept(m
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = make_trainer(max_epochs=1, enable_checkpointing=False,
-                               callbacks=[ModelCheckpoint(monitor="val/loss")])
+                               callbacks=[ModelCheckpoint(save_last=True, monitor="val/loss")])
     said = [str(w.message) for w in caught if "enable_checkpointing" in str(w.message)]
     assert said == ["enable_checkpointing=False, but the callbacks hold 1 ModelCheckpoint: it saves "
                     "checkpoints as configured. Remove it from the callbacks to save none"]

@@ -45,6 +45,30 @@ def test_a_fit_writes_lightnings_names(make_trainer: Any, tmp_path: Any) -> None
     assert os.path.basename(checkpoint.best_model_path) == f"epoch=0-val_loss={score:.3f}.ckpt"
 
 
+def test_a_dirpath_you_name_holds_only_the_files_asked_for(make_trainer: Any, tmp_path: Any) -> None:
+    """Lightning's defaults: no ``last.ckpt`` unless ``save_last``, and no pointer file beside them; ``resume:
+    last`` still finds the newest by the step recorded inside."""
+    def saver(**kwargs: Any) -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="{epoch}", save_top_k=-1, **kwargs)
+
+    make_trainer(max_epochs=2, callbacks=[saver()], enable_checkpointing=True).fit(TinyModule(n=8, val_n=4))
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch=0.ckpt", "epoch=1.ckpt"]
+    resumed = make_trainer(max_epochs=3, callbacks=[saver(save_last="link")], enable_checkpointing=True)
+    resumed.fit(TinyModule(n=8, val_n=4), ckpt_path="last")
+    assert resumed.global_step == 6  # 2 epochs restored, 1 trained
+    expected = ["epoch=0.ckpt", "epoch=1.ckpt", "epoch=2.ckpt", "last.ckpt"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == expected
+    with pytest.raises(ConfigError, match="save_last='always'"):
+        ModelCheckpoint(save_last="always")
+
+
+def test_the_trainers_own_checkpoint_callback_keeps_last_for_resume(make_trainer: Any, run_dir: str) -> None:
+    trainer = make_trainer(max_epochs=1, enable_checkpointing=True)
+    trainer.fit(TinyModule(n=8, val_n=None))
+    assert trainer.checkpoint_callback.save_last is True
+    assert "last.ckpt" in os.listdir(os.path.dirname(trainer.checkpoint_callback.best_model_path))
+
+
 def _optimizer_moments(path: str) -> bool:
     return "optimizer" in torch.load(path, weights_only=False)
 

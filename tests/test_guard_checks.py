@@ -135,7 +135,7 @@ def test_parameters_are_checked_before_every_checkpoint(make_trainer: MakeTraine
     module = UnusedParameter(at=2, n=40, batch_size=4, val_n=None)
     saves = Saves()
     trainer = make_trainer(max_epochs=1, log_every_n_steps=50, callbacks=[
-        ModelCheckpoint(every_n_train_steps=1, save_top_k=-1), saves])
+        ModelCheckpoint(save_last=True, every_n_train_steps=1, save_top_k=-1), saves])
     with pytest.raises(NonFiniteError, match="non-finite parameters on rank"):
         trainer.fit(module)
     # Batch 2 is step 3: its checkpoint was written (callbacks' batch-end hooks run before the module's,

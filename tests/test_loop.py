@@ -302,7 +302,7 @@ def test_max_steps_across_epochs(make_trainer: MakeTrainer) -> None:
 def test_full_epochs_checkpoint_counts_epochs_once(make_trainer: MakeTrainer, run_dir: str) -> None:
     from polytrain.callbacks import ModelCheckpoint
 
-    trainer = make_trainer(max_epochs=2, callbacks=[ModelCheckpoint(every_n_epochs=None)])
+    trainer = make_trainer(max_epochs=2, callbacks=[ModelCheckpoint(save_last=True, every_n_epochs=None)])
     trainer.fit(TinyModule(lr=0.05))
     assert trainer.current_epoch == 2
     ckpt = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt"), weights_only=True)
@@ -805,7 +805,7 @@ def test_nan_error_writes_no_checkpoint_after_bad_step(make_trainer: MakeTrainer
 
     module = NaNAt({2}, n=24, batch_size=4, lr=0.05, val_n=None)
     trainer = make_trainer(max_epochs=1, nan_policy="error", log_every_n_steps=50,
-                           callbacks=[ModelCheckpoint(every_n_train_steps=1, save_top_k=-1)])
+                           callbacks=[ModelCheckpoint(save_last=True, every_n_train_steps=1, save_top_k=-1)])
     with pytest.raises(NonFiniteError, match="step 2"):
         trainer.fit(module)
     ckpt_dir = os.path.join(run_dir, "version_0", "checkpoints")

@@ -109,7 +109,7 @@ def _scenario(root: str, ddp: bool, batch_size: int) -> dict[str, Any]:
                                                  callbacks=[snapshots])}
     out["uninterrupted"]["by_step"] = snapshots.by_step
     run_a = os.path.join(root, "A")
-    saver = ModelCheckpoint(every_n_train_steps=3, save_top_k=-1)
+    saver = ModelCheckpoint(save_last=True, every_n_train_steps=3, save_top_k=-1)
     out["interrupted"] = _fit(run_a, ddp, batch_size, max_steps=STOP_AT, enable_checkpointing=True,
                               callbacks=[saver])
     ckpts = os.path.join(run_a, "version_0", "checkpoints")

@@ -153,8 +153,8 @@ def test_resume_last_takes_the_newest_step_recorded_inside_not_the_newest_file_t
     import shutil
 
     original = tmp_path / "original"
-    Trainer(**_kwargs(str(original), max_epochs=3,
-                      callbacks=[ModelCheckpoint(every_n_epochs=1, save_top_k=-1)])).fit(TinyModule())
+    saver = ModelCheckpoint(save_last=True, every_n_epochs=1, save_top_k=-1)
+    Trainer(**_kwargs(str(original), max_epochs=3, callbacks=[saver])).fit(TinyModule())
     copied = tmp_path / "copied"
     shutil.copytree(original, copied, copy_function=shutil.copyfile)
     ckpt_dir = copied / "version_0" / "checkpoints"
@@ -193,7 +193,7 @@ def test_a_shared_checkpoint_directory_never_loses_another_runs_files(tmp_path: 
     shared = str(tmp_path / "shared")
 
     def fit() -> ModelCheckpoint:
-        callback = ModelCheckpoint(dirpath=shared, save_top_k=-1)
+        callback = ModelCheckpoint(save_last=True, dirpath=shared, save_top_k=-1)
         Trainer(**_kwargs(run_dir, callbacks=[callback])).fit(TinyModule())
         return callback
 

@@ -158,7 +158,7 @@ def test_fast_dev_run_runs_n_batches_of_each_loop_once_and_writes_nothing(tmp_pa
     # Loggers and a ModelCheckpoint given explicitly write nothing either (Lightning's DummyLogger).
     trainer = Trainer(default_root_dir=str(root), fast_dev_run=value, max_epochs=5,
                       logger=CSVLogger(str(root)),
-                      callbacks=[ModelCheckpoint(dirpath=str(root / "ck")),
+                      callbacks=[ModelCheckpoint(save_last=True, dirpath=str(root / "ck")),
                                  EarlyStopping("val_loss", patience=0)],
                       **QUIET)
     module = Recorder()
@@ -479,7 +479,7 @@ def _weights_validated(module: Scored) -> torch.Tensor:
 
 
 def test_ckpt_path_best_and_last(tmp_path: Any) -> None:
-    checkpoint = ModelCheckpoint(monitor="score", mode="min", save_top_k=1)
+    checkpoint = ModelCheckpoint(save_last=True, monitor="score", mode="min", save_top_k=1)
     trainer, module = fit(tmp_path, Scored(), max_epochs=3, callbacks=[checkpoint], num_sanity_val_steps=0)
     assert os.path.basename(checkpoint.best_model_path) == "epoch=1-step=18.ckpt"
     for stage in ("validate", "test"):

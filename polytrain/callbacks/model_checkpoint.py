@@ -33,10 +33,12 @@ class ModelCheckpoint(Callback):
     resumes with the next batch, the validation not run again.
 
     With ``monitor``, keep the ``save_top_k`` best by that (rank-reduced) metric; without it,
-    keep the ``save_top_k`` newest (-1 keeps all). The newest checkpoint is never deleted, and the
-    ``latest`` pointer (and ``last.ckpt`` for single-file checkpoints) names it for
-    ``resume: last``. Every decision is taken identically on every rank, and agreed on before
-    anyone acts, so the collective inside ``save_checkpoint`` is always matched.
+    keep the ``save_top_k`` newest (-1 keeps all). ``save_last`` (``True`` or ``"link"``; Lightning's
+    default None is off) also keeps the newest state as ``last.ckpt`` (a hard link to a kept file, or the
+    file itself when it did not make the top k); in the run's own ``checkpoints/`` (no ``dirpath``
+    given) a ``latest`` pointer names the newest for ``resume: last``. Every decision is taken
+    identically on every rank, and agreed on before anyone acts, so the collective inside
+    ``save_checkpoint`` is always matched.
 
     ``train_time_interval`` (a ``timedelta``): also save after an optimizer step once that much time
     passed since the last save, by global rank 0's clock (``time_trigger``: checked at a few agreed
@@ -62,13 +64,17 @@ class ModelCheckpoint(Callback):
     FILE_EXTENSION = ".ckpt"
 
     def __init__(self, dirpath: str | None = None, filename: str | None = None,
-                 monitor: str | None = None, mode: str = "min", save_top_k: int = 1, save_last: bool = True,
+                 monitor: str | None = None, mode: str = "min", save_top_k: int = 1,
+                 save_last: bool | str | None = None,
                  every_n_train_steps: int | None = None, every_n_epochs: int | None = 1,
                  save_on_fit_end: bool = True, train_time_interval: timedelta | None = None,
                  async_save: bool = False, save_on_exception: bool = False,
                  save_on_train_epoch_end: bool | None = None, verbose: bool = False,
                  save_weights_only: bool = False, auto_insert_metric_name: bool = True,
                  save_hf: bool | str = False) -> None:
+        if save_last not in (None, True, False, "link"):
+            raise ConfigError(f"ModelCheckpoint save_last={save_last!r}: give True, False, None or 'link' "
+                              f"(last.ckpt beside the newest checkpoint, as a link to it)")
         if mode not in ("min", "max"):
             raise ConfigError(f"ModelCheckpoint `mode` can be min, max but got {mode}")
         if save_top_k < -1:
@@ -475,8 +481,11 @@ class ModelCheckpoint(Callback):
         return self.__dict__["_last_link_path"]
 
     def _update_disk(self, trainer: Any, path: str, doomed: list[str]) -> None:
-        """Rank 0 only: pointer, ``last.ckpt`` link, pruning. No collectives in here."""
-        write_latest_pointer(self.dirpath, path)
+        """Rank 0 only: pointer, ``last.ckpt`` link, pruning. No collectives in here. The ``latest`` pointer
+        goes into the run's own checkpoint directory only: a ``dirpath`` the user named holds nothing but
+        the checkpoints asked for (``resume: last`` ranks them by the step recorded inside)."""
+        if not self._dirpath_given:
+            write_latest_pointer(self.dirpath, path)
         if self.save_last and trainer.strategy.replicated and not os.path.basename(path).startswith("last"):
             last = self._last_link
             tmp = temporary_sibling(last)

@@ -62,7 +62,8 @@ def _trainer(run_dir: Path, **kwargs: Any) -> Trainer:
 @pytest.fixture(scope="module")
 def good_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("good") / "run"
-    _trainer(run_dir, max_steps=2, callbacks=[ModelCheckpoint(every_n_train_steps=1, save_top_k=1)]).fit(
+    saver = ModelCheckpoint(every_n_train_steps=1, save_top_k=1, save_last=True)
+    _trainer(run_dir, max_steps=2, callbacks=[saver]).fit(
         rel_module().RelModule(n=16, batch_size=4))
     return run_dir / "version_0" / "checkpoints" / "last.ckpt"
 

@@ -104,7 +104,9 @@ def build_callbacks(cfg: TrainerConfig, objects: list[Callback], logger_objects:
         callbacks.append(ProgressBar())
     given = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
     if cfg.enable_checkpointing and not cfg.fast_dev_run and not given:
-        callbacks.append(ModelCheckpoint())
+        # the Trainer's own: last.ckpt beside the newest state, so `resume: last` continues from it even
+        # when save_top_k would have pruned it (a ModelCheckpoint the user builds has Lightning's default)
+        callbacks.append(ModelCheckpoint(save_last=True))
     if not cfg.enable_checkpointing and given:
         # Both were asked for: the callback, the more particular, is kept (Lightning refuses the pair)
         rank_zero_warn(f"enable_checkpointing=False, but the callbacks hold {len(given)} ModelCheckpoint: it "

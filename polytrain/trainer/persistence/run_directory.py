@@ -17,6 +17,7 @@ one broadcast, so file systems that differ between nodes cannot split the ranks.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from polytrain.checkpoint.failures import agree_on_error
 from polytrain.checkpoint.layout import (
     claim_next_version,
     damage,
+    find_resumable,
     holds_files,
     next_version,
     run_of_checkpoint,
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
     from polytrain.callbacks.loggers import Logger
     from polytrain.callbacks.model_checkpoint import ModelCheckpoint
     from polytrain.trainer.configuration.config import TrainerConfig
+
+log = logging.getLogger("polytrain")
 
 
 @dataclass(eq=False, repr=False)  # a bundle of live objects: no comparison, no dump
@@ -164,9 +168,18 @@ def _new_version(root: str, claim: bool, kind: str, run_dir: str) -> int | str:
 def resolve_path(sources: RunSources, choice: str | None, argument: bool = False,
                  stage: str = "fit") -> str | None:
     """``resume.choose_checkpoint`` for a Trainer's run (global rank 0): its root and version, and the
-    best checkpoint its ModelCheckpoint kept."""
+    best checkpoint its ModelCheckpoint kept. ``last``/``auto`` look first where that ModelCheckpoint
+    writes when it was given a ``dirpath`` of its own (the newest complete checkpoint there, by the step
+    recorded inside), as Lightning's ``ckpt_path="last"`` looks in its callbacks' directories."""
     root, version = run_root(sources)
-    kept = getattr(sources.checkpoint_callback, "best_model_path", None)
+    callback = sources.checkpoint_callback
+    if choice in ("last", "auto") and callback is not None and not callback.writes_into_run_directory:
+        path = find_resumable(callback.dirpath)
+        if path is not None:
+            log.info("ckpt_path=%r: %s from %s, the newest checkpoint in ModelCheckpoint's dirpath", choice,
+                     "continuing" if stage == "fit" else stage, path)
+            return path
+    kept = getattr(callback, "best_model_path", None)
     return choose_checkpoint(choice, root, version, kept, from_argument=argument, stage=stage)
 
 
