@@ -300,12 +300,11 @@ def test_max_steps_across_epochs(make_trainer: MakeTrainer) -> None:
 
 
 def test_full_epochs_checkpoint_counts_epochs_once(make_trainer: MakeTrainer, run_dir: str) -> None:
-    from polytrain.callbacks import ModelCheckpoint
-
-    trainer = make_trainer(max_epochs=2, callbacks=[ModelCheckpoint(save_last=True, every_n_epochs=None)])
+    trainer = make_trainer(max_epochs=2)
     trainer.fit(TinyModule(lr=0.05))
     assert trainer.current_epoch == 2
-    ckpt = torch.load(os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt"), weights_only=True)
+    trainer.save_checkpoint(os.path.join(run_dir, "after_fit.ckpt"))  # the state a finished fit leaves
+    ckpt = torch.load(os.path.join(run_dir, "after_fit.ckpt"), weights_only=True)
     assert (ckpt["loop"]["epoch"], ckpt["loop"]["batch_in_epoch"]) == (2, 0)
 
 

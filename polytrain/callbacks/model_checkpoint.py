@@ -260,8 +260,11 @@ class ModelCheckpoint(Callback):
 
     def on_train_end(self, trainer: Any, module: Any) -> None:
         # As Lightning's save at the end of training: before on_train_end's other hooks and on_fit_end.
-        if self.save_on_fit_end and trainer.global_step != self._last_saved_step:
-            # e.g. max_steps stopped mid-epoch: make `resume: last` continue from exactly here.
+        # Only a fit stopped inside an epoch (max_steps, max_time, a stop request) saves here, so that
+        # `resume: last` continues from exactly there; one that ran its epochs out keeps what its epoch
+        # triggers wrote (every_n_epochs=2 over 5 epochs: epochs 1 and 3, as Lightning).
+        stopped_inside = trainer.batch_in_epoch > 0
+        if self.save_on_fit_end and stopped_inside and trainer.global_step != self._last_saved_step:
             self._save(trainer)
 
     def on_fit_end(self, trainer: Any, module: Any) -> None:

@@ -1,7 +1,8 @@
-"""ModelCheckpoint's file names as Lightning forms them (``{epoch}-{step}`` by default, ``name=`` inserted,
-names with ``/``, a field nothing logged written as 0) and ``save_weights_only``: the model without the
-optimizer's state, a file that starts an evaluation or a new fit and refuses to resume one, on one
-process and under fsdp x2 (a sharded directory)."""
+"""ModelCheckpoint as Lightning's: file names (``{epoch}-{step}`` by default, ``name=`` inserted, names with
+``/``, a field nothing logged written as 0); a ``dirpath`` holding only the files asked for (``save_last``
+off by default, no pointer file, ``ckpt_path="last"`` looking there); a fit that ran its epochs out saving
+only on its triggers; and ``save_weights_only``: the model without the optimizer's state, a file that
+starts an evaluation or a new fit and refuses to resume one, on one process and under fsdp x2."""
 
 from __future__ import annotations
 
@@ -60,6 +61,18 @@ def test_a_dirpath_you_name_holds_only_the_files_asked_for(make_trainer: Any, tm
     assert sorted(os.listdir(tmp_path / "ckpt")) == expected
     with pytest.raises(ConfigError, match="save_last='always'"):
         ModelCheckpoint(save_last="always")
+
+
+def test_a_fit_that_runs_its_epochs_out_saves_on_its_triggers_only(make_trainer: Any, tmp_path: Any) -> None:
+    every_other = ModelCheckpoint(dirpath=str(tmp_path / "epochs"), filename="{epoch}", every_n_epochs=2,
+                                  save_top_k=-1)
+    make_trainer(max_epochs=5, callbacks=[every_other], enable_checkpointing=True).fit(TinyModule(n=8, val_n=4))
+    assert sorted(os.listdir(tmp_path / "epochs")) == ["epoch=1.ckpt", "epoch=3.ckpt"]
+    # stopped inside an epoch (max_steps): the state there is saved, so `resume: last` continues from it
+    stepped = ModelCheckpoint(dirpath=str(tmp_path / "steps"), every_n_epochs=None, every_n_train_steps=2,
+                              save_top_k=-1)
+    make_trainer(max_steps=3, callbacks=[stepped], enable_checkpointing=True).fit(TinyModule(n=8, val_n=4))
+    assert sorted(os.listdir(tmp_path / "steps")) == ["epoch=0-step=2.ckpt", "epoch=1-step=3.ckpt"]
 
 
 def test_the_trainers_own_checkpoint_callback_keeps_last_for_resume(make_trainer: Any, run_dir: str) -> None:
