@@ -66,7 +66,8 @@ def test_a_dirpath_you_name_holds_only_the_files_asked_for(make_trainer: Any, tm
 def test_a_fit_that_runs_its_epochs_out_saves_on_its_triggers_only(make_trainer: Any, tmp_path: Any) -> None:
     every_other = ModelCheckpoint(dirpath=str(tmp_path / "epochs"), filename="{epoch}", every_n_epochs=2,
                                   save_top_k=-1)
-    make_trainer(max_epochs=5, callbacks=[every_other], enable_checkpointing=True).fit(TinyModule(n=8, val_n=4))
+    trainer = make_trainer(max_epochs=5, callbacks=[every_other], enable_checkpointing=True)
+    trainer.fit(TinyModule(n=8, val_n=4))
     assert sorted(os.listdir(tmp_path / "epochs")) == ["epoch=1.ckpt", "epoch=3.ckpt"]
     # stopped inside an epoch (max_steps): the state there is saved, so `resume: last` continues from it
     stepped = ModelCheckpoint(dirpath=str(tmp_path / "steps"), every_n_epochs=None, every_n_train_steps=2,
