@@ -69,11 +69,46 @@ class Sub(AllArgs):
     (lambda: Chosen(0.3), {"lr": 0.3, "name": "x"}),
     (lambda: FromObject({"a": 1, "b": [1, 2]}), {"a": 1, "b": [1, 2]}),
     (lambda: FromObject(argparse.Namespace(a=1, b="z")), {"a": 1, "b": "z"}),
-    # a subclass after its base: the union
-    (lambda: Sub(extra=6, lr=0.5), {"lr": 0.5, "depth": 2, "extra": 6}),
+    # a subclass after its base: the subclass's call replaces what the base saved, with its own __init__'s
+    # arguments (what its caller passed on through **kwargs included), as Lightning
+    (lambda: Sub(extra=6, lr=0.5), {"lr": 0.5, "extra": 6}),
 ])
 def test_save_hyperparameters_forms(build: Any, expected: dict) -> None:
     assert dict(build().hparams) == expected
+
+
+def test_a_subclass_ignore_overrides_its_bases() -> None:
+    class Base(LightningModule):
+        def __init__(self, a: int, b: int, c: int):
+            super().__init__()
+            self.save_hyperparameters(ignore="a")
+
+    class Child(Base):
+        def __init__(self, a: int, b: int, c: int):
+            super().__init__(a=a, b=b, c=c)
+            self.save_hyperparameters(ignore=["b"])
+
+    assert dict(Child(a=1, b=2, c=3).hparams) == {"a": 1, "c": 3}
+
+
+def test_a_module_built_inside_another_modules_init_takes_its_arguments_too() -> None:
+    """Lightning's composition rule: the frames of hyperparameter-keeping objects' ``__init__`` chain up to
+    the first plain object, whose own arguments stay out."""
+    class Child(DataModule):
+        def __init__(self, dropout: float, init: str):
+            super().__init__()
+            self.save_hyperparameters(ignore=["dropout"])
+
+    class Parent(LightningModule):
+        def __init__(self, batch_size: int):
+            super().__init__()
+            self.child = Child(dropout=0.1, init="xavier")
+
+    class Plain:
+        def __init__(self, run_id: str = "abc"):
+            self.parent = Parent(batch_size=64)
+
+    assert dict(Plain().parent.child.hparams) == {"init": "xavier", "batch_size": 64}
 
 
 def test_hparams_attribute_access_and_initial_copy() -> None:
@@ -173,9 +208,9 @@ def test_hparams_in_the_checkpoint_and_in_the_loggers_files(tmp_path: Any) -> No
 
 def test_save_hyperparameters_logger_false_keeps_them_out_of_the_loggers(tmp_path: Any) -> None:
     class Quiet(Regressor):
-        def __init__(self, hidden: int = 8):
-            super().__init__(hidden=hidden)
-            self.save_hyperparameters(logger=False)
+        def __init__(self, hidden: int = 8, lr: float = 0.05):
+            super().__init__(hidden=hidden, lr=lr)
+            self.save_hyperparameters(logger=False)  # replaces the base's: Quiet's own arguments
 
     root = str(tmp_path / "run")
     Trainer(**QUIET, devices=1, default_root_dir=root, max_epochs=1, logger="csv").fit(Quiet())

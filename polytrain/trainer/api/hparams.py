@@ -49,13 +49,25 @@ def _init_args(frame: types.FrameType) -> dict[str, Any]:
     return args
 
 
-def _collect_init_args(frame: types.FrameType, owner: Any) -> dict[str, Any]:
-    """Arguments of every ``__init__`` of ``owner`` on the stack, outermost (the subclass's) winning."""
-    found: dict[str, Any] = {}
+def _collect_init_args(frame: types.FrameType | None) -> dict[str, Any]:
+    """The ``__init__`` arguments ``save_hyperparameters`` takes, by Lightning's rule: from the calling
+    method outwards, the unbroken run of frames of methods (they use ``super()``, so they hold
+    ``__class__``) on objects that keep hyperparameters, the outermost winning. That is the subclasses'
+    ``__init__`` chain, and, in a composition, a module built inside another such module's ``__init__``
+    takes that module's arguments too; a plain object's ``__init__`` (or a decorator's wrapper) ends it."""
+    chain: list[dict[str, Any]] = []
+    inside = False
     while frame is not None:
-        if frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is owner:
-            found = {**_init_args(frame), **found}
+        local = frame.f_locals
+        if "__class__" in local and isinstance(local.get("self"), HyperparametersMixin):
+            chain.append(_init_args(frame))
+            inside = True
+        elif inside:
+            break
         frame = frame.f_back
+    found: dict[str, Any] = {}
+    for args in chain:
+        found.update(args)
     return found
 
 
@@ -75,7 +87,7 @@ class HyperparametersMixin:
         ignore = [ignore] if isinstance(ignore, str) else list(ignore or [])
         if frame is None:
             frame = inspect.currentframe().f_back  # the __init__ that called us
-        init_args = _collect_init_args(frame, self)
+        init_args = _collect_init_args(frame)
         container: tuple[str | None, str] | None = None
         if len(args) == 1 and not isinstance(args[0], str):
             source = args[0]
@@ -100,8 +112,8 @@ class HyperparametersMixin:
             warnings.warn(f"{type(self).__name__}.save_hyperparameters(): {modules} each is an instance "
                           f"of `nn.Module` and is already saved with the weights; pass ignore={modules} to "
                           f"leave them out", stacklevel=2)
-        hparams = self.__dict__.setdefault("_hparams", AttributeDict())
-        hparams.update(values)
+        # each call replaces what an earlier one saved (a subclass's ignore= overrides its base's), as Lightning
+        hparams = self.__dict__["_hparams"] = AttributeDict(values)
         self.__dict__["_hparams_initial"] = copy.deepcopy(AttributeDict(hparams))
         self.__dict__["_log_hyperparams"] = logger
         if container is not None:
