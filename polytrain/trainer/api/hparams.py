@@ -112,7 +112,8 @@ class HyperparametersMixin:
             warnings.warn(f"{type(self).__name__}.save_hyperparameters(): {modules} each is an instance "
                           f"of `nn.Module` and is already saved with the weights; pass ignore={modules} to "
                           f"leave them out", stacklevel=2)
-        # each call replaces what an earlier one saved (a subclass's ignore= overrides its base's), as Lightning
+        # each call replaces what an earlier one saved (a subclass's ignore= overrides its base's), as
+        # Lightning
         hparams = self.__dict__["_hparams"] = AttributeDict(values)
         self.__dict__["_hparams_initial"] = copy.deepcopy(AttributeDict(hparams))
         self.__dict__["_log_hyperparams"] = logger
