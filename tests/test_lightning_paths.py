@@ -195,3 +195,25 @@ def test_no_logger_and_a_dirpath_write_nothing_but_the_checkpoints(tmp_path: Any
                      max_epochs=1)
     logged.fit(TinyModule(n=8, val_n=None))
     assert os.path.isdir(logged.log_dir)
+
+
+def test_barebones_turns_off_what_costs_speed_and_refuses_it_asked_for_beside(make_trainer: Any) -> None:
+    trainer = Trainer(barebones=True, run_dir="unused")
+    assert (trainer.config.logger, trainer.config.enable_checkpointing, trainer.config.enable_progress_bar,
+            trainer.config.enable_model_summary, trainer.config.num_sanity_val_steps) == (False, False, False,
+                                                                                         False, 0)
+    assert trainer.callbacks == []
+    for name, value in (("enable_checkpointing", True), ("logger", "csv"), ("num_sanity_val_steps", 2),
+                        ("fast_dev_run", True), ("profiler", "simple")):
+        with pytest.raises(ValueError, match=rf"`Trainer\(barebones=True, {name}=.*` was passed"):
+            Trainer(barebones=True, **{name: value})
+
+
+def test_enable_validation_and_fast_dev_run_read_as_lightnings(make_trainer: Any) -> None:
+    assert Trainer(fast_dev_run=1).fast_dev_run is True and Trainer(fast_dev_run=3).fast_dev_run == 3
+    trainer = make_trainer(max_epochs=1)
+    trainer.fit(TinyModule(n=8, val_n=4))
+    assert trainer.enable_validation
+    limited = make_trainer(max_epochs=1, limit_val_batches=0)
+    limited.fit(TinyModule(n=8, val_n=4))
+    assert not limited.enable_validation

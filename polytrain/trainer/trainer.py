@@ -265,6 +265,19 @@ class Trainer:
         return self.fit_loop.data.num_training_batches
 
     @property
+    def enable_validation(self) -> bool:
+        """Whether a fit validates (Lightning's): the module has a ``validation_step``, something gives a val
+        loader (``fit``'s argument, the DataModule's or the module's ``val_dataloader``), and
+        ``limit_val_batches`` is not 0."""
+        module, data = self.module, self.datamodule
+        if module is None or not is_overridden(module, "validation_step", TrainModule):
+            return False
+        given = self.given_loaders.get("val") is not None or (
+            data is not None and is_overridden(data, "val_dataloader", DataModule)) or is_overridden(
+            module, "val_dataloader", TrainModule)
+        return given and self.config.limit_val_batches != 0
+
+    @property
     def num_val_batches(self) -> list[int | None]:
         """Batches a validation runs of each validation loader (Lightning's list; None: no length)."""
         return list(self.fit_loop.data.val_batches)

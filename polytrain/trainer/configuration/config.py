@@ -92,6 +92,8 @@ def apply_fast_dev_run(cfg: TrainerConfig) -> None:
     """``fast_dev_run``'s settings, written into the options as Lightning writes them into its Trainer (so
     ``trainer.limit_train_batches``, ``trainer.max_epochs``, ... read what runs): n batches of every loop
     (of validation and test too), one epoch, no sanity check, validation once at the epoch's end."""
+    if type(cfg.fast_dev_run) is int and cfg.fast_dev_run == 1:
+        cfg.fast_dev_run = True  # Lightning's: one batch reads back as True
     batches = 1 if cfg.fast_dev_run is True else int(cfg.fast_dev_run)
     stages = ("test", "predict") if cfg.overfit_batches else ("train", "val", "test", "predict")
     for stage in stages:

@@ -101,6 +101,9 @@ class TrainerConfig:
     use_distributed_sampler: Any = True
     nan_policy: str = "error"
     detect_divergence: bool = False
+    # Lightning's: every feature that costs speed off (checkpoints, loggers, progress bar, summary, sanity
+    # check); asking for one of them beside it is an error
+    barebones: bool = False
 
 
 @dataclass
@@ -121,6 +124,8 @@ def check_trainer_section(data: dict[str, Any]) -> TrainerConfig:
         data["max_time"] = {"seconds": data["max_time"].total_seconds()}
     if "precision" in data and data["precision"] is not None:
         data["precision"] = PRECISION_ALIASES.get(str(data["precision"]), str(data["precision"]))
+    if data.get("barebones"):
+        _apply_barebones(data)
     cfg: TrainerConfig = validate_dataclass(TrainerConfig, data, "trainer")
     check_choice(cfg.precision, PRECISIONS, "trainer.precision")
     check_choice(cfg.accelerator, ACCELERATORS, "trainer.accelerator")
@@ -167,6 +172,29 @@ def _check_init_weights(option: Any) -> None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# barebones: option -> (what it turns on, its value when off)
+_BAREBONES_OFF = {"enable_checkpointing": ("Checkpointing", False), "logger": ("Logging", False),
+                  "enable_progress_bar": ("The progress bar", False),
+                  "enable_model_summary": ("The model summary", False),
+                  "num_sanity_val_steps": ("Sanity checking", 0)}
+_BAREBONES_REFUSED = {"fast_dev_run": "A development run is not meant for speed measurements",
+                      "detect_anomaly": "Anomaly detection can impact raw speed",
+                      "profiler": "Profiling can impact raw speed"}
+
+
+def _apply_barebones(data: dict[str, Any]) -> None:
+    """``barebones: true``, as Lightning: what it turns off is refused when also asked for, by name."""
+    for name, (what, off) in _BAREBONES_OFF.items():
+        if data.get(name, off) not in (None, off):
+            raise ConfigError(f"`Trainer(barebones=True, {name}={data[name]!r})` was passed. {what} can "
+                              f"impact raw speed so it is disabled in barebones mode; drop one of the two")
+        data[name] = off
+    for name, why in _BAREBONES_REFUSED.items():
+        if data.get(name) not in (None, False, 0):
+            raise ConfigError(f"`Trainer(barebones=True, {name}={data[name]!r})` was passed. {why}, so it is "
+                              f"disabled in barebones mode; drop one of the two")
 
 
 def _check_counts(cfg: TrainerConfig) -> None:
