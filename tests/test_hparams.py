@@ -69,9 +69,8 @@ class Sub(AllArgs):
     (lambda: Chosen(0.3), {"lr": 0.3, "name": "x"}),
     (lambda: FromObject({"a": 1, "b": [1, 2]}), {"a": 1, "b": [1, 2]}),
     (lambda: FromObject(argparse.Namespace(a=1, b="z")), {"a": 1, "b": "z"}),
-    # a subclass after its base: the subclass's call replaces what the base saved, with its own __init__'s
-    # arguments (what its caller passed on through **kwargs included), as Lightning
-    (lambda: Sub(extra=6, lr=0.5), {"lr": 0.5, "extra": 6}),
+    # a subclass after its base: the union
+    (lambda: Sub(extra=6, lr=0.5), {"lr": 0.5, "depth": 2, "extra": 6}),
 ])
 def test_save_hyperparameters_forms(build: Any, expected: dict) -> None:
     assert dict(build().hparams) == expected
@@ -88,7 +87,7 @@ def test_a_subclass_ignore_overrides_its_bases() -> None:
             super().__init__(a=a, b=b, c=c)
             self.save_hyperparameters(ignore=["b"])
 
-    assert dict(Child(a=1, b=2, c=3).hparams) == {"a": 1, "c": 3}
+    assert dict(Child(a=1, b=2, c=3).hparams) == {"a": 1, "c": 3}  # b: saved by Base, dropped by Child
 
 
 def test_a_module_built_inside_another_modules_init_takes_its_arguments_too() -> None:
@@ -109,6 +108,22 @@ def test_a_module_built_inside_another_modules_init_takes_its_arguments_too() ->
             self.parent = Parent(batch_size=64)
 
     assert dict(Plain().parent.child.hparams) == {"init": "xavier", "batch_size": 64}
+
+
+def test_a_dataclass_module_saves_its_init_fields() -> None:
+    import dataclasses
+
+    @dataclasses.dataclass(eq=False)
+    class Fields(LightningModule):
+        mandatory: int
+        optional: str = "x"
+        derived: int = dataclasses.field(init=False, default=0)
+
+        def __post_init__(self) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+
+    assert dict(Fields(33, optional="y").hparams) == {"mandatory": 33, "optional": "y"}
 
 
 def test_hparams_attribute_access_and_initial_copy() -> None:
@@ -208,9 +223,9 @@ def test_hparams_in_the_checkpoint_and_in_the_loggers_files(tmp_path: Any) -> No
 
 def test_save_hyperparameters_logger_false_keeps_them_out_of_the_loggers(tmp_path: Any) -> None:
     class Quiet(Regressor):
-        def __init__(self, hidden: int = 8, lr: float = 0.05):
-            super().__init__(hidden=hidden, lr=lr)
-            self.save_hyperparameters(logger=False)  # replaces the base's: Quiet's own arguments
+        def __init__(self, hidden: int = 8):
+            super().__init__(hidden=hidden)
+            self.save_hyperparameters(logger=False)
 
     root = str(tmp_path / "run")
     Trainer(**QUIET, devices=1, default_root_dir=root, max_epochs=1, logger="csv").fit(Quiet())

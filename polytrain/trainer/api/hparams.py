@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import inspect
 import types
 import warnings
@@ -87,7 +88,10 @@ class HyperparametersMixin:
         ignore = [ignore] if isinstance(ignore, str) else list(ignore or [])
         if frame is None:
             frame = inspect.currentframe().f_back  # the __init__ that called us
-        init_args = _collect_init_args(frame)
+        if dataclasses.is_dataclass(self):  # its generated __init__ is no method chain: its init fields
+            init_args = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        else:
+            init_args = _collect_init_args(frame)
         container: tuple[str | None, str] | None = None
         if len(args) == 1 and not isinstance(args[0], str):
             source = args[0]
@@ -112,9 +116,12 @@ class HyperparametersMixin:
             warnings.warn(f"{type(self).__name__}.save_hyperparameters(): {modules} each is an instance "
                           f"of `nn.Module` and is already saved with the weights; pass ignore={modules} to "
                           f"leave them out", stacklevel=2)
-        # each call replaces what an earlier one saved (a subclass's ignore= overrides its base's), as
-        # Lightning
-        hparams = self.__dict__["_hparams"] = AttributeDict(values)
+        # as Lightning: a later call (a subclass's) adds to what an earlier one saved, and its ignore= also
+        # drops those names from it
+        hparams = self.__dict__.setdefault("_hparams", AttributeDict())
+        hparams.update(values)
+        for name in ignore:
+            hparams.pop(name, None)
         self.__dict__["_hparams_initial"] = copy.deepcopy(AttributeDict(hparams))
         self.__dict__["_log_hyperparams"] = logger
         if container is not None:
