@@ -76,6 +76,19 @@ def test_a_fit_that_runs_its_epochs_out_saves_on_its_triggers_only(make_trainer:
     assert sorted(os.listdir(tmp_path / "steps")) == ["epoch=0-step=2.ckpt", "epoch=1-step=3.ckpt"]
 
 
+def test_the_signature_holds_types_a_command_line_parser_reads() -> None:
+    """jsonargparse (LightningCLI's parser) builds ``--save_last`` from the annotation itself: it must be
+    Lightning's type, not the string a postponed annotation leaves."""
+    import inspect
+    import typing
+
+    parameters = inspect.signature(ModelCheckpoint).parameters
+    annotation = parameters["save_last"].annotation
+    assert not isinstance(annotation, str)
+    assert set(typing.get_args(annotation)) == {bool, typing.Literal["link"], type(None)}
+    assert not any(isinstance(p.annotation, str) for p in parameters.values())
+
+
 def test_the_trainers_own_checkpoint_callback_keeps_last_for_resume(make_trainer: Any, run_dir: str) -> None:
     trainer = make_trainer(max_epochs=1, enable_checkpointing=True)
     trainer.fit(TinyModule(n=8, val_n=None))

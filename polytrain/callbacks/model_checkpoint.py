@@ -1,14 +1,14 @@
 """``ModelCheckpoint``: periodic, top-k and ``last`` checkpoints, saved by every rank together."""
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: the constructor's annotations stay types, which tools that read
+# a signature to build a command line (jsonargparse, LightningCLI) parse values with.
 import logging
 import math
 import os
 import re
 import shutil
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -65,7 +65,7 @@ class ModelCheckpoint(Callback):
 
     def __init__(self, dirpath: str | None = None, filename: str | None = None,
                  monitor: str | None = None, mode: str = "min", save_top_k: int = 1,
-                 save_last: bool | str | None = None,
+                 save_last: bool | Literal["link"] | None = None,
                  every_n_train_steps: int | None = None, every_n_epochs: int | None = 1,
                  save_on_fit_end: bool = True, train_time_interval: timedelta | None = None,
                  async_save: bool = False, save_on_exception: bool = False,
