@@ -86,7 +86,10 @@ def restore_fit(path: str, *, strategy: Any, hooks: Hooks, module: Any, datamodu
                 callbacks: list[Any], schedulers: list[Any], progress: FitProgress) -> Resumed:
     """Take a fit back from ``path`` (the same on every rank), steps 1-7 of the module's docstring."""
     log.info("restoring from %s", path)
-    if holds_weights_only(path):  # the same file on every rank: they all raise here, before any collective
+    # Global rank 0 reads the file and every rank gets its answer: file systems that differ between nodes
+    # cannot leave one rank raising while another waits in the load's collectives.
+    weights_only = strategy.broadcast(holds_weights_only(path) if strategy.is_global_zero else None)
+    if weights_only:
         raise ConfigError(
             f"{path} holds the model's weights only (written with ModelCheckpoint(save_weights_only=True) or "
             f"save_checkpoint(weights_only=True)): there is no optimizer, scheduler or callback state to "
