@@ -10,16 +10,11 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from ports import free_port
 
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ports import free_port  # noqa: F401 (the reliability jobs take their ports from here)
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = HERE / "scripts"
@@ -43,12 +43,6 @@ def trials(default: int = 1) -> int:
 
 def parallelism() -> int:
     return max(1, int(os.environ.get("POLYTRAIN_RELIABILITY_PARALLEL", "4")))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rel_module() -> Any:

@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from ports import free_port  # noqa: F401 (the launch tests take their ports from here)
 
 SCRIPTS = Path(__file__).resolve().parent
 TRAIN_SCRIPT = SCRIPTS / "train_script.py"
@@ -36,12 +37,6 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 _STRIP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "NODE_RANK",
           "MASTER_ADDR", "MASTER_PORT", "POLYTRAIN_TEST_RECORD_DIR")
 _STRIP_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PET_")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def child_env(**extra: str) -> dict[str, str]:
