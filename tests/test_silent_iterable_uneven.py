@@ -117,7 +117,7 @@ def _worker(rank: int, world_size: int, root: str, variant: str) -> dict[str, An
             error = None
         except Exception as err:  # noqa: BLE001 - the parent reports what each rank saw
             error = f"{type(err).__name__}: {err}"
-    iterable_warnings = [str(w.message) for w in caught if "IterableDataset" in str(w.message)]
+    iterable_warnings = [str(w.message) for w in caught if "wraps an IterableDataset" in str(w.message)]
     out = {"error": error, "warnings": iterable_warnings, "steps": trainer.global_step,
            "epoch": trainer.current_epoch,
            "state": {k: v.detach().clone() for k, v in module.state_dict().items()}}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -35,7 +36,7 @@ class ProgressBar(Callback):
         if not trainer.is_logging_rank or not self.refresh_rate:
             return
         self._close()
-        self._train = self._tqdm(total=self.total_train_batches, initial=trainer.batch_in_epoch,
+        self._train = self._tqdm(total=_known(self.total_train_batches), initial=trainer.batch_in_epoch,
                                  desc=f"Epoch {trainer.current_epoch}", unit="batch")
         self._last_train = self._train
         if trainer.metrics.progress_bar:
@@ -68,7 +69,7 @@ class ProgressBar(Callback):
                             f"has not started, or this rank draws no bars")
         return self._last_train
 
-    # Lightning's names for the batches each loop runs (None: a loader without length)
+    # Lightning's names for the batches each loop runs (inf: a loader without length)
     @property
     def total_train_batches(self) -> int | float | None:
         """The epoch's batches; with ``max_epochs=-1`` and ``max_steps``, no more than the steps left (a
@@ -79,7 +80,7 @@ class ProgressBar(Callback):
         batches = trainer.num_training_batches
         if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
             left = trainer.max_steps - trainer.global_step
-            return left if batches is None else min(batches, left)
+            return min(batches, left)
         return batches
 
     @property
@@ -112,7 +113,7 @@ class ProgressBar(Callback):
                 f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in shown.items()}
 
     def on_validation_start(self, trainer: Any, module: Any) -> None:
-        total = None if None in trainer.num_val_batches else sum(trainer.num_val_batches)
+        total = _known(sum(trainer.num_val_batches))
         if trainer.is_logging_rank and total != 0 and self.refresh_rate:
             self._eval = self._tqdm(total=total, desc="Validation",
                                     leave=self.leave_validation,
@@ -149,9 +150,14 @@ class ProgressBar(Callback):
         self._train = self._eval = None
 
 
-def _total(counts: list[int | None]) -> int | float:
+def _total(counts: list[int | float]) -> int | float:
     """A stage's batches over all its loaders (infinite where one has no length), as Lightning sums them."""
-    return float("inf") if None in counts else sum(counts)  # type: ignore[arg-type]
+    return sum(counts)
+
+
+def _known(count: int | float) -> int | None:
+    """A count for tqdm, which takes None (not ``inf``) for a bar of unknown length."""
+    return None if math.isinf(count) else int(count)
 
 
 class TQDMProgressBar(ProgressBar):

@@ -9,15 +9,17 @@ strategy processed).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 MODES = ("min_size", "max_size_cycle", "max_size", "sequential")
 
 
 class CombinedLoader:
     """Lightning's ``CombinedLoader(iterables, mode="min_size")``; ``iterables`` is a list, tuple or dict of
-    loaders (or one loader).
+    loaders, nested as deep as you like (``{"a": [loader, loader], "b": loader}``), or one loader.
 
     - ``min_size``: stops with the shortest loader;
     - ``max_size_cycle``: stops with the longest, the others starting again when they run out;
@@ -32,9 +34,8 @@ class CombinedLoader:
             raise ValueError(f"Unsupported mode {mode!r}, please select one of: {list(MODES)}.")
         self._iterables = iterables
         self._mode = mode
-        self._keys = list(iterables) if isinstance(iterables, Mapping) else None
-        self._flattened = list(iterables.values()) if isinstance(iterables, Mapping) else (
-            list(iterables) if isinstance(iterables, (list, tuple)) else [iterables])
+        # the loaders are the leaves of the (nested) collection; the spec rebuilds it around their batches
+        self._flattened, self._spec = tree_flatten(iterables)
 
     @property
     def mode(self) -> str:
@@ -47,7 +48,7 @@ class CombinedLoader:
 
     @property
     def flattened(self) -> list[Any]:
-        """The loaders, in order (a dict's in its keys' order)."""
+        """The loaders, in order (depth first; a dict's in its keys' order)."""
         return list(self._flattened)
 
     @flattened.setter
@@ -56,12 +57,7 @@ class CombinedLoader:
             raise ValueError(f"CombinedLoader holds {len(self._flattened)} loaders; {len(loaders)} were "
                              f"given")
         self._flattened = list(loaders)
-        if self._keys is not None:
-            self._iterables = dict(zip(self._keys, loaders))
-        elif isinstance(self._iterables, (list, tuple)):
-            self._iterables = type(self._iterables)(loaders)
-        else:
-            self._iterables = loaders[0]
+        self._iterables = tree_unflatten(self._flattened, self._spec)
 
     @property
     def sampler(self) -> Any:
@@ -73,11 +69,7 @@ class CombinedLoader:
 
     def _structured(self, values: list[Any]) -> Any:
         """``values`` (one per loader) in the structure of ``iterables``."""
-        if self._keys is not None:
-            return dict(zip(self._keys, values))
-        if isinstance(self._iterables, (list, tuple)):
-            return type(self._iterables)(values)
-        return values[0]
+        return tree_unflatten(values, self._spec)
 
     def lengths(self) -> list[int | None]:
         return [_length(loader) for loader in self._flattened]
@@ -206,5 +198,5 @@ def component_loaders(loader: Any) -> list[Any]:
 def _length(loader: Iterable[Any]) -> int | None:
     try:
         return len(loader)  # type: ignore[arg-type]
-    except TypeError:
+    except (TypeError, NotImplementedError):
         return None

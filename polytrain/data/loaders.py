@@ -337,10 +337,19 @@ def is_iterable_style(loader: Any) -> bool:
 
 
 def loader_length(loader: Any) -> int | None:
+    """``len(loader)``, or None where it has none; a ``__len__`` that raises NotImplementedError (a wrapper
+    that cannot know its length) counts as none, as in Lightning."""
     try:
         return len(loader)
-    except TypeError:
+    except (TypeError, NotImplementedError):
         return None
+
+
+def iterable_with_len_warning() -> str:
+    return ("Your `IterableDataset` has `__len__` defined. With several loader workers each one iterates "
+            "the whole dataset unless its `__iter__` splits the stream by "
+            "`torch.utils.data.get_worker_info()`, so that length can be wrong; polytrain treats it as an "
+            "upper bound and ends the epoch when the stream does")
 
 
 def stop_workers(iterator: Any, loader: Any, keep_persistent: bool) -> None:

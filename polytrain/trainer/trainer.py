@@ -261,8 +261,9 @@ class Trainer:
         return self.state.stage == RunningStage.SANITY_CHECKING
 
     @property
-    def num_training_batches(self) -> int | None:
-        return self.fit_loop.data.num_training_batches
+    def num_training_batches(self) -> int | float:
+        """Batches of a training epoch (``inf``: a loader without length, as Lightning reports it)."""
+        return _known_or_inf(self.fit_loop.data.num_training_batches)
 
     @property
     def enable_validation(self) -> bool:
@@ -278,9 +279,9 @@ class Trainer:
         return given and self.config.limit_val_batches != 0
 
     @property
-    def num_val_batches(self) -> list[int | None]:
-        """Batches a validation runs of each validation loader (Lightning's list; None: no length)."""
-        return list(self.fit_loop.data.val_batches)
+    def num_val_batches(self) -> list[int | float]:
+        """Batches a validation runs of each validation loader (Lightning's list; ``inf``: no length)."""
+        return [_known_or_inf(n) for n in self.fit_loop.data.val_batches]
 
     @property
     def train_loader(self) -> Any:
@@ -304,18 +305,18 @@ class Trainer:
         return _one_or_list(self.eval_progress.loaders.get("predict"))
 
     @property
-    def num_test_batches(self) -> list[int | None]:
-        return list(self.eval_progress.limits.get("test", []))
+    def num_test_batches(self) -> list[int | float]:
+        return [_known_or_inf(n) for n in self.eval_progress.limits.get("test", [])]
 
     @property
-    def num_predict_batches(self) -> list[int | None]:
-        return list(self.eval_progress.limits.get("predict", []))
+    def num_predict_batches(self) -> list[int | float]:
+        return [_known_or_inf(n) for n in self.eval_progress.limits.get("predict", [])]
 
     @property
-    def num_sanity_val_batches(self) -> list[int | None]:
+    def num_sanity_val_batches(self) -> list[int | float]:
         """Batches the sanity check runs of each validation loader (``num_sanity_val_steps`` at most)."""
         steps = self.config.num_sanity_val_steps
-        return [n if steps == -1 or n is None else min(steps, n) for n in self.fit_loop.data.val_batches]
+        return [n if steps == -1 else min(steps, n) for n in self.num_val_batches]
 
     @property
     def optimizers(self) -> list[Any]:
@@ -487,8 +488,9 @@ class Trainer:
                         float8_option=self.config.float8, init_weights=init_weights)
         self.transfer_batch = lifecycle.batch_transfer(self.strategy, self.hooks, self.metrics)
         self.evaluation = EvaluationLoop(self.strategy, self.hooks, self.metrics, self.module, self.callbacks,
-                                         self.transfer_batch, self.predict_loop, self.eval_progress,
-                                         self.state)
+                                         lifecycle.batch_transfer(self.strategy, self.hooks, self.metrics,
+                                                                  indexed=True),
+                                         self.predict_loop, self.eval_progress, self.state)
 
     def _run_stage(self, stage: str, ckpt_path: str | None, model_given: bool, verbose: bool) -> Any:
         """The stage's loop, once ``_begin_stage`` set it up, then its tear-down."""
@@ -591,6 +593,10 @@ class Trainer:
             raise RuntimeError("manual_backward is for manual optimisation: set self.automatic_optimization "
                                "= False in __init__, or return the loss from training_step")
         self.strategy.manual_backward(loss, *args, **kwargs)
+
+
+def _known_or_inf(count: int | None) -> int | float:
+    return float("inf") if count is None else count
 
 
 def _one_or_list(loaders: list[Any] | None) -> Any:

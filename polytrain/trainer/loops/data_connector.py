@@ -22,6 +22,7 @@ from polytrain.core.rank_zero import rank_zero_warn
 from polytrain.core.rng import restore_rng_state, user_seed
 from polytrain.data.combined_loader import CombinedLoader, map_loaders
 from polytrain.data.loaders import (
+    iterable_with_len_warning,
     iterator_rng_state,
     loader_length,
     record_pin_memory_choice,
@@ -91,9 +92,9 @@ class DataConnector:
             loader = CombinedLoader(loader, "max_size_cycle")
         if isinstance(loader, CombinedLoader):
             if loader.mode == "sequential":
-                raise ConfigError(f"{LOADER_METHOD[stage]}(): training (Lightning's `FitLoop`) does not "
-                                  f"support CombinedLoader(mode='sequential'); the available modes are "
-                                  f"min_size, max_size_cycle and max_size")
+                raise ConfigError(f"{LOADER_METHOD[stage]}(): CombinedLoader(mode='sequential') cannot feed "
+                                  f"training (Lightning's `FitLoop` does not support it either); the "
+                                  f"available modes are min_size, max_size_cycle and max_size")
             return map_loaders(loader, lambda one: self._process(stage, one, resumed_dp)).batches()
         return self._process(stage, loader, resumed_dp)
 
@@ -150,11 +151,15 @@ class DataConnector:
     def batch_limit(self, stage: str, loader: Any) -> int | None:
         """How many batches of ``loader`` a pass of ``stage`` runs (None: until the iterator ends)."""
         length = loader_length(loader)
+        if length is not None and isinstance(getattr(loader, "dataset", None), IterableDataset):
+            rank_zero_warn(iterable_with_len_warning())
         limit = self._limit(stage)
         option = LIMIT_OPTION[stage]
         if limit is None:
             return length
         if isinstance(limit, float) and limit <= 1.0:  # a fraction of the epoch (1.0: all of it)
+            if length is None and limit == 1.0:
+                return None  # all of a stream: until it ends
             if length is None:
                 raise ConfigError(f"trainer.{option}={limit} is a fraction, but the {stage} loader has no "
                                   f"length (an `IterableDataset`?): `Trainer({option})` must be `1.0` or an "

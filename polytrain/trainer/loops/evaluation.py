@@ -85,8 +85,8 @@ class EvaluationLoop:
     prediction record (``trainer.predict_loop``) and the evaluation step counters."""
 
     def __init__(self, strategy: Any, hooks: Hooks, metrics: MetricCollector, module: Any,
-                 callbacks: list[Any], transfer_batch: Callable[[Any], Any], predictions: PredictionRecord,
-                 progress: EvalProgress, state: TrainerState) -> None:
+                 callbacks: list[Any], transfer_batch: Callable[[Any, int], Any],
+                 predictions: PredictionRecord, progress: EvalProgress, state: TrainerState) -> None:
         self.strategy = strategy
         self.state = state  # trainer.state: a pass sets its stage (a fit's validation is VALIDATING)
         self.hooks = hooks
@@ -199,7 +199,7 @@ class EvaluationLoop:
     def _eval_batch(self, eval_step: Any, stage: str, word: str, batch: Any, batch_idx: int, entry: str,
                     sanity: bool, dataloader_idx: int | None) -> Any:
         hooks, metrics = self.hooks, self.metrics
-        batch = self.transfer_batch(batch)
+        batch = self.transfer_batch(batch, dataloader_idx or 0)
         metrics.batch = batch  # its size is read only if a value is logged per epoch
         hook_args = step_args(batch, batch_idx, dataloader_idx)
         hooks(f"on_{word}_batch_start", *hook_args)

@@ -8,7 +8,7 @@ import torch
 
 from polytrain.core import collectives as C
 from polytrain.core.errors import EmptyDataError, NonFiniteError
-from polytrain.data.loaders import is_iterable_style
+from polytrain.data.loaders import is_iterable_style, loader_length
 
 if TYPE_CHECKING:
     from polytrain.trainer.loops.progress import FitProgress
@@ -32,7 +32,7 @@ def check_batches(strategy: Any, loader: Any, stage: str, count: int | None) -> 
     count is then an upper bound (the limit, or the smallest ``__len__``), or None (until the streams end).
     """
     dataset = getattr(loader, "dataset", None)
-    samples = len(dataset) if hasattr(dataset, "__len__") else None
+    samples = loader_length(dataset) if dataset is not None else None  # a stream's __len__ may refuse
     # Gathered before anyone raises: every rank must reach the same verdict, or some would wait. A tensor
     # gather (-1: unknown), not an object one: one collective instead of two plus pickling.
     local = torch.tensor([-1 if count is None else count, -1 if samples is None else samples,

@@ -209,12 +209,18 @@ def _raise_first_failure(strategy: Any, error: Exception | None, step: str) -> N
                           f"Rank {rank}'s error:\n{reports[rank].rstrip()}")
 
 
-def batch_transfer(strategy: Any, hooks: Hooks, metrics: MetricCollector) -> Callable[[Any], Any]:
+def batch_transfer(strategy: Any, hooks: Hooks, metrics: MetricCollector,
+                   indexed: bool = False) -> Callable[..., Any]:
     """How a stage moves each batch: the strategy's move, or the batch-transfer hooks around it when the
-    DataModule or the module overrides one of them (``Hooks.transfer_plan``); what those log is refused."""
+    DataModule or the module overrides one of them (``Hooks.transfer_plan``); what those log is refused.
+    ``indexed``: the mover is called as ``(batch, dataloader_idx)`` (an evaluation's several loaders);
+    training calls it with the batch alone, so its mover stays the strategy's own, a call fewer."""
     before, move, after = hooks.transfer_plan()
     if before is None and move is None and after is None:
-        return strategy.batch_mover()
+        mover = strategy.batch_mover()
+        if not indexed:
+            return mover
+        return lambda batch, dataloader_idx=0: mover(batch)
     refusing = metrics.refusing("a batch-transfer hook")
 
     def transfer(batch: Any, dataloader_idx: int = 0) -> Any:

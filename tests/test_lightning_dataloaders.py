@@ -1,0 +1,157 @@
+"""Loaders as Lightning projects hand them over: a wrapper whose ``__len__`` raises NotImplementedError, an
+``IterableDataset`` with ``limit_*_batches=1.0``, Lightning's ``utilities.data`` questions, a
+``CombinedLoader`` over nested collections, and each evaluation loader's index reaching the batch-transfer
+hooks."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from conftest import TinyModule, make_dataset
+from torch.utils.data import DataLoader, IterableDataset
+
+from polytrain.utilities import CombinedLoader
+from polytrain.utilities.data import has_iterable_dataset, has_len, has_len_all_ranks
+
+pytestmark = pytest.mark.own_logic
+
+
+class NoLengthWrapper:
+    """A loader wrapper that cannot know its length, as some streaming wrappers answer ``len()``."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+        self.dataset = loader.dataset
+
+    def __iter__(self) -> Any:
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+
+class Stream(IterableDataset):
+    def __init__(self, n: int, with_len: bool = False) -> None:
+        self.samples = make_dataset(n, 4, seed=0)
+        self.with_len = with_len
+
+    def __iter__(self) -> Any:
+        return iter(self.samples)
+
+    def __len__(self) -> int:
+        if not self.with_len:
+            raise TypeError("no length")
+        return len(self.samples)
+
+
+def test_a_wrapper_whose_len_raises_not_implemented_trains_as_a_stream(make_trainer: Any) -> None:
+    class Wrapped(TinyModule):
+        def train_dataloader(self) -> Any:
+            return NoLengthWrapper(super().train_dataloader())
+
+    trainer = make_trainer(max_epochs=2)
+    trainer.fit(Wrapped(n=16, batch_size=4, val_n=None))
+    assert trainer.global_step == 8  # 4 batches an epoch, counted by running out, twice
+    assert trainer.num_training_batches == math.inf  # Lightning's count for a loader without length
+
+
+def test_a_stream_with_limit_one_point_zero_runs_whole(make_trainer: Any) -> None:
+    class Streaming(TinyModule):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(Stream(16), batch_size=4)
+
+        def val_dataloader(self) -> DataLoader:
+            return DataLoader(Stream(8), batch_size=4)
+
+    trainer = make_trainer(max_epochs=1, limit_train_batches=1.0, limit_val_batches=1.0)
+    trainer.fit(Streaming())
+    assert trainer.global_step == 4
+    assert trainer.num_training_batches == math.inf and trainer.num_val_batches == [math.inf]
+
+
+def test_a_fraction_below_one_of_a_stream_is_refused(make_trainer: Any) -> None:
+    class Streaming(TinyModule):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(Stream(16), batch_size=4)
+
+    with pytest.raises(ValueError, match=r"IterableDataset`.*limit_train_batches\)`.*`1.0` or an int"):
+        make_trainer(max_epochs=1, limit_train_batches=0.5).fit(Streaming(val_n=None))
+
+
+def test_utilities_data_answers_lightnings_questions() -> None:
+    sized = DataLoader(make_dataset(8, 4, seed=0), batch_size=4)
+    assert has_len(sized) and not has_iterable_dataset(sized)
+    assert has_len_all_ranks(sized, None)  # no strategy yet: this process's length alone
+    assert not has_len(NoLengthWrapper(sized)) and not has_len_all_ranks(NoLengthWrapper(sized), None)
+    unsized_stream = DataLoader(Stream(8), batch_size=4)
+    assert has_iterable_dataset(unsized_stream) and not has_len_all_ranks(unsized_stream, None)
+    with pytest.warns(UserWarning, match="Your `IterableDataset` has `__len__` defined"):
+        assert has_len_all_ranks(DataLoader(Stream(8, with_len=True), batch_size=4), None)
+    with pytest.warns(UserWarning, match="length 0 on every rank"):
+        assert has_len_all_ranks(DataLoader([], batch_size=4), None)
+
+
+def test_an_iterable_dataset_with_len_is_warned_about_in_every_stage(make_trainer: Any) -> None:
+    loader = DataLoader(Stream(8, with_len=True), batch_size=4)
+    module = TinyModule(val_n=None)
+    trainer = make_trainer(max_epochs=1)
+    for run in (lambda: trainer.validate(module, dataloaders=loader),
+                lambda: trainer.fit(module, train_dataloaders=loader),
+                lambda: trainer.test(module, dataloaders=loader),
+                lambda: trainer.predict(module, dataloaders=loader)):
+        with pytest.warns(UserWarning, match="Your `IterableDataset` has `__len__` defined"):
+            run()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        trainer.validate(module, dataloaders=DataLoader(make_dataset(8, 4, seed=1), batch_size=4))
+
+
+def test_a_combined_loader_over_nested_collections_keeps_their_shape(make_trainer: Any) -> None:
+    long, short = DataLoader(make_dataset(16, 4, seed=0)), DataLoader(make_dataset(4, 4, seed=1))
+    combined = CombinedLoader({"a_b": [long, short], "c": short}, "max_size_cycle")
+    assert len(combined) == 16 and combined.flattened == [long, short, short]
+    batch, batch_idx, dataloader_idx = next(iter(combined))
+    assert set(batch) == {"a_b", "c"} and len(batch["a_b"]) == 2 and (batch_idx, dataloader_idx) == (0, 0)
+    assert torch.equal(batch["a_b"][0][0], long.dataset[0][0].unsqueeze(0))
+
+    seen: list[tuple[int, int]] = []
+
+    class Nested(TinyModule):
+        def train_dataloader(self) -> Any:
+            return CombinedLoader({"a_b": [DataLoader(self.train_ds, batch_size=4), long], "c": short},
+                                  "min_size")
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            seen.append((len(batch["a_b"]), len(batch["a_b"][0][0])))
+            return super().training_step(batch["a_b"][0], batch_idx)
+
+    trainer = make_trainer(max_epochs=1)
+    trainer.fit(Nested(n=16, val_n=None))
+    assert trainer.num_training_batches == 4 and seen == [(2, 4)] * 4  # min_size: the 4-sample loader
+
+
+def test_each_evaluation_loader_index_reaches_the_transfer_hooks(make_trainer: Any) -> None:
+    calls: list[tuple[str, int]] = []
+
+    class Indexed(TinyModule):
+        def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+            calls.append(("before", dataloader_idx))
+            return batch
+
+        def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+            calls.append(("after", dataloader_idx))
+            return batch
+
+        def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+            return super().validation_step(batch, batch_idx)
+
+        def val_dataloader(self) -> list[DataLoader]:
+            return [DataLoader(self.val_ds, batch_size=4), DataLoader(self.val_ds, batch_size=8)]
+
+    trainer = make_trainer(max_epochs=1, limit_train_batches=0)
+    trainer.validate(Indexed(val_n=8))
+    assert calls == [("before", 0), ("after", 0), ("before", 0), ("after", 0), ("before", 1), ("after", 1)]
