@@ -618,6 +618,8 @@ def test_the_trainer_names_each_stages_loaders_and_batches(make_trainer: Any) ->
     trainer.predict(module)
     assert len(trainer.predict_dataloaders) == 2 and trainer.num_predict_batches == [2, 2]
     trainer.validate(module, verbose=False)
+    assert trainer.num_sanity_val_batches == []  # a fit's count: a Trainer that only validated has none
+    trainer.fit(module)
     assert trainer.num_sanity_val_batches == [1, 1]
 
 

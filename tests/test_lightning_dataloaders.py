@@ -155,3 +155,45 @@ def test_each_evaluation_loader_index_reaches_the_transfer_hooks(make_trainer: A
     trainer = make_trainer(max_epochs=1, limit_train_batches=0)
     trainer.validate(Indexed(val_n=8))
     assert calls == [("before", 0), ("after", 0), ("before", 0), ("after", 0), ("before", 1), ("after", 1)]
+
+
+def test_a_step_that_expects_the_other_loader_count_is_told_so(make_trainer: Any) -> None:
+    class NeedsIndex(TinyModule):
+        def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int) -> Any:
+            return super().validation_step(batch, batch_idx)
+
+    class NoIndex(TinyModule):
+        def val_dataloader(self) -> list[DataLoader]:
+            return [DataLoader(self.val_ds, batch_size=4)] * 2
+
+    class HookNeedsIndex(TinyModule):
+        def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int,
+                                    dataloader_idx: int) -> None:
+            pass
+
+    class Ignores(NoIndex):
+        def validation_step(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
+            return super().validation_step(batch, batch_idx)
+
+    trainer = make_trainer(max_epochs=1)
+    with pytest.raises(RuntimeError, match=r"single `val_dataloader`.*`NeedsIndex.validation_step\(\)`"):
+        trainer.validate(NeedsIndex())
+    with pytest.raises(RuntimeError, match=r"multiple `val_dataloader`s.*no `dataloader_idx` argument in "
+                                           r"`NoIndex.validation_step\(\)`.*dataloader_idx=0"):
+        trainer.validate(NoIndex())
+    with pytest.raises(RuntimeError, match=r"`HookNeedsIndex.on_validation_batch_end\(\)`"):
+        trainer.validate(HookNeedsIndex())
+    assert len(trainer.validate(Ignores(), verbose=False)) == 2
+
+
+def test_a_combined_evaluation_loader_reports_each_loaders_batches(make_trainer: Any) -> None:
+    seen: list[Any] = []
+
+    class Combined(TinyModule):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            seen.append(batch)
+
+    trainer = make_trainer(max_epochs=1)
+    trainer.validate(Combined(), CombinedLoader({"a": [0, 1, 2], "b": [3, 4]}, "max_size"))
+    assert seen == [{"a": 0, "b": 3}, {"a": 1, "b": 4}, {"a": 2, "b": None}]  # plain lists are iterables
+    assert trainer.num_val_batches == [3, 2] and trainer.num_sanity_val_batches == []

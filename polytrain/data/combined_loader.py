@@ -9,7 +9,7 @@ strategy processed).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -35,7 +35,7 @@ class CombinedLoader:
         self._iterables = iterables
         self._mode = mode
         # the loaders are the leaves of the (nested) collection; the spec rebuilds it around their batches
-        self._flattened, self._spec = tree_flatten(iterables)
+        self._flattened, self._spec = tree_flatten(iterables, is_leaf=_is_plain_sequence)
 
     @property
     def mode(self) -> str:
@@ -193,6 +193,18 @@ def component_loaders(loader: Any) -> list[Any]:
     """The loaders ``loader`` reads: a combination's, or itself."""
     flattened = getattr(loader, "flattened", None)
     return list(flattened) if isinstance(flattened, list) else [loader]
+
+
+def _is_plain_sequence(node: Any) -> bool:
+    """A list, tuple or dict of plain values (``[0, 1, 2]``) is one iterable to read, not a collection of
+    loaders to take apart."""
+    if isinstance(node, Mapping):
+        children: Iterable[Any] = node.values()
+    elif isinstance(node, (list, tuple)):
+        children = node
+    else:
+        return False
+    return all(isinstance(child, (int, float, str)) for child in children)
 
 
 def _length(loader: Iterable[Any]) -> int | None:

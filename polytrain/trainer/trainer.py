@@ -42,7 +42,7 @@ from polytrain.trainer.configuration.targets import check_run_targets
 from polytrain.trainer.launch.planned import agree_on_plan, plan_layout
 from polytrain.trainer.launch.process_placement import launch_workers, strategy_for
 from polytrain.trainer.loops import lifecycle
-from polytrain.trainer.loops.data_connector import DataConnector
+from polytrain.trainer.loops.data_connector import DataConnector, reported_batches
 from polytrain.trainer.loops.evaluation import EvaluationLoop, PredictionRecord, results_table
 from polytrain.trainer.loops.fit_loop import FitCollaborators, FitLoop
 from polytrain.trainer.loops.optimization import clip_gradients
@@ -281,7 +281,9 @@ class Trainer:
     @property
     def num_val_batches(self) -> list[int | float]:
         """Batches a validation runs of each validation loader (Lightning's list; ``inf``: no length)."""
-        return [_known_or_inf(n) for n in self.fit_loop.data.val_batches]
+        data = self.fit_loop.data
+        counts = reported_batches(self.config, "val", data.val_loaders, data.val_batches)
+        return [_known_or_inf(n) for n in counts]
 
     @property
     def train_loader(self) -> Any:
@@ -306,15 +308,24 @@ class Trainer:
 
     @property
     def num_test_batches(self) -> list[int | float]:
-        return [_known_or_inf(n) for n in self.eval_progress.limits.get("test", [])]
+        return self._reported("test")
 
     @property
     def num_predict_batches(self) -> list[int | float]:
-        return [_known_or_inf(n) for n in self.eval_progress.limits.get("predict", [])]
+        return self._reported("predict")
+
+    def _reported(self, stage: str) -> list[int | float]:
+        progress = self.eval_progress
+        counts = reported_batches(self.config, stage, progress.loaders.get(stage, []),
+                                  progress.limits.get(stage, []))
+        return [_known_or_inf(n) for n in counts]
 
     @property
     def num_sanity_val_batches(self) -> list[int | float]:
-        """Batches the sanity check runs of each validation loader (``num_sanity_val_steps`` at most)."""
+        """Batches the sanity check runs of each validation loader (``num_sanity_val_steps`` at most); a
+        fit's alone, as Lightning's (empty in a Trainer that only validated)."""
+        if self.state.fn != "fit":
+            return []
         steps = self.config.num_sanity_val_steps
         return [n if steps == -1 else min(steps, n) for n in self.num_val_batches]
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 from polytrain.core.errors import ConfigError
 from polytrain.core.rank_zero import rank_zero_warn
 from polytrain.core.rng import restore_rng_state, user_seed
-from polytrain.data.combined_loader import CombinedLoader, map_loaders
+from polytrain.data.combined_loader import CombinedBatches, CombinedLoader, map_loaders
 from polytrain.data.loaders import (
     iterable_with_len_warning,
     iterator_rng_state,
@@ -135,12 +135,7 @@ class DataConnector:
 
     def _limit(self, stage: str) -> Any:
         """The batch limit that applies to ``stage``: fast_dev_run's, else overfit_batches', else limit_*."""
-        cfg = self.config
-        if cfg.fast_dev_run:
-            return 1 if cfg.fast_dev_run is True else int(cfg.fast_dev_run)
-        if cfg.overfit_batches and stage in ("train", "val"):
-            return cfg.overfit_batches
-        return getattr(cfg, LIMIT_OPTION[stage])
+        return stage_limit(self.config, stage)
 
     def disabled(self, stage: str) -> bool:
         """``limit_<stage>_batches=0``: as Lightning, that loop does not run and its loader is never
@@ -153,26 +148,54 @@ class DataConnector:
         length = loader_length(loader)
         if length is not None and isinstance(getattr(loader, "dataset", None), IterableDataset):
             rank_zero_warn(iterable_with_len_warning())
-        limit = self._limit(stage)
-        option = LIMIT_OPTION[stage]
-        if limit is None:
-            return length
-        if isinstance(limit, float) and limit <= 1.0:  # a fraction of the epoch (1.0: all of it)
-            if length is None and limit == 1.0:
-                return None  # all of a stream: until it ends
-            if length is None:
-                raise ConfigError(f"trainer.{option}={limit} is a fraction, but the {stage} loader has no "
-                                  f"length (an `IterableDataset`?): `Trainer({option})` must be `1.0` or an "
-                                  f"int, a number of batches")
-            count = int(length * limit)
-            if count == 0 and limit > 0:
-                raise ConfigError(f"trainer.{option}={limit} x {length} {stage} batches = 0 batches; use at "
-                                  f"least {1 / length:.4g} or a number of batches")
-            return count
-        if isinstance(limit, float) and not limit.is_integer():
-            raise ConfigError(f"trainer.{option}={limit}: give a fraction in [0, 1] or a whole number of "
-                              f"batches")
-        return int(limit) if length is None else min(length, int(limit))
+        return limited_count(self.config, stage, length)
+
+
+def stage_limit(config: Any, stage: str) -> Any:
+    """The batch limit that applies to ``stage``: fast_dev_run's, else overfit_batches', else limit_*."""
+    if config.fast_dev_run:
+        return 1 if config.fast_dev_run is True else int(config.fast_dev_run)
+    if config.overfit_batches and stage in ("train", "val"):
+        return config.overfit_batches
+    return getattr(config, LIMIT_OPTION[stage])
+
+
+def limited_count(config: Any, stage: str, length: int | None) -> int | None:
+    """The batches a pass of ``stage`` over a loader of ``length`` batches runs (None: until it ends)."""
+    limit = stage_limit(config, stage)
+    option = LIMIT_OPTION[stage]
+    if limit is None:
+        return length
+    if isinstance(limit, float) and limit <= 1.0:  # a fraction of the epoch (1.0: all of it)
+        if length is None and limit == 1.0:
+            return None  # all of a stream: until it ends
+        if length is None:
+            raise ConfigError(f"trainer.{option}={limit} is a fraction, but the {stage} loader has no "
+                              f"length (an `IterableDataset`?): `Trainer({option})` must be `1.0` or an "
+                              f"int, a number of batches")
+        count = int(length * limit)
+        if count == 0 and limit > 0:
+            raise ConfigError(f"trainer.{option}={limit} x {length} {stage} batches = 0 batches; use at "
+                              f"least {1 / length:.4g} or a number of batches")
+        return count
+    if isinstance(limit, float) and not limit.is_integer():
+        raise ConfigError(f"trainer.{option}={limit}: give a fraction in [0, 1] or a whole number of "
+                          f"batches")
+    return int(limit) if length is None else min(length, int(limit))
+
+
+def reported_batches(config: Any, stage: str, loaders: list[Any],
+                     limits: list[int | None]) -> list[int | None]:
+    """The counts Lightning's ``trainer.num_<stage>_batches`` lists: one per loader, and for a
+    ``CombinedLoader`` read whole (``min_size``, ``max_size_cycle``, ``max_size``) one per loader it
+    combines, each under the stage's limit, though the pass itself runs ``limits``' count."""
+    counts: list[int | None] = []
+    for loader, limit in zip(loaders, limits):
+        if isinstance(loader, CombinedBatches):
+            counts.extend(limited_count(config, stage, loader_length(one)) for one in loader.flattened)
+        else:
+            counts.append(limit)
+    return counts
 
 
 def check_workers(loader: Any, name: str, processes_per_node: int) -> None:

@@ -13,6 +13,7 @@ others); the strategy marks them and they never reach a hook or a metric.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -79,6 +80,33 @@ class PredictionRecord:
             self.per_loader[loader_idx].append(output)
 
 
+def check_dataloader_idx_parameter(module: Any, word: str, stage: str, several: bool) -> None:
+    """Where several loaders feed an evaluation, its step gets ``dataloader_idx``; where one does, it does
+    not. A step (or batch hook) whose signature expects the other case would fail at its first call with
+    a bare TypeError about arguments; say here which loader count met which signature."""
+    for name in (f"{word}_step", f"on_{word}_batch_start", f"on_{word}_batch_end"):
+        method = getattr(module, name, None)
+        if method is None:
+            continue
+        try:
+            params = inspect.signature(method).parameters
+        except (TypeError, ValueError):  # a builtin or a C callable: nothing to read
+            continue
+        if "dataloader_iter" in params:
+            continue  # a step that reads the iterator itself takes no indices
+        named = params.get("dataloader_idx")
+        takes_it = named is not None or any(p.kind is p.VAR_POSITIONAL for p in params.values())
+        where = f"`{type(module).__name__}.{name}()`"
+        if not several and named is not None and named.default is inspect.Parameter.empty:
+            raise RuntimeError(f"You provided only a single `{stage}_dataloader`, but have included "
+                               f"`dataloader_idx` in {where}, which one loader never passes. Remove the "
+                               f"argument or give it a default value: `dataloader_idx=0`")
+        if several and not takes_it:
+            raise RuntimeError(f"You provided multiple `{stage}_dataloader`s, but there is no "
+                               f"`dataloader_idx` argument in {where}, which each of them passes. Add "
+                               f"`dataloader_idx=0` to its signature")
+
+
 class EvaluationLoop:
     """Validation, test and predict passes (see the module's docstring), built with what they use: the
     strategy, the stage's hook funnel and metrics, the module and callbacks, the batch mover, the
@@ -131,6 +159,7 @@ class EvaluationLoop:
         if stage == "predict":
             loaders = record.start(self.callbacks, loaders)
         several = len(loaders) > 1
+        check_dataloader_idx_parameter(module, word, stage, several)
         with torch.no_grad():
             # The first loader's iterator before the hooks, as Lightning (it draws from the RNG); the others'
             # when their turn comes.
