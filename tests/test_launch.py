@@ -136,6 +136,17 @@ def test_more_cpu_processes_than_cores_is_refused_with_the_way_to_ask_for_it(mon
     assert (plan.devices, plan.world_size, plan.method) == (3, 3, "spawn")
 
 
+def test_lightnings_launcher_strategy_names_are_ddp_with_that_launcher():
+    for name, launcher in (("ddp_spawn", "spawn"), ("ddp_fork", "fork"), ("ddp_notebook", "fork")):
+        cfg = validate_trainer_config({"accelerator": "cpu", "devices": 2, "strategy": name})
+        assert (cfg.strategy["name"], cfg.launcher) == ("ddp", launcher)
+    cfg = validate_trainer_config({"strategy": {"name": "ddp_spawn", "find_unused_parameters": True}})
+    assert (cfg.strategy["find_unused_parameters"], cfg.launcher) == (True, "spawn")
+    with pytest.raises(ConfigError, match="strategy='ddp_spawn' starts its processes with the 'spawn' "
+                                          "launcher, but trainer.launcher='elastic'"):
+        validate_trainer_config({"strategy": "ddp_spawn", "launcher": "elastic"})
+
+
 # --------------------------------------------------------------------------- Trainer(devices=2) from a script
 
 
@@ -189,12 +200,15 @@ def test_relaunched_script_failing_on_one_rank_ends_the_job_with_its_traceback(t
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(RETRIED)
-@pytest.mark.parametrize("launcher", ["spawn", "fork"])
-def test_spawn_launcher_hands_trained_weights_back_to_the_caller(tmp_path, expected_weights, launcher):
+@pytest.mark.parametrize("launch", [["--launcher", "spawn"], ["--launcher", "fork"],
+                                    # Lightning's name: ddp started by the spawn launcher; no logging step
+                                    # in the run, so the epoch's end reduces the step values shown
+                                    ["--strategy", "ddp_spawn", "--log-every", "50"]],
+                         ids=["spawn", "fork", "ddp_spawn"])
+def test_spawn_launcher_hands_trained_weights_back_to_the_caller(tmp_path, expected_weights, launch):
     import torch
 
-    result = run([sys.executable, TRAIN_SCRIPT, tmp_path, "--devices", "2", "--launcher", launcher],
-                 RUN_TIMEOUT)
+    result = run([sys.executable, TRAIN_SCRIPT, tmp_path, "--devices", "2", *launch], RUN_TIMEOUT)
     assert_ok(result)
     records = read_records(tmp_path)
     assert_two_rank_ddp(records, expected_weights, source="torchrun")
@@ -210,6 +224,8 @@ def test_spawn_launcher_hands_trained_weights_back_to_the_caller(tmp_path, expec
     saved = [float(v) for t in ckpt["model"].values() for v in t.flatten().tolist()]
     assert parent["weights"] == saved
     assert "val/loss" in parent["callback_metrics"]
+    assert parent["callback_metrics"]["train/rank_sum"] == 0 + 1  # reduced across the two ranks (sync_dist)
+    assert parent["finished"]  # the workers' trainer.state, handed back
 
 
 # --------------------------------------------------------------------------- SLURM

@@ -6,6 +6,7 @@ strategy it has: everything that differs between parallelisms is behind the stra
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import warnings
 from typing import Any
@@ -435,6 +436,11 @@ class Trainer:
                                  self.config.run_dir, self.config.version)
             self.metrics.callback = out["callback_metrics"]
             self._run_directory = RunDirectory(out["log_dir"], out["ckpt_path"])
+            # as Lightning's spawn launcher: how the stage ended, and where its best checkpoint is
+            self.state.status, self.state.fn, self.state.stage = (out["state"]["status"], out["state"]["fn"],
+                                                                  out["state"]["stage"])
+            if out["best_model_path"] and self.checkpoint_callback is not None:
+                self.checkpoint_callback.best_model_path = out["best_model_path"]
             return out["result"]
         report_uncaught_to_launcher()  # where a launcher ran this script again: see core/worker_failure.py
         model._attach(self)  # before planning: the planner traces training_step, which may read self.trainer
@@ -631,8 +637,10 @@ def _stage_in_worker(trainer_cls: type[Trainer], trainer_kwargs: dict[str, Any],
     state_dict = trainer.strategy.module_state_dict()
     if trainer.is_global_zero:
         # Hand the trained weights and the result back to the launching process.
+        saver = trainer.checkpoint_callback
         torch.save({"state_dict": state_dict, "result": result, "log_dir": trainer.log_dir,
-                    "ckpt_path": trainer.ckpt_path,
+                    "ckpt_path": trainer.ckpt_path, "state": dataclasses.asdict(trainer.state),
+                    "best_model_path": getattr(saver, "best_model_path", None),
                     "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
                    result_path)
     trainer.strategy.teardown()

@@ -75,6 +75,8 @@ class TinyRegressor(TrainModule):
         x, y = batch
         loss = F.mse_loss(self(x), y)
         self.log("train/loss", loss)
+        # the ranks' sum, per step: what callback_metrics shows once the ranks reduced it
+        self.log("train/rank_sum", float(self.trainer.global_rank), sync_dist=True, reduce_fx="sum")
         return loss
 
     def validation_step(self, batch, batch_idx):

@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--devices", default="auto")
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--launcher", default="auto")
+    parser.add_argument("--strategy", default="auto")
+    parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--max-epochs", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=120.0)
@@ -40,13 +42,15 @@ def main() -> None:
     initial = weights(module)
     trainer = Trainer(accelerator="cpu",
                       devices=args.devices if args.devices == "auto" else int(args.devices),
-                      num_nodes=args.num_nodes, launcher=args.launcher, max_epochs=args.max_epochs,
+                      num_nodes=args.num_nodes, launcher=args.launcher, strategy=args.strategy,
+                      max_epochs=args.max_epochs,
                       run_dir=os.path.join(args.out_dir, "run"), logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, log_every_n_steps=1, timeout=args.timeout)
+                      enable_model_summary=False, log_every_n_steps=args.log_every, timeout=args.timeout)
     trainer.fit(module)
     if trainer.strategy is None:  # workers trained; this process holds what they handed back
         write_json(os.path.join(args.out_dir, "parent.json"),
                    {"pid": os.getpid(), "initial": initial, "weights": weights(module),
+                    "finished": trainer.state.finished,
                     "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}})
     else:
         trainer.strategy.teardown()

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +127,7 @@ def check_trainer_section(data: dict[str, Any]) -> TrainerConfig:
         data["precision"] = PRECISION_ALIASES.get(str(data["precision"]), str(data["precision"]))
     if data.get("barebones"):
         _apply_barebones(data)
+    _apply_launcher_in_strategy_name(data)
     cfg: TrainerConfig = validate_dataclass(TrainerConfig, data, "trainer")
     check_choice(cfg.precision, PRECISIONS, "trainer.precision")
     check_choice(cfg.accelerator, ACCELERATORS, "trainer.accelerator")
@@ -182,6 +184,26 @@ _BAREBONES_OFF = {"enable_checkpointing": ("Checkpointing", False), "logger": ("
 _BAREBONES_REFUSED = {"fast_dev_run": "A development run is not meant for speed measurements",
                       "detect_anomaly": "Anomaly detection can impact raw speed",
                       "profiler": "Profiling can impact raw speed"}
+
+
+# Lightning names how the processes start in the strategy's name; polytrain has a `launcher` option.
+_LAUNCHER_IN_NAME = {"ddp_spawn": "spawn", "ddp_fork": "fork", "ddp_notebook": "fork"}
+
+
+def _apply_launcher_in_strategy_name(data: dict[str, Any]) -> None:
+    """``strategy: ddp_spawn`` (``ddp_fork``, ``ddp_notebook``), as Lightning: ``ddp`` whose processes the
+    spawn (fork) launcher starts. A ``launcher`` that says otherwise is refused by name."""
+    spec = data.get("strategy")
+    name = spec.get("name") if isinstance(spec, Mapping) else spec
+    if not isinstance(name, str) or name not in _LAUNCHER_IN_NAME:
+        return
+    launcher = _LAUNCHER_IN_NAME[name]
+    if data.get("launcher", "auto") not in ("auto", launcher):
+        raise ConfigError(f"trainer.strategy={name!r} starts its processes with the {launcher!r} launcher, "
+                          f"but trainer.launcher={data['launcher']!r} was given; drop one of the two (or "
+                          f"use strategy 'ddp' with the launcher you want)")
+    data["strategy"] = {**spec, "name": "ddp"} if isinstance(spec, Mapping) else "ddp"
+    data["launcher"] = launcher
 
 
 def _apply_barebones(data: dict[str, Any]) -> None:

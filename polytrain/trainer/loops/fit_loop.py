@@ -441,6 +441,8 @@ class FitLoop:
         module logs there reduced before the callbacks that watch metrics run, then the epoch schedulers."""
         p, metrics, hooks, group = self.progress, self.fit.metrics, self.fit.hooks, self.fit.strategy.dp_group
         heartbeat.at("train_epoch_end")
+        # the values of the epoch's last steps, reduced where no logging step did it
+        metrics.sync_fresh_step_values("train", group)
         metrics.start_stage("train", EPOCH_ONLY)
         with p.ending_epoch(complete):  # a checkpoint taken now resumes at the next epoch
             values = metrics.reduce_epoch("train", group)

@@ -270,6 +270,22 @@ class MetricCollector:
                 self.callback[e.step_name()] = v
         return values
 
+    def sync_fresh_step_values(self, stage: str, group: Any = None) -> None:
+        """``callback_metrics`` of ``stage``'s ``sync_dist`` per-step values logged since its last logging
+        step, reduced across ``group``, as Lightning shows them; they stay fresh for the next logging step.
+        Every rank calls this at the same point (an epoch's end): one all-reduce per reduce op, only where
+        there is such a value."""
+        synced = [e for e in self._fresh_by_stage.get(stage, {}).values() if e.sync_dist]
+        if not synced or not C.active(group):
+            return
+        for op in sorted({e.reduce_fx for e in synced}):
+            entries = [e for e in synced if e.reduce_fx == op]
+            packed = C.all_reduce(torch.stack([e.step_value.float() for e in entries]), op, group)
+            for e, v in zip(entries, packed.unbind(0)):
+                self.callback[e.name] = v
+                if e.forked:
+                    self.callback[e.step_name()] = v
+
     def reduce_epoch(self, stage: str, group: Any = None,
                      more: bool = False) -> dict[str, tuple[Logged, torch.Tensor]]:
         """Epoch values of ``stage`` reduced over the epoch and the data-parallel ranks, by published
