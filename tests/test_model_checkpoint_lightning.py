@@ -96,6 +96,51 @@ def test_the_trainers_own_checkpoint_callback_keeps_last_for_resume(make_trainer
     assert "last.ckpt" in os.listdir(os.path.dirname(trainer.checkpoint_callback.best_model_path))
 
 
+def test_a_name_taken_gets_a_version_and_no_kept_file_is_written_over(make_trainer: Any,
+                                                                      tmp_path: Any) -> None:
+    """``save_top_k=-1`` with one fixed name keeps every save (``-v1``, ``-v2``, ... from
+    ``STARTING_VERSION``); a top-1 callback with one name replaces its own file (no alternating names);
+    ``save_last`` writes ``last.ckpt`` in place when the newest save is not kept;
+    ``enable_version_counter=False`` writes over."""
+    class FromFive(ModelCheckpoint):
+        STARTING_VERSION = 5
+
+    keep_all = FromFive(dirpath=str(tmp_path / "all"), filename="fixed", save_top_k=-1)
+    make_trainer(max_epochs=3, callbacks=[keep_all], enable_checkpointing=True).fit(TinyModule(n=8, val_n=4))
+    assert sorted(os.listdir(tmp_path / "all")) == ["fixed-v5.ckpt", "fixed-v6.ckpt", "fixed.ckpt"]
+    assert len({os.path.getmtime(tmp_path / "all" / name) for name in os.listdir(tmp_path / "all")}) == 3
+
+    one = ModelCheckpoint(dirpath=str(tmp_path / "one"), filename="model", save_top_k=1)
+    make_trainer(max_epochs=3, callbacks=[one], enable_checkpointing=True).fit(TinyModule(n=8, val_n=4))
+    assert os.listdir(tmp_path / "one") == ["model.ckpt"]
+
+    class Worsening(TinyModule):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("score", float(self.current_epoch))
+
+    best_and_last = ModelCheckpoint(dirpath=str(tmp_path / "last"), monitor="score", save_top_k=1,
+                                    save_last=True, filename="best-{epoch}")
+    trainer = make_trainer(max_epochs=3, callbacks=[best_and_last], enable_checkpointing=True)
+    trainer.fit(Worsening(n=8, val_n=4))
+    assert sorted(os.listdir(tmp_path / "last")) == ["best-epoch=0.ckpt", "last.ckpt"]
+    assert torch.load(tmp_path / "last" / "last.ckpt", weights_only=False)["loop"]["epoch"] == 3
+
+    for _ in range(2):
+        fixed = ModelCheckpoint(dirpath=str(tmp_path / "over"), filename="{epoch}", save_top_k=-1,
+                                save_last=True, enable_version_counter=False)
+        make_trainer(max_epochs=2, callbacks=[fixed], enable_checkpointing=True).fit(TinyModule(n=8, val_n=4))
+    assert sorted(os.listdir(tmp_path / "over")) == ["epoch=0.ckpt", "epoch=1.ckpt", "last.ckpt"]
+
+
+def test_a_subclass_names_its_own_extension(make_trainer: Any, tmp_path: Any) -> None:
+    class Backwards(ModelCheckpoint):
+        FILE_EXTENSION = ".tpkc"
+
+    saver = Backwards(dirpath=str(tmp_path), save_last=True)
+    make_trainer(max_steps=1, callbacks=[saver], enable_checkpointing=True).fit(TinyModule(n=8, val_n=4))
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=1.tpkc", "last.tpkc"]
+
+
 def _optimizer_moments(path: str) -> bool:
     return "optimizer" in torch.load(path, weights_only=False)
 

@@ -62,6 +62,7 @@ class ModelCheckpoint(Callback):
     CHECKPOINT_EQUALS_CHAR = "="
     CHECKPOINT_NAME_LAST = "last"
     FILE_EXTENSION = ".ckpt"
+    STARTING_VERSION = 1  # the first `-v<n>` a name already taken gets
 
     def __init__(self, dirpath: str | None = None, filename: str | None = None,
                  monitor: str | None = None, mode: str = "min", save_top_k: int = 1,
@@ -71,7 +72,7 @@ class ModelCheckpoint(Callback):
                  async_save: bool = False, save_on_exception: bool = False,
                  save_on_train_epoch_end: bool | None = None, verbose: bool = False,
                  save_weights_only: bool = False, auto_insert_metric_name: bool = True,
-                 save_hf: bool | str = False) -> None:
+                 enable_version_counter: bool = True, save_hf: bool | str = False) -> None:
         if save_last not in (None, True, False, "link"):
             raise ConfigError(f"ModelCheckpoint save_last={save_last!r}: give True, False, None or 'link' "
                               f"(last.ckpt beside the newest checkpoint, as a link to it)")
@@ -95,6 +96,7 @@ class ModelCheckpoint(Callback):
         self._written: set[str] = set()  # files this callback wrote (in this process or before a resume)
         self.filename = filename
         self.auto_insert_metric_name = auto_insert_metric_name
+        self.enable_version_counter = enable_version_counter
         self.save_weights_only = save_weights_only
         self._unlogged_warned: set[str] = set()  # filename fields already warned about (written as 0)
         self.monitor = monitor
@@ -381,8 +383,15 @@ class ModelCheckpoint(Callback):
             keep = trainer.strategy.reduce_boolean_decision(keep)
         if not keep and not self.save_last:
             return
-        ext = "" if not trainer.strategy.replicated else ".ckpt"
-        path = self._unclaimed(trainer, (self._format_name(trainer) if keep else "last"), ext)
+        ext = "" if not trainer.strategy.replicated else self.FILE_EXTENSION
+        if keep:
+            # the kept file this save pushes out of a full top k may have the new file's name
+            full = 0 < self.save_top_k <= len(self.kept)
+            path = self._unclaimed(trainer, self._format_name(trainer), ext,
+                                   replacing=(self.kept[-1][1],) if full else ())
+        else:  # the newest state as `last`: in place of the last one, or of the link to a kept file
+            path = self._unclaimed(trainer, self.CHECKPOINT_NAME_LAST, ext,
+                                   replacing=(self.last_model_path, self._last_link))
         # Bookkeeping runs on every rank (so the next decision is the same everywhere) and before
         # the payload is built (so a resumed run knows this file and can prune it later).
         self._settle(trainer, before=path)  # the previous async save is on disk (or raised on every rank)
@@ -440,19 +449,21 @@ class ModelCheckpoint(Callback):
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(self)
 
-    def _unclaimed(self, trainer: Any, stem: str, ext: str) -> str:
-        """``<dirpath>/<stem><ext>``, or in a directory the user named, where another run's file may have
-        that name, ``<stem>-v1<ext>``, ``-v2``, ... (Lightning's version counter): a file this callback
-        did not write is never written over. Global rank 0 looks; every rank gets its answer."""
+    def _unclaimed(self, trainer: Any, stem: str, ext: str, replacing: tuple[str, ...] = ()) -> str:
+        """``<dirpath>/<stem><ext>``, or, where a file or directory of that name exists (another run's, or
+        one this callback keeps), ``<stem>-v1<ext>``, ``-v2``, ... (Lightning's version counter, from
+        ``STARTING_VERSION``): no checkpoint is written over, but one of ``replacing``, the files this save
+        takes the place of. ``enable_version_counter=False``: the name as formatted, whatever is there
+        (Lightning's option for a fixed name). Global rank 0 looks; every rank gets its answer."""
         path = os.path.join(self.dirpath, stem + ext)
-        if not self._dirpath_given:
-            return path  # the run's own directory: every file in it is this run's
-        ours = self._written | {p for _, p in self.kept} | {self.last_model_path}
+        if not self.enable_version_counter:
+            return path
+        taken = {p for _, p in self.kept} - set(replacing)  # kept files an async save may not have finished
         if trainer.strategy.is_global_zero:
-            n = 0
-            while os.path.exists(path) and path not in ours:
+            n = self.STARTING_VERSION
+            while path in taken or (os.path.exists(path) and path not in replacing):
+                path = os.path.join(self.dirpath, f"{stem}{self.CHECKPOINT_JOIN_CHAR}v{n}{ext}")
                 n += 1
-                path = os.path.join(self.dirpath, f"{stem}-v{n}{ext}")
         return trainer.strategy.broadcast(path)
 
     def _record(self, trainer: Any, path: str, score: float | None) -> list[str]:
@@ -475,11 +486,13 @@ class ModelCheckpoint(Callback):
     def _last_link(self) -> str:
         """Where ``last.ckpt`` goes (rank 0 only): as ``_unclaimed``, never over another run's file."""
         if self.__dict__.get("_last_link_path") is None:
-            path, n = os.path.join(self.dirpath, "last.ckpt"), 0
+            stem, ext = self.CHECKPOINT_NAME_LAST, self.FILE_EXTENSION
+            path, n = os.path.join(self.dirpath, stem + ext), self.STARTING_VERSION
             # After a resume the directory's last.ckpt is this run's own.
-            while self._dirpath_given and not self.__dict__.get("_resumed") and os.path.exists(path):
+            while (self._dirpath_given and self.enable_version_counter and not self.__dict__.get("_resumed")
+                   and os.path.exists(path)):
+                path = os.path.join(self.dirpath, f"{stem}{self.CHECKPOINT_JOIN_CHAR}v{n}{ext}")
                 n += 1
-                path = os.path.join(self.dirpath, f"last-v{n}.ckpt")
             self.__dict__["_last_link_path"] = path
         return self.__dict__["_last_link_path"]
 
@@ -489,7 +502,8 @@ class ModelCheckpoint(Callback):
         the checkpoints asked for (``resume: last`` ranks them by the step recorded inside)."""
         if not self._dirpath_given:
             write_latest_pointer(self.dirpath, path)
-        if self.save_last and trainer.strategy.replicated and not os.path.basename(path).startswith("last"):
+        if (self.save_last and trainer.strategy.replicated
+                and not os.path.basename(path).startswith(self.CHECKPOINT_NAME_LAST)):
             last = self._last_link
             tmp = temporary_sibling(last)
             os.link(path, tmp)  # no second write: a hard link to the file just saved
