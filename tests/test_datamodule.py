@@ -119,6 +119,14 @@ def test_fit_takes_a_datamodule_positionally_too(tmp_path: Any) -> None:
     dm = Data()
     trainer.fit(Model(), dm)  # Lightning allows fit(model, datamodule) as the second positional argument
     assert trainer.datamodule is dm and trainer.global_step == 4
+    other = Data(n=8)
+    assert len(trainer.validate(Model(), other, verbose=False)) == 1 and trainer.datamodule is other
+    assert trainer.num_val_batches == [2]  # the 8 samples of the DataModule given as the loaders
+    trainer.test(Model(), Data(n=12), verbose=False)
+    assert trainer.num_test_batches == [3]
+    assert len(trainer.predict(Model(), Data(n=4))) == 1
+    with pytest.raises(ValueError, match="passed both as the loaders"):
+        trainer.validate(Model(), Data(), datamodule=Data())
 
 
 # ------------------------------------------------------------------- state and hyperparameters in checkpoints

@@ -375,8 +375,7 @@ class Trainer:
     def fit(self, model: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
             datamodule: DataModule | None = None, ckpt_path: str | None = None) -> None:
         """Train; ``ckpt_path="last"`` (or ``trainer.resume``) continues from the newest checkpoint."""
-        if isinstance(train_dataloaders, DataModule):
-            train_dataloaders, datamodule = None, train_dataloaders
+        train_dataloaders, datamodule = _datamodule_in_loaders_place(train_dataloaders, datamodule)
         self._run("fit", model, dict(train=train_dataloaders, val=val_dataloaders), datamodule, ckpt_path)
 
     def validate(self, model: TrainModule | None = None, dataloaders: Any = None,
@@ -384,10 +383,12 @@ class Trainer:
                  datamodule: DataModule | None = None) -> list[dict[str, float]]:
         """The epoch metrics of one pass over the validation data; ``verbose`` prints them as a table on
         global rank 0, as Lightning does."""
+        dataloaders, datamodule = _datamodule_in_loaders_place(dataloaders, datamodule)
         return self._run("validate", model, dict(val=dataloaders), datamodule, ckpt_path, verbose)
 
     def test(self, model: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
              verbose: bool = True, datamodule: DataModule | None = None) -> list[dict[str, float]]:
+        dataloaders, datamodule = _datamodule_in_loaders_place(dataloaders, datamodule)
         return self._run("test", model, dict(test=dataloaders), datamodule, ckpt_path, verbose)
 
     def predict(self, model: TrainModule | None = None, dataloaders: Any = None,
@@ -396,6 +397,7 @@ class Trainer:
         """This rank's predictions, in the order of its share of the data (rank r: samples r, r+N, ...);
         None with ``return_predictions=False`` (write them with a ``BasePredictionWriter`` instead)."""
         self.predict_loop.return_predictions = return_predictions is not False
+        dataloaders, datamodule = _datamodule_in_loaders_place(dataloaders, datamodule)
         return self._run("predict", model, dict(predict=dataloaders), datamodule, ckpt_path)
 
     def save_checkpoint(self, filepath: str, weights_only: bool = False, async_save: bool = False) -> None:
@@ -610,6 +612,18 @@ class Trainer:
             raise RuntimeError("manual_backward is for manual optimisation: set self.automatic_optimization "
                                "= False in __init__, or return the loss from training_step")
         self.strategy.manual_backward(loss, *args, **kwargs)
+
+
+def _datamodule_in_loaders_place(loaders: Any,
+                                 datamodule: DataModule | None) -> tuple[Any, DataModule | None]:
+    """``trainer.fit(model, dm)`` / ``trainer.validate(model, dm)``: as Lightning, a DataModule passed where
+    the loaders go is the stage's DataModule."""
+    if not isinstance(loaders, DataModule):
+        return loaders, datamodule
+    if datamodule is not None:
+        raise ValueError(f"a DataModule was passed both as the loaders ({type(loaders).__name__}) and as "
+                         f"datamodule= ({type(datamodule).__name__}); pass one")
+    return None, loaders
 
 
 def _known_or_inf(count: int | None) -> int | float:
