@@ -205,3 +205,34 @@ def test_wandb_logger_lightning_arguments_offline(tmp_path: Any, run_dir: str, m
     assert logger.version == "abc123" and logger.save_dir == str(tmp_path / "wb")
     runs = [d for d in os.listdir(tmp_path / "wb" / "wandb") if d.endswith("abc123")]
     assert len(runs) == 1
+
+
+def test_a_logger_that_does_not_subclass_logger_is_driven_as_one(make_trainer: Any, run_dir: str) -> None:
+    """Lightning's interface by duck typing (``log_metrics``, ``log_hyperparams``, ``save``, ``finalize``):
+    each call reaches the object, and its other attributes stay its own."""
+
+    class Plain:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, Any]] = []
+            self.name, self.version, self.save_dir = "plain", "0", run_dir
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            self.calls.append(("metrics", sorted(metrics)))
+
+        def log_hyperparams(self, params: Any) -> None:
+            self.calls.append(("hparams", dict(params)))
+
+        def finalize(self, status: str) -> None:
+            self.calls.append(("finalize", status))
+
+    class Saving(TinyModule):
+        def __init__(self, lr: float = 0.1) -> None:
+            super().__init__(lr=lr)
+            self.save_hyperparameters()
+
+    plain = Plain()
+    trainer = make_trainer(max_epochs=1, logger=plain, log_every_n_steps=2)
+    trainer.fit(Saving(lr=0.05))
+    assert trainer.logger.calls is plain.calls and trainer.logger.name == "plain"
+    assert plain.calls[0] == ("hparams", {"lr": 0.05}) and plain.calls[-1] == ("finalize", "success")
+    assert ("metrics", ["epoch", "train/loss"]) in plain.calls

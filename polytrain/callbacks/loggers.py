@@ -213,6 +213,66 @@ class DummyLogger(Logger):
         return self  # Lightning code may index trainer.loggers' entries
 
 
+class ForeignLogger(Logger):
+    """A logger written against Lightning's interface without subclassing ``Logger`` (an object with
+    ``log_metrics`` and ``log_hyperparams``; ``name``, ``version``, ``save_dir``, ``log_dir``, ``save``,
+    ``finalize``, ``log_graph``, ``after_save_checkpoint`` where it has them), driven as a ``Logger``: the
+    loop's calls reach its methods; any other attribute is its own."""
+
+    def __init__(self, logger: Any) -> None:
+        self.__dict__["logger"] = logger
+
+    @staticmethod
+    def wraps(obj: Any) -> bool:
+        """Whether ``obj`` is such a logger: not a callback, and it logs metrics and hyperparameters."""
+        return (not isinstance(obj, Callback) and callable(getattr(obj, "log_metrics", None))
+                and callable(getattr(obj, "log_hyperparams", None)))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.__dict__["logger"], name)
+
+    @property
+    def name(self) -> str | None:
+        return getattr(self.logger, "name", None)
+
+    @property
+    def version(self) -> int | str | None:
+        return getattr(self.logger, "version", None)
+
+    @property
+    def save_dir(self) -> str | None:
+        return getattr(self.logger, "save_dir", None)
+
+    @property
+    def log_dir(self) -> str | None:
+        return getattr(self.logger, "log_dir", None)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logger.log_metrics(metrics, step)
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        self.logger.log_hyperparams(params, *args, **kwargs)
+
+    def _optional(self, method: str, *args: Any) -> None:
+        call = getattr(self.logger, method, None)
+        if callable(call):
+            call(*args)
+
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        self._optional("log_graph", model, input_array)
+
+    def save(self) -> None:
+        self._optional("save")
+
+    def finalize(self, status: str) -> None:
+        self._optional("finalize", status)
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        self._optional("after_save_checkpoint", checkpoint_callback)
+
+
 class DirectoryLogger(Logger):
     """A logger that writes files under ``<save_dir>/<name>/<version>`` (``name`` empty or None: straight
     under ``save_dir``). The version is the next free ``version_<n>`` when first needed; in a job the

@@ -9,7 +9,7 @@ from polytrain.callbacks.base import Callback
 from polytrain.callbacks.compile_time import CompileTime
 from polytrain.callbacks.csv_logger import CSVLogger
 from polytrain.callbacks.experiment_loggers import MLFlowLogger, WandbLogger
-from polytrain.callbacks.loggers import DummyLogger
+from polytrain.callbacks.loggers import DummyLogger, ForeignLogger
 from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 from polytrain.callbacks.progress_bar import ProgressBar
 from polytrain.callbacks.summary import ModelSummary
@@ -93,7 +93,8 @@ def build_callbacks(cfg: TrainerConfig, objects: list[Callback], logger_objects:
         if logger_objects or (logger_objects is None and cfg.logger):
             callbacks.append(DummyLogger())
     elif logger_objects is not None:
-        callbacks.extend(logger_objects if isinstance(logger_objects, (list, tuple)) else [logger_objects])
+        given = logger_objects if isinstance(logger_objects, (list, tuple)) else [logger_objects]
+        callbacks.extend(ForeignLogger(obj) if ForeignLogger.wraps(obj) else obj for obj in given)
     else:
         callbacks.extend(_loggers(cfg.logger, cfg.run_dir, cfg.version))
     if cfg.enable_model_summary and not any(isinstance(c, ModelSummary) for c in callbacks):
