@@ -377,6 +377,33 @@ def test_learning_rate_monitor_epoch_interval(make_trainer: MakeTrainer, run_dir
     assert lrs == {1: pytest.approx(0.1), 3: pytest.approx(0.1 * 0.5**2)}  # at the step that comes next
 
 
+def test_learning_rate_monitor_follows_the_loops_cadence_under_two_manual_optimizers(
+        make_trainer: MakeTrainer) -> None:
+    """Two optimizers stepped by hand advance global_step twice a batch; the rates are logged at the loop's
+    logging steps, every ``log_every_n_steps`` batches that stepped, as Lightning."""
+
+    class TwoByHand(TinyModule):
+        def __init__(self) -> None:
+            super().__init__(n=28, batch_size=4, val_n=None)
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            for opt in self.optimizers():
+                loss = torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+                opt.zero_grad()
+                self.manual_backward(loss)
+                opt.step()
+
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.Adam(self.parameters(), lr=0.01)]
+
+    monitor = LearningRateMonitor(logging_interval="step")
+    trainer = make_trainer(max_epochs=2, log_every_n_steps=2, callbacks=[monitor])
+    trainer.fit(TwoByHand())
+    assert trainer.global_step == 28  # 7 batches x 2 epochs x 2 optimizers
+    assert {name: len(values) for name, values in monitor.lrs.items()} == {"lr-SGD": 7, "lr-Adam": 7}
+
+
 def test_learning_rate_monitor_bad_interval() -> None:
     with pytest.raises(ValueError, match="step, epoch, None"):
         LearningRateMonitor(logging_interval="batch")

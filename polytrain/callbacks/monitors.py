@@ -71,7 +71,10 @@ class LearningRateMonitor(Callback):
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
         every = trainer.config.log_every_n_steps
         upcoming = trainer.global_step + 1  # the step this batch belongs to (its rate is set by now)
-        if self.logging_interval != "epoch" and every and (upcoming % every == 0 or trainer.should_stop):
+        # the loop's logging cadence counts batches that stepped (under manual optimization with two
+        # optimizers, global_step counts both of each batch's steps)
+        logged = (trainer.batches_stepped + 1) % every == 0 if every else False
+        if self.logging_interval != "epoch" and every and (logged or trainer.should_stop):
             interval = "step" if self.logging_interval is None else "any"
             self._log(trainer, self.rates(trainer, interval), upcoming)
 
@@ -124,7 +127,7 @@ def _named_optimizers(trainer: Any) -> list[tuple[Any, str | None, list[str]]]:
         groups = optimizer.param_groups
         given = [group["name"] for group in groups if group.get("name")]
         if len(set(given)) != len(given):
-            raise ConfigError(f"LearningRateMonitor: a single `Optimizer` cannot have multiple parameter "
+            raise ConfigError(f"LearningRateMonitor: A single `Optimizer` cannot have multiple parameter "
                               f"groups with identical `name` values ({type(optimizer).__name__}: {given}); "
                               f"name them apart, or leave the names out (pg1, pg2, ...)")
         if len(groups) > 1:
