@@ -258,6 +258,13 @@ def test_val_check_interval_longer_than_an_epoch_needs_check_val_every_n_epoch_n
         fit(tmp_path, val_check_interval=12, max_epochs=3)
 
 
+def test_a_fraction_of_an_epoch_cannot_count_across_epochs() -> None:
+    from polytrain import Trainer
+
+    with pytest.raises(ConfigError, match=r"should be an integer when `check_val_every_n_epoch=None`"):
+        Trainer(val_check_interval=0.5, check_val_every_n_epoch=None)
+
+
 # --------------------------------------------------------------------------- min_epochs / min_steps
 
 

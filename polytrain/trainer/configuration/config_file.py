@@ -277,6 +277,10 @@ def _check_lightning_options(cfg: TrainerConfig) -> None:
                                      (isinstance(interval, float) and 0.0 < interval <= 1.0)):
         raise ConfigError(f"trainer.val_check_interval was passed invalid value {interval!r}; give a "
                           f"number of training batches (>= 1) or a fraction of the epoch in (0, 1]")
+    if isinstance(interval, float) and cfg.check_val_every_n_epoch is None:
+        raise ConfigError(f"trainer.val_check_interval={interval}: `val_check_interval` should be an integer "
+                          f"when `check_val_every_n_epoch=None`, which counts training batches across "
+                          f"epochs, where a fraction of one epoch means nothing; give a number of batches")
     if not (isinstance(cfg.fast_dev_run, bool) or (_is_int(cfg.fast_dev_run) and cfg.fast_dev_run >= 0)):
         raise ConfigError(f"trainer.fast_dev_run={cfg.fast_dev_run!r} should be >= 0: use true, false, or a "
                           f"number of batches")
