@@ -203,3 +203,18 @@ def test_weights_only_under_fsdp_writes_a_sharded_model_that_evaluates_and_refus
     stored = list(FileSystemReader(path).read_metadata().state_dict_metadata)
     assert any(key.startswith("model") for key in stored), stored
     assert not any("optim" in key for key in stored), stored
+
+
+def test_a_files_epoch_is_the_one_it_was_saved_in_and_a_finished_run_is_not_resumed_into_fewer_epochs(
+        make_trainer: Any, tmp_path: Any) -> None:
+    saver = ModelCheckpoint(dirpath=str(tmp_path), filename="{epoch}", save_top_k=-1)
+    make_trainer(max_epochs=3, callbacks=[saver], enable_checkpointing=True).fit(TinyModule(n=8, val_n=4))
+    saved = {name: torch.load(tmp_path / name, weights_only=False) for name in sorted(os.listdir(tmp_path))}
+    # Lightning's `epoch`: trainer.current_epoch at the save; the loop's says where a resume continues
+    assert [(ckpt["epoch"], ckpt["loop"]["epoch"]) for ckpt in saved.values()] == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(ConfigError, match=r"restored a checkpoint with current_epoch=3, but you have set "
+                                          r"Trainer\(max_epochs=1\)"):
+        make_trainer(max_epochs=1).fit(TinyModule(n=8, val_n=4), ckpt_path=str(tmp_path / "epoch=2.ckpt"))
+    resumed = make_trainer(max_epochs=3)  # as many epochs as it ran: nothing left to train, no error
+    resumed.fit(TinyModule(n=8, val_n=4), ckpt_path=str(tmp_path / "epoch=2.ckpt"))
+    assert resumed.global_step == 6

@@ -138,6 +138,12 @@ class FitLoop:
         data.train_loader, data.requested_early = None, False
         self._setup_optimization()
         self._restore(ckpt_path)
+        # the same on every rank (each restored the same loop state)
+        if cfg.max_epochs not in (None, -1) and self.progress.epoch > cfg.max_epochs:
+            raise ConfigError(f"You restored a checkpoint with current_epoch={self.progress.epoch}, but you "
+                              f"have set Trainer(max_epochs={cfg.max_epochs}): the fit would train nothing. "
+                              f"Raise max_epochs above {self.progress.epoch} to continue it, or start from "
+                              f"the weights alone (module.load_from_checkpoint, or trainer.init_weights)")
         staging_waited = strategy.checkpoint_io.staging_waited()
         record_dir = fit.log_dir if strategy.is_logging_rank and os.path.isdir(fit.log_dir) else None
         self.goodput.begin(self.progress.global_step, staging_waited, record_dir)

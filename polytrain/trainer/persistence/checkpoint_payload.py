@@ -89,7 +89,9 @@ def build_payload(sources: PayloadSources) -> dict[str, Any]:
     rng, data = _rank_states(sources)
     payload: dict[str, Any] = {
         "polytrain": {"format": FORMAT_VERSION, "version": __version__},
-        "epoch": loop["epoch"],
+        # trainer.current_epoch when saved, as Lightning's: an epoch-end file names the epoch it finished
+        # (``loop`` says where a resume continues)
+        "epoch": sources.progress.epoch,
         "global_step": loop["global_step"],
         # The live model state, for hooks that read checkpoint["state_dict"] (Lightning code does); the
         # strategy writes the model itself (under "model", gathered or sharded), so this is not saved.
