@@ -297,3 +297,32 @@ def test_load_from_checkpoint_of_a_lightning_checkpoint(tmp_path: Any) -> None:
     trainer.save_checkpoint(path)
     loaded = Regressor.load_from_checkpoint(path)
     assert loaded.hparams.hidden == 16 and _same_weights(loaded.state_dict(), module.state_dict())
+
+
+def test_a_name_the_module_and_the_datamodule_both_save_with_different_values_is_refused(
+        tmp_path: Any) -> None:
+    class Batched(Regressor):
+        def __init__(self, batch_size: int = 8):
+            super().__init__()
+            self.save_hyperparameters()
+
+    with pytest.raises(RuntimeError, match=r"Error while merging hparams: the keys \['batch_size'\] .* "
+                                           r"\(batch_size: 8 vs 4\)"):
+        Trainer(**QUIET, devices=1, default_root_dir=str(tmp_path), max_epochs=1).fit(
+            Batched(), datamodule=Data(batch_size=4))
+    # the same value in both, or no logger to record them: nothing to choose between
+    Trainer(**QUIET, devices=1, default_root_dir=str(tmp_path), max_epochs=1).fit(
+        Batched(batch_size=4), datamodule=Data(batch_size=4))
+    Trainer(**{**QUIET, "logger": False}, devices=1, default_root_dir=str(tmp_path), max_epochs=1).fit(
+        Batched(), datamodule=Data(batch_size=4))
+
+
+def test_older_lightning_files_hyperparameter_keys_are_read(tmp_path: Any) -> None:
+    from polytrain.loggers import TensorBoardLogger
+
+    assert TensorBoardLogger.NAME_HPARAMS_FILE == "hparams.yaml"
+    module = Regressor(hidden=12)
+    path = str(tmp_path / "old.ckpt")
+    torch.save({"pytorch-lightning_version": "0.9.0", "state_dict": module.state_dict(),
+                "module_arguments": {"hidden": 12, "lr": 0.2}}, path)
+    assert Regressor.load_from_checkpoint(path).hparams.lr == 0.2

@@ -52,11 +52,26 @@ def flatten_hparams(params: Mapping[str, Any], prefix: str = "") -> dict[str, An
 def hyperparameters(trainer: Any, module: Any) -> dict[str, Any]:
     """What the loggers are given, as Lightning: the DataModule's initial hparams, then the module's
     (``save_hyperparameters(logger=False)`` keeps an object's out)."""
+    return plain_hparams(merged_hparams(getattr(trainer, "datamodule", None), module))
+
+
+def merged_hparams(datamodule: Any, module: Any) -> dict[str, Any]:
+    """The DataModule's and the module's initial hyperparameters in one dict; a name both hold with
+    different values raises (Lightning's RuntimeError), since the loggers could record only one of them."""
+    logged = [getattr(obj, "hparams_initial", None) or {} for obj in (datamodule, module)
+              if obj is not None and getattr(obj, "__dict__", {}).get("_log_hyperparams", True)]
+    if len(logged) == 2:
+        clashing = sorted(k for k in set(logged[0]) & set(logged[1]) if logged[0][k] != logged[1][k])
+        if clashing:
+            values = ", ".join(f"{k}: {logged[1][k]!r} vs {logged[0][k]!r}" for k in clashing)
+            raise RuntimeError(f"Error while merging hparams: the keys {clashing} are present in both the "
+                               f"{type(module).__name__}'s and the {type(datamodule).__name__}'s hparams but "
+                               f"have different values ({values}). Rename one, or save it with only one of "
+                               f"them")
     params: dict[str, Any] = {}
-    for obj in (getattr(trainer, "datamodule", None), module):
-        if obj is not None and getattr(obj, "__dict__", {}).get("_log_hyperparams", True):
-            params.update(getattr(obj, "hparams_initial", None) or {})
-    return plain_hparams(params)
+    for one in logged:
+        params.update(one)
+    return params
 
 
 def prefixed(metrics: Mapping[str, float], prefix: str, separator: str = "-") -> dict[str, float]:

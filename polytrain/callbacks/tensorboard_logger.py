@@ -25,6 +25,8 @@ class TensorBoardLogger(DirectoryLogger):
     Lightning does, so the tab lists the run before any metric is attached.
     """
 
+    NAME_HPARAMS_FILE = "hparams.yaml"
+
     def __init__(self, save_dir: str | os.PathLike, name: str | None = "lightning_logs",
                  version: int | str | None = None, log_graph: bool = False, default_hp_metric: bool = True,
                  prefix: str = "", sub_dir: str | os.PathLike | None = None, **kwargs: Any) -> None:
@@ -64,7 +66,7 @@ class TensorBoardLogger(DirectoryLogger):
         # what add_hparams writes, minus its subfolder
         for event in self._summary.hparams(flat, metrics or {}):
             writer.file_writer.add_summary(event)
-        write_hparams_yaml(os.path.join(self.log_dir, "hparams.yaml"), self.hparams)
+        write_hparams_yaml(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), self.hparams)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         writer = self.experiment

@@ -51,7 +51,10 @@ def read_checkpoint(path: str, weights_only: bool = True) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} holds a {type(data).__name__}, not a state dict")
     if "polytrain" not in data and "pytorch-lightning_version" in data and "state_dict" in data:
         # A Lightning checkpoint: its weights and hyperparameters (load_from_checkpoint), no loop state.
-        data = {"model": data["state_dict"], "hyper_parameters": data.get("hyper_parameters", {}),
+        # (Older Lightning files keep the hyperparameters under "hparams" or "module_arguments".)
+        hparams = next((data[k] for k in ("hyper_parameters", "hparams", "module_arguments")
+                        if data.get(k) is not None), {})
+        data = {"model": data["state_dict"], "hyper_parameters": hparams,
                 "datamodule_hyper_parameters": data.get("datamodule_hyper_parameters", {}),
                 **{k: data[k] for k in ("hparams_name", "hparams_type") if k in data}}
     elif "polytrain" not in data:

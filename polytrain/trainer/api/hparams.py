@@ -187,7 +187,9 @@ def init_arguments(cls: type, checkpoint: dict[str, Any], prefix: str, overrides
     """The keywords to rebuild ``cls`` from a checkpoint, as Lightning's: the saved hyperparameters (passed
     back as the one dict, Namespace or DictConfig argument that held them, where one did), ``overrides``
     winning, and, for an ``__init__`` without ``**kwargs``, only the names it takes."""
-    saved = dict(checkpoint.get(f"{prefix}hyper_parameters", {}))
+    # older Lightning files kept them under "hparams" or "module_arguments" (a module's, not a DataModule's)
+    keys = [f"{prefix}hyper_parameters"] + ([] if prefix else ["hparams", "module_arguments"])
+    saved = dict(next((checkpoint[key] for key in keys if checkpoint.get(key) is not None), {}))
     parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]  # [0] is self
     named = {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     name = checkpoint.get(f"{prefix}hparams_name")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from polytrain.callbacks.base import Callback
+from polytrain.callbacks.loggers import Logger, merged_hparams
 from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 from polytrain.checkpoint.hugging_face import (
     find_pretrained,
@@ -85,6 +86,8 @@ def begin(stage: str, *, strategy: Any, hooks: Hooks, module: TrainModule, datam
     if datamodule is not None:
         warn_unknown_hooks(datamodule, DATAMODULE_HOOKS, DataModule)
     _prepare_data(strategy, hooks, module, datamodule)
+    if any(isinstance(cb, Logger) for cb in callbacks):
+        merged_hparams(datamodule, module)  # every rank: a clash raises everywhere, before anything is logged
     hooks.datamodule("setup", stage=stage)
     hooks.callbacks("setup", stage=stage)
     hooks.module("setup", stage=stage)
