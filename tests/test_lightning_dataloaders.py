@@ -197,3 +197,35 @@ def test_a_combined_evaluation_loader_reports_each_loaders_batches(make_trainer:
     trainer.validate(Combined(), CombinedLoader({"a": [0, 1, 2], "b": [3, 4]}, "max_size"))
     assert seen == [{"a": 0, "b": 3}, {"a": 1, "b": 4}, {"a": 2, "b": None}]  # plain lists are iterables
     assert trainer.num_val_batches == [3, 2] and trainer.num_sanity_val_batches == []
+
+
+def test_each_loaders_results_hold_what_was_logged_under_it(make_trainer: Any) -> None:
+    class Logs(TinyModule):
+        def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            loss = torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+            self.log("loss", loss, on_step=True, on_epoch=True)
+            self.log(f"only_{dataloader_idx}", float(dataloader_idx + 1), add_dataloader_idx=False)
+            self.log("seen", 1.0, reduce_fx="sum", add_dataloader_idx=False)  # under both: the whole pass's
+
+        def on_test_epoch_end(self) -> None:
+            self.log("at_end", 7.0)
+
+        def test_dataloader(self) -> list[DataLoader]:
+            return [DataLoader(self.val_ds, batch_size=4)] * 2
+
+    results = make_trainer().test(Logs(val_n=8), verbose=False)
+    assert [sorted(r) for r in results] == [
+        ["at_end", "loss_epoch/dataloader_idx_0", "only_0", "seen"],
+        ["at_end", "loss_epoch/dataloader_idx_1", "only_1", "seen"]]  # the tag before the loader's suffix
+    assert results[1]["only_1"] == 2.0 and results[0]["seen"] == results[1]["seen"] == 4.0
+
+
+def test_a_name_holding_the_loader_suffix_is_refused(make_trainer: Any) -> None:
+    class Suffixed(TinyModule):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            self.log("foo/dataloader_idx_0", 1.0)
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(ValueError, match="`self.log` with the key `foo/dataloader_idx_0` but it should not "
+                                         "contain information about `dataloader_idx`"):
+        make_trainer(max_epochs=1).fit(Suffixed(val_n=None))

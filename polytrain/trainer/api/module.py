@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from polytrain.core.errors import ConfigError
 from polytrain.core.protocol import LOG_TAP, MUTED
 from polytrain.trainer.api.data_hooks import DataHooks
 from polytrain.trainer.api.hparams import HyperparametersMixin, load_module_from_checkpoint
@@ -123,6 +124,11 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
         trainer = self.__dict__.get("_trainer")
         if trainer is None:
             return
+        if add_dataloader_idx and "/dataloader_idx_" in name:
+            raise ConfigError(f"You called `self.log` with the key `{name}` but it should not contain "
+                              f"information about `dataloader_idx`: the suffix is polytrain's, added where "
+                              f"several evaluation loaders run. Log the name alone, or pass "
+                              f"add_dataloader_idx=False to keep it as written")
         if add_dataloader_idx and trainer.metrics.dataloader_idx is not None:
             name = f"{name}/dataloader_idx_{trainer.metrics.dataloader_idx}"  # several evaluation loaders
         tap = self.__dict__.get(LOG_TAP)  # set by a strategy around a padding batch or a pipeline stage

@@ -209,7 +209,8 @@ class EvaluationLoop:
                     m.training = training
         return result
 
-    def _end_eval_epoch(self, word: str, metric_stage: str, global_step: int) -> dict[str, float]:
+    def _end_eval_epoch(self, word: str, metric_stage: str,
+                        global_step: int) -> dict[str, tuple[float, int | None]]:
         """The epoch's values reduced before ``on_<stage>_epoch_end`` (it reads them), what the hook logged
         reduced after it, then all of them published at once (the sanity check's are dropped)."""
         metrics, group = self.metrics, self.strategy.dp_group
@@ -223,7 +224,7 @@ class EvaluationLoop:
         else:
             publish(metrics, self.hooks, values, global_step)
         metrics.end_eval_epoch()
-        return {name: float(v) for name, (_, v) in values.items()}
+        return {name: (float(v), entry.loader) for name, (entry, v) in values.items()}
 
     def _eval_batch(self, eval_step: Any, stage: str, word: str, batch: Any, batch_idx: int, entry: str,
                     sanity: bool, dataloader_idx: int | None) -> Any:
@@ -247,13 +248,13 @@ class EvaluationLoop:
         return output
 
 
-def per_loader(values: dict[str, float], n_loaders: int) -> list[dict[str, float]]:
-    """An evaluation's epoch values as one dict per loader (Lightning's results): a loader's own values
-    (``.../dataloader_idx_N``) and those logged without a loader's suffix."""
+def per_loader(values: dict[str, tuple[float, int | None]], n_loaders: int) -> list[dict[str, float]]:
+    """An evaluation's epoch values (each with the loader it was logged under) as one dict per loader,
+    Lightning's results: a loader's own values (``.../dataloader_idx_N``, or logged under it with
+    ``add_dataloader_idx=False``) and those no loader was running for (the epoch-end hooks')."""
     if n_loaders <= 1:
-        return [values]
-    return [{name: v for name, v in values.items()
-             if name.endswith(f"/dataloader_idx_{i}") or "/dataloader_idx_" not in name}
+        return [{name: v for name, (v, _) in values.items()}]
+    return [{name: v for name, (v, loader) in values.items() if loader is None or loader == i}
             for i in range(n_loaders)]
 
 

@@ -105,11 +105,12 @@ class Logged:
     """One name's record within a stage."""
 
     __slots__ = ("name", "options", "on_step", "on_epoch", "prog_bar", "logger", "reduce_fx", "sync_dist",
-                 "metric", "total", "count", "step_value")
+                 "metric", "total", "count", "step_value", "loader")
 
-    def __init__(self, name: str, options: tuple) -> None:
+    def __init__(self, name: str, options: tuple, loader: int | None = None) -> None:
         self.name = name
         self.options = options
+        self.loader = loader  # the evaluation loader it was logged under (None: none, or one loader only)
         self.on_step, self.on_epoch, self.prog_bar, self.logger, self.reduce_fx, self.sync_dist = options
         self.metric: Any = None
         self.total: torch.Tensor | None = None  # epoch accumulation (weighted sum for mean)
@@ -121,10 +122,16 @@ class Logged:
         return self.on_step and self.on_epoch
 
     def step_name(self) -> str:
-        return f"{self.name}_step" if self.forked else self.name
+        return self._tagged("step") if self.forked else self.name
 
     def epoch_name(self) -> str:
-        return f"{self.name}_epoch" if self.forked else self.name
+        return self._tagged("epoch") if self.forked else self.name
+
+    def _tagged(self, tag: str) -> str:
+        """``loss_step``; under several evaluation loaders the tag goes before the loader's suffix, as
+        Lightning names it: ``loss_epoch/dataloader_idx_0``."""
+        base, separator, index = self.name.rpartition("/dataloader_idx_")
+        return f"{base}_{tag}{separator}{index}" if separator else f"{self.name}_{tag}"
 
 
 class MetricCollector:
@@ -197,7 +204,9 @@ class MetricCollector:
             if not (on_step or on_epoch):
                 raise ConfigError(f"self.log({name!r}, on_step=False, on_epoch=False) is not useful: it "
                                   f"records nothing; log per step, per epoch or both")
-            entry = self._current[name] = Logged(name, options)
+            entry = self._current[name] = Logged(name, options, self.dataloader_idx)
+        elif entry.loader != self.dataloader_idx:
+            entry.loader = None  # one name (add_dataloader_idx=False) under several loaders: the whole pass's
         if type(value) is torch.Tensor and value.dtype is _FLOAT32 and not value.dim():
             tensor = value.detach()  # the common case (a loss), without the calls below
         else:
@@ -216,7 +225,7 @@ class MetricCollector:
             self._fresh[name] = entry
             self.callback[name] = tensor
             if on_epoch:
-                self.callback[f"{name}_step"] = tensor
+                self.callback[entry.step_name()] = tensor
         if on_epoch and entry.metric is None:
             self._accumulate(entry, tensor, batch_size)
             if not on_step and self.epoch_level():
