@@ -229,3 +229,48 @@ def test_a_name_holding_the_loader_suffix_is_refused(make_trainer: Any) -> None:
     with pytest.raises(ValueError, match="`self.log` with the key `foo/dataloader_idx_0` but it should not "
                                          "contain information about `dataloader_idx`"):
         make_trainer(max_epochs=1).fit(Suffixed(val_n=None))
+
+
+def test_a_none_batch_is_skipped_with_a_warning_on_one_process(make_trainer: Any) -> None:
+    from torch.utils.data import default_collate
+
+    ends: list[Any] = []
+
+    class Holes(TinyModule):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(self.train_ds, batch_size=4,
+                              collate_fn=lambda items: None if len(ends) % 2 == 0 else default_collate(items))
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            ends.append(outputs)
+
+    trainer = make_trainer(max_epochs=1)
+    with pytest.warns(UserWarning, match="train_dataloader yielded None"):
+        trainer.fit(Holes(n=16, val_n=None))
+    assert trainer.global_step == 2 and [o is None for o in ends] == [True, False, True, False]
+
+
+def _none_batch_worker(rank: int, world_size: int, root: str) -> str:
+    from polytrain import Trainer
+
+    class Holes(TinyModule):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(self.train_ds, batch_size=2, collate_fn=lambda items: None)
+
+    trainer = Trainer(strategy="ddp", accelerator="cpu", devices=world_size, run_dir=root, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, max_epochs=1, timeout=60)
+    try:
+        trainer.fit(Holes(n=8, val_n=None))
+    except ValueError as err:
+        return str(err)
+    return "trained"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_a_none_batch_under_ddp_is_an_error_on_every_rank_that_meets_it(tmp_path: Any) -> None:
+    from distributed import run_distributed
+
+    said = run_distributed(_none_batch_worker, 2, str(tmp_path))
+    assert all("yielded None at batch 0 of epoch 0" in s and "every rank must step together" in s
+               for s in said), said

@@ -113,6 +113,20 @@ class TrainingEpochLoop:
                 return True
         return True
 
+    def _none_batch(self, batch_idx: int, last: bool) -> tuple[Any, Any, bool, bool]:
+        """A loader that yielded None (a collate_fn that drops a batch): as Lightning, no step, and
+        ``on_train_batch_end`` gets no outputs. Across ranks the others would wait for this rank's
+        gradients, so there it is an error."""
+        if self._multi_rank:
+            raise ValueError(f"the train_dataloader yielded None at batch {batch_idx} of epoch "
+                             f"{self.progress.epoch} on global rank {self.fit.strategy.global_rank}: with "
+                             f"several processes every rank must step together. Drop such batches in the "
+                             f"dataset or sampler instead of returning None from collate_fn")
+        rank_zero_warn("train_dataloader yielded None. If this was on purpose, ignore this warning: the "
+                       "batch is skipped (no training step), as Lightning does")
+        self.progress.take_batch(batch_idx)
+        return None, None, False, last
+
     def _start_epoch_steps(self, iterator: Any) -> None:
         """What ``run_batch`` reads on every batch of this epoch, looked up once: the iterator (or the
         ranks' agreement on an iterable's batches), the hooks that run, the profiler's and the clock's
@@ -153,6 +167,8 @@ class TrainingEpochLoop:
                                f"one data-parallel rank: the epoch ends without a step (an iterable dataset "
                                f"yields nothing this epoch)")
             return DATA_ENDED
+        if batch is None:
+            return self._none_batch(batch_idx, last)
         with self._transfer_phase:
             batch = self._transfer(batch)
         self.fit.metrics.batch = batch  # its size is read only if a value is logged per epoch
