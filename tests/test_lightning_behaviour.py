@@ -742,3 +742,53 @@ def test_logging_nothing_is_refused_and_a_long_interval_without_validation_is_fi
     trainer = make_trainer(max_epochs=1, val_check_interval=10, limit_val_batches=0)
     trainer.fit(TinyModule(n=16))  # 4 batches an epoch: the interval would be refused were there validation
     assert trainer.global_step == 4
+
+
+def test_schedulers_under_manual_optimization_and_a_custom_scheduler(make_trainer: Any) -> None:
+    class Stepless:
+        def __init__(self, optimizer: Any) -> None:
+            self.optimizer, self.calls = optimizer, 0
+
+        def state_dict(self) -> dict[str, Any]:
+            return {}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    class ByHand(TinyModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(torch.nn.functional.mse_loss(self(batch[0]), batch[1]))
+            opt.step()
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+            return [opt], [{"scheduler": plateau, "monitor": "train_loss", "interval": "step"}]
+
+    trainer = make_trainer(max_epochs=1)
+    with pytest.warns(RuntimeWarning, match=r"\['monitor'\], but the keys will be ignored"):
+        trainer.fit(ByHand())  # the module steps its own schedulers: no metric needed by the loop
+    assert trainer.lr_scheduler_configs[0].interval == "step"
+
+    class Custom(TinyModule):
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [opt], [Stepless(opt)]
+
+    with pytest.raises(ValueError, match=r"`Stepless` doesn't follow PyTorch's LRScheduler API .* override "
+                                         r"the `Custom.lr_scheduler_step` hook"):
+        make_trainer(max_epochs=1).fit(Custom())
+
+    class Told(Custom):
+        def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+            scheduler.calls += 1
+
+    told = Told()
+    trainer = make_trainer(max_epochs=1)
+    trainer.fit(told)
+    assert trainer.lr_scheduler_configs[0].scheduler.calls == 1  # once, at the epoch's end

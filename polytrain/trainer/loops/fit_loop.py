@@ -32,7 +32,7 @@ from polytrain.data.loaders import stop_workers
 from polytrain.parallel.float8 import precompute_scales_after_each_step, resolve_float8
 from polytrain.trainer.api.hooks import Hooks, is_overridden
 from polytrain.trainer.api.module import TrainModule
-from polytrain.trainer.api.optimizer_config import parse_optimizers, step_schedulers
+from polytrain.trainer.api.optimizer_config import check_scheduler_api, parse_optimizers, step_schedulers
 from polytrain.trainer.configuration.config_file import parse_max_time
 from polytrain.trainer.loops.data_connector import DataConnector, epoch_iterator
 from polytrain.trainer.loops.evaluation import EvaluationLoop
@@ -268,7 +268,10 @@ class FitLoop:
         anew: a second fit of the same Trainer (a fine-tuning or SWA phase) starts from fresh optimizer state
         unless it resumes a checkpoint."""
         strategy, module, hooks, cfg = self.fit.strategy, self.fit.module, self.fit.hooks, self.config
-        optimizers, self.lr_scheduler_configs = parse_optimizers(hooks.module("configure_optimizers"))
+        optimizers, self.lr_scheduler_configs = parse_optimizers(hooks.module("configure_optimizers"),
+                                                                 module.automatic_optimization)
+        check_scheduler_api(self.lr_scheduler_configs, module,
+                            is_overridden(module, "lr_scheduler_step", TrainModule))
         strategy.setup_optimizers(optimizers)
         float8 = resolve_float8(cfg.float8)
         if float8 is not None and float8["precompute_float8_dynamic_scale_for_fsdp"]:
