@@ -326,3 +326,23 @@ def test_older_lightning_files_hyperparameter_keys_are_read(tmp_path: Any) -> No
     torch.save({"pytorch-lightning_version": "0.9.0", "state_dict": module.state_dict(),
                 "module_arguments": {"hidden": 12, "lr": 0.2}}, path)
     assert Regressor.load_from_checkpoint(path).hparams.lr == 0.2
+
+
+def test_values_passed_where_argument_names_belong_are_named() -> None:
+    class Valued(LightningModule):
+        def __init__(self, arg1: float = 3.14, arg2: str = "abc"):
+            super().__init__()
+            self.save_hyperparameters(arg1, arg2)
+
+    with pytest.raises(ValueError, match=r"Primitives \(<class 'bool'>.* \[3.14\] look like values\. "
+                                         r"Pass the names of Valued.__init__'s arguments \(arg1, arg2\)"):
+        Valued()
+
+
+def test_the_container_a_checkpoint_records_is_not_a_method_of_the_users_module(tmp_path: Any) -> None:
+    """A hook recorder (Lightning's tests wrap every method of a module) sees only Lightning's names."""
+    from polytrain.trainer.api.hparams import hparams_container
+
+    module = FromObject({"lr": 0.1})
+    assert not hasattr(module, "hparams_container")
+    assert hparams_container(module) == {"hparams_name": "conf", "hparams_type": "dict"}

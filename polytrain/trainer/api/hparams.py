@@ -104,6 +104,12 @@ class HyperparametersMixin:
             container = (name, _container_type(source))
             values = (_to_plain_container(source) if isinstance(source, Mapping) else dict(vars(source)))
         elif args:
+            values_given = [a for a in args if isinstance(a, (bool, int, float))]
+            if values_given:  # save_hyperparameters(arg1, arg2): values where their names belong
+                raise ValueError(f"save_hyperparameters{args}: Primitives {(bool, int, float, str)} are not "
+                                 f"allowed as hyperparameters themselves; {values_given} look like values. "
+                                 f"Pass the names of {type(self).__name__}.__init__'s arguments "
+                                 f"({', '.join(init_args) or 'none'}), or one dict, Namespace or DictConfig")
             unknown = [a for a in args if a not in init_args]
             if unknown:
                 raise ValueError(f"save_hyperparameters{args}: {unknown} are not arguments of "
@@ -128,12 +134,6 @@ class HyperparametersMixin:
             self.__dict__["_hparams_name"], self.__dict__["_hparams_type"] = container
             if container[1] == "DictConfig":  # an OmegaConf config stays one, as in Lightning
                 self.__dict__["_hparams"] = self.__dict__["_hparams_initial"] = copy.deepcopy(source)
-
-    def hparams_container(self) -> dict[str, str]:
-        """What a checkpoint records beside the hyperparameters when one dict, Namespace or DictConfig held
-        them: the ``__init__`` argument it came in (``hparams_name``) and its kind (``hparams_type``)."""
-        name, kind = self.__dict__.get("_hparams_name"), self.__dict__.get("_hparams_type")
-        return {} if kind is None else {"hparams_name": name, "hparams_type": kind}
 
     @property
     def hparams(self) -> AttributeDict:
@@ -167,6 +167,14 @@ def _rebuilt_container(values: dict[str, Any], kind: str | None) -> Any:
     if kind == "Namespace":
         return argparse.Namespace(**values)
     return values
+
+
+def hparams_container(obj: Any) -> dict[str, str]:
+    """What a checkpoint records beside ``obj``'s hyperparameters when one dict, Namespace or DictConfig held
+    them: the ``__init__`` argument it came in (``hparams_name``) and its kind (``hparams_type``). A plain
+    function, not a method: a module's namespace holds Lightning's names and the user's own only."""
+    name, kind = obj.__dict__.get("_hparams_name"), obj.__dict__.get("_hparams_type")
+    return {} if kind is None else {"hparams_name": name, "hparams_type": kind}
 
 
 def plain(value: Any) -> Any:

@@ -19,7 +19,7 @@ from polytrain.core.rng import capture_rng_state
 from polytrain.core.version import __version__
 from polytrain.data.loaders import user_sampler_state
 from polytrain.data.stateful import rank_entry
-from polytrain.trainer.api.hparams import plain
+from polytrain.trainer.api.hparams import hparams_container, plain
 
 if TYPE_CHECKING:
     from polytrain.trainer.loops.progress import EpochData, FitProgress
@@ -104,7 +104,7 @@ def build_payload(sources: PayloadSources) -> dict[str, Any]:
         "callbacks": _callback_states(sources.callbacks),
         "config": plain(sources.config),
         "hyper_parameters": plain(dict(module.hparams)),
-        **module.hparams_container(),
+        **hparams_container(module),
     }
     if data is not None:
         payload["data"] = data  # per rank: {"dp_rank", "dp_size", "state"}
@@ -114,7 +114,7 @@ def build_payload(sources: PayloadSources) -> dict[str, Any]:
     if datamodule is not None:
         payload["datamodule"] = {type(datamodule).__qualname__: hooks.datamodule("state_dict")}
         payload["datamodule_hyper_parameters"] = plain(dict(datamodule.hparams))
-        payload.update({f"datamodule_{k}": v for k, v in datamodule.hparams_container().items()})
+        payload.update({f"datamodule_{k}": v for k, v in hparams_container(datamodule).items()})
     if sources.weights_only:
         for key in ("schedulers", "precision", "callbacks"):
             del payload[key]
