@@ -792,3 +792,23 @@ def test_schedulers_under_manual_optimization_and_a_custom_scheduler(make_traine
     trainer = make_trainer(max_epochs=1)
     trainer.fit(told)
     assert trainer.lr_scheduler_configs[0].scheduler.calls == 1  # once, at the epoch's end
+
+
+def test_minus_one_from_on_train_batch_start_skips_the_rest_of_the_epoch(make_trainer: Any) -> None:
+    seen: list[tuple[int, int]] = []
+
+    class Skips(TinyModule):
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+            seen.append((self.current_epoch, batch_idx))
+            return -1 if batch_idx == 2 else None
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.1)]
+
+    trainer = make_trainer(max_epochs=3)
+    trainer.fit(Skips(n=40, batch_size=4, val_n=None))
+    # each epoch: batches 0 and 1 step, batch 2 ends it; the next epoch starts at its first batch
+    assert seen == [(e, b) for e in range(3) for b in range(3)] and trainer.global_step == 6
+    assert trainer.current_epoch == 3
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.1**3)  # stepped every epoch

@@ -88,7 +88,12 @@ class TrainingEpochLoop:
             if step is DATA_ENDED:
                 break
             if step is EPOCH_SKIPPED:
-                return False
+                # As Lightning: the rest of the epoch is skipped and the epoch ends there (the next fit
+                # epoch starts at its first batch), so its epoch-wise schedulers step now.
+                p.expect_validation(False)
+                step_schedulers(self.lr_scheduler_configs, "epoch", p.epoch + 1, metrics.callback,
+                                self._scheduler_step, plateau=False)
+                return True
             batch, output, stepped, last = step
             if (stepped or not automatic) and p.count_stepped_batch(log_every):
                 self._log_step()
