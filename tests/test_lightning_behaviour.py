@@ -812,3 +812,25 @@ def test_minus_one_from_on_train_batch_start_skips_the_rest_of_the_epoch(make_tr
     assert seen == [(e, b) for e in range(3) for b in range(3)] and trainer.global_step == 6
     assert trainer.current_epoch == 3
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.1**3)  # stepped every epoch
+
+
+def test_clip_gradients_takes_the_trainers_values_and_refuses_contradicting_them(make_trainer: Any) -> None:
+    norms: list[float] = []
+
+    class ClipsItself(TinyModule):
+        def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                        gradient_clip_algorithm: Any = None) -> None:
+            self.clip_gradients(optimizer)  # the Trainer's value and algorithm
+            norms.append(float(torch.cat([p.grad.flatten() for p in self.parameters()]).norm()))
+
+    make_trainer(max_epochs=1, gradient_clip_val=1e-3).fit(ClipsItself(val_n=None))
+    assert norms and max(norms) <= 1e-3 * 1.0001
+
+    class Contradicts(TinyModule):
+        def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                        gradient_clip_algorithm: Any = None) -> None:
+            self.clip_gradients(optimizer, gradient_clip_val=1e-2)
+
+    with pytest.raises(ValueError, match=r"`Trainer\(gradient_clip_val=0.0001\)` and have passed "
+                                         r"`clip_gradients\(gradient_clip_val=0.01\)`"):
+        make_trainer(max_epochs=1, gradient_clip_val=1e-4).fit(Contradicts(val_n=None))

@@ -229,11 +229,33 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
 
     def clip_gradients(self, optimizer: Any, gradient_clip_val: float | None = None,
                        gradient_clip_algorithm: str | None = None) -> None:
-        """Clip the gradients of ``optimizer``'s parameters (unscaled first under ``16-mixed``)."""
-        if gradient_clip_val is None or gradient_clip_val == 0:
+        """Clip the gradients of ``optimizer``'s parameters (unscaled first under ``16-mixed``). As Lightning,
+        an argument left out is the Trainer's (``gradient_clip_val``, ``gradient_clip_algorithm``), and one
+        given that contradicts the Trainer's is refused: which of the two was meant cannot be guessed."""
+        trainer = self.trainer
+        set_val, set_algorithm = trainer.config.gradient_clip_val, trainer.config.gradient_clip_algorithm
+        if gradient_clip_val is None:
+            gradient_clip_val = set_val or 0.0
+        elif set_val is not None and set_val != gradient_clip_val:
+            raise ConfigError(f"You have set `Trainer(gradient_clip_val={set_val!r})` and have passed "
+                              f"`clip_gradients(gradient_clip_val={gradient_clip_val!r})`. Please use only "
+                              f"one of them")
+        if gradient_clip_algorithm is None:
+            gradient_clip_algorithm = set_algorithm or "norm"
+        else:
+            gradient_clip_algorithm = gradient_clip_algorithm.lower()
+            if set_algorithm is not None and set_algorithm != gradient_clip_algorithm:
+                given = gradient_clip_algorithm
+                raise ConfigError(f"You have set `Trainer(gradient_clip_algorithm={set_algorithm!r})` and "
+                                  f"have passed `clip_gradients(gradient_clip_algorithm={given!r})`. Please "
+                                  f"use only one of them")
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ConfigError(f"`gradient_clip_algorithm` {gradient_clip_algorithm!r} is invalid. Allowed "
+                              f"algorithms: ['value', 'norm']")
+        if gradient_clip_val == 0:
             return
-        self.trainer.clip_gradients(getattr(optimizer, "optimizer", optimizer), float(gradient_clip_val),
-                                    gradient_clip_algorithm or "norm")
+        trainer.clip_gradients(getattr(optimizer, "optimizer", optimizer), float(gradient_clip_val),
+                               gradient_clip_algorithm)
 
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
