@@ -21,25 +21,25 @@ PRIVATE = re.compile(
 
 
 def kinds(tests_root: str, files: list[str]) -> dict[tuple[str, str], str]:
+    """``(module, test name) -> "public" | "internal"`` for every test function of ``files``."""
     found: dict[tuple[str, str], str] = {}
     for name in files:
         with open(f"{tests_root}/{name}", encoding="utf-8") as fh:
             source = fh.read()
-        module = name[:-3].replace("/", ".")
-        lines = source.splitlines()
-
-        def visit(nodes: list[ast.stmt], owner: str | None = None) -> None:
-            for node in nodes:
-                if isinstance(node, ast.ClassDef):
-                    visit(node.body, node.name)
-                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
-                    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                    body = "\n".join(lines[first - 1:node.end_lineno])
-                    key = (module if owner is None else f"{module}.{owner}", node.name)
-                    found[key] = "internal" if PRIVATE.search(body) else "public"
-
-        visit(ast.parse(source).body)
+        _visit(ast.parse(source).body, name[:-3].replace("/", "."), None, source.splitlines(), found)
     return found
+
+
+def _visit(nodes: list[ast.stmt], module: str, owner: str | None, lines: list[str],
+           found: dict[tuple[str, str], str]) -> None:
+    for node in nodes:
+        if isinstance(node, ast.ClassDef):
+            _visit(node.body, module, node.name, lines, found)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            body = "\n".join(lines[first - 1:node.end_lineno])
+            key = (module if owner is None else f"{module}.{owner}", node.name)
+            found[key] = "internal" if PRIVATE.search(body) else "public"
 
 
 def main(work: str, tests_root: str, files_list: str) -> None:
@@ -63,7 +63,8 @@ def main(work: str, tests_root: str, files_list: str) -> None:
     for kind in ("public", "internal"):
         counts = {s: score[(kind, s)] for s in ("pass", "failure", "error", "skipped")}
         ran = counts["pass"] + counts["failure"] + counts["error"]
-        share = f" -> {counts['pass']}/{ran} = {100 * counts['pass'] / ran:.1f}% of those that run" if ran else ""
+        share = (f" -> {counts['pass']}/{ran} = {100 * counts['pass'] / ran:.1f}% of those that run"
+                 if ran else "")
         print(f"{kind}: {counts}{share}")
 
 
