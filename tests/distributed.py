@@ -14,7 +14,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ports import free_port
+try:
+    from ports import free_port
+except ModuleNotFoundError:  # imported as ``tests.distributed`` by a script run from the repository root
+    from tests.ports import free_port
 
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:

@@ -387,8 +387,10 @@ class ModelCheckpoint(Callback):
         if keep:
             # the kept file this save pushes out of a full top k may have the new file's name
             full = 0 < self.save_top_k <= len(self.kept)
-            path = self._unclaimed(trainer, self._format_name(trainer), ext,
-                                   replacing=(self.kept[-1][1],) if full else ())
+            replacing = (self.kept[-1][1],) if full else ()
+            if self._last_saved_step == trainer.global_step:  # a second save of this step (another
+                replacing += (self.last_model_path,)  # trigger at the same step): the same state again
+            path = self._unclaimed(trainer, self._format_name(trainer), ext, replacing=replacing)
         else:  # the newest state as `last`: in place of the last one, or of the link to a kept file
             path = self._unclaimed(trainer, self.CHECKPOINT_NAME_LAST, ext,
                                    replacing=(self.last_model_path, self._last_link))
@@ -450,18 +452,28 @@ class ModelCheckpoint(Callback):
                 logger.after_save_checkpoint(self)
 
     def _unclaimed(self, trainer: Any, stem: str, ext: str, replacing: tuple[str, ...] = ()) -> str:
-        """``<dirpath>/<stem><ext>``, or, where a file or directory of that name exists (another run's, or
-        one this callback keeps), ``<stem>-v1<ext>``, ``-v2``, ... (Lightning's version counter, from
-        ``STARTING_VERSION``): no checkpoint is written over, but one of ``replacing``, the files this save
-        takes the place of. ``enable_version_counter=False``: the name as formatted, whatever is there
-        (Lightning's option for a fixed name). Global rank 0 looks; every rank gets its answer."""
+        """``<dirpath>/<stem><ext>``, or, where that name is taken, ``<stem>-v1<ext>``, ``-v2``, ...
+        (Lightning's version counter, from ``STARTING_VERSION``). Taken: a file this callback keeps (as with
+        ``save_top_k=-1`` and a fixed ``filename``), except one of ``replacing``, the files this save takes
+        the place of; and, in a directory the user named, any file this callback did not write (another
+        run's). In the run's own directory a file it does not keep is this run's own, left by an attempt
+        that a resume repeats: written over. ``enable_version_counter=False``: the name as formatted,
+        whatever is there (Lightning's option for a fixed name). Global rank 0 looks; every rank gets its
+        answer."""
         path = os.path.join(self.dirpath, stem + ext)
         if not self.enable_version_counter:
             return path
-        taken = {p for _, p in self.kept} - set(replacing)  # kept files an async save may not have finished
+        kept = {p for _, p in self.kept} - set(replacing)
+        ours = self._written | {self.last_model_path, *replacing}
+
+        def taken(candidate: str) -> bool:
+            if candidate in kept:
+                return True
+            return self._dirpath_given and candidate not in ours and os.path.exists(candidate)
+
         if trainer.strategy.is_global_zero:
             n = self.STARTING_VERSION
-            while path in taken or (os.path.exists(path) and path not in replacing):
+            while taken(path):
                 path = os.path.join(self.dirpath, f"{stem}{self.CHECKPOINT_JOIN_CHAR}v{n}{ext}")
                 n += 1
         return trainer.strategy.broadcast(path)
