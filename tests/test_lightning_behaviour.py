@@ -834,3 +834,42 @@ def test_clip_gradients_takes_the_trainers_values_and_refuses_contradicting_them
     with pytest.raises(ValueError, match=r"`Trainer\(gradient_clip_val=0.0001\)` and have passed "
                                          r"`clip_gradients\(gradient_clip_val=0.01\)`"):
         make_trainer(max_epochs=1, gradient_clip_val=1e-4).fit(Contradicts(val_n=None))
+
+
+# --------------------------------------------------------------------------- the optimizers a module sees
+
+
+class _DecayedSGD(TinyModule):
+    """SGD (no momentum: its state stays empty) with an epoch StepLR; from ``freeze_from`` on, each batch
+    sets the learning rate to 0 through ``self.optimizers()``, as a hand-written warmup does."""
+
+    def __init__(self, freeze_from: int | None = None) -> None:
+        super().__init__(n=8, batch_size=4)
+        self.freeze_from = freeze_from
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)]
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.freeze_from is not None and self.current_epoch >= self.freeze_from:
+            for group in self.optimizers().param_groups:
+                group["lr"] = 0.0
+
+
+def test_the_optimizers_a_module_sees_stay_the_ones_stepping_across_checkpoints_and_resumes(
+        make_trainer: Any, run_dir: str) -> None:
+    # A checkpoint of an optimizer without state (plain SGD) and a resume both rebuild the optimizer's
+    # param_groups; the optimizer a module and the Trainer hand out must show and change the live ones.
+    trainer = make_trainer(max_epochs=3, enable_checkpointing=True, val_check_interval=None)
+    trainer.fit(_DecayedSGD())
+    assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == pytest.approx([0.1 * 0.1 ** 3])
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.1 ** 3)
+
+    module = _DecayedSGD(freeze_from=3)
+    resumed = make_trainer(max_epochs=4, enable_checkpointing=False)
+    resumed.fit(module, ckpt_path=trainer.checkpoint_callback.best_model_path or "last")
+    saved = torch.load(trainer.checkpoint_callback.last_model_path, weights_only=False)["state_dict"]
+    # the learning rate set to 0 through self.optimizers() reached the update: epoch 3 moved nothing
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0)

@@ -145,11 +145,12 @@ def optimizer_state(part: nn.Module, optimizers: list[torch.optim.Optimizer]) ->
     if not optimizers:
         return {}
     # torch creates missing optimizer state with a zero-lr step; a saved run must not keep it
-    # (Adam's step count would be off by one), so such optimizers get their empty state back.
-    fresh = [(opt, opt.state_dict()) for opt in optimizers if not opt.state]
+    # (Adam's step count would be off by one), so such optimizers get their empty state back. Cleared in
+    # place: loading a state dict would give them new param_groups under whatever holds the old ones.
+    fresh = [opt for opt in optimizers if not opt.state]
     optim = lazy.dcp().state_dict.get_optimizer_state_dict(part, optimizers, options=_options())
-    for opt, state in fresh:
-        opt.load_state_dict(state)
+    for opt in fresh:
+        opt.state.clear()
     return optim
 
 

@@ -36,12 +36,22 @@ def _no_phase(row: str, excluding: str | None = None) -> contextlib.AbstractCont
 class StepOptimizer:
     """A torch optimizer whose ``step`` goes through the fit's optimisation (``step(optimizer, closure)``):
     precision (unscaling, skipped overflow steps), hooks, step counting. It is also an instance of the
-    wrapped optimizer's class and shares its state; ``.optimizer`` is the raw one."""
+    wrapped optimizer's class; ``.optimizer`` is the raw one.
+
+    Every other attribute is the raw optimizer's, read and written through to it, not copied: loading a
+    state dict (a resume, or a checkpoint of an optimizer without state) gives the raw optimizer new
+    ``param_groups``, and a learning rate set through the wrapper (a hand-written warmup) must reach the
+    groups the update and the schedulers use."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> None:
-        self.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in ("step", "__del__")})
-        self._optimizer = optimizer
-        self._step = step
+        object.__setattr__(self, "_optimizer", optimizer)
+        object.__setattr__(self, "_step", step)
+
+    def __getattr__(self, name: str) -> Any:  # only for names the wrapper itself lacks
+        return getattr(self._optimizer, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._optimizer, name, value)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -54,6 +64,15 @@ class StepOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._optimizer.add_param_group(param_group)
 
     def __repr__(self) -> str:
         return f"StepOptimizer({self._optimizer!r})"
