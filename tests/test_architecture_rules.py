@@ -31,7 +31,8 @@ def test_the_composed_strategy_asks_its_executor_instead_of_branching_on_pipelin
 
 def test_loop_state_changes_only_through_its_own_methods() -> None:
     """No module assigns a field of FitProgress or Stopping: ``trainer/loops/progress.py``'s methods do."""
-    fields = ("epoch", "global_step", "batch_in_epoch", "batches_stepped", "validation_due", "at_epoch_end",
+    fields = ("epoch", "global_step", "batch_in_epoch", "total_batches", "batch_index", "total_unknown",
+              "is_last_batch", "batches_stepped", "validation_due", "at_epoch_end",
               "sample_base", "train_batch_size", "requested", "agreed", "out_of_time", "told_min")
     assignment = re.compile(r"\b(progress|p|stopping|s)\.(" + "|".join(fields) + r")\s*([+\-]?=)(?!=)")
     found = []

@@ -339,6 +339,58 @@ def test_val_check_interval_across_epochs(make_trainer: MakeTrainer) -> None:
     assert module.val_epochs == 2  # after global batches 6 and 12
 
 
+class _Stream(torch.utils.data.IterableDataset):
+    """Five batches of four samples per epoch, with no length."""
+
+    def __iter__(self) -> Any:
+        x, y = make_dataset(20).tensors
+        return iter([(x[i:i + 4], y[i:i + 4]) for i in range(0, 20, 4)])
+
+
+class _WhereValidated(CountingModule):
+    """Records (epoch, fit_loop.batch_idx, fit_loop.total_batch_idx) at each validation; an epoch listed
+    in ``cut`` is ended by ``on_train_batch_start`` returning -1 at its batch 1."""
+
+    def __init__(self, cut: tuple[int, ...] = (), stream: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.cut, self.stream = cut, stream
+        self.validated_at: list[tuple[int, int, int]] = []
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_Stream(), batch_size=None) if self.stream else super().train_dataloader()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        return -1 if self.current_epoch in self.cut and batch_idx == 1 else None
+
+    def on_validation_epoch_end(self) -> None:
+        loop = self.trainer.fit_loop
+        self.validated_at.append((self.current_epoch, loop.batch_idx, loop.total_batch_idx))
+
+
+def test_val_check_interval_across_epochs_counts_the_batches_taken(make_trainer: MakeTrainer,
+                                                                   run_dir: str) -> None:
+    # A stream with no length validates every 4 batches of the fit, wherever the epochs end.
+    module = _WhereValidated(stream=True, val_n=4)
+    trainer = make_trainer(max_epochs=3, val_check_interval=4, check_val_every_n_epoch=None)
+    trainer.fit(module)
+    assert module.validated_at == [(0, 3, 3), (1, 2, 7), (2, 1, 11)]
+    loop = trainer.fit_loop
+    assert (loop.batch_idx, loop.total_batch_idx, trainer.is_last_batch) == (4, 14, True)
+
+    # Epochs of different lengths (epoch 0 ends after its batch 1, two batches taken): the count is of
+    # the batches taken, not epochs times a length; a resume from a mid-epoch checkpoint keeps counting.
+    module = _WhereValidated(cut=(0,), n=16, val_n=4)  # 4 batches per epoch
+    trainer = make_trainer(max_epochs=3, val_check_interval=3, check_val_every_n_epoch=None,
+                           enable_checkpointing=True, max_steps=4)
+    trainer.fit(module)
+    assert module.validated_at == [(1, 0, 2)] and trainer.fit_loop.total_batch_idx == 4
+    resumed = _WhereValidated(n=16, val_n=4)
+    make_trainer(max_epochs=3, val_check_interval=3, check_val_every_n_epoch=None, run_dir=run_dir + "-2"
+                 ).fit(resumed, ckpt_path=os.path.join(run_dir, "version_0", "checkpoints", "last.ckpt"))
+    assert resumed.validated_at == [(1, 3, 5), (2, 2, 8)]
+    assert resumed.train_batches[0] == (1, 3)  # the resume starts inside epoch 1
+
+
 def test_check_val_every_n_epoch(make_trainer: MakeTrainer) -> None:
     module = CountingModule(n=8, batch_size=4, val_n=4, lr=0.05)
     make_trainer(max_epochs=4, check_val_every_n_epoch=2).fit(module)

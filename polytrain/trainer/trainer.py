@@ -245,6 +245,10 @@ class Trainer:
         return self.fit_loop.progress.batch_in_epoch
 
     @property
+    def is_last_batch(self) -> bool:  # Lightning's: the newest training batch ends its epoch
+        return self.fit_loop.progress.is_last_batch
+
+    @property
     def batches_stepped(self) -> int:
         return self.fit_loop.progress.batches_stepped
 

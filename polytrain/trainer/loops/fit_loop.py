@@ -116,6 +116,16 @@ class FitLoop:
     def min_epochs(self, value: int | None) -> None:
         self.config.min_epochs = value
 
+    # Lightning's trainer.fit_loop.batch_idx: the newest training batch's index in its epoch (the last
+    # epoch's once it ended); total_batch_idx counts across epochs. -1 before the first batch.
+    @property
+    def batch_idx(self) -> int:
+        return self.progress.batch_index
+
+    @property
+    def total_batch_idx(self) -> int:
+        return self.progress.total_batches - 1
+
     # ------------------------------------------------------------------ the fit
     def run(self, collaborators: FitCollaborators, ckpt_path: str | None) -> None:
         self._take(collaborators)
@@ -183,6 +193,7 @@ class FitLoop:
         lightning_seed = user_seed() if strategy.world_size > 1 else None  # the user's seed_everything
         training_streams(cfg.seed, strategy.dp_rank, strategy.global_rank, lightning_seed)
         self.schedule = ValidationSchedule(cfg, data.num_training_batches)
+        self.progress.settle_total(data.num_training_batches)
         self._started, self._multi_rank = time.monotonic(), strategy.world_size > 1
         # As Lightning, a fit that starts past epoch 0 without a checkpoint (a second fit of this Trainer)
         # asks the loader for a new iterator when its first epoch starts: the one made here is dropped then.
@@ -356,7 +367,7 @@ class FitLoop:
         iterator, start = first if first is not None else self._epoch_iterator()
         if start and p.validation_due is None:  # a file from before the loop recorded it
             at_end = start == self.data.num_training_batches
-            due = self.schedule.due_after(p.epoch, start - 1, True, self.data.has_val())
+            due = self.schedule.due_after(p.epoch, start - 1, p.total_batches, True, self.data.has_val())
             p.expect_validation(at_end and due)
         if start and p.validation_due and start != self.data.num_training_batches:
             self._validate()  # the checkpoint was taken between a batch and its validation

@@ -20,13 +20,16 @@ import torch
 @dataclass(slots=True)
 class FitProgress:
     """The fit's position. ``batch_in_epoch`` counts the batches consumed in the current epoch;
-    ``batches_stepped`` the batches after which an optimizer stepped (the logging cadence);
+    ``total_batches`` those of every epoch (``val_check_interval`` across epochs counts them: epochs
+    may differ in length, and an iterable's have none); ``batches_stepped`` the batches after which an
+    optimizer stepped (the logging cadence);
     ``validation_due`` is True between a batch and the validation that follows it, so a checkpoint
     taken in between resumes with that validation, and one taken after it resumes without."""
 
     epoch: int = 0
     global_step: int = 0
     batch_in_epoch: int = 0
+    total_batches: int = 0
     batches_stepped: int = 0
     validation_due: bool | None = False  # None: a file from before this was recorded (the loop decides)
     # While a complete epoch's on_train_epoch_end runs: a save resumes at the next epoch.
@@ -39,6 +42,12 @@ class FitProgress:
     # re-split the epoch
     # batch_in_epoch when the newest optimizer step (manual optimisation: training_step) completed
     batch_at_last_step: int = 0
+    # the index of the newest batch taken in this or (once it ended) the last epoch; -1: none yet
+    # (Lightning's fit_loop.batch_idx)
+    batch_index: int = -1
+    is_last_batch: bool = False  # that batch ends its epoch (the loader's last, or the epoch skipped there)
+    # a file from before total_batches was recorded: the fit computes it from its epoch length
+    total_unknown: bool = False
 
     # ------------------------------------------------------------------ the loop's moves
     def start_fit(self, world_size: int, dp_size: int) -> None:
@@ -47,9 +56,26 @@ class FitProgress:
     def start_epoch(self, sample_base: tuple[int, int], train_batch_size: int | None) -> None:
         """The epoch's iterator is made: what a resume at this data-parallel size had consumed."""
         self.sample_base, self.train_batch_size = sample_base, train_batch_size
+        self.batch_index = self.batch_in_epoch - 1
+        self.is_last_batch = False
 
-    def take_batch(self, batch_idx: int) -> None:
+    def settle_total(self, num_batches: int | None) -> None:
+        """A file from before ``total_batches`` was recorded: as many as its epochs of ``num_batches``."""
+        if self.total_unknown:
+            self.total_batches = self.epoch * (num_batches or 0) + self.batch_in_epoch
+            self.total_unknown = False
+
+    def take_batch(self, batch_idx: int, last: bool) -> None:
         self.batch_in_epoch = batch_idx + 1
+        self.batch_index = batch_idx
+        self.is_last_batch = last
+        self.total_batches += 1
+
+    def skip_rest_of_epoch(self) -> None:
+        """``on_train_batch_start`` returned -1: the batch just taken ends its epoch, and no validation
+        follows it."""
+        self.is_last_batch = True
+        self.validation_due = False
 
     def count_optimizer_step(self) -> None:
         self.global_step += 1
@@ -83,6 +109,7 @@ class FitProgress:
         first batch after the newest optimizer step, the one that raised run again (its partial work, and
         any micro-batch gradients since that step, are not in the checkpoint)."""
         if not self.at_epoch_end and self.batch_in_epoch != self.batch_at_last_step:
+            self.total_batches -= self.batch_in_epoch - self.batch_at_last_step
             self.batch_in_epoch = self.batch_at_last_step
             self.validation_due = False  # the validation after the batch that raised had not begun
 
@@ -102,6 +129,7 @@ class FitProgress:
             "epoch": self.epoch + (1 if done else 0),
             "global_step": self.global_step,
             "batch_in_epoch": 0 if done else self.batch_in_epoch,
+            "total_batches": self.total_batches,
             "batches_stepped": self.batches_stepped,
             "validation_due": False if done else bool(self.validation_due),
             "world_size": self.world_size,
@@ -114,6 +142,8 @@ class FitProgress:
         self.global_step = int(loop["global_step"])
         self.batch_in_epoch = self.batch_at_last_step = int(loop["batch_in_epoch"])
         self.batches_stepped = int(loop.get("batches_stepped", self.global_step))
+        self.total_batches = int(loop.get("total_batches", 0))
+        self.total_unknown = "total_batches" not in loop
         # Files from before this entry did not record it: the loop then decides as it always did.
         due = loop.get("validation_due")
         self.validation_due = None if due is None else bool(due)

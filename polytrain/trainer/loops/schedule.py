@@ -20,11 +20,6 @@ def val_check_batches(config: Any, num_batches: int | None) -> int:
             raise ConfigError(f"trainer.val_check_interval={interval} is a fraction of an epoch, but the "
                               f"training loader has no length; give a number of batches")
         return max(1, int(num_batches * interval))
-    if config.check_val_every_n_epoch is None and num_batches is None:
-        raise ConfigError(f"trainer.val_check_interval={interval} with check_val_every_n_epoch=null counts "
-                          f"batches across epochs, but the training loader has no length "
-                          f"(an IterableDataset?); set check_val_every_n_epoch, or "
-                          f"trainer.limit_train_batches to fix the epoch's length")
     validates = config.limit_val_batches != 0  # as Lightning: no validation, nothing to check against
     if (validates and config.check_val_every_n_epoch is not None and num_batches is not None
             and interval > num_batches):
@@ -46,36 +41,36 @@ class ValidationSchedule:
         self.inside = bool(self.every) and (num_batches is None or self.every < num_batches
                                             or self.every_n_epochs is None)
 
-    def due_after(self, epoch: int, batch_idx: int, last: bool, has_val: bool,
+    def due_after(self, epoch: int, batch_idx: int, total: int, last: bool, has_val: bool,
                   stopping: bool = False) -> bool:
-        """The loop's one question, "does a validation follow this batch?": after an epoch's last batch
-        when the epoch-end schedule says so; inside the epoch every ``val_check_interval`` batches; where
-        the fit stops early (``stopping``), when this epoch validates at all, as Lightning. Never without
-        validation data (``has_val``)."""
+        """The loop's one question, "does a validation follow this batch?" (``batch_idx`` in its epoch,
+        ``total`` batches taken in the fit's epochs so far, this one included): after an epoch's last
+        batch when the epoch-end schedule says so; inside the epoch every ``val_check_interval`` batches;
+        where the fit stops early (``stopping``), when this epoch validates at all, as Lightning. Never
+        without validation data (``has_val``)."""
         if not has_val:
             return False
         if last:
-            return self.at_epoch_end(epoch)
+            return self.at_epoch_end(epoch, total)
         if stopping:
             return self.epoch_validates(epoch)
-        return self.inside and self.after_batch(epoch, batch_idx)
+        return self.inside and self.after_batch(epoch, batch_idx, total)
 
     def epoch_validates(self, epoch: int) -> bool:
         return self.every_n_epochs is None or (epoch + 1) % self.every_n_epochs == 0
 
-    def after_batch(self, epoch: int, batch_idx: int) -> bool:
+    def after_batch(self, epoch: int, batch_idx: int, total: int) -> bool:
         """A validation right after batch ``batch_idx`` inside the epoch (not at its end)."""
         if self.every_n_epochs is None:  # an interval counted across epochs
-            return (epoch * (self.num_batches or 0) + batch_idx + 1) % self.every == 0
+            return total % self.every == 0
         if (epoch + 1) % self.every_n_epochs:
             return False
         return (batch_idx + 1) % self.every == 0
 
-    def at_epoch_end(self, epoch: int) -> bool:
+    def at_epoch_end(self, epoch: int, total: int) -> bool:
         n = self.num_batches
+        if self.every_n_epochs is None:  # counted across epochs
+            return bool(self.every) and total % self.every == 0
         if n is None:  # an epoch of unknown length: validation at its end, or by count
-            return (self.every == 0 and self.every_n_epochs is not None
-                    and (epoch + 1) % self.every_n_epochs == 0)
-        if self.every_n_epochs is None:
-            return (epoch + 1) * n % self.every == 0
+            return self.every == 0 and (epoch + 1) % self.every_n_epochs == 0
         return (epoch + 1) % self.every_n_epochs == 0 and n % self.every == 0

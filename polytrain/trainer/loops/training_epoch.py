@@ -90,7 +90,7 @@ class TrainingEpochLoop:
             if step is EPOCH_SKIPPED:
                 # As Lightning: the rest of the epoch is skipped and the epoch ends there (the next fit
                 # epoch starts at its first batch), so its epoch-wise schedulers step now.
-                p.expect_validation(False)
+                p.skip_rest_of_epoch()
                 step_schedulers(self.lr_scheduler_configs, "epoch", p.epoch + 1, metrics.callback,
                                 self._scheduler_step, plateau=False)
                 return True
@@ -98,7 +98,7 @@ class TrainingEpochLoop:
             if (stepped or not automatic) and p.count_stepped_batch(log_every):
                 self._log_step()
             # Set before on_train_batch_end: a checkpoint taken there records that a validation follows.
-            p.expect_validation(schedule.due_after(epoch, batch_idx, last, has_val))
+            p.expect_validation(schedule.due_after(epoch, batch_idx, p.total_batches, last, has_val))
             if end_hooks:
                 outputs = _batch_outputs(output, automatic)
                 for fn in end_hooks:
@@ -113,8 +113,8 @@ class TrainingEpochLoop:
             if not last and stop_requested and self._min_reached():
                 # As Lightning: the epoch ends here, validating first if this batch did not (and the epoch
                 # does).
-                p.expect_validation(not validated and schedule.due_after(epoch, batch_idx, False, has_val,
-                                                                         stopping=True))
+                p.expect_validation(not validated and schedule.due_after(
+                    epoch, batch_idx, p.total_batches, False, has_val, stopping=True))
                 return True
         return True
 
@@ -129,7 +129,7 @@ class TrainingEpochLoop:
                              f"dataset or sampler instead of returning None from collate_fn")
         rank_zero_warn("train_dataloader yielded None. If this was on purpose, ignore this warning: the "
                        "batch is skipped (no training step), as Lightning does")
-        self.progress.take_batch(batch_idx)
+        self.progress.take_batch(batch_idx, last)
         return None, None, False, last
 
     def _start_epoch_steps(self, iterator: Any) -> None:
@@ -177,7 +177,7 @@ class TrainingEpochLoop:
         with self._transfer_phase:
             batch = self._transfer(batch)
         self.fit.metrics.batch = batch  # its size is read only if a value is logged per epoch
-        p.take_batch(batch_idx)
+        p.take_batch(batch_idx, last)
         end_of_window = (batch_idx + 1) % self._accumulate == 0 or last
         if self._beat is not None:
             self._beat(p.global_step, "training_step")
