@@ -873,3 +873,35 @@ def test_the_optimizers_a_module_sees_stay_the_ones_stepping_across_checkpoints_
     # the learning rate set to 0 through self.optimizers() reached the update: epoch 3 moved nothing
     for name, value in module.state_dict().items():
         torch.testing.assert_close(value, saved[name], rtol=0, atol=0)
+
+
+class _LogsItself(Callback):
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.log("from_callback", 2.0 * (trainer.current_epoch + 1))
+        self.log_dict({"a": 1.0, "b": 3.0})
+
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.log("val_from_callback", 7.0)
+
+
+class _OwnLog(Callback):
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def log(self, line: str) -> None:  # a callback's own method of that name stays its own
+        self.lines.append(line)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.log(f"epoch {trainer.current_epoch}")
+
+
+def test_a_callback_logs_with_self_log_as_in_lightning(make_trainer: Any) -> None:
+    own = _OwnLog()
+    trainer = make_trainer(max_epochs=2, callbacks=[_LogsItself(), own])
+    trainer.fit(TinyModule())
+    metrics = trainer.callback_metrics
+    assert {k: float(metrics[k]) for k in ("from_callback", "a", "b", "val_from_callback")} == {
+        "from_callback": 4.0, "a": 1.0, "b": 3.0, "val_from_callback": 7.0}
+    assert own.lines == ["epoch 0", "epoch 1"]
+    trainer.validate(TinyModule())
+    assert float(trainer.callback_metrics["val_from_callback"]) == 7.0

@@ -83,6 +83,11 @@ def begin(stage: str, *, strategy: Any, hooks: Hooks, module: TrainModule, datam
     warn_unknown_hooks(module, MODULE_HOOKS, TrainModule)
     for cb in callbacks:
         warn_unknown_hooks(cb, CALLBACK_HOOKS, Callback)
+        # As Lightning: self.log / self.log_dict in a callback's hooks log through the module (a class
+        # with methods of those names keeps them).
+        for name in ("log", "log_dict"):
+            if not hasattr(type(cb), name):
+                setattr(cb, name, getattr(module, name))
     if datamodule is not None:
         warn_unknown_hooks(datamodule, DATAMODULE_HOOKS, DataModule)
     _prepare_data(strategy, hooks, module, datamodule)
