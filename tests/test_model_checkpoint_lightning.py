@@ -218,3 +218,22 @@ def test_a_files_epoch_is_the_one_it_was_saved_in_and_a_finished_run_is_not_resu
     resumed = make_trainer(max_epochs=3)  # as many epochs as it ran: nothing left to train, no error
     resumed.fit(TinyModule(n=8, val_n=4), ckpt_path=str(tmp_path / "epoch=2.ckpt"))
     assert resumed.global_step == 6
+
+
+class _FallingLoss(TinyModule):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("score", 1.0 / (self.current_epoch + 2))  # 0.5, 0.333.., 0.25
+
+
+def test_scores_are_tensors_as_lightnings_and_older_float_files_load(make_trainer: Any,
+                                                                     tmp_path: Any) -> None:
+    # Lightning code reads checkpoint_callback.best_model_score.item(); older files hold floats.
+    mc = ModelCheckpoint(dirpath=str(tmp_path / "ck"), monitor="score", mode="min", save_top_k=2)
+    make_trainer(max_epochs=3, callbacks=[mc]).fit(_FallingLoss())
+    assert isinstance(mc.best_model_score, torch.Tensor) and mc.best_model_score.item() == pytest.approx(0.25)
+    assert isinstance(mc.current_score, torch.Tensor) and mc.current_score.item() == pytest.approx(0.25)
+    saved = torch.load(mc.best_model_path, weights_only=True)["callbacks"][mc.state_key]
+    assert float(saved["best_model_score"]) == pytest.approx(0.25)
+    restored = ModelCheckpoint(dirpath=str(tmp_path / "ck"), monitor="score", mode="min", save_top_k=2)
+    restored.load_state_dict({**saved, "best_model_score": 0.25, "current_score": 0.5})
+    assert restored.best_model_score.item() == 0.25 and restored.current_score.item() == 0.5

@@ -10,6 +10,7 @@ import shutil
 from datetime import timedelta
 from typing import Any, Literal
 
+import torch
 import yaml
 
 from polytrain.callbacks.base import Callback
@@ -120,8 +121,10 @@ class ModelCheckpoint(Callback):
         self._before_async: tuple[Any, ...] | None = None  # the bookkeeping to return to if that save fails
         self.kept: list[tuple[float, str]] = []  # (score or -step, path), best first
         self.best_model_path = ""
-        self.best_model_score: float | None = None
-        self.current_score: float | None = None  # the monitored value at the newest save
+        # Tensors, as Lightning's (``best_model_score.item()``): the best kept file's score, and the monitored
+        # value at the newest save
+        self.best_model_score: torch.Tensor | None = None
+        self.current_score: torch.Tensor | None = None
         self.last_model_path = ""
         self._last_saved_step = -1
         self._step_at_last_batch = 0
@@ -369,7 +372,7 @@ class ModelCheckpoint(Callback):
             # a quick check of every loop writes nothing, as Lightning (even this callback given explicitly)
             return
         score = self._score(trainer)
-        self.current_score = score
+        self.current_score = _score_tensor(score)
         unranked = self.monitor is not None and score is None
         keep = self.save_top_k != 0 and not unranked and (
             self.save_top_k == -1 or len(self.kept) < self.save_top_k or self.monitor is None
@@ -491,7 +494,7 @@ class ModelCheckpoint(Callback):
         if self.kept:
             best_key, self.best_model_path = self.kept[0]
             if self.monitor is not None:
-                self.best_model_score = -best_key if self.mode == "max" else best_key
+                self.best_model_score = _score_tensor(-best_key if self.mode == "max" else best_key)
         return doomed
 
     @property
@@ -531,11 +534,16 @@ class ModelCheckpoint(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.kept = [(float(k), p) for k, p in state.get("kept", [])]
         self.best_model_path = state.get("best_model_path") or ""
-        self.best_model_score = state.get("best_model_score")
+        self.best_model_score = _score_tensor(state.get("best_model_score"))
         self.last_model_path = state.get("last_model_path") or ""
-        self.current_score = state.get("current_score")
+        self.current_score = _score_tensor(state.get("current_score"))
         self.__dict__["_resumed"] = True
         self._forget_foreign_files()  # restored after setup: filter again
+
+
+def _score_tensor(score: float | torch.Tensor | None) -> torch.Tensor | None:
+    """A score as the 0-dim float tensor Lightning keeps (older files hold floats)."""
+    return None if score is None else torch.as_tensor(score, dtype=torch.float32).detach().cpu()
 
 
 def _progress(trainer: Any, name: str, default: Any) -> Any:
