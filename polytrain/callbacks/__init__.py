@@ -22,6 +22,8 @@ _EXPORTS = {
     "ModelSummary": "polytrain.callbacks.summary",
     "BasePredictionWriter": "polytrain.callbacks.prediction_writer",
     "CompileTime": "polytrain.callbacks.compile_time",
+    "BaseFinetuning": "polytrain.callbacks.finetuning",
+    "BackboneFinetuning": "polytrain.callbacks.finetuning",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -144,7 +144,7 @@ def candidates(ckpt_dir: str) -> list[str]:
 _NAMED_STEP = re.compile(r"step=(\d+)")
 
 
-def _payload(path: str) -> Any:
+def read_payload(path: str) -> Any:
     """A checkpoint's payload without reading its tensors: a file's pickle with them memory-mapped, or a
     directory's payload file."""
     if os.path.isdir(path):
@@ -156,7 +156,7 @@ def holds_weights_only(path: str) -> bool:
     """Whether the checkpoint was written with ``weights_only`` (no optimizer, scheduler or callback state:
     it can start a fit's weights, not resume one). False for what cannot be read: its loader will say why."""
     try:
-        data = _payload(path)
+        data = read_payload(path)
     except Exception:  # noqa: BLE001 - torn, foreign or refused: the load reports it in its own words
         return False
     return isinstance(data, dict) and bool(data.get("weights_only"))
@@ -166,7 +166,7 @@ def recorded_step(path: str) -> int:
     """The global step a checkpoint was written at: its loop state (a file's pickle, read with its tensors
     memory-mapped, or a directory's payload), else the ``step=N`` in its name, else -1."""
     try:
-        data = _payload(path)
+        data = read_payload(path)
         loop = data.get("loop") if isinstance(data, dict) else None
         step = loop.get("global_step") if isinstance(loop, dict) else data.get("global_step")
         return int(step)

@@ -8,6 +8,9 @@ same checkpoint (``planned.py``); an evaluation's is settled in ``agree_on_check
 
 ``restore_fit``, every rank, in this order:
 
+0. callbacks that reshape the optimizers' parameter groups (``BaseFinetuning``: its
+   ``restore_param_groups``) rebuild them from their saved state, read from the file's payload by global
+   rank 0 and broadcast, so the optimizer state of step 1 finds the groups it was saved from
 1. model and optimizers: the strategy's ``load_checkpoint`` (whole or sharded, as its I/O holds them)
 2. the module's ``on_load_checkpoint``
 3. the DataModule's state
@@ -29,6 +32,7 @@ from typing import Any
 from polytrain.checkpoint.layout import (
     existing_checkpoints,
     holds_weights_only,
+    read_payload,
     recorded_best,
     resolve_resume,
 )
@@ -88,13 +92,19 @@ def restore_fit(path: str, *, strategy: Any, hooks: Hooks, module: Any, datamodu
     log.info("restoring from %s", path)
     # Global rank 0 reads the file and every rank gets its answer: file systems that differ between nodes
     # cannot leave one rank raising while another waits in the load's collectives.
-    weights_only = strategy.broadcast(holds_weights_only(path) if strategy.is_global_zero else None)
+    regrouping = [cb for cb in callbacks if callable(getattr(cb, "restore_param_groups", None))]
+    head = (holds_weights_only(path), _callback_states(path) if regrouping else {})
+    weights_only, early_states = strategy.broadcast(head if strategy.is_global_zero else None)
     if weights_only:
         raise ConfigError(
             f"{path} holds the model's weights only (written with ModelCheckpoint(save_weights_only=True) or "
             f"save_checkpoint(weights_only=True)): there is no optimizer, scheduler or callback state to "
             f"resume a fit from. Start a new fit from its weights (Module.load_from_checkpoint(path), then "
             f"fit without ckpt_path), or save full checkpoints to resume")
+    for callback in regrouping:  # 0
+        state = _state_of(callback, early_states)
+        if state is not None:
+            callback.restore_param_groups(module, list(strategy.optimizers), state)
     payload = strategy.load_checkpoint(path)  # 1
     if "state_dict" not in payload:  # what Lightning code reads there: the weights just loaded
         payload["state_dict"] = payload.get("model") or module.state_dict()
@@ -106,10 +116,9 @@ def restore_fit(path: str, *, strategy: Any, hooks: Hooks, module: Any, datamodu
     hooks.callbacks("on_load_checkpoint", payload)  # 4
     states = payload.get("callbacks", {})
     for callback in callbacks:
-        # A checkpoint written before the callback's key named its settings holds it under the class's name.
-        key = callback.state_key if callback.state_key in states else type(callback).__qualname__
-        if key in states:
-            callback.load_state_dict(states[key])
+        state = _state_of(callback, states)
+        if state is not None:
+            callback.load_state_dict(state)
     for config, state in zip(schedulers, payload.get("schedulers", [])):  # 5
         config.scheduler.load_state_dict(state)
     if payload.get("precision"):
@@ -121,6 +130,23 @@ def restore_fit(path: str, *, strategy: Any, hooks: Hooks, module: Any, datamodu
     rng = rank_rng(payload, strategy.world_size, strategy.global_rank)  # 7
     data = select_rank_state(payload.get("data"), strategy.dp_rank)
     return Resumed(loop, rng, progress.batch_in_epoch > 0, data)
+
+
+def _state_of(callback: Any, states: dict[str, Any]) -> Any:
+    """``callback``'s saved state, or None. A checkpoint written before the callback's key named its
+    settings holds it under the class's name."""
+    key = callback.state_key if callback.state_key in states else type(callback).__qualname__
+    return states.get(key)
+
+
+def _callback_states(path: str) -> dict[str, Any]:
+    """The callbacks' states in the checkpoint at ``path`` (empty for what cannot be read: the load
+    reports that in its own words)."""
+    try:
+        payload = read_payload(path)
+    except Exception:  # noqa: BLE001 - torn, foreign or refused: step 1 raises with the reason
+        return {}
+    return payload.get("callbacks", {}) if isinstance(payload, dict) else {}
 
 
 def rank_rng(payload: dict[str, Any], world_size: int, global_rank: int) -> dict[str, Any] | None:
