@@ -142,6 +142,19 @@ class _WithHparams(TinyModule):
         self.save_hyperparameters()
 
 
+def test_hparams_naming_a_class_or_function_are_written_as_lightning_writes_them(tmp_path: Any) -> None:
+    from polytrain.core.saving import load_hparams_from_yaml
+
+    from polytrain.callbacks import CSVLogger, TensorBoardLogger
+
+    for logger in (CSVLogger(str(tmp_path / "csv")), TensorBoardLogger(str(tmp_path / "tb"))):
+        with pytest.warns(UserWarning, match="Skipping 'module'"):  # an instance is still left out
+            logger.log_hyperparams({"rate": 0.3, "layer": torch.nn.BatchNorm1d, "act": torch.relu,
+                                    "module": torch.nn.ReLU()})
+        back = load_hparams_from_yaml(os.path.join(logger.log_dir, "hparams.yaml"), use_omegaconf=False)
+        assert back == {"rate": 0.3, "layer": torch.nn.BatchNorm1d, "act": torch.relu}
+
+
 def test_a_custom_lightning_logger_receives_metrics_hparams_and_finalize(run_dir: str) -> None:
     recorder = _Recorder()
     Trainer(**_kwargs(run_dir, logger=recorder)).fit(_WithHparams(lr=0.2))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -333,17 +334,26 @@ class DirectoryLogger(Logger):
         return os.path.join(path, self._sub_dir) if self._sub_dir else path
 
 
+class _HparamsDumper(yaml.SafeDumper):
+    """Safe YAML, plus classes and functions as Lightning writes them (``!!python/name:torch.nn.ReLU``,
+    which ``load_hparams_from_yaml`` reads back): a hyperparameter naming a layer type stays in the file."""
+
+
+for _kind in (type, types.FunctionType, types.BuiltinFunctionType):
+    _HparamsDumper.add_multi_representer(_kind, yaml.representer.Representer.represent_name)
+
+
 def write_hparams_yaml(path: str, params: dict[str, Any]) -> None:
     """``params`` as YAML; a value YAML cannot hold safely (a module, a tensor) is left out, with a warning
     naming it, as Lightning's ``save_hparams_to_yaml`` does."""
     kept: dict[str, Any] = {}
     for name, value in params.items():
         try:
-            yaml.safe_dump(value)
+            yaml.dump(value, Dumper=_HparamsDumper)
         except yaml.YAMLError:
             warnings.warn(f"Skipping {name!r} parameter because it is not possible to safely dump to YAML "
                           f"({type(value).__name__})", stacklevel=3)
             continue
         kept[name] = value
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    replace_text(path, yaml.safe_dump(kept, sort_keys=False))
+    replace_text(path, yaml.dump(kept, Dumper=_HparamsDumper, sort_keys=False))
