@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Any
 
 import pytest
@@ -905,3 +906,14 @@ def test_a_callback_logs_with_self_log_as_in_lightning(make_trainer: Any) -> Non
     assert own.lines == ["epoch 0", "epoch 1"]
     trainer.validate(TinyModule())
     assert float(trainer.callback_metrics["val_from_callback"]) == 7.0
+
+
+def test_a_module_attached_to_a_trainer_scripts_and_computes_the_same(make_trainer: Any) -> None:
+    # torch.jit.script compiles properties too: the Trainer's (trainer, hparams, device, ...) stay out
+    module = TinyModule()
+    module.trainer = make_trainer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated, not gone
+        scripted = torch.jit.script(module)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(scripted(x), module(x), rtol=0, atol=0)

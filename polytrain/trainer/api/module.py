@@ -371,5 +371,11 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
         return load_module_from_checkpoint(cls, checkpoint_path, map_location, strict, weights_only, **kwargs)
 
 
+# torch.jit.script compiles a module's properties too; these belong to training (the Trainer, hparams,
+# the device it was placed on), not to the computation being scripted.
+TrainModule.__jit_unused_properties__ = sorted(
+    {name for cls in TrainModule.__mro__ if cls is not nn.Module
+     for name, value in vars(cls).items() if isinstance(value, property)})
+
 LightningModule = TrainModule  # Lightning's name for it
 
