@@ -237,3 +237,19 @@ def test_scores_are_tensors_as_lightnings_and_older_float_files_load(make_traine
     restored = ModelCheckpoint(dirpath=str(tmp_path / "ck"), monitor="score", mode="min", save_top_k=2)
     restored.load_state_dict({**saved, "best_model_score": 0.25, "current_score": 0.5})
     assert restored.best_model_score.item() == 0.25 and restored.current_score.item() == 0.5
+
+
+@pytest.mark.parametrize("every_n_epochs", [0, 5])
+def test_save_last_writes_last_at_the_end_of_a_fit_no_trigger_saved_in(make_trainer: Any, tmp_path: Any,
+                                                                       every_n_epochs: int) -> None:
+    mc = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_epochs=every_n_epochs, save_last=True,
+                         save_top_k=0)
+    trainer = make_trainer(max_epochs=2, callbacks=[mc])
+    trainer.fit(TinyModule())
+    assert sorted(os.listdir(tmp_path / "ck")) == ["last.ckpt"]
+    assert mc.last_model_path == str(tmp_path / "ck" / "last.ckpt") and mc.best_model_path == ""
+    assert torch.load(mc.last_model_path, weights_only=True)["global_step"] == trainer.global_step
+    # a fit whose trigger saved keeps what it wrote: no second save of that step
+    saving = ModelCheckpoint(dirpath=str(tmp_path / "ck2"), every_n_epochs=1, save_last=True)
+    make_trainer(max_epochs=2, callbacks=[saving]).fit(TinyModule())
+    assert sorted(os.listdir(tmp_path / "ck2")) == ["epoch=1-step=8.ckpt", "last.ckpt"]

@@ -129,6 +129,7 @@ class ModelCheckpoint(Callback):
         self._last_saved_step = -1
         self._step_at_last_batch = 0
         self._after_validation_step: int | None = None  # a step save waiting for the validation at its step
+        self._saved_in_fit = False  # whether any trigger saved in the present fit
 
     @property
     def state_key(self) -> str:
@@ -193,6 +194,7 @@ class ModelCheckpoint(Callback):
         # (at fit end, say) would rewrite that step's name with another position or other RNG states.
         self._step_at_last_batch = trainer.global_step
         self._last_saved_step = trainer.global_step if trainer.global_step > 0 else -1
+        self._saved_in_fit = False
         if self._timer is not None:
             self._timer.start(trainer.global_step)
 
@@ -271,6 +273,10 @@ class ModelCheckpoint(Callback):
         stopped_inside = trainer.batch_in_epoch > 0
         if self.save_on_fit_end and stopped_inside and trainer.global_step != self._last_saved_step:
             self._save(trainer)
+        elif (self.save_last and not self._saved_in_fit
+              and trainer.global_step != self._last_saved_step):
+            # As Lightning: save_last asks for a last.ckpt even where no trigger fired in the whole fit
+            self._save(trainer, last_only=True)
 
     def on_fit_end(self, trainer: Any, module: Any) -> None:
         self._settle(trainer)
@@ -367,19 +373,22 @@ class ModelCheckpoint(Callback):
     def _is_better(self, score: float, worst: float) -> bool:
         return score < worst if self.mode == "min" else score > worst
 
-    def _save(self, trainer: Any) -> None:
+    def _save(self, trainer: Any, last_only: bool = False) -> None:
+        """A save where a trigger fired: a kept file when it ranks, else ``last`` (with ``save_last``);
+        ``last_only``: ``last`` alone."""
         if getattr(trainer, "fast_dev_run", False):
             # a quick check of every loop writes nothing, as Lightning (even this callback given explicitly)
             return
+        self._saved_in_fit = True
         score = self._score(trainer)
         self.current_score = _score_tensor(score)
         unranked = self.monitor is not None and score is None
-        keep = self.save_top_k != 0 and not unranked and (
+        keep = not last_only and self.save_top_k != 0 and not unranked and (
             self.save_top_k == -1 or len(self.kept) < self.save_top_k or self.monitor is None
             # `kept` holds negated scores in max mode (best first when sorted ascending).
             or self._is_better(score, -self.kept[-1][0] if self.mode == "max" else self.kept[-1][0])
         )
-        if self.monitor is not None:
+        if self.monitor is not None and not last_only:
             # A monitored value logged without sync_dist differs across ranks, and so may this answer:
             # agree. Without a monitor it follows from the options and `kept` (the same bookkeeping runs
             # on every rank, and a resume loads the same list everywhere), so the ranks already agree.
