@@ -15,11 +15,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TinyModule
 from distributed import run_distributed
 from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import Trainer, TrainModule
 from polytrain.callbacks import Logger
+from polytrain.core.errors import ConfigError
 
 pytestmark = pytest.mark.own_logic
 
@@ -359,3 +361,66 @@ def test_print_and_all_gather_across_two_ranks(two_ranks: list[dict]) -> None:
                            torch.stack([torch.arange(3.0), torch.arange(3.0) + 10]))  # [3] -> [2, 3]
         assert torch.equal(g["scalar"], torch.tensor([0.0, 1.0]))  # scalar -> [2]
         assert torch.equal(g["dict"]["k"], torch.tensor([[0.0, 0.0], [1.0, 1.0]]))  # dicts elementwise
+
+
+class _LogsAMetric(TinyModule):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.mean = torchmetrics.MeanMetric()
+        self.other = torchmetrics.MeanMetric()
+        self.loose = [torchmetrics.MeanMetric()]  # in a plain list: not one of the module's submodules
+        if kind == "alone":
+            del self.mean, self.other  # no metric is the module's: the message says to make it one
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        metric = self.mean if self.kind == "held" else self.loose[0]
+        metric(batch[0][:, 0])
+        if self.kind == "named_wrong":
+            self.log("m", metric, metric_attribute="other")
+        else:
+            self.log("m", metric)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(("kind", "match"), [
+    ("held", None),
+    ("loose", r"metric_attribute=name\)` where `name` is one of \['mean', 'other'\]"),
+    ("alone", "setting an attribute for the metric in your `LightningModule`"),
+    ("named_wrong", r"metric_attribute='other'\): _LogsAMetric.other is not the metric being logged"),
+])
+def test_a_logged_metric_must_be_one_of_the_modules_attributes(make_trainer: Any, kind: str,
+                                                               match: str | None) -> None:
+    # one that is not would stay on the CPU under a GPU strategy and never be reset with the module
+    trainer = make_trainer(max_epochs=1)
+    if match is None:
+        trainer.fit(_LogsAMetric(kind))
+        assert "m" in trainer.callback_metrics
+    else:
+        with pytest.raises(ConfigError, match=match):
+            trainer.fit(_LogsAMetric(kind))
+
+
+class _LogsTwice(TinyModule):
+    def __init__(self, same_hook: bool) -> None:
+        super().__init__()
+        self.same_hook = same_hook
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.log("foo", 1.0)
+        if self.same_hook:
+            self.log("foo", 2.0, prog_bar=True)
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self.same_hook:
+            self.log("foo", 3.0, prog_bar=True)  # another hook may log the name with its own arguments
+
+
+def test_one_name_logged_twice_in_one_hook_with_other_arguments_is_refused(make_trainer: Any) -> None:
+    trainer = make_trainer(max_epochs=1)
+    with pytest.raises(ConfigError, match=r"`self.log\(foo, ...\)` twice in `training_step` with different"):
+        trainer.fit(_LogsTwice(same_hook=True))
+    # the next fit of this Trainer starts with no record of the failed one
+    trainer.fit(_LogsTwice(same_hook=False))
+    assert float(trainer.callback_metrics["foo"]) == 3.0

@@ -517,7 +517,7 @@ class Trainer:
 
     def _run_stage(self, stage: str, ckpt_path: str | None, model_given: bool, verbose: bool) -> Any:
         """The stage's loop, once ``_begin_stage`` set it up, then its tear-down."""
-        self.metrics.reset()
+        self.metrics.start_run()
         self.module.zero_grad()  # as Lightning: gradients left by code before the stage do not leak into it
         if stage == "fit":
             # As Lightning, anomaly detection covers the fit loop only.

@@ -20,6 +20,7 @@ from polytrain.core.errors import ConfigError
 from polytrain.core.protocol import LOG_TAP, MUTED
 from polytrain.trainer.api.data_hooks import DataHooks
 from polytrain.trainer.api.hparams import HyperparametersMixin, load_module_from_checkpoint
+from polytrain.trainer.observability.metrics import is_metric_object
 
 if TYPE_CHECKING:
     from polytrain.trainer.trainer import Trainer
@@ -129,6 +130,8 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
                               f"information about `dataloader_idx`: the suffix is polytrain's, added where "
                               f"several evaluation loaders run. Log the name alone, or pass "
                               f"add_dataloader_idx=False to keep it as written")
+        if isinstance(value, nn.Module) and is_metric_object(value):
+            check_metric_attribute(self, name, value, metric_attribute)
         if add_dataloader_idx and trainer.metrics.dataloader_idx is not None:
             name = f"{name}/dataloader_idx_{trainer.metrics.dataloader_idx}"  # several evaluation loaders
         tap = self.__dict__.get(LOG_TAP)  # set by a strategy around a padding batch or a pipeline stage
@@ -369,6 +372,33 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
                              "hyperparameters")
         strict = cls.strict_loading if strict is None else strict
         return load_module_from_checkpoint(cls, checkpoint_path, map_location, strict, weights_only, **kwargs)
+
+
+def check_metric_attribute(module: nn.Module, name: str, metric: nn.Module, attribute: str | None) -> None:
+    """A logged torchmetrics ``Metric`` must be one of the module's submodules, as Lightning requires: one
+    that is not is never moved to the module's device (its update fails there) nor reset with it.
+    ``attribute`` (``metric_attribute=``) names it; without it the module is searched (the names found
+    are kept, so a step logging the same metric searches no more)."""
+    if attribute is not None:
+        if getattr(module, attribute, None) is not metric:
+            raise ConfigError(f"self.log({name!r}, ..., metric_attribute={attribute!r}): "
+                              f"{type(module).__name__}.{attribute} is not the metric being logged")
+        return
+    known: dict[int, str] = module.__dict__.setdefault("_metric_attributes", {})
+    if id(metric) in known:
+        return
+    known.clear()
+    known.update({id(m): n for n, m in module.named_modules() if n and is_metric_object(m)})
+    if id(metric) in known:
+        return
+    if known:
+        raise ConfigError(f"Could not find the `LightningModule` attribute for the `torchmetrics.Metric` "
+                          f"logged as {name!r}. You can fix this by calling `self.log({name}, ..., "
+                          f"metric_attribute=name)` where `name` is one of {sorted(known.values())}")
+    raise ConfigError(f"Could not find the `LightningModule` attribute for the `torchmetrics.Metric` logged "
+                      f"as {name!r}. You can fix this by setting an attribute for the metric in your "
+                      f"`LightningModule` (self.my_metric = Accuracy(...) in __init__), so it moves to the "
+                      f"module's device and is reset with it")
 
 
 # torch.jit.script compiles a module's properties too; these belong to training (the Trainer, hparams,

@@ -38,6 +38,11 @@ _REDUCE_SPELLINGS: dict[Any, str] = {"avg": "mean", "mean": "mean", "sum": "sum"
 _TRAINER = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
+def _options_text(options: tuple) -> str:
+    names = ("on_step", "on_epoch", "prog_bar", "logger", "reduce_fx", "sync_dist")
+    return ", ".join(f"{n}={v!r}" for n, v in zip(names, options))
+
+
 def _calling_hook() -> str:
     """The user function that called ``self.log`` (only looked up to word an error)."""
     frame = sys._getframe(1)
@@ -75,7 +80,8 @@ def _as_tensor(value: Any, device: torch.device, name: str) -> torch.Tensor:
         if value.dtype == torch.float32 and value.dim() == 0:
             return value  # what reshape(()).float() gives, without two dispatches per logged value
         if value.numel() != 1:
-            raise ValueError(f"self.log needs a scalar, got a tensor of shape {tuple(value.shape)}")
+            raise ValueError(f"self.log({name!r}, ...): the logged tensor must have a single element, got "
+                             f"one of shape {tuple(value.shape)}; log a scalar (e.g. its mean)")
         return value.reshape(()).float()
     if isinstance(value, (int, float, bool)):
         return torch.tensor(float(value), device=device)
@@ -105,12 +111,13 @@ class Logged:
     """One name's record within a stage."""
 
     __slots__ = ("name", "options", "on_step", "on_epoch", "prog_bar", "logger", "reduce_fx", "sync_dist",
-                 "metric", "total", "count", "step_value", "loader")
+                 "metric", "total", "count", "step_value", "loader", "hook")
 
-    def __init__(self, name: str, options: tuple, loader: int | None = None) -> None:
+    def __init__(self, name: str, options: tuple, loader: int | None = None, hook: str = "") -> None:
         self.name = name
         self.options = options
         self.loader = loader  # the evaluation loader it was logged under (None: none, or one loader only)
+        self.hook = hook  # the function that logged it first
         self.on_step, self.on_epoch, self.prog_bar, self.logger, self.reduce_fx, self.sync_dist = options
         self.metric: Any = None
         self.total: torch.Tensor | None = None  # epoch accumulation (weighted sum for mean)
@@ -199,12 +206,19 @@ class MetricCollector:
         if entry is None or entry.options != options:
             if reduce_fx not in REDUCE_FX:
                 raise ConfigError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): only "
-                                  f"reduce_fx={{min,max,mean,sum}} are supported (also as torch.min, ...); "
-                                  f"for a custom reduction log a torchmetrics Metric")
+                                  f"`self.log(..., reduce_fx={{min,max,mean,sum}})` are supported (also as "
+                                  f"torch.min, ...); for a custom reduction log a torchmetrics Metric")
             if not (on_step or on_epoch):
                 raise ConfigError(f"self.log({name!r}, on_step=False, on_epoch=False) is not useful: it "
                                   f"records nothing; log per step, per epoch or both")
-            entry = self._current[name] = Logged(name, options, self.dataloader_idx)
+            hook = _calling_hook()
+            if entry is not None and entry.hook == hook:
+                # as Lightning: the record would start again, and what it accumulated would be lost
+                raise ConfigError(f"You called `self.log({name}, ...)` twice in `{hook.removesuffix('()')}` "
+                                  f"with different arguments (first {_options_text(entry.options)}, now "
+                                  f"{_options_text(options)}). This is not allowed: log it with the same "
+                                  f"arguments each time, or under another name")
+            entry = self._current[name] = Logged(name, options, self.dataloader_idx, hook)
         elif entry.loader != self.dataloader_idx:
             entry.loader = None  # one name (add_dataloader_idx=False) under several loaders: the whole pass's
         if type(value) is torch.Tensor and value.dtype is _FLOAT32 and not value.dim():
@@ -389,6 +403,15 @@ class MetricCollector:
         self.callback.clear()
         self.logged.clear()
         self.progress_bar.clear()
+
+    def start_run(self) -> None:
+        """A stage starts: ``reset``, and no record is left from an earlier stage of this Trainer (one
+        that raised keeps what it had logged in its unfinished epoch)."""
+        self.reset()
+        self.results.clear()
+        self._fresh_by_stage.clear()
+        self._current, self._fresh = {}, {}
+        self._eval_step_entries.clear()
 
 
 def publish(metrics: MetricCollector, hooks: Hooks, values: dict[str, tuple[Logged, torch.Tensor]],
