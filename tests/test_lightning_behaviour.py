@@ -917,3 +917,31 @@ def test_a_module_attached_to_a_trainer_scripts_and_computes_the_same(make_train
         scripted = torch.jit.script(module)
     x = torch.randn(3, 4)
     torch.testing.assert_close(scripted(x), module(x), rtol=0, atol=0)
+
+
+class _SchedulerOnTheWrapper(TinyModule):
+    """Manual optimisation whose scheduler is built on ``self.optimizers()`` once training starts."""
+
+    def __init__(self) -> None:
+        super().__init__(n=8, batch_size=4)
+        self.automatic_optimization = False
+
+    def on_train_start(self) -> None:
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizers(), step_size=1, gamma=0.5)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+        self.scheduler.step()
+
+
+def test_a_scheduler_built_on_the_wrapped_optimizer_steps_it(make_trainer: Any) -> None:
+    # The scheduler wraps the optimizer's step to see it called; on the wrapper, not on the raw optimizer
+    # the update steps (which would call back into the wrapper without end).
+    module = _SchedulerOnTheWrapper()
+    trainer = make_trainer(max_epochs=2)
+    trainer.fit(module)
+    assert trainer.global_step == 4
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 4)

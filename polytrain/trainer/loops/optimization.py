@@ -38,7 +38,9 @@ class StepOptimizer:
     precision (unscaling, skipped overflow steps), hooks, step counting. It is also an instance of the
     wrapped optimizer's class; ``.optimizer`` is the raw one.
 
-    Every other attribute is the raw optimizer's, read and written through to it, not copied: loading a
+    Every other attribute is the raw optimizer's, read and written through to it, not copied (what the
+    wrapper defines, such as ``step``, stays its own when set: an LR scheduler built on it wraps its
+    ``step``, not the raw one the update calls, which would come back here): loading a
     state dict (a resume, or a checkpoint of an optimizer without state) gives the raw optimizer new
     ``param_groups``, and a learning rate set through the wrapper (a hand-written warmup) must reach the
     groups the update and the schedulers use."""
@@ -51,7 +53,10 @@ class StepOptimizer:
         return getattr(self._optimizer, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._optimizer, name, value)
+        if name in StepOptimizer.__dict__:  # the wrapper's own (an LR scheduler built on it patches `step`)
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._optimizer, name, value)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
