@@ -527,7 +527,8 @@ def test_metrics_are_tensors_and_reduce_fx_takes_lightnings_spellings(make_train
     assert (float(logged["top"]), float(logged["total"]), float(logged["avg"])) == (3.0, 4.0, 1.5)
     assert trainer.progress_bar_callback is None or "top" in trainer.progress_bar_callback.get_metrics(
         trainer, trainer.lightning_module)
-    with pytest.raises(MisconfigurationException, match="only reduce_fx"):
+    only = r"only `self.log\(..., reduce_fx=\{min,max,mean,sum\}\)` are supported"
+    with pytest.raises(MisconfigurationException, match=only):
         make_trainer(max_epochs=1).fit(_LogsWith(reduce_fx=torch.median))
 
 
