@@ -93,8 +93,9 @@ def restore_fit(path: str, *, strategy: Any, hooks: Hooks, module: Any, datamodu
     # Global rank 0 reads the file and every rank gets its answer: file systems that differ between nodes
     # cannot leave one rank raising while another waits in the load's collectives.
     regrouping = [cb for cb in callbacks if callable(getattr(cb, "restore_param_groups", None))]
-    head = (holds_weights_only(path), _callback_states(path) if regrouping else {})
-    weights_only, early_states = strategy.broadcast(head if strategy.is_global_zero else None)
+    head = ((holds_weights_only(path), _callback_states(path) if regrouping else {})
+            if strategy.is_global_zero else None)
+    weights_only, early_states = strategy.broadcast(head)
     if weights_only:
         raise ConfigError(
             f"{path} holds the model's weights only (written with ModelCheckpoint(save_weights_only=True) or "
