@@ -463,6 +463,70 @@ def test_hyperparameters_held_by_one_argument_come_back_through_it(make_trainer:
         assert isinstance(loaded.hparams, DictConfig) == (kind is DictConfig)
 
 
+class _WithConfigArgument(TinyModule):
+    def __init__(self, width: int = 3, options: Any = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def test_a_config_among_the_hyperparameters_comes_back_a_config(make_trainer: Any, tmp_path: Any) -> None:
+    """An OmegaConf config passed as one of several arguments is stored as plain values (the file loads with
+    weights_only=True) and load_from_checkpoint hands it back as a config, as Lightning's (pickled) does."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    for options in (OmegaConf.create({"depth": 2, "inner": {"name": "a"}}), OmegaConf.create([1, 2])):
+        trainer = make_trainer(max_epochs=1, limit_train_batches=1)
+        trainer.fit(_WithConfigArgument(width=5, options=options))
+        path = str(tmp_path / f"{type(options).__name__}.ckpt")
+        trainer.save_checkpoint(path)
+        saved = torch.load(path, weights_only=True)
+        assert saved["hparams_omegaconf"] == ["options"]
+        loaded = _WithConfigArgument.load_from_checkpoint(path)
+        assert isinstance(loaded.hparams.options, (DictConfig, ListConfig))
+        assert type(loaded.hparams.options) is type(options) and loaded.hparams.options == options
+        assert loaded.hparams.width == 5
+    trainer.fit(_WithConfigArgument(options={"depth": 2}))  # a plain dict stays a dict
+    trainer.save_checkpoint(str(tmp_path / "dict.ckpt"))
+    assert "hparams_omegaconf" not in torch.load(str(tmp_path / "dict.ckpt"), weights_only=True)
+    assert type(_WithConfigArgument.load_from_checkpoint(str(tmp_path / "dict.ckpt")).hparams.options) is dict
+
+
+class _HeldObject:
+    """Something only an unrestricted unpickler rebuilds."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def test_a_stage_reads_pickled_objects_only_when_weights_only_is_false(make_trainer: Any,
+                                                                         tmp_path: Any) -> None:
+    """Lightning's ``weights_only`` on fit/validate/test/predict: a Lightning checkpoint whose hyperparameters
+    are objects is refused by default (torch's safe loading) and evaluated with ``weights_only=False``."""
+    from polytrain.core.errors import CheckpointError
+
+    source = TinyModule()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1.0)  # weights that differ from a fresh module's
+    path = str(tmp_path / "lightning.ckpt")
+    torch.save({"pytorch-lightning_version": "2.6.5", "state_dict": source.state_dict(),
+                "hyper_parameters": {"held": _HeldObject("x")}}, path)
+    fresh = TinyModule()
+    with pytest.raises(CheckpointError, match="cannot be loaded safely"):
+        make_trainer().validate(fresh, ckpt_path=path, verbose=False)
+    for stage in ("validate", "test"):
+        module = TinyModule()
+        getattr(make_trainer(), stage)(module, ckpt_path=path, verbose=False, weights_only=False)
+        for mine, theirs in zip(module.parameters(), source.parameters()):
+            assert torch.equal(mine.cpu(), theirs)
+    module = TinyModule()
+    make_trainer().predict(module, ckpt_path=path, weights_only=False)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(module.parameters(), source.parameters()))
+    # the trust ends with the call that gave it
+    with pytest.raises(CheckpointError, match="cannot be loaded safely"):
+        make_trainer().test(TinyModule(), ckpt_path=path, verbose=False)
+
+
 def test_load_from_checkpoint_drops_keywords_init_does_not_take_with_a_warning(make_trainer: Any,
                                                                              tmp_path: Any) -> None:
     trainer = make_trainer(max_epochs=1, limit_train_batches=1)

@@ -7,6 +7,7 @@ consolidate``. Every checkpoint is verified against its checksums first (``integ
 
 from __future__ import annotations
 
+import contextvars
 import os
 import pickle
 import warnings
@@ -23,6 +24,25 @@ from polytrain.core.errors import CheckpointError
 
 META_FILE = "meta.pt"
 
+# Set for the duration of a Trainer method called with ``weights_only=False``: the user vouched for the
+# checkpoints it reads (a Lightning file whose hyperparameters are pickled objects). A context variable
+# rather than an argument because the read happens several layers down, in whichever checkpoint format the
+# strategy uses, and none of those layers has any other reason to know about it.
+_TRUST_PICKLED = contextvars.ContextVar("polytrain_trust_pickled_checkpoints", default=False)
+
+
+@contextmanager
+def trusting_pickled_objects(trusted: bool) -> Iterator[None]:
+    """Inside: ``read_checkpoint`` unpickles whatever a file holds when ``trusted`` (Lightning's
+    ``trainer.fit(..., weights_only=False)``); outside, and with ``trusted=False``, only tensors and plain
+    values load."""
+    token = _TRUST_PICKLED.set(trusted)
+    try:
+        yield
+    finally:
+        _TRUST_PICKLED.reset(token)
+
+
 
 def strip_wrapper_prefix(state: dict[str, Any]) -> dict[str, Any]:
     """Accept weights saved from a DDP/DataParallel wrapper (``module.`` keys) by a plain loop."""
@@ -31,9 +51,12 @@ def strip_wrapper_prefix(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def read_checkpoint(path: str, weights_only: bool = True) -> dict[str, Any]:
+def read_checkpoint(path: str, weights_only: bool | None = None) -> dict[str, Any]:
     """A whole checkpoint as full CPU tensors: a file, or a sharded (DCP) directory read without
-    any process group. Never unpickles without restriction unless ``weights_only=False`` is asked for."""
+    any process group. Never unpickles without restriction unless ``weights_only=False`` is asked for
+    (here, or by the Trainer method running: ``trusting_pickled_objects``)."""
+    if weights_only is None:
+        weights_only = not _TRUST_PICKLED.get()
     if os.path.isdir(path):
         return read_sharded(path)
     verify_file(path)

@@ -19,6 +19,7 @@ from polytrain.callbacks.early_stopping import EarlyStopping
 from polytrain.callbacks.loggers import Logger
 from polytrain.callbacks.model_checkpoint import ModelCheckpoint
 from polytrain.callbacks.progress_bar import ProgressBar
+from polytrain.checkpoint.reading import trusting_pickled_objects
 from polytrain.core import heartbeat
 from polytrain.core.errors import ConfigError, StageInterrupted
 from polytrain.core.nodes import node_range
@@ -376,33 +377,42 @@ class Trainer:
         return {"trainer": trainer_to_dict(self.config)}
 
     # ------------------------------------------------------------------ entry points
+    # ``weights_only`` (every entry point, as Lightning's): False unpickles whatever the ``ckpt_path`` file
+    # holds (a Lightning checkpoint whose hyperparameters are objects); None or True reads tensors and plain
+    # values only, which is all a polytrain checkpoint ever holds.
     def fit(self, model: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
-            datamodule: DataModule | None = None, ckpt_path: str | None = None) -> None:
+            datamodule: DataModule | None = None, ckpt_path: str | None = None,
+            weights_only: bool | None = None) -> None:
         """Train; ``ckpt_path="last"`` (or ``trainer.resume``) continues from the newest checkpoint."""
         train_dataloaders, datamodule = _datamodule_in_loaders_place(train_dataloaders, datamodule)
-        self._run("fit", model, dict(train=train_dataloaders, val=val_dataloaders), datamodule, ckpt_path)
+        self._run("fit", model, dict(train=train_dataloaders, val=val_dataloaders), datamodule, ckpt_path,
+                  weights_only=weights_only)
 
     def validate(self, model: TrainModule | None = None, dataloaders: Any = None,
                  ckpt_path: str | None = None, verbose: bool = True,
-                 datamodule: DataModule | None = None) -> list[dict[str, float]]:
+                 datamodule: DataModule | None = None, weights_only: bool | None = None
+                 ) -> list[dict[str, float]]:
         """The epoch metrics of one pass over the validation data; ``verbose`` prints them as a table on
         global rank 0, as Lightning does."""
         dataloaders, datamodule = _datamodule_in_loaders_place(dataloaders, datamodule)
-        return self._run("validate", model, dict(val=dataloaders), datamodule, ckpt_path, verbose)
+        return self._run("validate", model, dict(val=dataloaders), datamodule, ckpt_path, verbose,
+                         weights_only)
 
     def test(self, model: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
-             verbose: bool = True, datamodule: DataModule | None = None) -> list[dict[str, float]]:
+             verbose: bool = True, datamodule: DataModule | None = None,
+             weights_only: bool | None = None) -> list[dict[str, float]]:
         dataloaders, datamodule = _datamodule_in_loaders_place(dataloaders, datamodule)
-        return self._run("test", model, dict(test=dataloaders), datamodule, ckpt_path, verbose)
+        return self._run("test", model, dict(test=dataloaders), datamodule, ckpt_path, verbose, weights_only)
 
     def predict(self, model: TrainModule | None = None, dataloaders: Any = None,
                 datamodule: DataModule | None = None, return_predictions: bool | None = None,
-                ckpt_path: str | None = None) -> list[Any]:
+                ckpt_path: str | None = None, weights_only: bool | None = None) -> list[Any]:
         """This rank's predictions, in the order of its share of the data (rank r: samples r, r+N, ...);
         None with ``return_predictions=False`` (write them with a ``BasePredictionWriter`` instead)."""
         self.predict_loop.return_predictions = return_predictions is not False
         dataloaders, datamodule = _datamodule_in_loaders_place(dataloaders, datamodule)
-        return self._run("predict", model, dict(predict=dataloaders), datamodule, ckpt_path)
+        return self._run("predict", model, dict(predict=dataloaders), datamodule, ckpt_path,
+                         weights_only=weights_only)
 
     def save_checkpoint(self, filepath: str, weights_only: bool = False, async_save: bool = False) -> None:
         """Every rank calls this (a collective); ``nan_policy: error`` refuses a model holding NaN/inf.
@@ -421,7 +431,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ plumbing
     def _run(self, stage: str, model: TrainModule | None, loaders: dict[str, Any], datamodule: Any,
-             ckpt_path: str | None, verbose: bool = False) -> Any:
+             ckpt_path: str | None, verbose: bool = False, weights_only: bool | None = None) -> Any:
+        with trusting_pickled_objects(weights_only is False):
+            return self._run_trusting(stage, model, loaders, datamodule, ckpt_path, verbose, weights_only)
+
+    def _run_trusting(self, stage: str, model: TrainModule | None, loaders: dict[str, Any], datamodule: Any,
+                      ckpt_path: str | None, verbose: bool, weights_only: bool | None) -> Any:
         model_given = model is not None
         model = model if model is not None else self.module
         if model is None:
@@ -437,7 +452,7 @@ class Trainer:
                 given = dict(dataloaders=next(iter(loaders.values())))
             user_callbacks = [cb for cb in self.callbacks if getattr(cb, "_user_given", False)]
             args = (type(self), trainer_to_dict(self.config), user_callbacks, stage, model,
-                    dict(given, datamodule=datamodule, ckpt_path=ckpt_path))
+                    dict(given, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=weights_only))
             out = launch_workers(plan, _stage_in_worker, args, self.config.max_restarts, stage, model,
                                  self.config.run_dir, self.config.version)
             self.metrics.callback = out["callback_metrics"]

@@ -169,12 +169,20 @@ def _rebuilt_container(values: dict[str, Any], kind: str | None) -> Any:
     return values
 
 
-def hparams_container(obj: Any) -> dict[str, str]:
+def hparams_container(obj: Any) -> dict[str, Any]:
     """What a checkpoint records beside ``obj``'s hyperparameters when one dict, Namespace or DictConfig held
-    them: the ``__init__`` argument it came in (``hparams_name``) and its kind (``hparams_type``). A plain
-    function, not a method: a module's namespace holds Lightning's names and the user's own only."""
+    them: the ``__init__`` argument it came in (``hparams_name``) and its kind (``hparams_type``); and which
+    hyperparameters were OmegaConf configs (``hparams_omegaconf``: stored as plain dicts and lists, so the
+    file loads with ``weights_only=True``, and rebuilt as configs by ``load_from_checkpoint``, where
+    Lightning pickles them). A plain function, not a method: a module's namespace holds Lightning's names
+    and the user's own only."""
     name, kind = obj.__dict__.get("_hparams_name"), obj.__dict__.get("_hparams_type")
-    return {} if kind is None else {"hparams_name": name, "hparams_type": kind}
+    record: dict[str, Any] = {} if kind is None else {"hparams_name": name, "hparams_type": kind}
+    hparams = obj.__dict__.get("_hparams")
+    configs = [str(k) for k, v in (hparams or {}).items() if _is_omegaconf(v)] if kind is None else []
+    if configs:
+        record["hparams_omegaconf"] = configs
+    return record
 
 
 def plain(value: Any) -> Any:
@@ -198,6 +206,9 @@ def init_arguments(cls: type, checkpoint: dict[str, Any], prefix: str, overrides
     # older Lightning files kept them under "hparams" or "module_arguments" (a module's, not a DataModule's)
     keys = [f"{prefix}hyper_parameters"] + ([] if prefix else ["hparams", "module_arguments"])
     saved = dict(next((checkpoint[key] for key in keys if checkpoint.get(key) is not None), {}))
+    for key in checkpoint.get(f"{prefix}hparams_omegaconf", ()):
+        if isinstance(saved.get(key), (dict, list)):
+            saved[key] = OmegaConf.create(saved[key])
     parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]  # [0] is self
     named = {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     name = checkpoint.get(f"{prefix}hparams_name")
