@@ -85,8 +85,13 @@ def validate_dataclass(cls: type, data: dict[str, Any], where: str) -> Any:
         merged = OmegaConf.merge(OmegaConf.structured(_omegaconf_schema(cls)), OmegaConf.create(data))
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
-        expected = {f.name: f.type for f in dataclasses.fields(cls)}.get(
-            str(key).split(".")[0].split("[")[0], "?")
+        name = str(key).split(".")[0].split("[")[0]
+        declared = {f.name: f for f in dataclasses.fields(cls)}.get(name)
+        expects = declared.metadata.get("expects") if declared is not None else None
+        if expects is not None and name in data:  # a field that states its rule in words: those words
+            raise ConfigError(f"{where}.{name} should be {expects}, got {data[name]!r} "
+                              f"({type(data[name]).__name__})") from None
+        expected = declared.type if declared is not None else "?"
         raise ConfigError(
             f"{where}.{key}: {str(getattr(err, 'msg', err)).splitlines()[0]} (expected {expected})"
         ) from None

@@ -49,9 +49,10 @@ class TrainerConfig:
     strategy: Any = "auto"  # a name, or a mapping {name: ..., <that strategy's options>}
     precision: str = "32"
     max_epochs: int | None = None
-    min_epochs: int | None = None  # a stop request (early stopping) waits until this many epochs ran
+    # a stop request (early stopping) waits until this many epochs ran
+    min_epochs: int | None = field(default=None, metadata={"expects": "an int >= 0 or null"})
     max_steps: int = -1
-    min_steps: int | None = None
+    min_steps: int | None = field(default=None, metadata={"expects": "an int >= 0 or null"})
     max_time: Any = None  # "DD:HH:MM:SS" or {"hours": 2, ...}: stop cleanly (and checkpoint) after that long
     limit_train_batches: Any = None  # a number of batches, or a fraction of the epoch (0.25)
     limit_val_batches: Any = None
@@ -62,7 +63,7 @@ class TrainerConfig:
     check_val_every_n_epoch: int | None = 1  # None: val_check_interval counts batches across epochs
     num_sanity_val_steps: int = 2  # validation batches before training (-1: all, 0: none)
     fast_dev_run: Any = False  # True or N: N batches of every loop, one epoch, no checkpoints or loggers
-    reload_dataloaders_every_n_epochs: int = 0
+    reload_dataloaders_every_n_epochs: int = field(default=0, metadata={"expects": "an int >= 0"})
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str | None = None  # "norm" (the default when None) or "value"
