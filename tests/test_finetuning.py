@@ -129,3 +129,64 @@ def test_finetuning_is_refused_on_every_rank_across_processes(tmp_path: Any) -> 
     # a part unfrozen after the data-parallel wrapper was built would not have its gradients averaged
     for message in run_distributed(_two_ranks, 2, str(tmp_path), timeout=150.0):
         assert "runs on one process only (2 here)" in message
+
+
+class _AddsToTheSGDOnly(BaseFinetuning):
+    """Unfreezes the backbone into the plain SGD optimizer only, chosen by its exact type (as a Lightning
+    project writes it): the optimizer the callback receives is the torch one, not a wrapper."""
+
+    def freeze_before_training(self, pl_module: Any) -> None:
+        self.freeze(pl_module.backbone)
+
+    def finetune_function(self, pl_module: Any, epoch: int, optimizer: Any) -> None:
+        if epoch == 1 and type(optimizer) is torch.optim.SGD:
+            self.unfreeze_and_add_param_group(pl_module.backbone, optimizer, lr=0.05, train_bn=True)
+
+
+class _TwoOptimizers(_Backboned):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        for optimizer in self.optimizers():
+            optimizer.zero_grad()
+            self.manual_backward(F.mse_loss(self(x), y))
+            optimizer.step()
+
+    def on_train_epoch_start(self) -> None: ...
+
+    def on_train_epoch_end(self) -> None:
+        self.lr_schedulers().step()
+
+    def configure_optimizers(self) -> Any:
+        first = torch.optim.SGD(self.net.parameters(), lr=0.1)
+        second = torch.optim.Adam(self.net.parameters(), lr=0.01)
+        return [first, second], [torch.optim.lr_scheduler.StepLR(first, step_size=1, gamma=0.5)]
+
+
+def test_the_learning_rate_monitor_renames_an_optimizer_that_gained_a_group(make_trainer: Any) -> None:
+    """An optimizer with one group is logged as ``lr-SGD``; once the callback adds a group, its record moves
+    to ``lr-SGD/pg1`` (the whole history, at the end of the order) beside ``lr-SGD/pg2``, as Lightning's
+    LearningRateMonitor does; ``trainer.optimizers`` are the torch optimizers themselves."""
+    from polytrain.callbacks import LearningRateMonitor
+
+    monitor = LearningRateMonitor(logging_interval="epoch")
+    seen_types: list[type] = []
+
+    class Types(BaseFinetuning):
+        def freeze_before_training(self, pl_module: Any) -> None: ...
+
+        def finetune_function(self, pl_module: Any, epoch: int, optimizer: Any) -> None:
+            seen_types.append(type(optimizer))
+
+    module = _TwoOptimizers()
+    trainer = make_trainer(max_epochs=3, callbacks=[_AddsToTheSGDOnly(), Types(), monitor])
+    trainer.fit(module)
+    assert [type(o) for o in trainer.optimizers] == [torch.optim.SGD, torch.optim.Adam]
+    assert set(seen_types) == {torch.optim.SGD, torch.optim.Adam}
+    assert list(monitor.lrs) == ["lr-Adam", "lr-SGD/pg1", "lr-SGD/pg2"]
+    assert monitor.lrs["lr-SGD/pg1"] == pytest.approx([0.1, 0.05, 0.025])
+    assert monitor.lrs["lr-SGD/pg2"] == pytest.approx([0.05, 0.025])  # added at 0.05, then halved
+    assert monitor.lrs["lr-Adam"] == pytest.approx([0.01, 0.01, 0.01])

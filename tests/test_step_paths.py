@@ -103,7 +103,7 @@ def test_a_step_pre_hook_registered_mid_fit_runs_where_a_hand_loop_runs_it(make_
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
             if batch_idx == 0:
-                trainer.optimizers[0].optimizer.register_step_pre_hook(
+                trainer.optimizers[0].register_step_pre_hook(
                     lambda *_: module.events.append("pre_hook"))
 
     module = _Recorded(sgd)

@@ -84,6 +84,7 @@ class LearningRateMonitor(Callback):
                       trainer.global_step + 1)
 
     def _log(self, trainer: Any, values: dict[str, float], step: int) -> None:
+        self._rename_grown_optimizers(values)
         for name, value in values.items():
             if name.endswith("-momentum"):
                 self.last_momentum_values[name] = value
@@ -92,6 +93,20 @@ class LearningRateMonitor(Callback):
             else:
                 self.lrs.setdefault(name, []).append(value)
         _log(trainer, values, step)
+
+    def _rename_grown_optimizers(self, values: dict[str, float]) -> None:
+        """An optimizer that had one parameter group and gained more (``BaseFinetuning`` adds them) is named
+        per group from then on: its history moves from ``lr-X`` to ``lr-X/pg1``, as Lightning moves it, so
+        one name keeps one group's whole record."""
+        for name in values:
+            old = name.removesuffix("/pg1")
+            if old == name or old not in self.lrs or name in self.lrs:
+                continue
+            self.lrs[name] = self.lrs.pop(old)
+            for suffix, kept in (("-momentum", self.last_momentum_values),
+                                 ("-weight_decay", self.last_weight_decay_values)):
+                if old + suffix in kept:
+                    kept[name + suffix] = kept.pop(old + suffix)
 
     def rates(self, trainer: Any, interval: str) -> dict[str, float]:
         """The values to log: optimizers whose scheduler steps per ``interval`` (``any``: all), and every

@@ -336,8 +336,16 @@ class Trainer:
         return [n if steps == -1 else min(steps, n) for n in self.num_val_batches]
 
     @property
-    def optimizers(self) -> list[Any]:
-        """The fit's optimizers, each wrapped so ``step()`` goes through the strategy (``StepOptimizer``)."""
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The fit's optimizers themselves, as Lightning's ``trainer.optimizers`` (a callback adding a
+        parameter group, or checking ``type(optimizer)``, sees the real one)."""
+        optimization = self.fit_loop.optimization
+        return list(optimization.optimizers) if optimization is not None else []
+
+    @property
+    def stepping_optimizers(self) -> list[Any]:
+        """The same optimizers, each wrapped so ``step()`` goes through the strategy (precision, hooks, step
+        counting): what ``module.optimizers()`` hands out (``StepOptimizer``)."""
         optimization = self.fit_loop.optimization
         return list(optimization.wrapped) if optimization is not None else []
 

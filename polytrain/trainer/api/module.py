@@ -187,7 +187,7 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
     def optimizers(self, use_pl_optimizer: bool = True) -> Any:
         """The optimizers (one, or a list), wrapped so ``step()`` goes through the strategy (precision,
         hooks, step counting); ``use_pl_optimizer=False`` gives the raw torch ones."""
-        opts = self.trainer.optimizers if use_pl_optimizer else self.trainer.strategy.optimizers
+        opts = self.trainer.stepping_optimizers if use_pl_optimizer else self.trainer.optimizers
         return opts[0] if len(opts) == 1 else list(opts)
 
     def lr_schedulers(self) -> Any:

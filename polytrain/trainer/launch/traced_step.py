@@ -92,7 +92,7 @@ class _StandInStrategy:
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [o.optimizer for o in self._standing_in.optimizers]
+        return self._standing_in.optimizers
 
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(f"self.trainer.strategy.{name} is not there while the planner traces "
@@ -118,7 +118,11 @@ class _TracedTrainer:
         return first.device if first is not None else torch.device("meta")
 
     @property
-    def optimizers(self) -> list[_StandInOptimizer]:
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o.optimizer for o in self.stepping_optimizers]
+
+    @property
+    def stepping_optimizers(self) -> list[_StandInOptimizer]:
         if self._optimizers is None:
             try:
                 made, self._schedulers = parse_optimizers(self._module.configure_optimizers())
@@ -131,7 +135,7 @@ class _TracedTrainer:
 
     @property
     def lr_scheduler_configs(self) -> list[Any]:
-        self.optimizers  # noqa: B018 - built with the optimizers they step
+        self.stepping_optimizers  # noqa: B018 - built with the optimizers they step
         return self._schedulers
 
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
