@@ -579,6 +579,45 @@ def test_lightning_worded_config_errors(make_trainer: Any) -> None:
 # --------------------------------------------------------------------------- the trainer's surface
 
 
+class _TwoBackwardsPerBatch(TinyModule):
+    def __init__(self) -> None:
+        super().__init__(n=8, batch_size=4, val_n=None)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        for half in (x[:2], x[2:]):
+            self.manual_backward(torch.nn.functional.mse_loss(self(half), y[: len(half)]))
+        optimizer.step()
+
+
+def test_the_strategy_exists_before_the_first_stage_and_its_backward_runs_each_manual_backward(
+        make_trainer: Any) -> None:
+    """As Lightning: ``trainer.strategy`` is there once the Trainer is built (code wraps its ``backward``
+    before ``fit``), importable as ``polytrain.strategies.Strategy``; every ``manual_backward`` goes
+    through ``Strategy.backward``; the process group is not started until a stage starts."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from polytrain.strategies import SingleDeviceStrategy, Strategy
+
+    trainer = make_trainer(max_epochs=1)
+    assert isinstance(trainer.strategy, SingleDeviceStrategy)
+    assert trainer.global_rank == 0 and trainer.world_size == 1
+    assert not dist.is_initialized()
+    built = trainer.strategy
+    with mock.patch.object(Strategy, "backward", wraps=trainer.strategy.backward) as backward:
+        trainer.fit(_TwoBackwardsPerBatch())
+    assert backward.call_count == 2 * 2  # two batches, two backward passes each
+    assert trainer.strategy is built and trainer.global_step == 2
+    # under plan: true the planner needs the model: no strategy until a stage starts
+    planned = make_trainer(strategy={"name": "parallel", "plan": True})
+    assert planned.strategy is None
+
+
 def test_metrics_are_tensors_and_reduce_fx_takes_lightnings_spellings(make_trainer: Any) -> None:
     class Spelled(TinyModule):
         def training_step(self, batch: Any, batch_idx: int) -> Any:

@@ -270,7 +270,7 @@ class Strategy(CollectiveVerbs, ABC):
         for hook in plan.before_backward:
             hook(loss)
         self.prepare_manual_backward(loss)
-        self.executor.scaled_backward(loss, *args, **kwargs)
+        self.backward(loss, *args, **kwargs)
         for hook in plan.after_backward:
             hook()
 

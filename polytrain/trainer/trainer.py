@@ -29,6 +29,7 @@ from polytrain.core.worker_failure import report_uncaught_to_launcher
 from polytrain.data.loaders import stop_workers
 from polytrain.strategies.base import Strategy
 from polytrain.strategies.launcher import LaunchPlan, plan_launch
+from polytrain.strategies.plan_spec import is_planned
 from polytrain.trainer.api.datamodule import DataModule
 from polytrain.trainer.api.hooks import Hooks, is_overridden
 from polytrain.trainer.api.module import TrainModule
@@ -42,7 +43,7 @@ from polytrain.trainer.configuration.config import (
 from polytrain.trainer.configuration.default_callbacks import build_callbacks, split_objects
 from polytrain.trainer.configuration.targets import check_run_targets
 from polytrain.trainer.launch.planned import agree_on_plan, plan_layout
-from polytrain.trainer.launch.process_placement import launch_workers, strategy_for
+from polytrain.trainer.launch.process_placement import apply_process_switches, launch_workers, strategy_for
 from polytrain.trainer.loops import lifecycle
 from polytrain.trainer.loops.data_connector import DataConnector, reported_batches
 from polytrain.trainer.loops.evaluation import EvaluationLoop, PredictionRecord, results_table
@@ -95,6 +96,8 @@ class Trainer:
         self.stage: str | None = None
         self._run_config: dict[str, Any] | None = None
         self._run_directory: RunDirectory | None = None  # settled when a stage starts (run_directory.py)
+        self._strategy_started = False
+        self.strategy = _strategy_before_any_stage(self.config)
 
     @classmethod
     def from_config(cls, config: Any) -> Trainer:
@@ -620,10 +623,13 @@ class Trainer:
             log_dir=self.log_dir)
 
     def _setup_strategy(self, plan: LaunchPlan) -> None:
-        if self.strategy is not None:
+        if self._strategy_started:
             return
-        self.strategy = strategy_for(self.config, plan)
+        if self.strategy is None:  # planned: the planner settled the degrees just now
+            self.strategy = strategy_for(self.config, plan)
+        apply_process_switches(self.config)
         self.strategy.setup_environment()
+        self._strategy_started = True
         rank_zero_only.rank = self.strategy.global_rank  # what @rank_zero_only in user code reads
         self.metrics.device = self.strategy.collective_device
         heartbeat.start(self.strategy.global_rank, self.strategy.world_size, self.config.timeout)
@@ -639,6 +645,22 @@ class Trainer:
             raise RuntimeError("manual_backward is for manual optimisation: set self.automatic_optimization "
                                "= False in __init__, or return the loss from training_step")
         self.strategy.manual_backward(loss, *args, **kwargs)
+
+
+def _strategy_before_any_stage(config: TrainerConfig) -> Strategy | None:
+    """``trainer.strategy`` from construction, as Lightning's (code wraps ``trainer.strategy.backward``
+    before ``fit``), where the config alone settles it: not under ``plan: true`` (the planner needs the
+    model, so the strategy is built when a stage starts) and not where a stage launches worker processes
+    (each builds its own). Built only: its process group starts with the first stage. A layout this
+    machine cannot run (GPU indices on a CPU machine) is still a valid config here; the stage that would
+    run it says why it cannot, so nothing is built now."""
+    if is_planned(config.strategy):
+        return None
+    try:
+        plan = plan_launch(config)
+        return strategy_for(config, plan) if plan.method == "here" else None
+    except ConfigError:
+        return None  # raised again, in the same words, when a stage starts
 
 
 def _datamodule_in_loaders_place(loaders: Any,

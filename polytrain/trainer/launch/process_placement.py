@@ -60,8 +60,9 @@ def _stopped_lines(stage: str, run_dir: str, version: int | str | None) -> list[
 
 
 def strategy_for(config: TrainerConfig, plan: LaunchPlan) -> Strategy:
-    """The strategy this process runs (a ``Strategy`` given as ``trainer.strategy`` is used as it is),
-    with the process-wide switches the config asks for set before its process group starts."""
+    """The strategy this process runs (a ``Strategy`` given as ``trainer.strategy`` is used as it is);
+    built, not started: ``apply_process_switches`` and its ``setup_environment`` come when a stage
+    starts."""
     compile_options = resolve_compile(config.compile)
     checkpointing = resolve_checkpointing(config.activation_checkpointing)
     if isinstance(config.strategy, Strategy):
@@ -83,10 +84,15 @@ def strategy_for(config: TrainerConfig, plan: LaunchPlan) -> Strategy:
                                   precision=config.precision, timeout=config.timeout, env=plan.env,
                                   compile_options=compile_options,
                                   activation_checkpointing_options=checkpointing)
+    return strategy
+
+
+def apply_process_switches(config: TrainerConfig) -> None:
+    """The process-wide switches the config asks for (cuDNN autotuning, deterministic kernels, the
+    divergence check), set when a stage starts, before the strategy's process group does."""
     if config.benchmark is not None:
         torch.backends.cudnn.benchmark = config.benchmark
     if config.deterministic:
         enable_deterministic(warn_only=config.deterministic == "warn")
     if config.detect_divergence:
         divergence.enable(config.timeout)  # before the process group starts
-    return strategy
