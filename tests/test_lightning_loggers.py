@@ -249,3 +249,50 @@ def test_a_logger_that_does_not_subclass_logger_is_driven_as_one(make_trainer: A
     assert trainer.logger.calls is plain.calls and trainer.logger.name == "plain"
     assert plain.calls[0] == ("hparams", {"lr": 0.05}) and plain.calls[-1] == ("finalize", "success")
     assert ("metrics", ["epoch", "train/loss"]) in plain.calls
+
+
+def test_a_csv_logger_writes_to_a_url_and_the_checkpoints_stay_local(tmp_path: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CSVLogger(save_dir="<protocol>://...")`` (fsspec's in-memory filesystem standing in for S3): the rows
+    and ``hparams.yaml`` go to the URL, versions are numbered there, a later run's logger reads the rows
+    back; the run's checkpoints stay under ``default_root_dir``, and nothing local is named after the URL."""
+    import fsspec
+
+    from polytrain.callbacks import ModelCheckpoint
+    from polytrain.core.errors import ConfigError
+    from polytrain.loggers import CSVLogger, TensorBoardLogger
+
+    monkeypatch.chdir(tmp_path)  # a URL written as a local path would appear here
+    url = "memory://polytrain-test-logs"
+    fs = fsspec.filesystem("memory")
+    fs.rm("/polytrain-test-logs", recursive=True) if fs.exists("/polytrain-test-logs") else None
+    try:
+        run_dir = str(tmp_path / "runs")
+        written: dict[int, list[dict[str, str]]] = {}
+        for expected_version in (0, 1):
+            logger = CSVLogger(save_dir=url, name="exp")
+            module = TinyModule(n=8, batch_size=4, val_n=None)
+            module.save_hyperparameters({"width": 4})
+            trainer = Trainer(**_kwargs(run_dir, enable_checkpointing=True, max_epochs=2),
+                              logger=logger, callbacks=[ModelCheckpoint()])
+            trainer.fit(module)
+            assert logger.version == expected_version
+            assert logger.log_dir == f"{url}/exp/version_{expected_version}"
+            with fs.open(f"/polytrain-test-logs/exp/version_{expected_version}/metrics.csv") as fh:
+                rows = list(csv.DictReader(fh.read().decode().splitlines()))
+            assert [int(r["step"]) for r in rows if r.get("train/loss")] == [1, 2, 3, 4]
+            written[expected_version] = rows
+            with fs.open(f"/polytrain-test-logs/exp/version_{expected_version}/hparams.yaml") as fh:
+                assert "width: 4" in fh.read().decode()
+            # the checkpoints: under default_root_dir, in a run directory of their own
+            assert os.path.isdir(os.path.join(run_dir, f"version_{expected_version}", "checkpoints"))
+            assert trainer.log_dir == os.path.join(run_dir, f"version_{expected_version}")
+        assert not any(name.startswith("memory") for name in os.listdir(tmp_path))
+        # an existing file at the URL is read back, and rows are added after it
+        again = CSVLogger(save_dir=url, name="exp", version=0)
+        assert len(again.experiment.metrics) == len(written[0])
+        with pytest.raises(ConfigError, match=r"TensorBoardLogger\(save_dir='memory://x'\): torch's "
+                                              r"SummaryWriter writes event files to a local directory only"):
+            TensorBoardLogger(save_dir="memory://x")
+    finally:
+        fs.rm("/polytrain-test-logs", recursive=True)

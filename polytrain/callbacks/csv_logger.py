@@ -1,6 +1,6 @@
 """``CSVLogger``: a row per ``log_metrics`` call (or per step) in
 ``<save_dir>/<name>/version_<n>/metrics.csv`` (columns grow as new names appear), the hyperparameters in
-``hparams.yaml`` beside it."""
+``hparams.yaml`` beside it. ``save_dir`` may be a URL (``s3://bucket/logs``): see ``core/log_files.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from polytrain.callbacks.loggers import DirectoryLogger, DummyExperiment, prefixed, write_hparams_yaml
-from polytrain.core.files import replace_text
+from polytrain.core.log_files import read_text, write_text
 
 ROWS = ("call", "step")  # a row per log_metrics call (Lightning's), or per step
 
@@ -39,12 +39,12 @@ class CSVExperiment:
     def _read_existing(self) -> None:
         """Rows already in the file (a resumed run's, or a stage run later in the same directory) are
         kept: a stage adds its rows after them, never writes over them."""
-        if not os.path.exists(self.metrics_file_path):
+        text = read_text(self.metrics_file_path)
+        if text is None:
             return
-        with open(self.metrics_file_path, newline="", encoding="utf-8") as fh:
-            reader = csv.DictReader(fh)
-            self.metrics_keys = list(reader.fieldnames or ["step"])
-            self.metrics = [{k: v for k, v in row.items() if v != ""} for row in reader]
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        self.metrics_keys = list(reader.fieldnames or ["step"])
+        self.metrics = [{k: v for k, v in row.items() if v != ""} for row in reader]
         for row in self.metrics:
             row["step"] = int(row["step"])
 
@@ -75,12 +75,11 @@ class CSVExperiment:
         if not self.metrics or not self._unwritten:
             return
         self._unwritten = False
-        os.makedirs(self.log_dir, exist_ok=True)
         text = io.StringIO(newline="")
         writer = csv.DictWriter(text, fieldnames=self.metrics_keys)
         writer.writeheader()
         writer.writerows(self.metrics)
-        replace_text(self.metrics_file_path, text.getvalue())
+        write_text(self.metrics_file_path, text.getvalue())
 
 
 ExperimentWriter = CSVExperiment  # Lightning's name for it (loggers.csv_logs.ExperimentWriter)

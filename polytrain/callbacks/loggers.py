@@ -21,7 +21,7 @@ import yaml
 
 from polytrain.callbacks.base import Callback
 from polytrain.checkpoint.layout import next_version, version_name
-from polytrain.core.files import replace_text
+from polytrain.core.log_files import write_text
 from polytrain.core.rank_zero import rank_zero_only
 
 
@@ -355,5 +355,4 @@ def write_hparams_yaml(path: str, params: dict[str, Any]) -> None:
                           f"({type(value).__name__})", stacklevel=3)
             continue
         kept[name] = value
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    replace_text(path, yaml.dump(kept, Dumper=_HparamsDumper, sort_keys=False))
+    write_text(path, yaml.dump(kept, Dumper=_HparamsDumper, sort_keys=False))

@@ -14,6 +14,8 @@ from polytrain.callbacks.loggers import (
     prefixed,
     write_hparams_yaml,
 )
+from polytrain.core.errors import ConfigError
+from polytrain.core.log_files import is_url
 
 
 class TensorBoardLogger(DirectoryLogger):
@@ -30,6 +32,10 @@ class TensorBoardLogger(DirectoryLogger):
     def __init__(self, save_dir: str | os.PathLike, name: str | None = "lightning_logs",
                  version: int | str | None = None, log_graph: bool = False, default_hp_metric: bool = True,
                  prefix: str = "", sub_dir: str | os.PathLike | None = None, **kwargs: Any) -> None:
+        if is_url(save_dir):
+            raise ConfigError(f"TensorBoardLogger(save_dir={os.fspath(save_dir)!r}): torch's SummaryWriter "
+                              f"writes event files to a local directory only; give a local or mounted "
+                              f"directory (CSVLogger writes to a URL)")
         super().__init__(save_dir, name, version, sub_dir, prefix)
         self._log_graph = log_graph
         self._default_hp_metric = default_hp_metric

@@ -32,6 +32,7 @@ from polytrain.checkpoint.reading import META_FILE
 from polytrain.checkpoint.unpickler import METADATA_FILE
 from polytrain.core.errors import CheckpointError, ConfigError, first_few
 from polytrain.core.files import replace_text
+from polytrain.core.log_files import list_names
 
 log = logging.getLogger("polytrain")
 
@@ -51,11 +52,10 @@ def version_name(version: int | str) -> str:
 
 
 def next_version(root: str, kind: str = "version") -> int:
-    """One more than the highest ``<kind>_<n>`` under ``root`` (0 for none): never an existing one."""
-    if not os.path.isdir(root):
-        return 0
+    """One more than the highest ``<kind>_<n>`` under ``root`` (0 for none): never an existing one.
+    ``root`` may be a logger's URL (``log_files``)."""
     pattern = re.compile(rf"^{re.escape(kind)}_(\d+)$")
-    taken = [int(m.group(1)) for m in map(pattern.match, os.listdir(root)) if m is not None]
+    taken = [int(m.group(1)) for m in map(pattern.match, list_names(root)) if m is not None]
     return max(taken) + 1 if taken else 0
 
 

@@ -36,6 +36,7 @@ from polytrain.checkpoint.layout import (
     version_of,
 )
 from polytrain.core.errors import CheckpointError, ConfigError
+from polytrain.core.log_files import is_url
 from polytrain.trainer.persistence.resume import choose_checkpoint
 
 if TYPE_CHECKING:
@@ -79,7 +80,9 @@ def discard_if_unused(run: RunDirectory | None, is_global_zero: bool) -> None:
 def run_root(sources: RunSources) -> tuple[str, int | str | None]:
     """The directory runs are versioned under, and the version asked for (None: the next free one)."""
     first = sources.loggers[0] if sources.loggers else None
-    if isinstance(first, DirectoryLogger):  # the Trainer's own file loggers have run_dir as their root
+    # The Trainer's own file loggers have run_dir as their root. A logger writing to a URL does not
+    # choose it: the run's checkpoints stay local (core/log_files.py says why).
+    if isinstance(first, DirectoryLogger) and not is_url(first.root_dir):
         return first.root_dir, first.asked_version
     return sources.config.run_dir, sources.config.version
 
@@ -159,7 +162,11 @@ def _new_version(root: str, claim: bool, kind: str, run_dir: str) -> int | str:
     """The next free ``<kind>_<n>`` under ``root`` (``version_<n>`` as the number ``n``, Lightning's version),
     claimed (its directory created, exclusively) when ``claim``."""
     try:
-        name = claim_next_version(root, kind) if claim else f"{kind}_{next_version(root, kind)}"
+        # A logger's URL is numbered, not claimed: an object store has no exclusive directory creation.
+        if claim and not is_url(root):
+            name = claim_next_version(root, kind)
+        else:
+            name = f"{kind}_{next_version(root, kind)}"
     except OSError as err:
         raise CheckpointError(_unwritable(run_dir, root, err)) from None
     return version_of(name)
