@@ -249,6 +249,33 @@ def test_model_checkpoint_exposes_lightnings_top_k_attributes(make_trainer: Any,
         assert {os.path.basename(k): v for k, v in yaml.safe_load(f).items()} == best
 
 
+def test_model_checkpoint_state_is_settable_and_reloads_only_into_its_own_dirpath(tmp_path: Any) -> None:
+    """Lightning code restores a ModelCheckpoint by setting ``best_k_models`` (``kth_*`` follow from it, and
+    a consistent value is accepted); the state carries Lightning's keys; loaded into a callback writing
+    elsewhere only ``best_model_path`` comes back, with Lightning's warning."""
+    here, elsewhere = str(tmp_path / "a"), str(tmp_path / "b")
+    writer = ModelCheckpoint(dirpath=here, monitor="loss", mode="max", save_top_k=-1)
+    writer.best_k_models = {os.path.join(here, "x.ckpt"): torch.tensor(1.0),
+                            os.path.join(here, "y.ckpt"): torch.tensor(3.0)}
+    assert writer.kth_best_model_path == os.path.join(here, "x.ckpt") and writer.kth_value == 1.0
+    writer.kth_value = torch.tensor(1.0)  # what it is: accepted
+    with pytest.raises(ValueError, match="set best_k_models to change it"):
+        writer.kth_best_model_path = os.path.join(here, "y.ckpt")
+    writer.best_model_path = os.path.join(here, "y.ckpt")
+    writer.last_model_path = os.path.join(here, "l.ckpt")
+    state = writer.state_dict()
+    assert {"best_k_models", "kth_best_model_path", "kth_value", "dirpath"} <= set(state)
+    assert state["best_k_models"] == {os.path.join(here, "x.ckpt"): 1.0, os.path.join(here, "y.ckpt"): 3.0}
+    same = ModelCheckpoint(dirpath=here, monitor="loss", mode="max", save_top_k=-1)
+    same.load_state_dict(state)
+    assert same.best_k_models == writer.best_k_models and same.last_model_path == writer.last_model_path
+    other = ModelCheckpoint(dirpath=elsewhere, monitor="loss", mode="max", save_top_k=-1)
+    with pytest.warns(UserWarning, match="The dirpath has changed from .* Only `best_model_path` will be"):
+        other.load_state_dict(state)
+    assert other.best_model_path == writer.best_model_path
+    assert other.best_k_models == {} and other.last_model_path == "" and other.best_model_score is None
+
+
 def test_model_checkpoint_ranks_a_nan_below_every_number(make_trainer: Any, tmp_path: Any) -> None:
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path), monitor="score", save_top_k=1, filename="{epoch}")
     make_trainer(max_epochs=2, limit_train_batches=1, callbacks=[checkpoint],

@@ -144,24 +144,47 @@ class ModelCheckpoint(Callback):
         """No ``dirpath`` was given: the checkpoints go to ``<log_dir>/checkpoints``."""
         return not self._dirpath_given
 
-    # ------------------------------------------------------------------ Lightning's read-only views of `kept`
+    # ------------------------------------------------------------------ Lightning's views of `kept`
+    # ``kept`` is the one record; these are Lightning's names for it. ``best_k_models`` can be set (Lightning
+    # code restoring a callback's state does); ``kth_best_model_path`` and ``kth_value`` follow from it and
+    # ``save_top_k``, so setting them accepts only what they already are.
     @property
-    def best_k_models(self) -> dict[str, float]:
+    def best_k_models(self) -> dict[str, torch.Tensor]:
         """Kept file -> its monitored score (without a monitor: minus the step it was saved at)."""
-        return {path: (-key if self.mode == "max" else key) for key, path in self.kept}
+        return {path: _score_tensor(-key if self.mode == "max" else key) for key, path in self.kept}
+
+    @best_k_models.setter
+    def best_k_models(self, models: dict[str, Any]) -> None:
+        sign = 1.0 if self.mode == "min" else -1.0  # kept best first: the lowest key first
+        keys = [(sign * float(score), path) for path, score in models.items()]
+        self.kept = sorted(keys, key=lambda kp: kp[0])
 
     @property
     def kth_best_model_path(self) -> str:
         """The kept file that goes first when a better one comes (the worst of the top k)."""
         return self.kept[-1][1] if self.kept else ""
 
+    @kth_best_model_path.setter
+    def kth_best_model_path(self, path: str) -> None:
+        if path != self.kth_best_model_path:
+            raise ValueError(f"ModelCheckpoint.kth_best_model_path={path!r}: it is the worst of "
+                             f"best_k_models ({self.kth_best_model_path!r} now); set best_k_models to "
+                             f"change it")
+
     @property
-    def kth_value(self) -> float:
-        """The score a new file must beat to be kept (infinite while fewer than ``save_top_k`` are kept)."""
-        if not self.kept or (self.save_top_k == -1 or len(self.kept) < self.save_top_k):
-            return math.inf if self.mode == "min" else -math.inf
+    def kth_value(self) -> torch.Tensor:
+        """The score a new file must beat to be kept: the worst kept one's once ``save_top_k`` files are kept
+        (with ``save_top_k=-1``, always), infinite before."""
+        if not self.kept or (self.save_top_k != -1 and len(self.kept) < self.save_top_k):
+            return _score_tensor(math.inf if self.mode == "min" else -math.inf)
         key = self.kept[-1][0]
-        return -key if self.mode == "max" else key
+        return _score_tensor(-key if self.mode == "max" else key)
+
+    @kth_value.setter
+    def kth_value(self, value: Any) -> None:
+        if float(value) != float(self.kth_value):
+            raise ValueError(f"ModelCheckpoint.kth_value={float(value)}: it is the score of the worst of "
+                             f"best_k_models ({float(self.kth_value)} now); set best_k_models to change it")
 
     def to_yaml(self, filepath: str | None = None) -> None:
         """Write ``best_k_models`` to ``filepath`` (default ``<dirpath>/best_k_models.yaml``)."""
@@ -538,14 +561,29 @@ class ModelCheckpoint(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"kept": [[k, p] for k, p in self.kept], "best_model_path": self.best_model_path,
                 "best_model_score": self.best_model_score, "last_model_path": self.last_model_path,
-                "current_score": self.current_score, "monitor": self.monitor, "dirpath": self.dirpath}
+                "current_score": self.current_score, "monitor": self.monitor, "dirpath": self.dirpath,
+                # Lightning's names for what ``kept`` holds, for Lightning code reading a checkpoint
+                "best_k_models": self.best_k_models, "kth_best_model_path": self.kth_best_model_path,
+                "kth_value": self.kth_value}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.kept = [(float(k), p) for k, p in state.get("kept", [])]
+        """As Lightning's: the whole record where the checkpoint was written by a callback writing into
+        this ``dirpath``; from another directory only ``best_model_path`` (with a warning), since the other
+        files are not this callback's to rank or prune."""
+        saved_dirpath = state.get("dirpath", self.dirpath)
+        if self.dirpath is not None and saved_dirpath is not None and saved_dirpath != self.dirpath:
+            rank_zero_warn(f"The dirpath has changed from {saved_dirpath!r} to {self.dirpath!r}, therefore "
+                           f"`best_model_score`, `kth_best_model_path`, `kth_value`, `last_model_path` and "
+                           f"`best_k_models` won't be reloaded. Only `best_model_path` will be reloaded.")
+        else:
+            if "kept" in state:
+                self.kept = [(float(k), p) for k, p in state["kept"]]
+            else:  # a Lightning checkpoint's callback state
+                self.best_k_models = state.get("best_k_models") or {}
+            self.best_model_score = _score_tensor(state.get("best_model_score"))
+            self.last_model_path = state.get("last_model_path") or ""
+            self.current_score = _score_tensor(state.get("current_score"))
         self.best_model_path = state.get("best_model_path") or ""
-        self.best_model_score = _score_tensor(state.get("best_model_score"))
-        self.last_model_path = state.get("last_model_path") or ""
-        self.current_score = _score_tensor(state.get("current_score"))
         self.__dict__["_resumed"] = True
         self._forget_foreign_files()  # restored after setup: filter again
 
