@@ -21,6 +21,8 @@ LIGHTNING_PATHS = {
     "polytrain.core.mixins": "polytrain.trainer.api.hparams",
     "polytrain.core.saving": "polytrain.trainer.api.saving",
     "polytrain.callbacks.callback": "polytrain.callbacks.base",
+    "polytrain.profilers.simple": "polytrain.trainer.observability.profiler",
+    "polytrain.profilers.profiler": "polytrain.trainer.observability.profiler",
 }
 
 

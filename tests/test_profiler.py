@@ -55,10 +55,15 @@ def test_simple_profiler_times_phases_and_hooks(make_trainer: Any, tiny_module: 
     assert calls["forward+backward"] == calls["training_step"] == calls["backward"] == 2 * STEPS
     assert calls["optimizer update"] == 2 * STEPS and calls["logging step"] == 2 * STEPS // 4
     assert calls["validation"] == 2 and calls["epoch end"] == 2 and calls["my loss"] == 2 * STEPS
-    assert calls["on_train_batch_end: ProgressBar"] == 2 * STEPS
+    # hooks are named as Lightning's profilers name them, each call's time kept as Lightning keeps it
+    assert calls["[Callback]ProgressBar.on_train_batch_end"] == 2 * STEPS
+    durations = trainer.profiler.recorded_durations
+    assert len(durations["[Callback]ProgressBar.on_train_batch_end"]) == 2 * STEPS
+    assert sum(durations["training batch"]) == pytest.approx(records["training batch"][0])
+    assert len(durations["my loss"]) == 2 * STEPS and durations["fit"] == [records["fit"][0]]
     assert records["training batch"][0] <= records["train epoch"][0] <= records["fit"][0]
     out = capsys.readouterr().out
-    assert "simple profiler, rank 0" in out and "  on_train_batch_end: ProgressBar" in out
+    assert "simple profiler, rank 0" in out and "  [Callback]ProgressBar.on_train_batch_end" in out
     for row in ("get batch", "training batch", "forward+backward", "optimizer update", "validation"):
         assert row in out
     with open(os.path.join(trainer.log_dir, "profile-rank0.txt"), encoding="utf-8") as fh:
@@ -149,3 +154,34 @@ def test_a_profiled_fit_takes_the_path_an_unprofiled_one_takes(make_trainer: Any
         assert closures == [False] * STEPS, (profiler, closures)
         closures.clear()
     assert trainer.profiler.records["optimizer update"][1] == STEPS
+
+
+def test_a_datamodules_hooks_are_profiled_under_lightnings_names(make_trainer: Any) -> None:
+    """``from polytrain.profilers.simple import SimpleProfiler`` (Lightning's path) is the profiler a
+    ``profiler="simple"`` Trainer builds, and a DataModule's hooks are its rows, one duration per call."""
+    from conftest import TinyModule, make_dataset
+    from polytrain.profilers.simple import SimpleProfiler as FromModule
+    from torch.utils.data import DataLoader
+
+    from polytrain import DataModule
+    from polytrain.profilers import SimpleProfiler as FromPackage
+
+    class Numbers(DataModule):
+        def prepare_data(self) -> None: ...
+
+        def setup(self, stage: str) -> None:
+            self.data = make_dataset(8)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(self.data, batch_size=4)
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"seen": 1}
+
+    trainer = make_trainer(max_epochs=1, profiler="simple", enable_checkpointing=True)
+    assert FromPackage is FromModule is SimpleProfiler and isinstance(trainer.profiler, FromModule)
+    trainer.fit(TinyModule(n=8, val_n=None), datamodule=Numbers())
+    durations = trainer.profiler.recorded_durations
+    for hook in ("prepare_data", "setup", "train_dataloader", "state_dict", "teardown"):
+        calls = durations[f"[LightningDataModule]Numbers.{hook}"]
+        assert len(calls) == 1 and calls[0] > 0, hook

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import fsspec
+
 from polytrain.core.files import replace_text
 
 LOCAL_PROTOCOLS = ("file", "local")
@@ -27,8 +29,6 @@ def is_url(path: str | os.PathLike) -> bool:
 
 
 def _filesystem(url: str) -> tuple[Any, str]:
-    import fsspec  # only where a URL is given: a local run never imports it
-
     return fsspec.core.url_to_fs(url)
 
 

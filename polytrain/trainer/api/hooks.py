@@ -154,11 +154,11 @@ class Hooks:
             for cb in self._callbacks:
                 if is_overridden(cb, name, Callback, patched=True):
                     (after if name in _AFTER_MODULE and cb.watches_metrics else before).append(
-                        self.instrument(f"{name}: {type(cb).__name__}", getattr(cb, name)))
+                        self.instrument(f"[Callback]{cb.state_key}.{name}", getattr(cb, name)))
             module_hook = None
             if name in MODULE_HOOKS and (name in ALWAYS_CALLED or name in MODULE_ONLY_HOOKS
                                           or is_overridden(self._module, name, TrainModule, patched=True)):
-                module_hook = self.instrument(f"{name}: {type(self._module).__name__}",
+                module_hook = self.instrument(f"[LightningModule]{type(self._module).__name__}.{name}",
                                               getattr(self._module, name))
             cached = self._plans[name] = (before, after, module_hook)
         return cached
@@ -201,8 +201,8 @@ class Hooks:
         if self._datamodule is None:
             return None
         if name not in self._datamodule_hooks:
-            self._datamodule_hooks[name] = self.instrument(f"{name}: {type(self._datamodule).__name__}",
-                                                           getattr(self._datamodule, name))
+            row = f"[LightningDataModule]{type(self._datamodule).__name__}.{name}"
+            self._datamodule_hooks[name] = self.instrument(row, getattr(self._datamodule, name))
         return self._datamodule_hooks[name](*args, **kwargs)
 
     def overrides(self, name: str) -> bool:

@@ -28,6 +28,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -92,6 +93,9 @@ class SimpleProfiler(PassThroughProfiler):
         self.device_type = "cpu"
         self.log_dir = "."
         self.records: dict[str, list[float]] = {}  # row -> [total seconds, calls]
+        # row -> each call's seconds (Lightning's ``recorded_durations``; rows are named as Lightning's:
+        # ``[Callback]<state key>.<hook>``, ``[LightningModule]<class>.<hook>``, ...)
+        self.recorded_durations: dict[str, list[float]] = {}
         self._phases: dict[tuple[str, str | None], _TimedPhase] = {}
         self._t0 = 0.0
         self.summary: str | None = None
@@ -101,7 +105,7 @@ class SimpleProfiler(PassThroughProfiler):
                    excluding: str | None = None) -> Callable[..., Any]:
         if not self.enabled:
             return fn
-        record = self.records.setdefault(row, [0.0, 0])
+        record, durations = self._row(row)
         inner = self.records.setdefault(excluding, [0.0, 0]) if excluding is not None else None
         clock = time.perf_counter
 
@@ -111,8 +115,10 @@ class SimpleProfiler(PassThroughProfiler):
             try:
                 return fn(*args, **kwargs)
             finally:
-                record[0] += clock() - t0 - ((inner[0] - inside) if inner is not None else 0.0)
+                spent = clock() - t0 - ((inner[0] - inside) if inner is not None else 0.0)
+                record[0] += spent
                 record[1] += 1
+                durations.append(spent)
 
         return call
 
@@ -121,20 +127,26 @@ class SimpleProfiler(PassThroughProfiler):
             return _NO_PHASE
         timed = self._phases.get((row, excluding))
         if timed is None:
-            record = self.records.setdefault(row, [0.0, 0])
+            record, durations = self._row(row)
             inner = self.records.setdefault(excluding, [0.0, 0]) if excluding is not None else None
-            timed = self._phases[(row, excluding)] = _TimedPhase(record, inner)
+            timed = self._phases[(row, excluding)] = _TimedPhase(record, durations, inner)
         return timed
 
     @contextlib.contextmanager
     def profile(self, name: str) -> Iterator[None]:
-        record = self.records.setdefault(name, [0.0, 0])
+        record, durations = self._row(name)
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            record[0] += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            record[0] += spent
             record[1] += 1
+            durations.append(spent)
+
+    def _row(self, name: str) -> tuple[list[float], list[float]]:
+        """A row's running [total, calls] and its list of durations."""
+        return self.records.setdefault(name, [0.0, 0]), self.recorded_durations.setdefault(name, [])
 
     def setup(self, global_rank: int, device_type: str) -> None:
         self.global_rank, self.device_type = global_rank, device_type
@@ -144,7 +156,9 @@ class SimpleProfiler(PassThroughProfiler):
         self._t0 = time.perf_counter()
 
     def stop(self) -> None:
-        self.records["fit"] = [time.perf_counter() - self._t0, 1]
+        spent = time.perf_counter() - self._t0
+        self.records["fit"] = [spent, 1]
+        self.recorded_durations["fit"] = [spent]
         self.report()
 
     # ------------------------------------------------------------------ report
@@ -165,8 +179,8 @@ class SimpleProfiler(PassThroughProfiler):
         others = sorted(((n, r) for n, r in self.records.items() if n not in phases and r[1]),
                         key=lambda item: -item[1][0])
         if others:
-            rows.append(("hooks (callback or module) and profile() blocks", "", "", "", ""))
-            rows.extend(row("  " + name, record) for name, record in others)
+            rows.append(("hooks (callbacks, module, DataModule) and profile() blocks", "", "", "", ""))
+            rows.extend(row("  " + _short_label(name), record) for name, record in others)
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = [r[0].ljust(widths[0]) + "  " + "  ".join(c.rjust(w) for c, w in zip(r[1:], widths[1:]))
                  for r in rows]
@@ -182,6 +196,13 @@ class SimpleProfiler(PassThroughProfiler):
                 fh.write(self.summary + "\n")
         if self.global_rank == 0:
             print(self.summary, flush=True)
+
+
+def _short_label(row: str) -> str:
+    """A row's label in the printed table: a callback's state key without its settings
+    (``[Callback]ModelCheckpoint{'monitor': ...}.setup`` prints as ``[Callback]ModelCheckpoint.setup``);
+    ``records`` and ``recorded_durations`` keep the whole key, as Lightning's profiler does."""
+    return re.sub(r"\{.*\}(?=\.\w+$)", "", row)
 
 
 class _NoPhase:
@@ -204,10 +225,11 @@ class _TimedPhase:
     ``inner`` grew meanwhile: the update's row leaves out the forward and backward a closure ran
     inside it) and one call."""
 
-    __slots__ = ("record", "inner", "started", "inside")
+    __slots__ = ("record", "durations", "inner", "started", "inside")
 
-    def __init__(self, record: list[float], inner: list[float] | None) -> None:
+    def __init__(self, record: list[float], durations: list[float], inner: list[float] | None) -> None:
         self.record = record
+        self.durations = durations
         self.inner = inner
         self.started = 0.0
         self.inside = 0.0
@@ -222,6 +244,7 @@ class _TimedPhase:
             spent -= self.inner[0] - self.inside
         self.record[0] += spent
         self.record[1] += 1
+        self.durations.append(spent)
 
 
 class TorchProfiler(SimpleProfiler):
