@@ -1082,3 +1082,21 @@ def test_a_scheduler_built_on_the_wrapped_optimizer_steps_it(make_trainer: Any) 
     trainer.fit(module)
     assert trainer.global_step == 4
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 4)
+
+
+def test_a_step_taking_the_iterator_is_refused_in_words(make_trainer: Any) -> None:
+    """Lightning's experimental ``validation_step(dataloader_iter)`` is not offered: said in words (it was a
+    bare TypeError about positional arguments)."""
+    from polytrain.core.errors import ConfigError
+
+    class Iterating(TinyModule):
+        def validation_step(self, dataloader_iter: Any) -> Any:
+            return next(dataloader_iter)
+
+        def training_step(self, dataloader_iter: Any) -> Any:
+            return super().training_step(next(dataloader_iter), 0)
+
+    for run in (lambda t: t.validate(Iterating(), verbose=False), lambda t: t.fit(Iterating())):
+        with pytest.raises(ConfigError, match=r"Iterating\.\w+_step\(dataloader_iter\): a step that draws "
+                                              r"its batches from the iterator .* is not offered"):
+            run(make_trainer(max_epochs=1, num_sanity_val_steps=0))

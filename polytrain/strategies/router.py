@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from polytrain.core.errors import ConfigError
+
 
 class _PaddingBatch:
     """What ``eval_step`` returns for a padding batch: one a rank ran only so that collectives in
@@ -47,6 +49,13 @@ def _takes_batch_idx(fn: Callable[..., Any], bound: bool) -> bool:
     return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
 
 
+def _takes_iterator(fn: Callable[..., Any]) -> bool:
+    try:
+        return "dataloader_iter" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def step_args(batch: Any, batch_idx: int, dataloader_idx: int | None) -> tuple[Any, ...]:
     """An evaluation step's arguments, as Lightning passes them: ``dataloader_idx`` only where a stage reads
     several loaders."""
@@ -58,6 +67,10 @@ def user_step(module: Any, name: str) -> Callable[..., Any]:
     declared without ``batch_idx``, a call that leaves it out."""
     method = getattr(module, name)
     func = getattr(method, "__func__", method)
+    if _takes_iterator(func):
+        raise ConfigError(f"{type(module).__name__}.{name}(dataloader_iter): a step that draws its batches "
+                          f"from the iterator (Lightning's experimental form) is not offered; declare it as "
+                          f"{name}(self, batch, batch_idx) and the loop hands it each batch")
     if _takes_batch_idx(func, func is not method):
         return method
     return functools.wraps(method)(
