@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from polytrain.core.exports import lazy_exports
 
 _EXPORTS = {
     "Callback": "polytrain.callbacks.base",
@@ -27,8 +26,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'polytrain.callbacks' has no attribute '{name}'")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -4,8 +4,7 @@ paths ``profilers.simple`` and ``profilers.profiler``, which ``lightning_paths``
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from polytrain.core.exports import lazy_exports
 
 _EXPORTS = {
     "PassThroughProfiler": "polytrain.trainer.observability.profiler",
@@ -13,8 +12,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'polytrain.profilers' has no attribute '{name}'")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -7,8 +7,7 @@ modules of this package without torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from polytrain.core.exports import lazy_exports
 
 _CLASSES = {
     "Strategy": "polytrain.strategies.base",
@@ -23,10 +22,4 @@ _CLASSES = {
 
 __all__ = sorted(_CLASSES)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _CLASSES:
-        value = getattr(importlib.import_module(_CLASSES[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'polytrain.strategies' has no attribute '{name}'")
+__getattr__ = lazy_exports(__name__, _CLASSES)
