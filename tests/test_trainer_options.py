@@ -25,7 +25,7 @@ from polytrain.callbacks import CSVLogger, EarlyStopping, ModelCheckpoint
 from polytrain.core import process_group
 from polytrain.core.errors import ConfigError
 from polytrain.strategies.launcher import plan_launch
-from polytrain.trainer.configuration.config import parse_max_time, validate_trainer_config
+from polytrain.trainer.configuration.config import parse_duration, validate_trainer_config
 
 pytestmark = pytest.mark.own_logic
 
@@ -261,7 +261,8 @@ def test_val_check_interval_longer_than_an_epoch_needs_check_val_every_n_epoch_n
 def test_a_fraction_of_an_epoch_cannot_count_across_epochs() -> None:
     from polytrain import Trainer
 
-    with pytest.raises(ConfigError, match=r"should be an integer when `check_val_every_n_epoch=None`"):
+    with pytest.raises(ConfigError, match=r"should be an integer or a time-based duration .* when "
+                                          r"`check_val_every_n_epoch=None`"):
         Trainer(val_check_interval=0.5, check_val_every_n_epoch=None)
 
 
@@ -316,8 +317,8 @@ def test_early_stopping_waits_for_min_epochs(tmp_path: Any, min_epochs: int | No
 
 
 def test_max_time_formats() -> None:
-    assert parse_max_time("01:02:03:04") == ((1 * 24 + 2) * 60 + 3) * 60 + 4
-    assert parse_max_time({"hours": 1, "seconds": 2}) == 3602
+    assert parse_duration("01:02:03:04") == ((1 * 24 + 2) * 60 + 3) * 60 + 4
+    assert parse_duration({"hours": 1, "seconds": 2}) == 3602
     assert validate_trainer_config({"max_time": datetime.timedelta(minutes=2)}).max_time == {"seconds": 120.0}
     with pytest.raises(ConfigError, match="DD:HH:MM:SS"):
         validate_trainer_config({"max_time": "00:00:02"})  # exactly 4 fields, as Lightning

@@ -449,7 +449,7 @@ class ModelCheckpoint(Callback):
                      trainer.global_step, reached, path)
         self._written.add(path)
         if self._timer is not None:
-            self._timer.saved()
+            self._timer.restart()
         if trainer.strategy.is_global_zero:
             # Pointer, link and pruning only once the file is complete: now, or when the async write ends.
             trainer.strategy.checkpoint_io.after_write(lambda: self._update_disk(trainer, path, doomed))

@@ -1,4 +1,5 @@
-"""``ModelCheckpoint(train_time_interval=...)``: when a time-based step checkpoint is due.
+"""``ModelCheckpoint(train_time_interval=...)`` and ``val_check_interval`` as a duration: when a
+time-based checkpoint or validation is due.
 
 Clocks differ between ranks, so one clock decides: global rank 0's, broadcast to every rank (as
 Lightning does). Lightning broadcasts at every batch; a broadcast is a host sync, and the loop adds none
@@ -20,7 +21,8 @@ RESOLUTION = 50  # checks are at most interval / RESOLUTION apart near the deadl
 
 
 class TimeTrigger:
-    """Answers "is a save due at this optimizer step?" identically on every rank."""
+    """Answers "is it due at this step?" identically on every rank (an optimizer step for a checkpoint,
+    a training batch for a validation)."""
 
     def __init__(self, interval: timedelta) -> None:
         if interval.total_seconds() <= 0:
@@ -37,8 +39,9 @@ class TimeTrigger:
         self._since = self._checked_at = time.monotonic()
         self._checked_step, self.next_check = step, step + 1
 
-    def saved(self) -> None:
-        """Another trigger saved: the interval restarts, as Lightning's does after any save."""
+    def restart(self) -> None:
+        """The interval counts from now (another trigger saved, as Lightning's restarts after any save; a
+        validation ended, for ``val_check_interval`` as a duration)."""
         self._since = time.monotonic()
 
     def due(self, step: int, strategy: Any) -> bool:

@@ -36,7 +36,7 @@ from polytrain.trainer.api.module import TrainModule
 from polytrain.trainer.configuration.config import (
     TrainerConfig,
     load_config,
-    parse_max_time,
+    parse_duration,
     trainer_to_dict,
     validate_trainer_config,
 )
@@ -157,7 +157,7 @@ class Trainer:
 
     @property
     def max_time_seconds(self) -> float | None:
-        return parse_max_time(self.config.max_time) if self.config.max_time is not None else None
+        return parse_duration(self.config.max_time) if self.config.max_time is not None else None
 
     @property
     def run_dir(self) -> str:

@@ -29,7 +29,7 @@ from polytrain.trainer.configuration.config_file import (
     TrainerConfig,
     check_sections,
     check_trainer_section,
-    parse_max_time,
+    parse_duration,
     parse_yaml,
     read_config,
     trainer_to_dict,
@@ -43,7 +43,7 @@ from polytrain.trainer.configuration.targets import (
 from polytrain.trainer.observability.profiler import check_profiler_options
 
 __all__ = ["ACCELERATORS", "LAUNCHERS", "LOGGERS", "PRECISIONS", "PRECISION_ALIASES", "ConfigError",
-           "TrainerConfig", "elastic_warning", "instantiate", "load_config", "parse_max_time", "parse_yaml",
+           "TrainerConfig", "elastic_warning", "instantiate", "load_config", "parse_duration", "parse_yaml",
            "trainer_to_dict", "validate_run_config", "validate_trainer_config"]
 
 

@@ -122,8 +122,9 @@ def check_trainer_section(data: dict[str, Any]) -> TrainerConfig:
     """The ``trainer:`` section as a ``TrainerConfig``: every key, type and choice checked (not yet the
     strategy's options, compile, activation checkpointing or the profiler: ``config.py`` does those)."""
     data = dict(data)
-    if hasattr(data.get("max_time"), "total_seconds"):  # a timedelta: OmegaConf holds plain values only
-        data["max_time"] = {"seconds": data["max_time"].total_seconds()}
+    for name in ("max_time", "val_check_interval"):  # a timedelta: OmegaConf holds plain values only
+        if hasattr(data.get(name), "total_seconds"):
+            data[name] = {"seconds": data[name].total_seconds()}
     if "precision" in data and data["precision"] is not None:
         data["precision"] = PRECISION_ALIASES.get(str(data["precision"]), str(data["precision"]))
     if data.get("barebones"):
@@ -274,27 +275,35 @@ def _check_lightning_options(cfg: TrainerConfig) -> None:
         raise ConfigError(f"trainer.use_distributed_sampler={cfg.use_distributed_sampler!r}; use true, false "
                           f"or 'always'")
     interval = cfg.val_check_interval
-    if interval is not None and not ((_is_int(interval) and interval >= 1) or
-                                     (isinstance(interval, float) and 0.0 < interval <= 1.0)):
+    seconds = val_check_seconds(interval)  # raises for a duration written wrong
+    if seconds is not None and seconds <= 0:
+        raise ConfigError(f"trainer.val_check_interval={interval!r} is a duration of {seconds:g} s; give a "
+                          f"positive one, e.g. 00:00:30:00 for every 30 minutes")
+    a_count = _is_int(interval) and interval >= 1
+    a_fraction = isinstance(interval, float) and 0.0 < interval <= 1.0
+    if seconds is None and interval is not None and not (a_count or a_fraction):
         raise ConfigError(f"trainer.val_check_interval was passed invalid value {interval!r}; give a "
-                          f"number of training batches (>= 1) or a fraction of the epoch in (0, 1]")
+                          f"number of training batches (>= 1), a fraction of the epoch in (0, 1], or a "
+                          f"duration (DD:HH:MM:SS, or a mapping such as {{minutes: 30}})")
     if isinstance(interval, float) and cfg.check_val_every_n_epoch is None:
         raise ConfigError(f"trainer.val_check_interval={interval}: `val_check_interval` should be an integer "
-                          f"when `check_val_every_n_epoch=None`, which counts training batches across "
-                          f"epochs, where a fraction of one epoch means nothing; give a number of batches")
+                          f"or a time-based duration (str 'DD:HH:MM:SS', datetime.timedelta, or dict kwargs "
+                          f"for timedelta) when `check_val_every_n_epoch=None`, which counts training "
+                          f"batches across epochs, where a fraction of one epoch means nothing")
     if not (isinstance(cfg.fast_dev_run, bool) or (_is_int(cfg.fast_dev_run) and cfg.fast_dev_run >= 0)):
         raise ConfigError(f"trainer.fast_dev_run={cfg.fast_dev_run!r} should be >= 0: use true, false, or a "
                           f"number of batches")
     if cfg.max_time is not None:
-        parse_max_time(cfg.max_time)
+        parse_duration(cfg.max_time)
 
 
-def parse_max_time(value: Any) -> float:
-    """``"DD:HH:MM:SS"`` or a mapping of ``days``/``hours``/``minutes``/``seconds`` -> seconds."""
+def parse_duration(value: Any, option: str = "max_time") -> float:
+    """``"DD:HH:MM:SS"``, a mapping of ``weeks``/``days``/``hours``/``minutes``/``seconds`` or a
+    ``timedelta`` -> seconds (``trainer.max_time``; ``trainer.val_check_interval`` as a duration)."""
     if isinstance(value, str):
         parts = value.split(":")
         if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
-            raise ConfigError(f"trainer.max_time={value!r}; write it as DD:HH:MM:SS, e.g. 00:12:00:00 for 12 "
+            raise ConfigError(f"trainer.{option}={value!r}; write it as DD:HH:MM:SS, e.g. 00:12:00:00 for 12 "
                               f"hours")
         days, hours, minutes, seconds = (int(p) for p in parts)
         return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
@@ -302,11 +311,17 @@ def parse_max_time(value: Any) -> float:
         units = {"weeks": 604800, "days": 86400, "hours": 3600, "minutes": 60, "seconds": 1}
         unknown = [k for k in value if k not in units]
         if unknown:
-            raise ConfigError(f"trainer.max_time has unknown unit(s) {unknown}; valid: {', '.join(units)}")
+            raise ConfigError(f"trainer.{option} has unknown unit(s) {unknown}; valid: {', '.join(units)}")
         return float(sum(units[k] * float(v) for k, v in value.items()))
     if hasattr(value, "total_seconds"):
         return float(value.total_seconds())
-    raise ConfigError(f"trainer.max_time={value!r}; use DD:HH:MM:SS or a mapping such as {{hours: 12}}")
+    raise ConfigError(f"trainer.{option}={value!r}; use DD:HH:MM:SS or a mapping such as {{hours: 12}}")
+
+
+def val_check_seconds(interval: Any) -> float | None:
+    """``val_check_interval`` as a duration (``"DD:HH:MM:SS"``, a mapping of units; a ``timedelta`` arrives
+    as one), in seconds; None for a count or a fraction of batches."""
+    return parse_duration(interval, "val_check_interval") if isinstance(interval, (str, dict)) else None
 
 
 def _check_logger_and_callbacks(cfg: TrainerConfig) -> None:

@@ -33,7 +33,7 @@ from polytrain.parallel.float8 import precompute_scales_after_each_step, resolve
 from polytrain.trainer.api.hooks import Hooks, is_overridden
 from polytrain.trainer.api.module import TrainModule
 from polytrain.trainer.api.optimizer_config import check_scheduler_api, parse_optimizers, step_schedulers
-from polytrain.trainer.configuration.config_file import parse_max_time
+from polytrain.trainer.configuration.config_file import parse_duration
 from polytrain.trainer.loops.data_connector import DataConnector, epoch_iterator
 from polytrain.trainer.loops.evaluation import EvaluationLoop
 from polytrain.trainer.loops.guards import NonFiniteGuard, check_batches
@@ -97,7 +97,7 @@ class FitLoop:
         """This fit's collaborators (None: before the first fit), and its time limit."""
         self.fit = collaborators
         max_time = self.config.max_time
-        self._max_time = parse_max_time(max_time) if max_time is not None else None
+        self._max_time = parse_duration(max_time) if max_time is not None else None
 
     # Lightning's trainer.fit_loop.max_epochs / min_epochs: raised between two fits, the second trains on.
     @property
@@ -213,6 +213,7 @@ class FitLoop:
                            f"statistics frozen). If this is intentional, you can ignore this warning")
         hooks("on_train_start")
         self.stopping.reset()
+        self.schedule.start(self.progress.total_batches)  # a duration counts from here
         if cfg.fast_dev_run:
             self._max_epochs: float = 1
         elif cfg.max_epochs == -1:  # no limit: until max_steps, max_time or a stop request
@@ -453,6 +454,7 @@ class FitLoop:
         with self.fit.metrics.refusing("on_validation_model_zero_grad"):
             self.fit.hooks.module("on_validation_model_zero_grad")
         self._evaluate(data.val_loaders, data.val_batches)
+        self.schedule.validated()
         self._agree_on_stop()  # e.g. EarlyStopping after a validation inside the epoch
 
     # ------------------------------------------------------------------ the epoch's end

@@ -83,6 +83,8 @@ class TrainingEpochLoop:
         self._start_epoch_steps(iterator)
         stop = self._stop
         has_val = self.data.has_val()
+        timed = has_val and schedule.clock is not None
+        strategy = self.fit.strategy
         for batch_idx in range(start, stop):
             step = self.run_batch(batch_idx)
             if step is DATA_ENDED:
@@ -98,7 +100,9 @@ class TrainingEpochLoop:
             if (stepped or not automatic) and p.count_stepped_batch(log_every):
                 self._log_step()
             # Set before on_train_batch_end: a checkpoint taken there records that a validation follows.
-            p.expect_validation(schedule.due_after(epoch, batch_idx, p.total_batches, last, has_val))
+            time_up = timed and schedule.time_is_up(epoch, p.total_batches, strategy)  # every rank
+            p.expect_validation(schedule.due_after(epoch, batch_idx, p.total_batches, last, has_val,
+                                                   time_up=time_up))
             if end_hooks:
                 outputs = _batch_outputs(output, automatic)
                 for fn in end_hooks:
