@@ -597,7 +597,7 @@ def test_lightning_worded_config_errors(make_trainer: Any) -> None:
         make_trainer(reload_dataloaders_every_n_epochs=-1)
     # a value of the wrong type gets the same words, with what was given
     with pytest.raises(MisconfigurationException, match=r"reload_dataloaders_every_n_epochs should be an int "
-                                                         r">= 0, got 'test' \(str\)"):
+                                                         r">= 0, got 'test' \(str; expected int\)"):
         make_trainer(reload_dataloaders_every_n_epochs="test")
     with pytest.raises(MisconfigurationException, match=r"min_steps should be an int >= 0 or null, got 1.5"):
         make_trainer(min_steps=1.5)

@@ -90,7 +90,7 @@ def validate_dataclass(cls: type, data: dict[str, Any], where: str) -> Any:
         expects = declared.metadata.get("expects") if declared is not None else None
         if expects is not None and name in data:  # a field that states its rule in words: those words
             raise ConfigError(f"{where}.{name} should be {expects}, got {data[name]!r} "
-                              f"({type(data[name]).__name__})") from None
+                              f"({type(data[name]).__name__}; expected {declared.type})") from None
         expected = declared.type if declared is not None else "?"
         raise ConfigError(
             f"{where}.{key}: {str(getattr(err, 'msg', err)).splitlines()[0]} (expected {expected})"
