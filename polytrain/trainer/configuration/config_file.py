@@ -288,7 +288,7 @@ def _check_lightning_options(cfg: TrainerConfig) -> None:
     if isinstance(interval, float) and cfg.check_val_every_n_epoch is None:
         raise ConfigError(f"trainer.val_check_interval={interval}: `val_check_interval` should be an integer "
                           f"or a time-based duration (str 'DD:HH:MM:SS', datetime.timedelta, or dict kwargs "
-                          f"for timedelta) when `check_val_every_n_epoch=None`, which counts training "
+                          f"for timedelta) when `check_val_every_n_epoch=None`. That setting counts training "
                           f"batches across epochs, where a fraction of one epoch means nothing")
     if not (isinstance(cfg.fast_dev_run, bool) or (_is_int(cfg.fast_dev_run) and cfg.fast_dev_run >= 0)):
         raise ConfigError(f"trainer.fast_dev_run={cfg.fast_dev_run!r} should be >= 0: use true, false, or a "
