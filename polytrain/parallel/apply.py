@@ -4,6 +4,10 @@ A "part" is what one rank runs forward: the whole module (no pipeline), or one p
 (``pipeline_sequential_cut`` cuts the user's ``nn.Sequential`` first, so every later step sees only this
 rank's layers and works inside this stage's sub-mesh). On each part, in torchtitan's order:
 
+0. **expert parallel** (``expert_parallel``): a mixture-of-experts model's experts split over the ``ep``
+   ranks, their tokens dispatched with all-to-all. First, so that tensor parallel finds the experts
+   already ``DTensor`` s of their own mesh and leaves them alone (each tp peer runs its group's experts on
+   the batch they share).
 1. **tensor parallel** (``tensor_parallel``): the module's plan over the ``tp`` mesh; parameters the
    plan leaves alone become replicated DTensors. First, because it rewrites layers (DTensor
    parameters, input/output hooks) that everything after must see as they finally are.
@@ -17,6 +21,9 @@ rank's layers and works inside this stage's sub-mesh). On each part, in torchtit
 4. **data parallel**: FSDP2/HSDP over the ``fsdp`` mesh (``dp_replicate x dp_shard x cp``; on top of
    TP: 2-D DTensors), or a gradient all-reduce, or DDP's wrapper (a plain replicated module). Last,
    because it shards whatever parameters the steps above left, and wraps units in their final form.
+   The experts are FSDP units of their own first, over ``efsdp`` (the data-parallel ranks holding the same
+   experts), their gradients divided by the whole data-parallel size: each expert's gradient already sums
+   its expert group's tokens.
 
 ``ParallelLayout`` is the resolved description a strategy composes from its options (a preset fills it
 from its own option names).
@@ -36,10 +43,12 @@ from polytrain.parallel.activation_checkpointing import apply_activation_checkpo
 from polytrain.parallel.choices import DATA_PARALLEL
 from polytrain.parallel.compile import apply_compile, compile_targets
 from polytrain.parallel.dims import ParallelDims
+from polytrain.parallel.expert_parallel import ExpertLayer, split_experts
 from polytrain.parallel.fully_shard import apply_fsdp
+from polytrain.parallel.library_plans import library_summed_keys
 from polytrain.parallel.pipeline_path_cut import Elsewhere
 
-APPLY_ORDER = ("tensor_parallel", "activation_checkpointing", "compile", "data_parallel")
+APPLY_ORDER = ("expert_parallel", "tensor_parallel", "activation_checkpointing", "compile", "data_parallel")
 
 
 @dataclass
@@ -71,6 +80,7 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallel: borrows from dp_replicate x dp_shard
     # auto | fsdp (even on one rank) | ddp (wrapper) | all_reduce (flat, per step)
     data_parallel: str = "auto"
     fsdp: FSDPSettings = field(default_factory=FSDPSettings)
@@ -85,7 +95,7 @@ class ParallelLayout:
 
     def dims(self, world_size: int, rank: int) -> ParallelDims:
         return ParallelDims(world_size, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp,
-                            pp=self.pp, cp=self.cp, rank=rank)
+                            pp=self.pp, cp=self.cp, rank=rank, ep=self.ep)
 
     def uses_tp(self, dims: ParallelDims) -> bool:
         return dims.tp > 1 if self.tensor_parallel is None else self.tensor_parallel
@@ -125,22 +135,30 @@ class Applied:
 def parallelize(part: nn.Module, roots: list[nn.Module], dims: ParallelDims, layout: ParallelLayout,
                 mode: str, plan: dict[str, Any] | None, autocast_dtype: torch.dtype | None, device_type: str,
                 checkpointing: dict[str, Any] | None = None, compile_options: dict[str, Any] | None = None,
-                checkpoint_blocks: list[nn.Module] | None = None) -> Applied:
+                checkpoint_blocks: list[nn.Module] | None = None,
+                experts: list[ExpertLayer] | None = None) -> Applied:
     """Apply every parallelism of ``layout`` to ``part`` (the module, or a pipeline rank's pruned module)
     in ``APPLY_ORDER``. ``roots`` are what forward runs through (the step's router, or this rank's
     pipeline stages): they get the TP view hooks and are the FSDP roots. ``plan`` None with tp > 1 means
     the module's own ``parallelize(tp_mesh)``. ``checkpointing`` and ``compile_options`` are the
     trainer's options, resolved (None: off); ``checkpoint_blocks``: the blocks a pipeline chose before
-    the cut (``checkpoint_targets`` on the whole model)."""
+    the cut (``checkpoint_targets`` on the whole model); ``experts``: the experts modules the model's
+    expert-parallel plan names (read before any rendezvous), split when ``ep > 1``."""
     if compile_options is not None and mode == "ddp" and layout.ddp.get("bucket_cap_mb", 25) < 1:
         raise ConfigError(f"ddp bucket_cap_mb={layout.ddp['bucket_cap_mb']} with trainer.compile: dynamo's "
                           f"DDPOptimizer needs buckets of at least DDP's 1 MB first bucket; "
                           f"use bucket_cap_mb >= 1")
     applied = Applied()
+    held = {id(m) for m in part.modules()}
+    experts = [layer for layer in experts or [] if id(layer.module) in held]  # a pipeline stage's own
+    if dims.ep > 1 and experts:
+        split_experts(experts, dims.get_mesh("ep"))
+        applied.steps.append("expert_parallel")
     if layout.uses_tp(dims):
         tp_mesh = dims.get_mesh("tp")
         tp_fn.apply_tensor_parallel(part, tp_mesh, plan)
         applied.replicas = tp_fn.replicate_unplanned(part, tp_mesh)
+        tp_fn.sum_grads_over_tp(part, library_summed_keys(part), tp_mesh)
         for root in roots:
             tp_fn.localize_replicas(root, applied.replicas)  # before fully_shard: see localize_replicas
         applied.steps.append("tensor_parallel")
@@ -154,8 +172,12 @@ def parallelize(part: nn.Module, roots: list[nn.Module], dims: ParallelDims, lay
         applied.steps.append("compile")
     if mode == "fsdp":
         reshard = layout.fsdp.reshard_after_forward
+        own_units = []
+        if dims.ep > 1:
+            own_units = [(layer.module, dims.get_mesh("efsdp"), dims.dp_size) for layer in experts]
         apply_fsdp(part, roots, dims.get_mesh("fsdp"), autocast_dtype, layout.fsdp.wrap_modules,
-                   dims.pp == 1 if reshard is None else reshard, layout.fsdp.cpu_offload, device_type)
+                   dims.pp == 1 if reshard is None else reshard, layout.fsdp.cpu_offload, device_type,
+                   own_units)
         applied.steps.append("data_parallel")
     return applied
 

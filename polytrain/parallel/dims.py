@@ -16,6 +16,14 @@ together) and replicates over ``dp_replicate`` (HSDP).
 Mesh names for ``get_mesh``: the five dimensions, plus the flattened ``dp`` (replicate x shard),
 ``dp_shard_cp`` and ``dp_cp``, and ``fsdp``: the mesh ``fully_shard`` takes (1-D ``dp_shard_cp``,
 or 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP).
+
+Expert parallel (``ep``) is not a factor of the world size: it **borrows** the data-parallel ranks, as
+torchtitan and transformers count it. ``ep`` divides ``dp = dp_replicate x dp_shard``; consecutive
+data-parallel ranks (same pp, cp and tp coordinates) form an expert group that splits the experts, and the
+``dp / ep`` groups hold the same experts, which FSDP shards over (``efsdp``). The expert meshes come from a
+second root mesh ``(pp, edp, ep, cp, tp)`` over the same ranks: ``dp = edp x ep`` splits the
+data-parallel index exactly as the main mesh lays it out, so a rank's batch is the same under both views.
+Names: ``ep`` (the all-to-all group) and ``efsdp`` (the experts' FSDP mesh).
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     rank: int = 0  # this process's global rank: fixes its coordinates on every dimension
+    ep: int = 1  # expert parallel: divides dp_replicate x dp_shard (borrowed from them, not a mesh factor)
     # Set by build_mesh (declared here so every mesh the strategy uses has a name and a type).
     mesh: Any = field(default=None, init=False, repr=False, compare=False)
     meshes: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -93,9 +102,24 @@ class ParallelDims:
             )
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside world_size={self.world_size}")
+        self._check_ep()
+
+    def _check_ep(self) -> None:
+        if self.ep < 1:
+            raise ConfigError(f"parallel degree ep={self.ep} must be >= 1 ({self._numbers()})")
+        if self.dp_size % self.ep:
+            raise ConfigError(
+                f"ep={self.ep} must divide the data-parallel ranks dp_replicate x dp_shard = "
+                f"{self.dp_replicate} x {self.dp_shard} = {self.dp_size}: expert parallel borrows them "
+                f"(it is not a factor of world_size={self.world_size}); use an ep that divides "
+                f"{self.dp_size}")
+        if self.ep > 1 and self.cp > 1:
+            raise ConfigError(f"ep={self.ep} with cp={self.cp}: expert parallel does not compose with "
+                              f"context parallel here; use cp=1, or ep=1")
 
     def _numbers(self) -> str:
-        return f"world_size={self.world_size}, " + ", ".join(f"{n}={getattr(self, n)}" for n in DEGREES)
+        shown = ", ".join(f"{n}={getattr(self, n)}" for n in DEGREES)
+        return f"world_size={self.world_size}, {shown}" + (f", ep={self.ep}" if self.ep != 1 else "")
 
     # ------------------------------------------------------------------ degrees
     @property
@@ -107,6 +131,15 @@ class ParallelDims:
     def fsdp_size(self) -> int:
         """Ranks one FSDP group shards parameters over: ``dp_shard x cp``."""
         return self.dp_shard * self.cp
+
+    @property
+    def edp_size(self) -> int:
+        """Data-parallel ranks holding the same experts (FSDP shards the experts over them): ``dp / ep``."""
+        return self.dp_size // self.ep
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def dp_shard_enabled(self) -> bool:
@@ -144,6 +177,11 @@ class ParallelDims:
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     @property
+    def ep_rank(self) -> int:
+        """Which slice of the experts this rank holds."""
+        return self.dp_rank % self.ep
+
+    @property
     def tp_rank(self) -> int:
         return self.coordinates()["tp"]
 
@@ -172,7 +210,7 @@ class ParallelDims:
         if self.mesh is not None:
             return self.mesh
         names = tuple(n for n in DEGREES)
-        key = (device_type, tuple(getattr(self, n) for n in names))
+        key = (device_type, tuple(getattr(self, n) for n in names), self.ep)
         world = dist.group.WORLD
         built = _BUILT.get(key)
         if built is not None and built[0] is world:  # the same process group still: its subgroups live
@@ -189,8 +227,17 @@ class ParallelDims:
             self.meshes["fsdp"] = self.mesh[parts]
         else:
             self.meshes["fsdp"] = shard
+        if self.ep > 1:
+            self.meshes.update(self._expert_meshes(device_type))
         _BUILT[key] = (world, self.mesh, dict(self.meshes))
         return self.mesh
+
+    def _expert_meshes(self, device_type: str) -> dict[str, Any]:
+        """``ep`` and ``efsdp`` as dimensions of one root mesh: FSDP takes an expert tensor already sharded
+        over ``ep`` only when both meshes share their root, and lays out ``(efsdp, ep)`` from it."""
+        shape = (self.pp, self.edp_size, self.ep, self.cp, self.tp)
+        experts = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
+        return {"ep": experts["ep"], "efsdp": experts["edp"]}
 
     def release_mesh(self) -> None:
         """Forget the mesh once its process groups are destroyed. A ``DeviceMesh`` keeps its groups' C++

@@ -27,13 +27,16 @@ from polytrain.core.rank_zero import rank_zero_info
 def apply_fsdp(module: nn.Module, root: nn.Module | list[nn.Module], mesh: Any,
                autocast_dtype: torch.dtype | None,
                wrap_modules: list[str] | None = None, reshard_after_forward: bool = True,
-               cpu_offload: bool = False, compute_device_type: str = "cpu") -> None:
+               cpu_offload: bool = False, compute_device_type: str = "cpu",
+               own_meshes: list[tuple[nn.Module, Any, int]] | None = None) -> None:
     """``fully_shard`` each block of ``module`` (``blocks_to_wrap``), then ``root`` (the module the
     step runs through, owning whatever no block took; several roots: a pipeline rank's stages, each
     over the blocks it holds). ``mesh`` is 1-D (shard) or 2-D (replicate,
     shard: HSDP). ``cpu_offload`` keeps shards in CPU memory (pinned when computing on CUDA). Under mixed
     precision parameters are gathered in the autocast dtype (half the traffic) and gradients reduced in
-    fp32; inputs are not cast: autocast picks each op's dtype, as on one device."""
+    fp32; inputs are not cast: autocast picks each op's dtype, as on one device. ``own_meshes``: units
+    sharded first over a mesh of their own, as ``(module, mesh, gradient divisor)`` (the experts of expert
+    parallel: each sums its expert group's gradients already, so the divisor is the data-parallel size)."""
     fsdp = lazy.fsdp()
     offload = (fsdp.CPUOffloadPolicy(pin_memory=compute_device_type == "cuda") if cpu_offload
                else fsdp.OffloadPolicy())
@@ -42,6 +45,13 @@ def apply_fsdp(module: nn.Module, root: nn.Module | list[nn.Module], mesh: Any,
     common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
     names = {id(m): n for n, m in module.named_modules()}
     views = _ViewOutputs()
+    for unit, unit_mesh, divisor in own_meshes or []:
+        fsdp.fully_shard(unit, mesh=unit_mesh, mp_policy=mp_policy, offload_policy=offload,
+                         reshard_after_forward=reshard_after_forward)
+        unit.set_gradient_divide_factor(float(divisor))
+        if unit_mesh.size() > 1:
+            # A divisor is otherwise applied in the reduction (NCCL's PreMulSum), which gloo has not.
+            unit.set_force_sum_reduction_for_comms(True)
     for block in blocks_to_wrap(module, wrap_modules):
         fsdp.fully_shard(block, reshard_after_forward=reshard_after_forward, **common)
         views.watch(block, names.get(id(block), type(block).__name__))

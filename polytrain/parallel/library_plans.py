@@ -43,6 +43,9 @@ def _styles() -> dict[str, Callable[[], Any]]:
 
 # Entries that keep a parameter whole on every rank: what polytrain does with any unplanned parameter.
 _REPLICATED = {"replicate", "replicated_with_grad_allreduce"}
+# ...of which these see only this rank's shard of the activations (Qwen3's per-head q_norm after a colwise
+# q_proj): each rank's gradient is its heads' share, and the shares are summed over the tp ranks.
+SUMMED = "replicated_with_grad_allreduce"
 
 
 def library_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -57,6 +60,16 @@ def library_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
                 getattr(sub, "_tp_plan", None), dict):
             found.append((path, sub))
     return found
+
+
+def library_summed_keys(module: nn.Module) -> list[str]:
+    """The plan keys, from ``module``, of the library models' parameters kept whole whose gradients are summed
+    over the tp ranks (``SUMMED``); empty when the module gives a plan of its own."""
+    own = [getattr(module, hook, None) for hook in ("tensor_parallel_plan", "parallelize")]
+    if any(callable(hook) for hook in own):
+        return []
+    return [f"{path}.{key}" if path else key for path, model in library_models(module)
+            for key, style in model._tp_plan.items() if style == SUMMED]
 
 
 def library_plan(module: nn.Module) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ a typo in a plan fails in a second on every rank alike instead of after a rendez
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 from fnmatch import fnmatch
 from typing import Any
@@ -37,7 +38,7 @@ def module_plan(module: nn.Module) -> dict[str, Any] | None:
         return plan
     if callable(getattr(module, "parallelize", None)):
         return None
-    plan = without_ties(module, library_plan(module) or {})
+    plan = without_ties(module, reachable(module, library_plan(module) or {}))
     if plan:
         check_plan(module, plan)
         return plan
@@ -49,6 +50,13 @@ def module_plan(module: nn.Module) -> dict[str, Any] | None:
         f"{{'submodule.name': ColwiseParallel(), ...}} or parallelize(self, tp_mesh) applying "
         f"torch.distributed.tensor.parallel itself"
     )
+
+
+def reachable(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a library's plan that reach a submodule of this model. A model class's plan covers every
+    config of it: Qwen3-MoE's names the dense MLP (``layers.*.mlp.gate_proj``) that a model whose layers are
+    all mixtures of experts does not have. A plan the user wrote is checked strictly instead."""
+    return {key: style for key, style in plan.items() if resolve_key(module, key)}
 
 
 def without_ties(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
@@ -190,6 +198,9 @@ class _LocalReplicas:
                 if swap is None:
                     swap = views[id(current)] = _local_view(current)
                     swap._polytrain_replica = current
+                    group = getattr(owner, "_polytrain_summed_grads", {}).get(name)
+                    if group is not None and swap.requires_grad:
+                        swap.register_hook(functools.partial(_summed, group))
             else:
                 swap = None
             if swap is not None:
@@ -206,6 +217,25 @@ class _LocalReplicas:
             for owner, name, original in reversed(self.swapped):
                 owner._parameters[name] = original
             self.swapped = []
+
+
+def _summed(group: Any, grad: torch.Tensor) -> torch.Tensor:
+    total = grad.clone()
+    C.all_reduce(total, group=group)
+    return total
+
+
+def sum_grads_over_tp(module: nn.Module, keys: list[str], tp_mesh: Any) -> None:
+    """The parameters of the modules ``keys`` reach are replicas used on this rank's shard of the
+    activations: their local views' gradients are summed over ``tp_mesh`` in backward (every tp peer runs
+    the same backward, so each reaches the all-reduce). Marked on the owning module: FSDP replaces the
+    parameter objects, and the view is made from whichever one is live."""
+    group = tp_mesh.get_group()
+    for key in keys:
+        for path in resolve_key(module, key):
+            owner = module.get_submodule(path)
+            held = [name for name, param in owner._parameters.items() if param is not None]
+            owner._polytrain_summed_grads = dict.fromkeys(held, group)
 
 
 def _local_view(replica: Any) -> torch.Tensor:

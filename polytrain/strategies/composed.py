@@ -2,8 +2,9 @@
 
     strategy: {name: parallel, pp: 2, tp: 2, dp_shard: 2}      # 8 processes
 
-Degrees ``dp_replicate x dp_shard x cp x tp x pp`` (one may be ``-1``: inferred) make one
-``ParallelDims``; ``parallel.apply`` applies the parallelisms to the model in one stated order
+Degrees ``dp_replicate x dp_shard x cp x tp x pp`` (one may be ``-1``: inferred), and ``ep`` (expert
+parallel, borrowed from the data-parallel ranks), make one ``ParallelDims``; ``parallel.apply`` applies
+the parallelisms to the model in one stated order
 (tensor parallel, activation checkpointing, compile, FSDP/HSDP) and, with ``pp > 1``, first cuts the
 module into stages that are each parallelised within their own sub-mesh. The user's ``training_step``
 and hooks run as under every other strategy.
@@ -51,6 +52,7 @@ from polytrain.parallel.choices import (
 from polytrain.parallel.context_parallel import check_context_parallel, context_parallel_training_step
 from polytrain.parallel.dims import ParallelDims
 from polytrain.parallel.dtensor_optim import support_fused_sgd
+from polytrain.parallel.expert_parallel import check_expert_degree, expert_layers, expert_plan
 from polytrain.parallel.float8 import with_float8_styles
 from polytrain.parallel.fully_shard import broadcast_module, materialize_meta
 from polytrain.strategies.base import Strategy
@@ -101,6 +103,7 @@ class ParallelStrategy(Strategy):
         pipeline = PipelineSettings(o.schedule, o.n_microbatches, o.stages_per_rank, o.split_points,
                                     o.sequential)
         return ParallelLayout(dp_replicate=o.dp_replicate, dp_shard=o.dp_shard, tp=o.tp, pp=o.pp, cp=o.cp,
+                              ep=o.ep,
                               data_parallel=o.data_parallel, backend=o.backend,
                               sync_batchnorm=o.sync_batchnorm,
                               fsdp=FSDPSettings(o.wrap_modules, o.reshard_after_forward, o.cpu_offload),
@@ -223,7 +226,9 @@ class ParallelStrategy(Strategy):
     def _meta_init(self) -> bool:
         if self.layout.meta_init is not None:
             return self.layout.meta_init
-        return self.backend.shards and not self.tensor_parallel and self.dims.pp == self.dims.cp == 1
+        # Not under expert parallel: each rank cuts its experts from full weights (split_experts).
+        return (self.backend.shards and not self.tensor_parallel and self.dims.pp == self.dims.cp == 1
+                and self.dims.ep == 1)
 
     @property
     def _state_device(self) -> torch.device:
@@ -234,6 +239,10 @@ class ParallelStrategy(Strategy):
         plan = tp_fn.module_plan(module) if self.tensor_parallel else None  # read before any rendezvous
         if self.tensor_parallel:
             plan = with_float8_styles(module, plan, tp_fn.resolve_key)
+        experts = None
+        if dims.ep > 1:  # read and checked before any rendezvous too: every rank says it alike
+            experts = expert_layers(module, expert_plan(module))
+            check_expert_degree(experts, dims.ep, dims.dp_size)
         self.executor.check_module(module)
         self.join_process_group()
         module = self.precision.convert_module(module)
@@ -253,7 +262,7 @@ class ParallelStrategy(Strategy):
         router = StepRouter(module)
         parallelize(module, self.executor.roots(router), dims, self.layout, backend.name, plan,
                     self.precision.autocast_dtype, self.root_device.type,
-                    self.activation_checkpointing_options, self.compile_options, chosen)
+                    self.activation_checkpointing_options, self.compile_options, chosen, experts)
         if on_meta:
             materialize_meta(module, self._state_device, self._init_rng, self.filled_after_setup)
         self.module, self.model = module, backend.wrap(router, self.root_device)

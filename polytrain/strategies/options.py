@@ -113,6 +113,9 @@ class ParallelOptions:
     tp: int = 1  # tensor parallel (tensor_parallel_plan(), parallelize(tp_mesh) or a held HF model's plan)
     pp: int = 1  # pipeline stages' ranks (the module's nn.Sequential is cut)
     cp: int = 1  # context parallel (sequence split; CUDA with flash/efficient attention only)
+    # expert parallel: a mixture-of-experts model's experts split over ep data-parallel ranks (ep divides
+    # dp_replicate x dp_shard: borrowed from them, not a factor of the world size)
+    ep: int = 1
     data_parallel: str = "auto"  # auto | fsdp | ddp | all_reduce: how gradients meet across data ranks
     # --- pipeline (pp > 1)
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble | zbv
@@ -133,6 +136,8 @@ class ParallelOptions:
         check_schedule_options(self.schedule, self.stages_per_rank, self.n_microbatches)
         if self.cp < 1:  # what cp > 1 needs of torch and the device: ParallelStrategy.check_options
             raise ConfigError(f"parallel degree cp={self.cp} must be >= 1")
+        if self.ep < 1:  # what it must divide is known with the world size (ParallelDims)
+            raise ConfigError(f"parallel degree ep={self.ep} must be >= 1")
 
 
 # Every strategy of the package by name (the registry's test holds each class to its entry here).
