@@ -42,7 +42,8 @@ def build_model() -> nn.Module:
     config = transformers.Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=EXPERTS, num_experts_per_tok=2,
-        output_router_logits=True, router_aux_loss_coef=0.5, attn_implementation="eager")
+        output_router_logits=True, router_aux_loss_coef=0.5, attn_implementation="eager",
+        experts_implementation="eager")
     return transformers.Qwen3MoeForCausalLM(config)
 
 
@@ -123,7 +124,7 @@ def expert_bytes(module: nn.Module) -> dict[str, int]:
 
 
 def _train_save_resume(rank: int, world_size: int, strategy: dict[str, Any], root: str) -> dict[str, Any]:
-    dp = world_size // strategy.get("tp", 1)
+    dp = world_size // strategy.get("tp", 1) // strategy.get("pp", 1)
     first = Trainer(**quiet(os.path.join(root, "first"), STOP_AT, world_size, strategy))
     first.fit(HeldMoE(dp, PER_RANK))
     saved = os.path.join(root, "stopped")
@@ -150,11 +151,12 @@ def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: st
     (2, {"name": "parallel", "ep": 2}),  # every data-parallel rank an expert group's member: 2 experts each
     (4, {"name": "parallel", "ep": 2}),  # two expert groups; each expert FSDP-sharded over the other group
     (4, {"name": "parallel", "ep": 2, "tp": 2}),  # tp peers share a batch and their group's experts
-], ids=["ep2-on-2", "ep2-on-4", "ep2xtp2-on-4"])
+    (4, {"name": "parallel", "ep": 2, "dp_replicate": 2, "dp_shard": 2}),  # HSDP: ep spans the replicas
+], ids=["ep2-on-2", "ep2-on-4", "ep2xtp2-on-4", "ep2-hsdp-on-4"])
 def test_experts_split_over_ep_train_and_resume_equal_to_one_process(world_size: int,
                                                                       strategy: dict[str, Any],
                                                                       tmp_path: Any) -> None:
-    dp = world_size // strategy.get("tp", 1)
+    dp = world_size // strategy.get("tp", 1) // strategy.get("pp", 1)
     out = run_distributed(_train_save_resume, world_size, strategy, str(tmp_path), timeout=540)
     want = reference(dp)
     first = out[0]
@@ -219,3 +221,84 @@ def test_ep_borrows_from_the_data_parallel_ranks_and_must_divide_them() -> None:
     with pytest.raises(ConfigError,
                        match=r"ep=4 must divide the data-parallel ranks dp_replicate x dp_shard = 1 x 2 = 2"):
         ParallelDims(4, tp=2, ep=4)
+    with pytest.raises(ConfigError, match=r"ep=2 with pp=2: .*use pp=1 with ep"):
+        ParallelDims(8, pp=2, ep=2)
+    with pytest.raises(ConfigError, match=r"ep=2 with cp=2: .*use cp=1"):
+        ParallelDims(8, cp=2, ep=2)
+
+
+CLIP = 0.05  # below the gradients' norm from the first step on: every step is clipped
+
+
+class ClippedValidated(HeldMoE):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (tokens,) = batch
+        self.log("val_loss", mean_of_rank_losses(self.model, tokens, self.ranks), sync_dist=True)
+
+    def val_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(5)
+        rows = torch.randint(0, VOCAB, (self.dp * PER_RANK, TOKENS), generator=generator)
+        return DataLoader(TensorDataset(rows), batch_size=self.batch_size)
+
+
+def _clipped_and_validated(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    options = quiet(root, STEPS, world_size, {"name": "parallel", "ep": 2})
+    trainer = Trainer(**options, gradient_clip_val=CLIP)
+    trainer.fit(ClippedValidated(world_size, PER_RANK))
+    return {"weights": trainer.strategy.module_state_dict(),
+            "val_loss": float(trainer.callback_metrics["val_loss"])}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_clipping_takes_the_norm_over_experts_and_dense_parameters_and_validation_runs(tmp_path: Any) -> None:
+    """The experts' gradients live on their own mesh: the norm that clips is still the whole model's, and
+    an evaluation pass dispatches its tokens like a training one."""
+    out = run_distributed(_clipped_and_validated, 2, str(tmp_path), timeout=240)
+    model = build_model()
+    optimizer = optimizer_for(model.parameters())
+    for (tokens,) in DataLoader(dataset(2), batch_size=2 * PER_RANK):
+        optimizer.zero_grad()
+        mean_of_rank_losses(model, tokens, 2).backward()
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP) > CLIP
+        optimizer.step()
+    want = {f"model.{k}": v for k, v in model.state_dict().items()}
+    _close(out[0]["weights"], want, "clipped under ep=2", atol=1e-5)
+    (rows,) = ClippedValidated(2, PER_RANK).val_dataloader().dataset.tensors
+    with torch.no_grad():
+        # each rank's validation batch is its rows r::2; the logged value is the mean over the ranks
+        expected = float(mean_of_rank_losses(model, rows, 2))
+    for result in out:
+        assert result["val_loss"] == pytest.approx(expected, abs=1e-5)
+
+
+def _optimizers_over_two_meshes(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from polytrain.parallel.dtensor_optim import step_across_meshes
+
+    meshes = [init_device_mesh("cpu", (1,), mesh_dim_names=(name,)) for name in ("dense", "experts")]
+    params = [nn.Parameter(DTensor.from_local(torch.ones(2), mesh, [Replicate()])) for mesh in meshes]
+    plain = torch.optim.SGD(params, lr=0.1)
+    step_across_meshes([plain])
+    asked = torch.optim.SGD(params, lr=0.1, foreach=True)
+    try:
+        step_across_meshes([asked])
+    except ConfigError as err:
+        refused = str(err)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    plain.step()  # one tensor at a time: DTensor would refuse foreach across the two meshes
+    return {"foreach": plain.param_groups[0]["foreach"], "refused": refused,
+            "stepped": [p.to_local().tolist() for p in params]}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_a_param_group_over_two_meshes_steps_one_tensor_at_a_time_or_is_refused_in_words() -> None:
+    (out,) = run_distributed(_optimizers_over_two_meshes, 1, timeout=50)
+    assert out["foreach"] is False
+    assert [value for row in out["stepped"] for value in row] == pytest.approx([0.9] * 4)
+    assert "foreach=True over parameters on 2 device meshes" in out["refused"]
+    assert "leave foreach unset" in out["refused"]

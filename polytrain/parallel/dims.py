@@ -116,6 +116,13 @@ class ParallelDims:
         if self.ep > 1 and self.cp > 1:
             raise ConfigError(f"ep={self.ep} with cp={self.cp}: expert parallel does not compose with "
                               f"context parallel here; use cp=1, or ep=1")
+        if self.ep > 1 and self.pp > 1:
+            # A pipeline learns each stage's output shapes on the meta device, where a router's
+            # data-dependent choice of experts cannot run; and a model's auxiliary loss, computed from every
+            # layer's router outputs at the end, would see only the last stage's layers.
+            raise ConfigError(f"ep={self.ep} with pp={self.pp}: expert parallel does not compose with a "
+                              f"pipeline here (its stages are traced on the meta device, which a router's "
+                              f"data-dependent routing cannot run); use pp=1 with ep, or ep=1")
 
     def _numbers(self) -> str:
         shown = ", ".join(f"{n}={getattr(self, n)}" for n in DEGREES)

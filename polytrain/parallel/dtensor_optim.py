@@ -4,6 +4,9 @@ torch registers DTensor rules for fused Adam/AdamW but none for fused SGD, so ``
 over sharded parameters (fsdp, tensor parallel) raises "does not have a sharding strategy
 registered". ``support_fused_sgd`` installs a handler in DTensor's dispatcher (a private table:
 every access is guarded, and the handler steps aside once torch has a rule of its own).
+
+DTensor runs no op over tensors of different meshes, so a param group mixing them (expert parallel:
+the experts' mesh beside the dense parameters') steps one tensor at a time (``step_across_meshes``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 import torch
 
 from polytrain.core import lazy
+from polytrain.core.errors import ConfigError
 
 
 def _fused_sgd_on_local_shards(op_call: Any, args: tuple, kwargs: dict) -> Any:
@@ -57,3 +61,25 @@ def support_fused_sgd(optimizers: list[torch.optim.Optimizer]) -> None:
                          for table in ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules"))
         if op is not None and not registered:
             handlers.setdefault(op, _fused_sgd_on_local_shards)
+
+
+def step_across_meshes(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Make every param group whose parameters lie on several device meshes step one tensor at a time:
+    torch's foreach and fused kernels take a whole group at once, and DTensor refuses an op across meshes
+    (torch's default on CPU; torchtitan turns foreach off for its MoE models alike). A group built with
+    ``foreach=True`` or ``fused=True`` over such parameters is refused, in words, before any step."""
+    for optimizer in optimizers:
+        for index, group in enumerate(optimizer.param_groups):
+            meshes = {id(p.device_mesh) for p in group["params"] if hasattr(p, "device_mesh")}
+            if len(meshes) < 2:
+                continue
+            asked = [option for option in ("foreach", "fused") if group.get(option)]
+            if asked:
+                raise ConfigError(
+                    f"{type(optimizer).__name__} param group {index} was built with {asked[0]}=True over "
+                    f"parameters on {len(meshes)} device meshes (the experts of expert parallel beside the "
+                    f"dense layers): DTensor runs no {asked[0]} kernel across meshes; leave {asked[0]} unset "
+                    f"(the group then steps one tensor at a time) or give the experts a param group of their "
+                    f"own")
+            if "foreach" in group:
+                group["foreach"] = False

@@ -296,13 +296,23 @@ def _copy_shard(live: torch.Tensor, full: torch.Tensor) -> None:
 
 def clip_sharded_grad_norm(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
     """``clip_grad_norm_`` when every gradient is a ``DTensor`` shard: each rank's partial norm is
-    reduced to the global one before the clip coefficient is applied."""
+    reduced to the global one before the clip coefficient is applied. Gradients on different meshes (the
+    experts of expert parallel beside the dense parameters) are reduced mesh by mesh: DTensor does not
+    combine tensors of different meshes."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-    if isinstance(norm, lazy.dtensor().DTensor):
-        norm = norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm
+    by_mesh: dict[Any, list[torch.Tensor]] = {}  # parameters by their gradient's mesh
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = []
+    for same_mesh in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in same_mesh], norm_type=2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, lazy.dtensor().DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    for same_mesh in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(same_mesh, max_norm, total)
+    return total
 
 
 @contextlib.contextmanager

@@ -51,7 +51,7 @@ from polytrain.parallel.choices import (
 )
 from polytrain.parallel.context_parallel import check_context_parallel, context_parallel_training_step
 from polytrain.parallel.dims import ParallelDims
-from polytrain.parallel.dtensor_optim import support_fused_sgd
+from polytrain.parallel.dtensor_optim import step_across_meshes, support_fused_sgd
 from polytrain.parallel.expert_parallel import check_expert_degree, expert_layers, expert_plan
 from polytrain.parallel.float8 import with_float8_styles
 from polytrain.parallel.fully_shard import broadcast_module, materialize_meta
@@ -272,6 +272,7 @@ class ParallelStrategy(Strategy):
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
         if self.dtensor_parameters:
             support_fused_sgd(optimizers)  # every parameter is a DTensor
+            step_across_meshes(optimizers)  # the experts of expert parallel have a mesh of their own
         self.executor.new_optimizers()
         return super().setup_optimizers(optimizers)
 
