@@ -133,7 +133,13 @@ def _train_save_resume(rank: int, world_size: int, strategy: dict[str, Any], roo
                "experts": expert_bytes(first.strategy.module)}
     resumed = Trainer(**quiet(os.path.join(root, "resumed"), STEPS, world_size, strategy))
     resumed.fit(HeldMoE(dp, PER_RANK), ckpt_path=saved)
-    return {"stopped": stopped, "resumed": resumed.strategy.module_state_dict(), "checkpoint": saved}
+    out = {"stopped": stopped, "resumed": resumed.strategy.module_state_dict(), "checkpoint": saved}
+    if strategy == {"name": "parallel", "ep": 2} and world_size == 4:
+        # The experts are named whole in the checkpoint: another ep degree (4 experts, one a rank) resumes it.
+        other = Trainer(**quiet(os.path.join(root, "ep4"), STEPS, world_size, {"name": "parallel", "ep": 4}))
+        other.fit(HeldMoE(dp, PER_RANK), ckpt_path=saved)
+        out["resumed_under_ep4"] = other.strategy.module_state_dict()
+    return out
 
 
 def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, atol: float) -> None:
@@ -162,6 +168,8 @@ def test_experts_split_over_ep_train_and_resume_equal_to_one_process(world_size:
     first = out[0]
     _close(first["stopped"]["weights"], want[STOP_AT], f"{strategy} at step {STOP_AT}", atol=1e-5)
     _close(first["resumed"], want[STEPS], f"{strategy} resumed to step {STEPS}", atol=1e-5)
+    if "resumed_under_ep4" in first:
+        _close(first["resumed_under_ep4"], want[STEPS], "saved under ep=2, resumed under ep=4", atol=1e-5)
     # Measured: each rank holds its share of the experts only, 1 / dp of them (ep splits them, FSDP the rest).
     for rank, result in enumerate(out):
         held = result["stopped"]["experts"]
@@ -188,6 +196,40 @@ def test_the_library_plan_names_the_experts_and_their_tensors() -> None:
     assert [layer.path for layer in layers] == [f"model.model.layers.{i}.mlp.experts" for i in range(2)]
     assert all(sorted(layer.tensors) == ["down_proj", "gate_up_proj"] for layer in layers)
     assert all(layer.num_experts == EXPERTS for layer in layers)
+
+
+class OwnExperts(nn.Module):
+    """A module of one's own in the experts' calling convention: tensors with the expert on dim 0."""
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w_in = nn.Parameter(torch.randn(num_experts, 8, 4))
+        self.w_out = nn.Parameter(torch.randn(num_experts, 4, 8))
+        self.scale = nn.Parameter(torch.ones(4))  # not per expert: stays whole
+
+
+class OwnMoE(TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"experts": OwnExperts(6)}) for _ in range(3))
+
+    def expert_parallel_plan(self) -> dict[str, str]:
+        return {"blocks.*.experts": "ep_dispatch_experts", "blocks.*.experts.w_in": "grouped_gemm",
+                "blocks.*.experts.w_out": "grouped_gemm"}
+
+
+def test_a_module_of_ones_own_names_its_experts_with_expert_parallel_plan() -> None:
+    module = OwnMoE()
+    layers = expert_layers(module, expert_plan(module))
+    assert [(layer.path, layer.num_experts, layer.tensors) for layer in layers] == [
+        (f"blocks.{i}.experts", 6, ["w_in", "w_out"]) for i in range(3)]
+    check_expert_degree(layers, 3, 6)
+    typo = {"blocks.*.expert": "ep_dispatch_experts"}
+    with pytest.raises(ExpertParallelPlanError, match="'blocks.*.expert' reaches no submodule"):
+        expert_layers(module, typo)
+    with pytest.raises(ExpertParallelPlanError, match="'colwise'; polytrain knows ep_dispatch_experts"):
+        expert_layers(module, {"blocks.*.experts": "colwise"})
 
 
 def test_an_ep_that_does_not_divide_the_experts_is_refused_naming_the_degrees_that_would() -> None:
@@ -302,3 +344,35 @@ def test_a_param_group_over_two_meshes_steps_one_tensor_at_a_time_or_is_refused_
     assert [value for row in out["stepped"] for value in row] == pytest.approx([0.9] * 4)
     assert "foreach=True over parameters on 2 device meshes" in out["refused"]
     assert "leave foreach unset" in out["refused"]
+
+
+class Dense(TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
+
+
+def _fit_dense_under_ep(rank: int, world_size: int, root: str) -> str:
+    trainer = Trainer(**quiet(root, 1, world_size, {"name": "parallel", "ep": 2}))
+    try:
+        trainer.fit(Dense())
+    except ExpertParallelPlanError as err:
+        return str(err)
+    return "trained"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_dense_model_under_ep_is_refused_on_every_rank_in_words(tmp_path: Any) -> None:
+    out = run_distributed(_fit_dense_under_ep, 2, str(tmp_path), timeout=100)
+    for message in out:
+        assert message.startswith("ep > 1 needs a mixture-of-experts model, but Dense has no expert-parallel")
