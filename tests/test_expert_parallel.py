@@ -285,7 +285,7 @@ class ClippedValidated(HeldMoE):
 
 def _clipped_and_validated(rank: int, world_size: int, root: str) -> dict[str, Any]:
     options = quiet(root, STEPS, world_size, {"name": "parallel", "ep": 2})
-    trainer = Trainer(**options, gradient_clip_val=CLIP)
+    trainer = Trainer(**options, gradient_clip_val=CLIP, activation_checkpointing=True)
     trainer.fit(ClippedValidated(world_size, PER_RANK))
     return {"weights": trainer.strategy.module_state_dict(),
             "val_loss": float(trainer.callback_metrics["val_loss"])}
@@ -293,9 +293,10 @@ def _clipped_and_validated(rank: int, world_size: int, root: str) -> dict[str, A
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_clipping_takes_the_norm_over_experts_and_dense_parameters_and_validation_runs(tmp_path: Any) -> None:
-    """The experts' gradients live on their own mesh: the norm that clips is still the whole model's, and
-    an evaluation pass dispatches its tokens like a training one."""
+def test_clipping_checkpointing_and_validation_under_ep_equal_one_process(tmp_path: Any) -> None:
+    """The experts' gradients live on their own mesh: the norm that clips is still the whole model's; a
+    checkpointed block exchanges its tokens again when it recomputes; an evaluation pass dispatches its
+    tokens like a training one."""
     out = run_distributed(_clipped_and_validated, 2, str(tmp_path), timeout=240)
     model = build_model()
     optimizer = optimizer_for(model.parameters())
