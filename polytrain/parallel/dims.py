@@ -60,6 +60,20 @@ def _forget_built_meshes() -> None:
 atexit.register(_forget_built_meshes)
 
 
+def check_ep_composes(ep: int, pp: int, cp: int) -> None:
+    """The degrees expert parallel does not compose with (known before the world size is)."""
+    if ep > 1 and cp > 1:
+        raise ConfigError(f"ep={ep} with cp={cp}: expert parallel does not compose with context parallel "
+                          f"here; use cp=1, or ep=1")
+    if ep > 1 and pp > 1:
+        # A pipeline learns each stage's output shapes on the meta device, where a router's data-dependent
+        # choice of experts cannot run; and a model's auxiliary loss, computed from every layer's router
+        # outputs at the end, would see only the last stage's layers.
+        raise ConfigError(f"ep={ep} with pp={pp}: expert parallel does not compose with a pipeline here (its "
+                          f"stages are traced on the meta device, which a router's data-dependent routing "
+                          f"cannot run); use pp=1 with ep, or ep=1")
+
+
 @dataclass
 class ParallelDims:
     world_size: int
@@ -113,16 +127,7 @@ class ParallelDims:
                 f"{self.dp_replicate} x {self.dp_shard} = {self.dp_size}: expert parallel borrows them "
                 f"(it is not a factor of world_size={self.world_size}); use an ep that divides "
                 f"{self.dp_size}")
-        if self.ep > 1 and self.cp > 1:
-            raise ConfigError(f"ep={self.ep} with cp={self.cp}: expert parallel does not compose with "
-                              f"context parallel here; use cp=1, or ep=1")
-        if self.ep > 1 and self.pp > 1:
-            # A pipeline learns each stage's output shapes on the meta device, where a router's
-            # data-dependent choice of experts cannot run; and a model's auxiliary loss, computed from every
-            # layer's router outputs at the end, would see only the last stage's layers.
-            raise ConfigError(f"ep={self.ep} with pp={self.pp}: expert parallel does not compose with a "
-                              f"pipeline here (its stages are traced on the meta device, which a router's "
-                              f"data-dependent routing cannot run); use pp=1 with ep, or ep=1")
+        check_ep_composes(self.ep, self.pp, self.cp)
 
     def _numbers(self) -> str:
         shown = ", ".join(f"{n}={getattr(self, n)}" for n in DEGREES)

@@ -50,7 +50,7 @@ from polytrain.parallel.choices import (
     check_precision_with_layout,
 )
 from polytrain.parallel.context_parallel import check_context_parallel, context_parallel_training_step
-from polytrain.parallel.dims import ParallelDims
+from polytrain.parallel.dims import ParallelDims, check_ep_composes
 from polytrain.parallel.dtensor_optim import step_across_meshes, support_fused_sgd
 from polytrain.parallel.expert_parallel import check_expert_degree, expert_layers, expert_plan
 from polytrain.parallel.float8 import with_float8_styles
@@ -118,6 +118,7 @@ class ParallelStrategy(Strategy):
         layout = cls.compose(options, 1)
         if layout.cp != 1:
             check_context_parallel(layout.cp, device_type)
+        check_ep_composes(layout.ep, layout.pp, layout.cp)
         # The rest is known with the world size.
         check_pipeline_with_sharding(layout.pp != 1,
                                      layout.data_parallel == "fsdp" or layout.dp_shard > 1 or layout.cp > 1,
