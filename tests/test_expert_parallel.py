@@ -30,6 +30,8 @@ from polytrain.parallel.expert_parallel import (
     expert_layers,
     expert_plan,
 )
+from polytrain.strategies.composed import ParallelStrategy
+from polytrain.strategies.options import ParallelOptions
 
 pytestmark = pytest.mark.torch_api
 
@@ -267,6 +269,11 @@ def test_ep_borrows_from_the_data_parallel_ranks_and_must_divide_them() -> None:
         ParallelDims(8, pp=2, ep=2)
     with pytest.raises(ConfigError, match=r"ep=2 with cp=2: .*use cp=1"):
         ParallelDims(8, cp=2, ep=2)
+    # at config load, before the world size is known (the launching process of `polytrain fit`)
+    with pytest.raises(ConfigError, match=r"ep=2 with pp=2"):
+        ParallelStrategy.check_options(ParallelOptions(ep=2, pp=2), "cpu")
+    with pytest.raises(ConfigError, match=r"parallel degree ep=0 must be >= 1"):
+        ParallelOptions(ep=0)
 
 
 CLIP = 0.05  # below the gradients' norm from the first step on: every step is clipped
