@@ -61,6 +61,15 @@ def float8_note(asked: bool, costed: bool, preset: str) -> str:
     return f", float8 not costed ({preset} has no fp8 peak)" if asked else ""
 
 
+def experts_note(profile: Any) -> str:
+    """The model's experts, whose ``ep`` layouts the ranking includes (nothing for a dense model)."""
+    if not profile.experts:
+        return ""
+    counts = "/".join(str(c) for c in profile.expert_counts)
+    return (f", {len(profile.experts)} experts modules of {counts} experts, top {profile.top_k} "
+            f"(ep ranked)")
+
+
 def _train_loader(source: Any) -> Any:
     """The train loader a fit would read (a DataModule's built by its ``setup("fit")``, as in a fit)."""
     try:
@@ -124,7 +133,8 @@ def run_plan(args: argparse.Namespace) -> int:
           f"global batch {global_batch}, precision {precision}, optimizer {optimizer_said}, attention "
           f"{attention}, pipeline schedule {train.pp_schedule}"
           f"{float8_note(float8_options is not None, train.float8, preset)}"
-          f"{' (FSDP gathers them in float8)' if train.fsdp_float8_all_gather else ''}")
+          f"{' (FSDP gathers them in float8)' if train.fsdp_float8_all_gather else ''}"
+          f"{experts_note(profile_at(1))}")
     print(format_table(plan, top=args.top, capacity=hw.memory_bytes))
     if plan.ranked:
         print("best: " + describe_time(plan.best))

@@ -107,10 +107,16 @@ def data_parallel_mode(layout: ParallelLayout, dims: ParallelDims) -> str:
     ``auto``: FSDP whenever parameters are sharded over data (``dp_shard x cp > 1``) or already DTensors
     (tensor parallel: HSDP with one shard when only replicated); a plain replicated model: DDP without a
     pipeline, one flat all-reduce per step with one (stages run outside any wrapper). ``none``: nothing
-    meets (one replica, or ``single`` started several times)."""
+    meets (one replica, or ``single`` started several times). Expert parallel needs FSDP: the experts
+    reduce their gradients as FSDP units over a mesh of their own."""
     mode = layout.data_parallel
     if mode not in DATA_PARALLEL:
         raise ConfigError(f"data_parallel={mode!r} is not valid; choose one of: {', '.join(DATA_PARALLEL)}")
+    if dims.ep > 1:
+        if mode not in ("auto", "fsdp"):
+            raise ConfigError(f"data_parallel={mode!r} with ep={dims.ep}: the experts reduce their gradients "
+                              f"as FSDP units over their own ranks; use data_parallel=auto or fsdp")
+        return "fsdp"
     if mode != "auto":
         if mode == "ddp" and (dims.tp > 1 or dims.pp > 1 or dims.fsdp_size > 1):
             raise ConfigError(f"data_parallel='ddp' replicates a plain module: "

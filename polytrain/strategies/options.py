@@ -160,7 +160,9 @@ LIGHTNING_NAMES: dict[str, dict[str, Any]] = {
 
 # A parallel spec asks the planner with plan keys or "auto" (string) degrees (plan_spec.py).
 PLANNED_NAME = "parallel"
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")  # the mesh's: their product is the world size
+# ...and expert parallel, borrowed from the data-parallel ranks: a degree the planner may choose too
+PLANNABLE = (*DEGREES, "ep")
 PLAN_KEYS = ("plan", "global_batch", "hardware", "chosen")
 
 
@@ -168,7 +170,7 @@ def wants_plan(name: str, options: dict[str, Any]) -> bool:
     """Does ``{name, **options}`` ask the planner for something? (``plan_spec.split_plan`` checks
     what it asks.)"""
     return name == PLANNED_NAME and (any(k in options for k in PLAN_KEYS) or
-                                     any(isinstance(options.get(k), str) for k in DEGREES))
+                                     any(isinstance(options.get(k), str) for k in PLANNABLE))
 
 
 def spec_mapping(value: Any, aliases: Mapping[str, dict[str, Any]] = LIGHTNING_NAMES,

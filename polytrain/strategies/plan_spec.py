@@ -6,8 +6,10 @@
 A degree is an integer (pinned) or ``"auto"`` (planned); under ``plan: true`` every degree not given is
 planned; with ``"auto"`` degrees alone, the degrees not given keep their defaults (1) but ``dp_shard``
 (default: whatever the others leave) is planned. ``-1`` counts as ``"auto"``. ``cp`` is never planned
-(pin it). Planning options: ``global_batch`` (default: the train loader's batch x the data-parallel size
-the pinned degrees leave, as ``polytrain plan``), ``hardware`` (a preset; default: the accelerator's)
+(pin it). ``ep`` (expert parallel, borrowed from the data-parallel ranks) is planned like the others
+under ``plan: true`` (for a model with experts; 1 for any other) and kept when given. Planning options:
+``global_batch`` (default: the train loader's batch x the data-parallel size the pinned degrees leave, as
+``polytrain plan``), ``hardware`` (a preset; default: the accelerator's)
 and ``chosen`` (written by the Trainer: the layout picked, which a resume at the same world size
 reuses). Plain ``strategy: auto`` is not the planner: it keeps Lightning's meaning, ``single`` on one
 device and ``ddp`` on several.
@@ -22,12 +24,14 @@ from typing import Any
 
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.hardware import PRESETS
-from polytrain.strategies.options import DEGREES, PLAN_KEYS, PLANNED_NAME
+from polytrain.strategies.options import DEGREES, PLAN_KEYS, PLANNABLE, PLANNED_NAME
 
 AUTO = "auto"
-PLANNED_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")  # cp: CUDA-only ring attention, pinned or 1
+# cp: CUDA-only ring attention, pinned or 1
+PLANNED_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "ep")
 CHOSEN_REQUIRED = ("world_size", *DEGREES, "n_microbatches", "activation_checkpointing")
-CHOSEN_KEYS = (*CHOSEN_REQUIRED, "hardware", "memory_bytes", "step_s")
+# ep: not a factor of the world size; absent from a plan written before it was planned (then 1)
+CHOSEN_KEYS = (*CHOSEN_REQUIRED, "ep", "hardware", "memory_bytes", "step_s")
 WHERE = "trainer.strategy (parallel)"
 
 
@@ -57,7 +61,8 @@ def _check_chosen(chosen: Any) -> None:
                           f"the keys {', '.join(CHOSEN_REQUIRED)} (optional: "
                           f"{', '.join(CHOSEN_KEYS[len(CHOSEN_REQUIRED):])})")
     ints = [chosen[k] for k in ("world_size", *DEGREES)]
-    if (any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in ints)
+    ep = chosen.get("ep", 1)
+    if (any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in [*ints, ep])
             or math.prod(ints[1:]) != ints[0]):
         raise ConfigError(f"{WHERE} chosen={chosen!r}: degrees must be positive integers whose product is "
                           f"world_size")
@@ -85,13 +90,13 @@ def split_plan(options: dict[str, Any], valid: list[str]) -> tuple[dict[str, Any
         raise ConfigError(f"strategy 'parallel' has no option '{unknown[0]}'; valid: {', '.join(valid)}, "
                           f"and for the planner: {', '.join(PLAN_KEYS)}")
     _check_plan_options(options)
-    planning = options.get("plan", False) is True or any(options.get(k) == AUTO for k in DEGREES)
-    degrees = {k: _degree(k, options[k], planning) for k in DEGREES if k in options}
+    planning = options.get("plan", False) is True or any(options.get(k) == AUTO for k in PLANNABLE)
+    degrees = {k: _degree(k, options[k], planning) for k in PLANNABLE if k in options}
     # plan: true plans every degree not given; 'auto' degrees alone, dp_shard (default: the rest)
     if planning:
         missing = PLANNED_DEGREES if options.get("plan") is True else ("dp_shard",)
         degrees = {**{k: AUTO for k in missing if k not in degrees}, **degrees}
-    plain = {k: v for k, v in options.items() if k not in PLAN_KEYS and k not in DEGREES}
+    plain = {k: v for k, v in options.items() if k not in PLAN_KEYS and k not in PLANNABLE}
     plain.update({k: v for k, v in degrees.items() if v != AUTO})
     if not planning:
         extra = [k for k in PLAN_KEYS if k in options and k != "plan"]
@@ -99,7 +104,7 @@ def split_plan(options: dict[str, Any], valid: list[str]) -> tuple[dict[str, Any
             raise ConfigError(f"{WHERE} option(s) {', '.join(extra)} plan the layout: add plan: true or "
                               f"set a degree to 'auto'")
         return plain, None
-    auto = sorted((k for k, v in degrees.items() if v == AUTO), key=DEGREES.index)
+    auto = sorted((k for k, v in degrees.items() if v == AUTO), key=PLANNABLE.index)
     return plain, {"auto": auto, **{k: options.get(k) for k in PLAN_KEYS if k != "plan"}}
 
 
@@ -113,8 +118,8 @@ def with_plan(checked: dict[str, Any], request: dict[str, Any] | None) -> dict[s
 
 
 def pinned_degrees(spec: dict[str, Any]) -> dict[str, int]:
-    """What the planner must keep: integer degrees, and ``n_microbatches`` when given."""
-    pinned = {k: spec[k] for k in DEGREES if isinstance(spec.get(k), int)}
+    """What the planner must keep: integer degrees (``ep`` included), and ``n_microbatches`` when given."""
+    pinned = {k: spec[k] for k in PLANNABLE if isinstance(spec.get(k), int)}
     if isinstance(spec.get("n_microbatches"), int):
         pinned["n_microbatches"] = spec["n_microbatches"]
     return pinned
@@ -129,6 +134,7 @@ def resolved_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], bool | str]:
                           f"module); this strategy was built before that")
     plain = {k: v for k, v in spec.items() if k not in PLAN_KEYS}
     plain.update({k: chosen[k] for k in DEGREES})
+    plain["ep"] = chosen.get("ep", 1)
     if chosen["pp"] > 1 and plain.get("n_microbatches") is None:
         plain["n_microbatches"] = chosen["n_microbatches"]
     ac = chosen["activation_checkpointing"]

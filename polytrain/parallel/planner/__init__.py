@@ -24,6 +24,7 @@ from polytrain.parallel.planner.estimate import Estimate, Layout, Training, esti
 from polytrain.parallel.planner.model_profile import (
     ModelProfile,
     TrainingStep,
+    find_experts,
     profile_blocks,
     profile_sequential,
     profile_whole,
@@ -65,6 +66,8 @@ def profiler(module: nn.Module, example: torch.Tensor | None, target: torch.Tens
     # The strategy refuses tensor parallelism for a module that does not say how to split its layers; so
     # does the planner, in the same words, instead of costing a split that will not happen.
     splits = plan is not None or callable(getattr(module, "parallelize", None))
+    # The experts modules expert parallel splits, read as the strategy reads them (or why it cannot)
+    experts = find_experts(module)
     try:
         if example is None and sequential is None:  # nothing to feed a Sequential: the step runs the model
             raise PipelineSplitError("no leading input tensor")
@@ -93,10 +96,11 @@ def profiler(module: nn.Module, example: torch.Tensor | None, target: torch.Tens
             if tp > 1 and not splits:
                 raise ConfigError(refusal)
             if by_blocks:
-                profile = profile_blocks(whole, on_meta_batch, tp, plan, attention, precision, device, step)
+                profile = profile_blocks(whole, on_meta_batch, tp, plan, attention, precision, device, step,
+                                         experts)
             else:
                 profile = profile_whole(whole, on_meta_batch, why, tp, plan, attention, precision, device,
-                                        step)
+                                        step, experts)
             return dataclasses.replace(profile, pipeline_refused=_pipeline_refused(module))
 
         return whole_at
@@ -113,7 +117,8 @@ def profiler(module: nn.Module, example: torch.Tensor | None, target: torch.Tens
     def at(tp: int) -> ModelProfile:
         if tp > 1 and not splits:
             raise ConfigError(refusal)
-        profile = profile_sequential(seq, example, tp, plan, seq_name, loss, attention, precision, device)
+        profile = profile_sequential(seq, example, tp, plan, seq_name, loss, attention, precision, device,
+                                     experts)
         return dataclasses.replace(profile, pipeline_refused=_pipeline_refused(module))
 
     return at

@@ -36,6 +36,9 @@ class Layout:
     # matmul outputs and its attention output): the strategy's activation_checkpointing modes
     activation_checkpointing: bool | str = False
     checkpoint_every: int = 1  # every n-th block (``every: n``); planned only when the config pins it
+    # Expert parallel: the experts split over ``ep`` of the data-parallel ranks (it divides ``dp``: borrowed
+    # from them, not a factor of the world size)
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -44,6 +47,11 @@ class Layout:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def edp(self) -> int:
+        """Data-parallel ranks holding the same experts, which FSDP shards them over (``dp / ep``)."""
+        return self.dp // self.ep
 
     @property
     def fsdp(self) -> int:
@@ -60,7 +68,8 @@ class Layout:
 
     def label(self) -> str:
         parts = [f"{n}{v}" for n, v in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
-                                        ("tp", self.tp), ("pp", self.pp), ("cp", self.cp)) if v > 1]
+                                        ("ep", self.ep), ("tp", self.tp), ("pp", self.pp), ("cp", self.cp))
+                 if v > 1]
         text = " x ".join(parts) or "single"
         if self.pp > 1:
             text += f" m={self.n_microbatches}"
@@ -164,8 +173,20 @@ def _local_params(c: ChildProfile, tp: int) -> float:
 
 
 def _runs_ddp(lay: Layout) -> bool:
-    """Whether the strategy wraps the model in DDP (``parallel/apply.py``'s ``data_parallel_mode``, auto)."""
-    return lay.dp_replicate > 1 and lay.fsdp == 1 and lay.tp == 1 and lay.pp == 1
+    """Whether the strategy wraps the model in DDP (``parallel/apply.py``'s ``data_parallel_mode``, auto);
+    never under expert parallel, whose experts are FSDP units of their own."""
+    return lay.dp_replicate > 1 and lay.fsdp == 1 and lay.tp == 1 and lay.pp == 1 and lay.ep == 1
+
+
+def _unit_params(c: ChildProfile, lay: Layout) -> float:
+    """Parameters of the largest FSDP unit in ``c`` as one rank gathers them: at degree ``tp``, and under
+    expert parallel with ``E / ep`` of the experts (the experts module is a unit of its own, gathered
+    inside its block's: the two are counted as one unit)."""
+    whole = c.fsdp_unit_params or _local_params(c, lay.tp)
+    if lay.ep == 1:
+        return whole
+    experts = c.fsdp_unit_experts if c.fsdp_unit_params else c.expert_params
+    return whole - experts + experts / lay.ep
 
 
 def _fsdp_buffers(lay: Layout, prof: ModelProfile, stage_params: float, unit: int, master: int,
@@ -174,8 +195,9 @@ def _fsdp_buffers(lay: Layout, prof: ModelProfile, stage_params: float, unit: in
     Under a pipeline, torch's ``PipelineStage`` turns gradient sync and resharding after backward off
     until the last micro-batch: every unit of the stage stays gathered, its gradient accumulated
     unsharded in the reduce dtype (``master``). Without resharding after forward every unit stays
-    gathered from its forward to its backward."""
-    if lay.fsdp == 1:
+    gathered from its forward to its backward. Under expert parallel the experts are FSDP-sharded over the
+    ``dp / ep`` ranks holding them whatever ``dp_shard`` is: there are buffers when either shards."""
+    if lay.fsdp == 1 and (lay.ep == 1 or lay.edp == 1):
         return 0
     if lay.pp > 1:
         return math.ceil(stage_params * (prof.param_bytes + master))
@@ -194,7 +216,15 @@ def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, chunks: list
     copies = sum(n for (first, other), n in zip(prof.ties, prof.tied_params)
                  if other in mine and first not in mine)
     held = (sum(_local_params(c, lay.tp) for c in kids) + copies) / lay.fsdp
-    units = max(c.fsdp_unit_params or _local_params(c, lay.tp) for c in kids)
+    gathered = held * lay.fsdp  # the stage's parameters as FSDP gathers them
+    if lay.ep > 1:
+        # Expert tensors: split over ep, FSDP-sharded over the dp / ep ranks holding the same experts (every
+        # data-parallel rank, HSDP's replicas included), whole over tp: 1 / dp of them a rank
+        experts = sum(c.expert_params for c in kids)
+        dense = sum(_local_params(c, lay.tp) for c in kids) - experts + copies
+        held = dense / lay.fsdp + experts / lay.dp
+        gathered = dense + experts / lay.ep
+    units = max(_unit_params(c, lay) for c in kids)
     micro = train.global_batch // lay.dp // lay.n_microbatches
     # Micro-batches each of the rank's stages holds at its peak (1F1B: p - s; timing.in_flight)
     flights = timing.in_flight(lay.pp, lay.n_microbatches, s, train.pp_schedule, len(chunks))
@@ -218,7 +248,7 @@ def _stage_memory(lay: Layout, train: Training, prof: ModelProfile, chunks: list
     recompute = max(recomputes, default=0)
     activations = math.ceil(kept + recompute)
     params = math.ceil(held * master)
-    buffers = _fsdp_buffers(lay, prof, held * lay.fsdp, units, master, train.reshards(lay.pp))
+    buffers = _fsdp_buffers(lay, prof, gathered, units, master, train.reshards(lay.pp))
     return {
         "params": params,
         # DDP (replicas of a plain module: no shard, tp or pipeline) keeps its own bucketed copy of the
@@ -279,7 +309,7 @@ def _stage_traffic(lay: Layout, train: Training, prof: ModelProfile,
         dp_shard=lay.dp_shard, dp_replicate=lay.dp_replicate, pp=lay.pp, cp=lay.cp,
         boundary_bytes=sum(timing.boundary_sends(prof.children, chunks)), param_bytes=prof.param_bytes,
         master_bytes=MASTER_BYTES[train.precision], op=lay.activation_checkpointing == "op",
-        reshard_after_forward=train.reshards(lay.pp))
+        reshard_after_forward=train.reshards(lay.pp), ep=lay.ep)
 
 
 def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, chunks: list[tuple[int, int]],
@@ -289,7 +319,7 @@ def _stage_time(lay: Layout, train: Training, prof: ModelProfile, hw: Hardware, 
                               cp=lay.cp, param_bytes=prof.param_bytes,
                               master_bytes=MASTER_BYTES[train.precision],
                               hw=hw, ddp=_runs_ddp(lay), features=features,
-                              op_checkpointing=lay.activation_checkpointing == "op")
+                              op_checkpointing=lay.activation_checkpointing == "op", ep=lay.ep)
     # Pipeline neighbours are world / pp ranks apart: on several nodes some pair crosses, and all wait for it.
     bw, lat = timing.link(hw, lay.world_size)
     p2p = sum(micro * n / bw + lat for n in timing.boundary_sends(prof.children, chunks))

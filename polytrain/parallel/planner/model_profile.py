@@ -55,6 +55,13 @@ from polytrain.core import lazy
 from polytrain.core.batch import map_tensors, tensors_in
 from polytrain.core.errors import ConfigError
 from polytrain.parallel.activation_checkpointing import OpSelection
+from polytrain.parallel.expert_parallel import (
+    ExpertLayer,
+    ExpertParallelPlanError,
+    check_expert_degree,
+    expert_layers,
+    expert_plan,
+)
 from polytrain.parallel.fully_shard import blocks_to_wrap
 from polytrain.parallel.pipeline_path_cut import parameter_segments, segments_of
 from polytrain.parallel.tensor_parallel import resolve_key
@@ -101,6 +108,15 @@ class ChildProfile:
     # Under autocast: the casts of its weights it saves (autocast's cache, kept for backward), per
     # micro-batch: they do not grow with the batch. Not in ``saved_bytes``.
     cast_bytes: int = 0
+    # Expert parallel (``Experts``): of ``params``, those in expert tensors (the expert on dim 0), which
+    # ``ep`` splits and tensor parallelism leaves whole; the experts modules it holds; the bytes of the
+    # (token, chosen expert) rows its experts modules receive, per sample (what each all-to-all of ep moves
+    # before the (ep-1)/ep share that leaves the rank), measured on the trace; and, with
+    # ``fsdp_unit_params``, the expert parameters inside that largest unit.
+    expert_params: int = 0
+    expert_modules: int = 0
+    dispatch_bytes: int = 0
+    fsdp_unit_experts: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,10 +143,87 @@ class ModelProfile:
     # the compute dtype) and the device type whose autocast rules it followed
     precision: str = "32"
     device: str = "cuda"
+    # Expert parallel: (path, num_experts) of each experts module the model's expert-parallel plan names;
+    # empty for a model without experts, and then ``experts_refused`` says why (the strategy's words).
+    experts: tuple[tuple[str, int], ...] = ()
+    experts_refused: str | None = None
+    top_k: int = 0  # experts a token is routed to, as the trace saw it (0: no experts)
 
     @property
     def params(self) -> int:
         return sum(c.params for c in self.children)
+
+    @property
+    def expert_counts(self) -> tuple[int, ...]:
+        """The distinct expert counts of its experts modules (an ``ep`` must divide each)."""
+        return tuple(sorted({count for _, count in self.experts}))
+
+    def expert_refusal(self, ep: int, dp: int) -> str | None:
+        """Why the strategy refuses ``ep`` on this model with ``dp`` data-parallel ranks, in its words, or
+        None."""
+        if ep == 1:
+            return None
+        if not self.experts:
+            return self.experts_refused or (f"ep={ep}: the planner found no experts module in the part of "
+                                            f"the model it costs; train it with ep=1")
+        layers = [ExpertLayer(path, nn.Module(), count) for path, count in self.experts]
+        try:
+            check_expert_degree(layers, ep, dp)
+        except ExpertParallelPlanError as err:
+            return str(err)
+        return None
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The experts modules of a model (paths relative to the module profiled, as its expert-parallel plan
+    names them), each with its expert count and the parameters of its tensors split on the expert dim; or,
+    for a model that has none (or a plan the strategy refuses), why ``ep > 1`` cannot run it."""
+
+    paths: tuple[str, ...] = ()
+    counts: tuple[int, ...] = ()
+    params: tuple[int, ...] = ()
+    refused: str | None = None
+
+    def of(self, prefix: str) -> list[tuple[str, int]]:
+        """(path relative to ``prefix``, expert parameters) of the experts modules under ``prefix``."""
+        if not prefix:
+            return list(zip(self.paths, self.params))
+        return [(path[len(prefix) + 1:], n) for path, n in zip(self.paths, self.params)
+                if path.startswith(f"{prefix}.")]
+
+
+def find_experts(module: nn.Module) -> Experts:
+    """The experts modules ``module``'s expert-parallel plan names (``expert_parallel``'s reading of a
+    Hugging Face MoE model's ``_ep_plan`` or of ``expert_parallel_plan()``), as the strategy reads them."""
+    try:
+        layers = expert_layers(module, expert_plan(module))
+    except ExpertParallelPlanError as err:
+        return Experts(refused=str(err))
+    params = [sum(layer.module._parameters[name].numel() for name in layer.tensors) for layer in layers]
+    return Experts(paths=tuple(layer.path for layer in layers),
+                   counts=tuple(layer.num_experts for layer in layers), params=tuple(params))
+
+
+class _Dispatched:
+    """Per experts module (by path), the bytes of the (token, chosen expert) rows it is called with: under
+    ep each row goes to the rank holding its expert. Experts modules are called as ``experts(hidden_states,
+    top_k_index, top_k_weights)`` (``expert_parallel``'s contract); also the ``k`` of ``top_k_index``."""
+
+    def __init__(self, root: nn.Module, paths: list[str]) -> None:
+        self.sent: dict[str, int] = {}
+        self.top_k = 0
+        self.handles = [root.get_submodule(path).register_forward_pre_hook(
+            functools.partial(self._count, path), with_kwargs=True) for path in paths]
+
+    def _count(self, path: str, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        hidden, ids = [*args, *kwargs.values()][:2]
+        self.sent[path] = self.sent.get(path, 0) + ids.numel() * hidden.shape[-1] * hidden.element_size()
+        self.top_k = max(self.top_k, ids.shape[-1] if ids.dim() else 1)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 # A column-parallel layer whose output every rank needs whole (a Hugging Face LM head's
@@ -626,6 +719,47 @@ def _cpu_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any 
 
 
 @contextlib.contextmanager
+def _autocast_off(device_type: str) -> Iterator[None]:
+    """Autocast of ``device_type`` off inside, as it was after (``_autocast``'s way: no device check)."""
+    enabled = torch.is_autocast_enabled(device_type)
+    torch.set_autocast_enabled(device_type, False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled(device_type, enabled)
+
+
+def _grouped_mm(original: Callable[..., torch.Tensor], mat_a: torch.Tensor, mat_b: torch.Tensor,
+                *args: Any, **kwargs: Any) -> torch.Tensor:
+    """A grouped matmul of rows ``(S, in)`` by experts ``(E, in, out)`` (a mixture-of-experts layer's
+    experts, each row through the expert ``offs`` assigns it: Hugging Face's ``grouped_mm`` experts) as the
+    trace runs it: meta's ``grouped_mm`` takes bf16 only, and the rows' experts are data. Each row goes
+    through one expert's matrix, which gives the kernel's output, FLOPs (``2 x S x in x out``) and saved
+    tensors (the rows; the experts are parameters). Like the kernel, it is not autocast: the rows come
+    cast to the experts' dtype. Other shapes go to torch's kernel."""
+    if mat_a.dim() != 2 or mat_b.dim() != 3:
+        return original(mat_a, mat_b, *args, **kwargs)
+    kind = mat_a.device.type
+    with _autocast_off(kind) if kind in TRACE_DEVICES else contextlib.nullcontext():
+        return mat_a @ mat_b[0]
+
+
+@contextlib.contextmanager
+def _grouped_matmuls() -> Iterator[None]:
+    """``_grouped_mm`` stands in for torch's grouped matmuls (``F.grouped_mm``, ``torch._grouped_mm``:
+    whichever this torch has) while a trace runs."""
+    kernels = ((F, "grouped_mm"), (torch, "_grouped_mm"))
+    found = [(owner, name, getattr(owner, name)) for owner, name in kernels if hasattr(owner, name)]
+    for owner, name, original in found:
+        setattr(owner, name, functools.partial(_grouped_mm, original))
+    try:
+        yield
+    finally:
+        for owner, name, original in found:
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
 def _attention_kernel(kind: str) -> Iterator[None]:
     if kind not in ATTENTION_KERNELS:
         raise ConfigError(f"attention kernel '{kind}' is not one of: flash (torch's pick on CUDA, and on CPU "
@@ -636,7 +770,8 @@ def _attention_kernel(kind: str) -> Iterator[None]:
     elif kind == "cpu":
         F.scaled_dot_product_attention = functools.partial(_cpu_sdpa, math_kernel=original)
     try:
-        yield
+        with _grouped_matmuls():  # a mixture-of-experts layer's experts, traced too
+            yield
     finally:
         F.scaled_dot_product_attention = original
 
@@ -644,7 +779,8 @@ def _attention_kernel(kind: str) -> Iterator[None]:
 def profile_sequential(seq: nn.Sequential, example: torch.Tensor, tp: int = 1,
                        plan: dict[str, str] | None = None, prefix: str = "",
                        loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                       attention: str = "flash", precision: str = "32", device: str = "cuda") -> ModelProfile:
+                       attention: str = "flash", precision: str = "32", device: str = "cuda",
+                       experts: Experts = Experts()) -> ModelProfile:
     """Profile ``seq`` (on meta) at tensor-parallel degree ``tp`` on ``example`` (one sample, meta).
 
     ``plan`` maps plan keys (relative to the module that owns ``seq``, which ``prefix`` + "." names) to
@@ -652,15 +788,16 @@ def profile_sequential(seq: nn.Sequential, example: torch.Tensor, tp: int = 1,
     softmax) are counted with the last child. ``attention``: which SDPA kernel's saved tensors to count:
     ``flash`` (the default: the kernel torch picks for bf16 on CUDA, and on CPU for fp32 too) or ``math``
     (the ``s x s`` matrix, e.g. with an ``attn_mask``). ``precision``: the training precision, traced as it
-    runs (a mixed one under ``device``'s autocast: ``cuda`` or ``cpu``).
+    runs (a mixed one under ``device``'s autocast: ``cuda`` or ``cpu``). ``experts``: the experts modules
+    of the module owning ``seq`` (``find_experts``; paths relative to it, as the plan's keys).
     """
     with _attention_kernel(attention):
-        return _profile(seq, example, tp, plan, prefix, loss, precision, device)
+        return _profile(seq, example, tp, plan, prefix, loss, precision, device, experts)
 
 
 def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str, str] | None, prefix: str,
              loss: Callable[[torch.Tensor], torch.Tensor] | None, precision: str,
-             device: str) -> ModelProfile:
+             device: str, experts: Experts) -> ModelProfile:
     seq = copy.deepcopy(seq) if tp > 1 else seq
     relative = {k[len(prefix) + 1:] if prefix else k: s for k, s in (plan or {}).items()
                 if not prefix or k.startswith(prefix + ".")}
@@ -675,8 +812,10 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
     traced_seq = run.module(seq)
     seen = _storages(traced_seq.parameters())
     x, children, traces, inputs = run.value(example), [], [], []
+    mine = experts.of(prefix)  # the experts modules inside the Sequential, by path relative to it
+    dispatched = _Dispatched(traced_seq, [path for path, _ in mine])
     # One autocast region for the whole forward, as training's step: a weight's cast is made once
-    with run:
+    with run, contextlib.closing(dispatched):
         for index, (name, child) in enumerate(traced_seq.named_children()):
             local = {n[len(name) + 1:]: s for n, s in planned.items()
                      if n == name or n.startswith(name + ".")}
@@ -715,22 +854,35 @@ def _profile(seq: nn.Sequential, example: torch.Tensor, tp: int, plan: dict[str,
                                      op_recompute_flops=t.op_recompute,
                                      op_recompute_matmul_flops=t.op_recompute_matmul,
                                      backward_bytes=t.backward, largest_param=_largest_param(child),
-                                     cast_bytes=t.casts))
+                                     cast_bytes=t.casts,
+                                     expert_params=sum(n for path, n in mine if _child_of(path) == name),
+                                     expert_modules=sum(_child_of(path) == name for path, _ in mine),
+                                     dispatch_bytes=sum(n for path, n in dispatched.sent.items()
+                                                        if _child_of(path) == name)))
     seq_len = example.shape[1] if example.dim() >= 2 and not example.is_floating_point() else 1
     first = next(traced_seq.parameters(), None)  # as trained: bf16-true converts the model
+    layers = tuple((path, count) for path, count in zip(experts.paths, experts.counts)
+                   if not prefix or path.startswith(f"{prefix}."))
     return ModelProfile(tp=tp, children=tuple(children), seq_len=seq_len,
                         param_bytes=first.element_size() if first is not None else 4, ties=_ties(seq),
-                        precision=precision, device=device)
+                        precision=precision, device=device, experts=layers,
+                        experts_refused=experts.refused, top_k=dispatched.top_k)
+
+
+def _child_of(path: str) -> str:
+    """The child of a Sequential that a path relative to it lies in."""
+    return path.partition(".")[0]
 
 
 def profile_whole(module: nn.Module, batch: Any, why: str, tp: int = 1,
                   plan: dict[str, str] | None = None, attention: str = "flash", precision: str = "32",
-                  device: str = "cuda", step: TrainingStep | None = None) -> ModelProfile:
+                  device: str = "cuda", step: TrainingStep | None = None,
+                  experts: Experts = Experts()) -> ModelProfile:
     """Profile ``module`` (on meta) as one child: its ``training_step`` on ``batch`` (one sample of each
     tensor, meta), the loss included, at tensor-parallel degree ``tp`` (the plan's keys are relative to
     ``module``). For a model with no ``nn.Sequential`` to cut (a Hugging Face model held as one
     attribute): every layout but a pipeline can run it, and ``why`` says why not a pipeline. ``precision``
-    and ``device``: as ``profile_sequential``'s."""
+    and ``device``: as ``profile_sequential``'s; ``experts``: as ``profile_blocks``'s."""
     with _attention_kernel(attention):
         module = copy.deepcopy(module) if tp > 1 else module
         planned = _planned_modules(module, plan or {})
@@ -738,17 +890,29 @@ def profile_whole(module: nn.Module, batch: Any, why: str, tp: int = 1,
         for name, style in planned.items():
             if tp > 1:
                 _shrink(module.get_submodule(name), style, tp, name)
-        blocks = [sum(p.numel() for p in block.parameters()) for block in blocks_to_wrap(module, None)]
+        wrapped = blocks_to_wrap(module, None)
+        blocks = [sum(p.numel() for p in block.parameters()) for block in wrapped]
         root = sum(p.numel() for p in module.parameters()) - sum(blocks)  # local sizes: shrunk above
+        # The expert parameters of each unit (the root's remainder holds none: experts sit in blocks)
+        inside = [{id(m) for m in block.modules()} for block in wrapped]
+        unit_experts = [0, *(sum(n for path, n in experts.of("") if id(module.get_submodule(path)) in ids)
+                             for ids in inside)]
         run = _AsRun(precision, device, module)
         traced = run.module(module)
         traced_step = _TrainingStep(traced, run.value(batch), step or training_step_loss)
-        with run:
-            t = _trace_child(traced_step, None, {f"module.{k}": v for k, v in planned.items()}, tp,
-                             _storages(traced.parameters()), run.casts)
-            # Nothing flows back to a batch: the backward runs to the parameters, their gradients left out
-            peak, _ = _backward_peak(run, t.out, list(traced.parameters()), parameters=True)
-            t.backward = t.largest if peak is None else peak
+        dispatched = _Dispatched(traced, list(experts.paths))
+        try:
+            with run:
+                t = _trace_child(traced_step, None, {f"module.{k}": v for k, v in planned.items()}, tp,
+                                 _storages(traced.parameters()), run.casts)
+                # Nothing flows back to a batch: the backward runs to the parameters, their gradients left
+                # out
+                peak, _ = _backward_peak(run, t.out, list(traced.parameters()), parameters=True)
+                t.backward = t.largest if peak is None else peak
+        finally:
+            dispatched.close()
+    units = [root, *blocks]
+    largest_unit = units.index(max(units))
     linear_params = sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
     child = ChildProfile(name=type(module).__name__, kind=type(module).__name__, params=n_split + n_whole,
                          tp_params=n_split, saved_bytes=t.saved, input_bytes=_nbytes(tensors_in(batch)),
@@ -759,23 +923,29 @@ def profile_whole(module: nn.Module, batch: Any, why: str, tp: int = 1,
                          op_kept_bytes=t.op_kept, op_recompute_flops=t.op_recompute,
                          op_recompute_matmul_flops=t.op_recompute_matmul,
                          fsdp_unit_params=max([root, *blocks]), backward_bytes=t.backward,
-                         largest_param=_largest_param(module), cast_bytes=t.casts)
+                         largest_param=_largest_param(module), cast_bytes=t.casts,
+                         expert_params=sum(experts.params), expert_modules=len(experts.paths),
+                         dispatch_bytes=sum(dispatched.sent.values()),
+                         fsdp_unit_experts=unit_experts[largest_unit])
     seq_len = _seq_len(batch)
     first = next(traced.parameters(), None)  # as trained: bf16-true converts the model
     return ModelProfile(tp=tp, children=(child,), seq_len=seq_len,
                         param_bytes=first.element_size() if first is not None else 4, whole=why,
-                        precision=precision, device=device)
+                        precision=precision, device=device, experts=tuple(zip(experts.paths, experts.counts)),
+                        experts_refused=experts.refused, top_k=dispatched.top_k)
 
 
 def profile_blocks(module: nn.Module, batch: Any, tp: int = 1,
                    plan: dict[str, str] | None = None, attention: str = "flash", precision: str = "32",
-                   device: str = "cuda", step: TrainingStep | None = None) -> ModelProfile:
+                   device: str = "cuda", step: TrainingStep | None = None,
+                   experts: Experts = Experts()) -> ModelProfile:
     """Profile ``module`` (on meta) through its ``training_step`` on ``batch`` (one sample of each tensor,
     meta, the loss included) as its repeated blocks (``blocks_to_wrap``: FSDP's units, where the pipeline
     cuts a model that is not one Sequential) with the glue before the first and after the last as children
     of their own: ``[before, block 0, ..., block n-1, after]``. Parameters weigh where they are registered
     (a tie once, where first), as the strategy's cut weighs them; saved bytes and FLOPs where they run.
-    ``precision`` and ``device``: as ``profile_sequential``'s."""
+    ``precision`` and ``device``: as ``profile_sequential``'s; ``experts``: the model's experts modules
+    (``find_experts``), counted in the blocks holding them."""
     with _attention_kernel(attention):
         module = copy.deepcopy(module) if tp > 1 else module
         planned = _planned_modules(module, plan or {})
@@ -808,14 +978,25 @@ def profile_blocks(module: nn.Module, batch: Any, tp: int = 1,
             for p in sub.parameters(recurse=False):
                 largest[segment[id(sub)]] = max(largest[segment[id(sub)]], p.numel())
         root = sum(p.numel() for p in module.parameters()) - sum(local_blocks)
+        expert_params, expert_modules = [0] * (len(blocks) + 2), [0] * (len(blocks) + 2)
+        for path, n in experts.of(""):
+            expert_params[segment[id(module.get_submodule(path))]] += n
+            expert_modules[segment[id(module.get_submodule(path))]] += 1
         run = _AsRun(precision, device, module)
         twin = run.module(module)
         traced_step = _TrainingStep(twin, run.value(batch), step or training_step_loss)
-        with run:
-            traced, inputs = _trace_segments(run, traced_step,
-                                             [twin.get_submodule(names[id(b)]) for b in blocks],
-                                             {f"module.{k}": v for k, v in planned.items()}, tp,
-                                             _storages(twin.parameters()), run.casts)
+        dispatched = _Dispatched(twin, list(experts.paths))
+        try:
+            with run:
+                traced, inputs = _trace_segments(run, traced_step,
+                                                 [twin.get_submodule(names[id(b)]) for b in blocks],
+                                                 {f"module.{k}": v for k, v in planned.items()}, tp,
+                                                 _storages(twin.parameters()), run.casts)
+        finally:
+            dispatched.close()
+    dispatch = [0] * (len(blocks) + 2)
+    for path, n in dispatched.sent.items():
+        dispatch[segment[id(module.get_submodule(path))]] += n
     label = ["before " + names[id(blocks[0])], *(names[id(b)] for b in blocks),
              "after " + names[id(blocks[-1])]]
     children = []
@@ -831,14 +1012,18 @@ def profile_blocks(module: nn.Module, batch: Any, tp: int = 1,
             linear_inputs=t.linear_inputs, linear_outputs=t.linear_outputs,
             linear_params=linears[index], op_kept_bytes=t.op_kept, op_recompute_flops=t.op_recompute,
             op_recompute_matmul_flops=t.op_recompute_matmul, fsdp_unit_params=root if glue else 0,
-            backward_bytes=t.backward, largest_param=largest[index], cast_bytes=t.casts))
+            backward_bytes=t.backward, largest_param=largest[index], cast_bytes=t.casts,
+            expert_params=expert_params[index], expert_modules=expert_modules[index],
+            dispatch_bytes=dispatch[index]))
     last = len(children) - 1
     seq_len = _seq_len(batch)
     first = next(twin.parameters(), None)  # as trained: bf16-true converts the model
     return ModelProfile(tp=tp, children=tuple(children), seq_len=seq_len,
                         param_bytes=first.element_size() if first is not None else 4, ties=tuple(tied),
                         tied_params=tuple(tied.values()), precision=precision, device=device,
-                        units=((0, 2), *((i, i + 1) for i in range(2, last - 1)), (last - 1, last + 1)))
+                        units=((0, 2), *((i, i + 1) for i in range(2, last - 1)), (last - 1, last + 1)),
+                        experts=tuple(zip(experts.paths, experts.counts)), experts_refused=experts.refused,
+                        top_k=dispatched.top_k)
 
 
 class _Current:

@@ -1,7 +1,9 @@
 """Every layout of a world size, each estimated or rejected with its reason, ranked by throughput.
 
 Searched: ``tp`` (within a node), ``pp``, ``dp_replicate x dp_shard`` for the rest, the pipeline's
-micro-batch count, activation checkpointing off, full or per-op (``op``). ``cp`` stays 1 (CUDA-only ring
+micro-batch count, activation checkpointing off, full or per-op (``op``), and for a model with experts
+``ep`` (borrowed from the data-parallel ranks: every divisor of ``dp`` that divides each experts module's
+expert count). ``cp`` stays 1 (CUDA-only ring
 attention; a pinned ``cp`` is honoured). Ranking: tokens (or samples) per second, then less memory, then the
 label, so the same inputs always give the same order.
 """
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polytrain.core.errors import ConfigError
+from polytrain.parallel.dims import ParallelDims
 from polytrain.parallel.hardware import GiB, Hardware
 from polytrain.parallel.planner.estimate import Estimate, Layout, Training, estimate, rank_chunks
 from polytrain.parallel.planner.model_profile import ModelProfile
@@ -77,6 +80,11 @@ def _rejection(lay: Layout, hw: Hardware, train: Training, n_children: int, whol
     if (lay.pp > 1 and train.pp_schedule == "interleaved_1f1b"
             and not interleaved_rounds_ok(lay.pp, lay.n_microbatches)):
         return f"interleaved 1F1B: {lay.n_microbatches} micro-batches do not split into rounds of pp={lay.pp}"
+    if lay.ep > 1:  # what the strategy refuses of ep (not dividing dp, with pp or cp), in its words
+        try:
+            ParallelDims(lay.world_size, lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, ep=lay.ep)
+        except ConfigError as err:
+            return str(err)
     bubble = bubble_fraction(lay.pp, lay.n_microbatches, v)
     if bubble > MAX_BUBBLE:
         return (f"pipeline bubble {bubble:.0%} over the {MAX_BUBBLE:.0%} bound "
@@ -99,8 +107,22 @@ def _tie_across_ranks(lay: Layout, train: Training, prof: ModelProfile) -> str |
     return None
 
 
-def candidates(hw: Hardware, train: Training, pinned: dict[str, int] | None = None) -> list[Layout]:
-    """Every layout of the world size agreeing with ``pinned`` degrees (e.g. ``{"tp": 8}``)."""
+def expert_degrees(dp: int, expert_counts: tuple[int, ...], pinned: dict[str, int]) -> list[int]:
+    """The ``ep`` degrees a layout of ``dp`` data-parallel ranks is tried with: a pinned one (checked when
+    ranked); for a model with experts every divisor of ``dp`` dividing each experts module's count (each
+    rank holds whole experts); else 1."""
+    if "ep" in pinned:
+        return [pinned["ep"]]
+    if not expert_counts:
+        return [1]
+    return [d for d in divisors(dp) if all(count % d == 0 for count in expert_counts)]
+
+
+def candidates(hw: Hardware, train: Training, pinned: dict[str, int] | None = None,
+               expert_counts: tuple[int, ...] = ()) -> list[Layout]:
+    """Every layout of the world size agreeing with ``pinned`` degrees (e.g. ``{"tp": 8}``); with
+    ``expert_counts`` (the model's experts modules' counts, ``ModelProfile.expert_counts``) each also with
+    every ``ep`` that splits them (``expert_degrees``)."""
     pinned = pinned or {}
     world = hw.world_size
     found = []
@@ -111,11 +133,13 @@ def candidates(hw: Hardware, train: Training, pinned: dict[str, int] | None = No
                 for rep in divisors(rest):
                     shard = rest // rep
                     micro = divisors(max(train.global_batch // (rep * shard), 1)) if pp > 1 else [1]
-                    for m in micro:
-                        for ac in (False, True, "op"):
-                            lay = Layout(rep, shard, tp, pp, cp, m, ac, pinned.get("checkpoint_every", 1))
-                            if all(getattr(lay, k) == v for k, v in pinned.items()):
-                                found.append(lay)
+                    for ep in expert_degrees(rest, expert_counts, pinned):
+                        for m in micro:
+                            for ac in (False, True, "op"):
+                                lay = Layout(rep, shard, tp, pp, cp, m, ac, pinned.get("checkpoint_every", 1),
+                                             ep)
+                                if all(getattr(lay, k) == v for k, v in pinned.items()):
+                                    found.append(lay)
     return found
 
 
@@ -133,12 +157,15 @@ def rank_layouts(hw: Hardware, train: Training, profile_at: Callable[[int], Mode
     pieces = "repeated blocks of the model" if units else "layers of the Sequential"
     whole = profiles[1].whole  # type: ignore[union-attr]
     pipeline_refused = profiles[1].pipeline_refused  # type: ignore[union-attr]
+    experts_at_1: ModelProfile = profiles[1]  # type: ignore[assignment]
     usable = int(hw.memory_bytes * hw.usable_memory)
-    for lay in candidates(hw, train, pinned):
+    for lay in candidates(hw, train, pinned, experts_at_1.expert_counts):
         prof = profiles.get(lay.tp)
         reason = _rejection(lay, hw, train, n_children, whole, pieces)
         if reason is None and lay.pp > 1 and pipeline_refused:
             reason = pipeline_refused
+        if reason is None:  # the strategy's ExpertParallelPlanError, in its words
+            reason = experts_at_1.expert_refusal(lay.ep, lay.dp)
         if reason is None and prof is None:
             try:
                 prof = profiles[lay.tp] = profile_at(lay.tp)
@@ -171,7 +198,7 @@ def best_per_degrees(plan: Plan) -> list[Estimate]:
     out = []
     for est in plan.ranked:
         lay = est.layout
-        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp)
+        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep)
         if key not in seen:
             seen.add(key)
             out.append(est)
@@ -245,10 +272,10 @@ def _rejections(plan: Plan) -> dict[tuple[Any, ...], str]:
     reasons: dict[tuple[Any, ...], str] = {}
     for r in plan.rejected:
         lay = r.layout
-        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.n_microbatches, r.reason)
+        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.n_microbatches, lay.ep, r.reason)
         first = reasons.setdefault(key, lay.label())
         if first != lay.label():
-            reasons[key] = Layout(*key[:6]).label()
+            reasons[key] = Layout(*key[:6], ep=lay.ep).label()
     return reasons
 
 
@@ -267,7 +294,8 @@ def _bytes(n: float) -> str:
 
 
 def world_check(hw: Hardware, pinned: dict[str, int]) -> None:
-    product = math.prod(v for v in pinned.values() if v > 0)
+    # ep borrows from the data-parallel ranks: not a factor of the world size
+    product = math.prod(v for k, v in pinned.items() if v > 0 and k != "ep")
     if hw.world_size % product:
         raise ConfigError(f"pinned degrees {pinned} (product {product}) do not divide the world size "
                           f"{hw.nodes} x {hw.devices_per_node} = {hw.world_size}")

@@ -76,6 +76,7 @@ class Units:
     gather: list[float]  # FSDP all-gather of the unit's shard, in the compute dtype
     reduce: list[float]  # FSDP reduce-scatter of its gradient (+ the replicas' all-reduce)
     tp: float = 0.0  # of fwd + bwd, the tensor-parallel collectives' share (reported apart)
+    ep: float = 0.0  # of fwd + bwd, expert parallel's all-to-alls (reported apart)
 
 
 def forward_with_gathers(u: Units) -> float:
@@ -221,11 +222,12 @@ def tp_time(c: ChildProfile, micro: int, tp: int, hw: Hardware, f8: bool, async_
 
 def fsdp_times(c: ChildProfile, tp: int, shard: int, replicate: int, param_bytes: int, master_bytes: int,
                links: tuple[tuple[float, float], tuple[float, float]], ddp: bool,
-               fp8_gather: bool) -> tuple[float, float]:
+               fp8_gather: bool, experts: int = 0) -> tuple[float, float]:
     """(gather, reduce) seconds of one unit: its shard gathered in the compute dtype (float8 Linear
     weights at 1 byte under ``fp8_gather``), its gradient reduce-scattered in ``master_bytes``, then each
-    shard all-reduced over the replicas (HSDP, DDP)."""
-    local = c.tp_params / tp + (c.params - c.tp_params)
+    shard all-reduced over the replicas (HSDP, DDP). ``experts``: parameters of it that are not in the
+    unit (expert parallel's experts, units of their own: ``expert_fsdp_times``)."""
+    local = c.tp_params / tp + (c.params - c.tp_params) - experts
     if not local:  # no parameters: not an FSDP unit, nothing to gather or reduce
         return 0.0, 0.0
     (dp_bw, dp_lat), (rep_bw, rep_lat) = links
@@ -236,15 +238,42 @@ def fsdp_times(c: ChildProfile, tp: int, shard: int, replicate: int, param_bytes
     return ring_time(gathered, shard, dp_bw, dp_lat), r
 
 
+def expert_exchange_time(c: ChildProfile, micro: int, ep: int, hw: Hardware, tp: int) -> tuple[float, float]:
+    """(forward, backward) seconds of a child's expert-parallel all-to-alls on the compute stream (the
+    experts wait for their rows). Per experts module and pass, two exchanges (the rows to their experts'
+    ranks, the results back), each sending ``(ep-1)/ep`` of ``micro x dispatch_bytes`` (every rank's rows
+    spread evenly over the experts), one latency each; forward exchanges the rows' counts first (one
+    latency more). An expert group is ``ep`` consecutive data-parallel ranks, ``ep x tp`` ranks apart."""
+    if ep <= 1 or not c.expert_modules:
+        return 0.0, 0.0
+    bw, lat = link(hw, ep * tp)
+    wire = 2 * micro * c.dispatch_bytes * (ep - 1) / ep / bw
+    return wire + 3 * c.expert_modules * lat, wire + 2 * c.expert_modules * lat
+
+
+def expert_fsdp_times(c: ChildProfile, ep: int, edp: int, param_bytes: int, master_bytes: int,
+                      edp_link: tuple[float, float]) -> tuple[float, float]:
+    """(gather, reduce) seconds of a child's experts units under expert parallel: its ``E / ep`` experts
+    gathered over the ``edp = dp / ep`` ranks holding the same ones, their gradient reduce-scattered there
+    (no replicas: those ranks are every data-parallel rank with these experts)."""
+    held = c.expert_params / ep
+    bw, lat = edp_link
+    return ring_time(held * param_bytes, edp, bw, lat), ring_time(held * master_bytes, edp, bw, lat)
+
+
 def unit_times(kids: tuple[ChildProfile, ...], ckpt: list[bool], micro: int, *, tp: int, fsdp: int,
                replicate: int, cp: int, param_bytes: int, master_bytes: int, hw: Hardware,
-               ddp: bool = False, features: Features = Features(), op_checkpointing: bool = False) -> Units:
+               ddp: bool = False, features: Features = Features(), op_checkpointing: bool = False,
+               ep: int = 1) -> Units:
     """Per-unit seconds for a micro-batch of ``micro`` samples; the groups are laid out in mesh order
     ``pp, dp_replicate, dp_shard, cp, tp`` (tp innermost). ``ddp``: the replicas run DDP, which
-    all-reduces gradients in buckets (a ring's latency per bucket, not per unit)."""
+    all-reduces gradients in buckets (a ring's latency per bucket, not per unit). ``ep``: expert parallel's
+    degree (its all-to-alls, and the experts as FSDP units of their own over ``dp / ep`` ranks)."""
     shard = fsdp * cp  # FSDP shards over dp_shard x cp
     links = (link(hw, tp * shard), link(hw, tp * shard * replicate))
-    fwd, bwd, gather, reduce, tp_total = [], [], [], [], 0.0
+    edp = fsdp * replicate // ep
+    edp_link = link(hw, tp * fsdp * replicate)  # every data-parallel rank holding the same experts
+    fwd, bwd, gather, reduce, tp_total, ep_total = [], [], [], [], 0.0, 0.0
     for i, (c, k) in enumerate(zip(kids, ckpt)):
         f8 = features.f8(i)
         f, matmul = compute_time(c, micro, cp, hw, f8)
@@ -252,19 +281,27 @@ def unit_times(kids: tuple[ChildProfile, ...], ckpt: list[bool], micro: int, *, 
         tf, tb = tp_time(c, micro, tp, hw, f8, features.async_tp, matmul)
         again, tf_again = ((recompute_time(c, micro, cp, hw, f8, tf) if op_checkpointing
                             else (f + cast_f, tf)) if k else (0, 0))
-        fwd.append(f + cast_f + tf)
+        # A checkpointed block's recompute runs its experts again, their exchanges too
+        ef, eb = expert_exchange_time(c, micro, ep, hw, tp)
+        ef_again = ef if k else 0.0
+        fwd.append(f + cast_f + tf + ef)
         # checkpointed: (part of) the forward again, collectives too
-        bwd.append((2 * f + cast_b + tb) + again + tf_again)
+        bwd.append((2 * f + cast_b + tb) + again + tf_again + eb + ef_again)
         tp_total += tf + tb + tf_again
+        ep_total += ef + eb + ef_again
+        experts = c.expert_params if ep > 1 else 0
         g, r = fsdp_times(c, tp, shard, replicate, param_bytes, master_bytes, links, ddp,
-                          features.fp8_gather and f8 and shard > 1)
+                          features.fp8_gather and f8 and shard > 1, experts)
+        if experts:
+            eg, er = expert_fsdp_times(c, ep, edp, param_bytes, master_bytes, edp_link)
+            g, r = g + eg, r + er
         gather.append(g)
         reduce.append(r)
     if ddp and replicate > 1:
         rep_lat = links[1][1]
         sizes = [(c.tp_params / tp + c.params - c.tp_params) * master_bytes for c in kids]
         reduce = [r + n * 2 * (replicate - 1) * rep_lat for r, n in zip(reduce, ddp_buckets(sizes))]
-    return Units(fwd, bwd, gather, reduce, tp_total)
+    return Units(fwd, bwd, gather, reduce, tp_total, ep_total)
 
 
 def stage_time(u: Units, *, pp: int, stage: int, n_microbatches: int, stages_per_rank: int,
@@ -278,8 +315,11 @@ def stage_time(u: Units, *, pp: int, stage: int, n_microbatches: int, stages_per
     forwards, ``min(m, p - s)``, and the backwards after them). Without resharding after forward a unit
     is gathered once a step: by the first forward."""
     m = n_microbatches
-    work = m * (sum(u.fwd) + sum(u.bwd))  # the compute stream's busy time, collectives of TP included
-    terms = {"compute": work - m * u.tp, "tp": m * u.tp}
+    # the compute stream's busy time, TP's collectives and expert parallel's all-to-alls included
+    work = m * (sum(u.fwd) + sum(u.bwd))
+    terms = {"compute": work - m * u.tp - m * u.ep, "tp": m * u.tp}
+    if u.ep:
+        terms["ep"] = m * u.ep
     if pp == 1:
         busy = forward_with_gathers(u) + backward_with_collectives(u, gathers=reshard_after_forward)
         return {**terms, "dp": busy - work, "pp": 0.0, "bubble": 0.0}

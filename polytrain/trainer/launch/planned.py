@@ -177,7 +177,7 @@ def _plan(config: TrainerConfig, launch: LaunchPlan, module: Any, train: Any,
     preset = spec.get("hardware") or (("a100" if "A100" in torch.cuda.get_device_name() else "h100")
                                       if on_cuda else "cpu")
     hw = hardware(preset, launch.num_nodes, max(world // launch.num_nodes, 1))
-    world_check(hw, {k: v for k, v in pinned.items() if k in DEGREES})
+    world_check(hw, {k: v for k, v in pinned.items() if k in DEGREES})  # ep: not a factor of the world
     other = math.prod(pinned.get(k, 1) for k in ("tp", "pp", "cp"))
     global_batch = spec.get("global_batch") or batch_size_of(batch) * max(world // other, 1)
     precision = PRECISIONS.get(str(config.precision), str(config.precision))
@@ -207,7 +207,7 @@ def _plan(config: TrainerConfig, launch: LaunchPlan, module: Any, train: Any,
 def chosen_layout(best: Estimate, world_size: int, preset: str) -> dict[str, Any]:
     """A ranked layout as ``trainer.strategy.chosen`` holds it: what a planned run trains with."""
     lay = best.layout
-    return {"world_size": world_size, **{k: getattr(lay, k) for k in DEGREES},
+    return {"world_size": world_size, **{k: getattr(lay, k) for k in DEGREES}, "ep": lay.ep,
             "n_microbatches": lay.n_microbatches, "activation_checkpointing": lay.activation_checkpointing,
             "hardware": preset,
             "memory_bytes": int(best.total_memory), "step_s": float(best.step_time)}
@@ -232,6 +232,8 @@ def schedule_settings(options: dict[str, Any]) -> dict[str, Any]:
 
 def describe(chosen: dict[str, Any]) -> str:
     degrees = " ".join(f"{k}={chosen[k]}" for k in DEGREES)
+    if chosen.get("ep", 1) != 1:
+        degrees += f" ep={chosen['ep']}"
     ac = {False: "off", True: "full", "op": "per-op"}.get(chosen["activation_checkpointing"], "on")
     line = f"{degrees} (n_microbatches {chosen['n_microbatches']}, activation checkpointing {ac})"
     if "memory_bytes" in chosen:
@@ -283,7 +285,7 @@ def agree_on_plan(strategy: Any, config: TrainerConfig) -> None:
     if strategy.world_size == 1:
         return
     chosen = config.strategy["chosen"]
-    mine = {k: chosen[k] for k in CHOSEN_REQUIRED}
+    mine = {**{k: chosen[k] for k in CHOSEN_REQUIRED}, "ep": chosen.get("ep", 1)}
     every = strategy.all_gather_object(mine)
     if any(other != every[0] for other in every):
         differ = [r for r, other in enumerate(every) if other != every[0]]
