@@ -65,21 +65,21 @@ def support_fused_sgd(optimizers: list[torch.optim.Optimizer]) -> None:
 
 def step_across_meshes(optimizers: list[torch.optim.Optimizer]) -> None:
     """Make every param group whose parameters lie on several device meshes step one tensor at a time:
-    torch's foreach and fused kernels take a whole group at once, and DTensor refuses an op across meshes
+    torch's foreach kernels take a whole group at once, and DTensor refuses a foreach op across meshes
     (torch's default on CPU; torchtitan turns foreach off for its MoE models alike). A group built with
-    ``foreach=True`` or ``fused=True`` over such parameters is refused, in words, before any step."""
+    ``foreach=True`` over such parameters is refused, in words, before any step. A fused step is left as
+    asked: fused SGD runs on each parameter's local shard (``support_fused_sgd``). Meshes are told apart
+    by their ranks and names (FSDP gives equal meshes to different parameters)."""
     for optimizer in optimizers:
         for index, group in enumerate(optimizer.param_groups):
-            meshes = {id(p.device_mesh) for p in group["params"] if hasattr(p, "device_mesh")}
-            if len(meshes) < 2:
+            meshes = {p.device_mesh for p in group["params"] if hasattr(p, "device_mesh")}
+            if len(meshes) < 2 or group.get("fused"):
                 continue
-            asked = [option for option in ("foreach", "fused") if group.get(option)]
-            if asked:
+            if group.get("foreach"):
                 raise ConfigError(
-                    f"{type(optimizer).__name__} param group {index} was built with {asked[0]}=True over "
+                    f"{type(optimizer).__name__} param group {index} was built with foreach=True over "
                     f"parameters on {len(meshes)} device meshes (the experts of expert parallel beside the "
-                    f"dense layers): DTensor runs no {asked[0]} kernel across meshes; leave {asked[0]} unset "
-                    f"(the group then steps one tensor at a time) or give the experts a param group of their "
-                    f"own")
+                    f"dense layers): DTensor runs no foreach kernel across meshes; leave foreach unset (the "
+                    f"group then steps one tensor at a time) or give the experts a param group of their own")
             if "foreach" in group:
                 group["foreach"] = False
