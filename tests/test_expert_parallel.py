@@ -131,8 +131,12 @@ def _train_save_resume(rank: int, world_size: int, strategy: dict[str, Any], roo
     first.fit(HeldMoE(dp, PER_RANK))
     saved = os.path.join(root, "stopped")
     first.save_checkpoint(saved)
+    experts = first.strategy.module.model.model.layers[0].mlp.experts
     stopped = {"weights": first.strategy.module_state_dict(), "optimizer": full_optimizer(first),
-               "experts": expert_bytes(first.strategy.module)}
+               "experts": expert_bytes(first.strategy.module),
+               # split over ep, not only FSDP-sharded: it runs its own experts, its tensors' mesh has ep
+               "local_experts": experts.num_experts,
+               "mesh": tuple(experts.gate_up_proj.device_mesh.mesh_dim_names)}
     resumed = Trainer(**quiet(os.path.join(root, "resumed"), STEPS, world_size, strategy))
     resumed.fit(HeldMoE(dp, PER_RANK), ckpt_path=saved)
     out = {"stopped": stopped, "resumed": resumed.strategy.module_state_dict(), "checkpoint": saved}
@@ -176,6 +180,8 @@ def test_experts_split_over_ep_train_and_resume_equal_to_one_process(world_size:
     for rank, result in enumerate(out):
         held = result["stopped"]["experts"]
         assert held["held"] * dp == held["full"], f"rank {rank} holds {held['held']} of {held['full']} bytes"
+        assert result["stopped"]["local_experts"] == EXPERTS // strategy["ep"]
+        assert "ep" in result["stopped"]["mesh"], result["stopped"]["mesh"]
 
     # The checkpoint loads on one process exactly (weights and optimizer state, experts gathered by name)...
     single = Trainer(**quiet(str(tmp_path / "one"), STOP_AT, 1, "single"))
